@@ -1,0 +1,47 @@
+"""The package's exception and warning classes.
+
+Every error a user can cause carries a message that names the config key or the path involved;
+`scripts/train.py` and the CLI print that message and exit non-zero without a traceback.
+"""
+from __future__ import annotations
+
+
+class SkipHarnessError(Exception):
+    """Base class of every error raised on purpose by skip_harness."""
+
+
+class ConfigError(SkipHarnessError):
+    """A config value is invalid; the message names the key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+class FingerprintMismatchError(SkipHarnessError):
+    """Committed steps of a namespace were made by a generator configured differently."""
+
+
+class LockHeldError(SkipHarnessError):
+    """Another process holds the namespace lock."""
+
+
+class CodecError(SkipHarnessError):
+    """A payload cannot be encoded, or a stored file cannot be decoded safely."""
+
+
+class CorruptStepError(SkipHarnessError):
+    """A stored step disagrees with its commit record (or cannot be read safely)."""
+
+    def __init__(self, path, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
+
+
+class HarnessUsageError(SkipHarnessError):
+    """The trainer used the harness in a way the contract forbids (e.g. more than K samples in a step)."""
+
+
+class CacheWriteWarning(UserWarning):
+    """A cache write failed; the run goes on without caching that step."""

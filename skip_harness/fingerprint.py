@@ -1,0 +1,58 @@
+"""The generation fingerprint: the config values that shape rollouts apart from the learned weights.
+
+Stored in every commit record so a rerun can tell that committed steps were made by another
+generator (another mode, seed, model, data or sampling setting). Pure: no I/O.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DictConfig) or OmegaConf.is_list(value):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A mapping of dotted config key -> JSON-able value, with a stable digest."""
+
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: Any, keys: Iterable[str]) -> "Fingerprint":
+        out: Dict[str, Any] = {}
+        for key in keys:
+            out[key] = _plain(OmegaConf.select(cfg, key, default=None))
+        return cls(dict(sorted(out.items())))
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Fingerprint":
+        return cls(dict(sorted(dict(data.get("values", {})).items())))
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"digest": self.digest, "values": dict(self.values)}
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(dict(self.values), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def differing_keys(self, other: "Fingerprint") -> List[str]:
+        keys = set(self.values) | set(other.values)
+        return sorted(k for k in keys if self.values.get(k) != other.values.get(k))
+
+    def describe_difference(self, other: "Fingerprint") -> str:
+        parts = []
+        for k in self.differing_keys(other):
+            parts.append(f"{k}: cache has {other.values.get(k)!r}, this run has {self.values.get(k)!r}")
+        return "; ".join(parts)
+
+    def matches(self, other: Optional["Fingerprint"]) -> bool:
+        return other is None or not self.differing_keys(other)
