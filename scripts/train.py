@@ -1,0 +1,48 @@
+"""The main job: a small GRPO-style RL training on CPU whose rollouts are cached by skip_harness.
+
+    python scripts/train.py [overrides]            e.g. trainer_mode=separate_async trainer.total_training_steps=10
+    python scripts/train.py -m trainer_mode=separate_async trainer.v1.separate_async.parameter_sync_step=1,2,4
+    torchrun --standalone --nproc_per_node 2 scripts/train.py
+
+Writes metrics.jsonl in the Hydra run directory; the cache goes to skip.rollout_tq.dump_dir.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import datetime
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from skip_harness.config import register_configs
+from skip_harness.demo.run import train
+from skip_harness.errors import SkipHarnessError
+
+log = logging.getLogger("skip_harness")
+_STARTED = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _run_id() -> str:
+    """Identical on every rank of one torchrun/accelerate launch; a timestamp otherwise."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"{_STARTED[:10]}_run-{rid}" if rid and rid != "none" else _STARTED
+
+
+register_configs()
+OmegaConf.register_new_resolver("skip_harness_run_id", _run_id, replace=True)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    try:
+        result = train(cfg)
+    except SkipHarnessError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    return float(result.metrics[-1]["reward_mean"]) if result.metrics else float("nan")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""`train(cfg)`: the demo's whole run as a plain function (scripts/train.py is a thin Hydra shell).
+
+Builds the trainer and the harness from one validated config, wraps the trainer, trains, and writes
+`metrics.jsonl` (rank 0, metrics over all ranks) in the run directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import OmegaConf
+
+from ..config import DEMO_FINGERPRINT_KEYS, DemoConfig, to_demo_config
+from ..dist import DistContext
+from ..fingerprint import Fingerprint
+from ..harness import SkipHarness
+
+log = logging.getLogger("skip_harness.demo")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    metrics: List[Dict[str, Any]]
+    summary: Any
+
+
+def _run_dir(explicit: Optional[Path]) -> Path:
+    if explicit is not None:
+        return Path(explicit)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # not under Hydra
+        return Path.cwd()
+
+
+def demo_settings(cfg: DemoConfig):
+    from .trainer import DemoSettings
+
+    arr = cfg.actor_rollout_ref
+    return DemoSettings(
+        seed=cfg.seed,
+        mode=cfg.trainer.v1.trainer_mode,
+        K=cfg.K,
+        train_batch_size=cfg.data.train_batch_size,
+        n=arr.rollout.n,
+        max_prompt_length=cfg.data.max_prompt_length,
+        max_response_length=cfg.data.max_response_length,
+        temperature=arr.rollout.temperature,
+        lr=arr.actor.optim.lr,
+        d_model=arr.model.d_model,
+        n_layers=arr.model.n_layers,
+        n_heads=arr.model.n_heads,
+        clip_ratio=arr.actor.clip_ratio,
+        val_size=cfg.data.val_batch_size,
+    )
+
+
+def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
+    """Run the demo. `cfg`: a composed DictConfig (or a dict) with the demo's keys.
+
+    Raises ConfigError (naming the key), LockHeldError or FingerprintMismatchError before any work.
+    """
+    demo = to_demo_config(cfg)
+    from accelerate import Accelerator
+
+    from .trainer import DemoTrainer
+
+    accelerator = Accelerator(cpu=True)
+    dist = DistContext.current()
+    demo.check_world_size(dist.world_size)
+    out_dir = _run_dir(run_dir)
+    fingerprint = Fingerprint.from_config(OmegaConf.structured(demo), DEMO_FINGERPRINT_KEYS)
+    harness = SkipHarness(
+        demo.skip.rollout_tq, demo.namespace_key(dist.world_size), fingerprint=fingerprint, dist=dist
+    )
+    harness.start()  # lock, scan, cleanup, fingerprint check: before any work
+
+    trainer = DemoTrainer(demo_settings(demo), accelerator)
+    harness.wrap(trainer)
+    rows: List[Dict[str, Any]] = []
+    total = demo.trainer.total_training_steps
+    metrics_file = None
+    bar = None
+    if dist.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(out_dir / "metrics.jsonl", "w")
+        if demo.trainer.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=f"{demo.trainer.v1.trainer_mode} K={demo.K}", unit="step", dynamic_ncols=True)
+    log.info(
+        "training %d steps: mode=%s K=%d W=%d, run dir %s, rollout cache %s",
+        total, demo.trainer.v1.trainer_mode, demo.K, dist.world_size, out_dir,
+        harness.layout.root if harness.enabled else "off",
+    )
+
+    def on_step_end(step: int, metrics: Dict[str, Any]) -> None:
+        row = {"step": step, "cache": harness.outcome(step), **metrics}
+        rows.append(row)
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+        if bar is not None:
+            bar.set_postfix(cache=row["cache"], loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", refresh=False)
+            bar.update(1)
+
+    t0 = time.perf_counter()
+    try:
+        trainer.fit(total, on_step_end=on_step_end, test_freq=demo.trainer.test_freq)
+    finally:
+        summary = harness.close()
+        harness.unwrap()
+        if bar is not None:
+            bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    gen = sum(r.get("gen_s", 0.0) for r in rows)
+    log.info(
+        "done in %.1fs (generation %.1fs); last reward_mean %.4f; metrics in %s",
+        time.perf_counter() - t0, gen, rows[-1]["reward_mean"] if rows else float("nan"), out_dir / "metrics.jsonl",
+    )
+    return TrainResult(out_dir, rows, summary)
