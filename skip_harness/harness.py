@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import codec, rng
 from .callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback, RunSummary, StepRecord
-from .config import RolloutTQConfig, namespace_key_from_config, rollout_tq_from
+from .config import Action, RolloutTQConfig, namespace_key_from_config, rollout_tq_from
 from .dist import DistContext
 from .errors import (
     CorruptStepError,
@@ -344,10 +344,18 @@ class SkipHarness:
         self._epoch += 1
         self._finalize_ready()
         excluded: set = set()
+        settled = False
         while True:
             with self._lock:
                 servable = frozenset(self._servable - excluded)
             decision = decide(step, self.settings, servable)
+            if decision.kind == MISS and self.settings.action == Action.repeat and not settled:
+                # `repeat` with nothing to serve yet: let this run's pending commits land first, so
+                # the choice never depends on how fast the writer was.
+                settled = True
+                self.flush()
+                self._finalize_ready(everything=True)
+                continue
             if not decision.serves_cache:
                 break
             ok, loaded = self._load_step(decision.source_step)
