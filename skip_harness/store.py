@@ -1,0 +1,635 @@
+"""How a step's files are written and read safely.
+
+Write protocol for one file (payload, meta.json, commit.json alike): write to a unique temporary name
+('.tmp-' prefix) in the target directory, flush and fsync it, `os.replace` it into place, fsync the
+directory. A step's commit record is written last, after every rank's payload and meta files are
+durable; rewriting or removing a step unlinks the commit record first.
+
+Every operation goes through directory file descriptors opened with O_NOFOLLOW, so a step or inner
+directory that is a symlink is never entered: writing refuses (or removes the link first), reading
+raises CorruptStepError. Only this module, `scan` and `lock` touch cache files.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import xxhash
+
+from skip_harness import codec
+from skip_harness.errors import CorruptStepError, HarnessUsageError
+from skip_harness.fingerprint import Fingerprint
+from skip_harness.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout
+
+logger = logging.getLogger("skip_harness.store")
+
+COMMIT_FORMAT = 1
+WRITER_NAME = "skip_harness"      # meta.json "writer": tells our uncommitted writes from older caches
+CHUNK_BYTES = 8 << 20             # read size when verifying checksums
+WRITE_BUFFER_BYTES = 1 << 20
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# --------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a step: path relative to the step directory ('/'-separated), size, xxh3_128 hex."""
+
+    rel: str
+    bytes: int
+    checksum: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"rel": self.rel, "bytes": self.bytes, "checksum": self.checksum}
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    step: int
+    K: int
+    W: int
+    fingerprint: Optional[Fingerprint]
+    files: Tuple[FileEntry, ...]
+    created: float
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "format": COMMIT_FORMAT,
+            "step": self.step,
+            "K": self.K,
+            "W": self.W,
+            "fingerprint": None if self.fingerprint is None else self.fingerprint.to_json(),
+            "files": [f.to_json() for f in self.files],
+            "created": self.created,
+        }
+
+
+def is_safe_rel(rel: str) -> bool:
+    """A path inside a step directory: relative, at most two plain components, nothing hidden."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
+        return False
+    parts = rel.split("/")
+    return len(parts) <= 2 and all(p and not p.startswith(".") for p in parts)
+
+
+def required_rels(layout: Layout) -> List[str]:
+    """Every file a committed step must list: payload and meta of each inner index and rank."""
+    out: List[str] = []
+    for _i, _r, prel, mrel in layout.expected_rels():
+        out += [prel, mrel]
+    return out
+
+
+def parse_commit(data: bytes, layout: Layout, step: int, path: Path) -> CommitRecord:
+    """Parse and validate the bytes of a commit record; CorruptStepError(path, reason) if they are bad."""
+
+    def bad(reason: str) -> CorruptStepError:
+        return CorruptStepError(path, f"commit record {reason}")
+
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"does not parse: {exc}") from None
+    if not isinstance(doc, dict):
+        raise bad("is not a JSON object")
+    fmt = doc.get("format")
+    if fmt != COMMIT_FORMAT:
+        raise bad(f"has unsupported format {fmt!r} (this version reads {COMMIT_FORMAT})")
+    for key in ("step", "K", "W"):
+        if type(doc.get(key)) is not int:
+            raise bad(f"has no valid {key!r}")
+    if doc["step"] != step:
+        raise bad(f"is for step {doc['step']}, found in step {step}'s directory")
+    if doc["K"] != layout.K or doc["W"] != layout.W:
+        raise bad(f"has K={doc['K']} W={doc['W']}, this namespace has K={layout.K} W={layout.W}")
+    files_doc = doc.get("files")
+    if not isinstance(files_doc, list):
+        raise bad("has no file list")
+    files: List[FileEntry] = []
+    seen = set()
+    for f in files_doc:
+        if not isinstance(f, dict):
+            raise bad("has a malformed file entry")
+        rel, size, checksum = f.get("rel"), f.get("bytes"), f.get("checksum")
+        if not is_safe_rel(rel):
+            raise bad(f"lists an unsafe path {rel!r}")
+        if type(size) is not int or size < 0 or not isinstance(checksum, str) or not checksum:
+            raise bad(f"has a malformed entry for {rel}")
+        if rel in seen:
+            raise bad(f"lists {rel} twice")
+        seen.add(rel)
+        files.append(FileEntry(rel, size, checksum))
+    for rel in required_rels(layout):
+        if rel not in seen:
+            raise bad(f"does not list {rel}")
+    fp_doc = doc.get("fingerprint")
+    if fp_doc is None:
+        fingerprint = None
+    elif isinstance(fp_doc, dict) and isinstance(fp_doc.get("values", {}), dict):
+        fingerprint = Fingerprint.from_json(fp_doc)
+    else:
+        raise bad("has a malformed fingerprint")
+    created = doc.get("created", 0.0)
+    if not isinstance(created, (int, float)):
+        raise bad("has a malformed creation time")
+    return CommitRecord(step, doc["K"], doc["W"], fingerprint, tuple(files), float(created))
+
+
+# --------------------------------------------------------------------------------------------
+# checksums
+
+
+def new_hasher() -> "xxhash.xxh3_128":
+    return xxhash.xxh3_128()
+
+
+def checksum_bytes(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def checksum_fd(fd: int, chunk_bytes: int = CHUNK_BYTES) -> Tuple[int, str]:
+    """(size, xxh3_128 hex) of an open file, streamed in chunks through one reused buffer."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    total = 0
+    with open(fd, "rb", buffering=0, closefd=False) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            total += n
+    return total, h.hexdigest()
+
+
+def checksum_file(path: os.PathLike | str, chunk_bytes: int = CHUNK_BYTES) -> Tuple[int, str]:
+    """(size, xxh3_128 hex) of a file; refuses to follow a symlink in the last component."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        return checksum_fd(fd, chunk_bytes)
+    finally:
+        os.close(fd)
+
+
+class HashingWriter:
+    """File-object wrapper that hashes every byte written through it (so writing never re-reads)."""
+
+    def __init__(self, f):
+        self._f = f
+        self._h = xxhash.xxh3_128()
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self._f.write(view)
+        self._h.update(view)
+        self.bytes += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# low-level, directory-fd based file operations
+
+
+class _NotARealDirectory(Exception):
+    def __init__(self, name: str, what: str):
+        self.name = name
+        self.what = what
+        super().__init__(f"{name} {what}")
+
+
+def _describe_mode(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "is a symlink (never followed)"
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if stat.S_ISREG(mode):
+        return "is a regular file, not a directory"
+    return "is not a regular file or directory"
+
+
+def _lstat_at(name: str, dir_fd: int) -> Optional[os.stat_result]:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _open_dir_at(name: str, dir_fd: Optional[int], create: bool) -> Tuple[int, bool]:
+    """Open the real directory `name` (relative to dir_fd); never through a symlink. (fd, created)."""
+    created = False
+    if create:
+        try:
+            os.mkdir(name, 0o777, dir_fd=dir_fd)
+            created = True
+        except FileExistsError:
+            pass
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd), created
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            raise _NotARealDirectory(name, _describe_mode(st.st_mode)) from None
+        raise
+
+
+def _fsync_dir(fd: int) -> None:
+    os.fsync(fd)
+
+
+def _tmp_name(final_name: str) -> str:
+    return f"{TMP_PREFIX}{final_name}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def write_file_at(dir_fd: int, name: str, write: Callable[[Any], None]) -> Tuple[int, str]:
+    """Atomically and durably create `name` in the directory dir_fd: temp file, `write(fileobj)`,
+    flush + fsync, rename into place, fsync the directory. Returns (bytes, xxh3_128 hex).
+    On any failure before the rename the temp file is removed and the exception propagates."""
+    tmp = _tmp_name(name)
+    fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
+    try:
+        with open(fd, "wb", buffering=WRITE_BUFFER_BYTES, closefd=True) as f:
+            hw = HashingWriter(f)
+            write(hw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(dir_fd)
+    return hw.bytes, hw.hexdigest()
+
+
+def tree_bytes(path: str) -> int:
+    """Sum of the sizes (lstat) of every non-directory entry under `path`, never following links."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total = 0
+    stack = [path]
+    while stack:
+        d = stack.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    else:
+                        total += e.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+    return total
+
+
+def remove_entry_at(root_fd: int, name: str, root_path: Path) -> int:
+    """Remove the entry `name` of a namespace directory: a link or file is unlinked (never followed);
+    a directory loses its commit record first (durably), is renamed to a '.trash-' name, then removed
+    without following any link inside. Returns the bytes it held."""
+    st = _lstat_at(name, root_fd)
+    if st is None:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=root_fd)
+        _fsync_dir(root_fd)
+        return st.st_size
+    freed = tree_bytes(str(root_path / name))
+    if not name.startswith(TRASH_PREFIX):
+        try:
+            step_fd, _ = _open_dir_at(name, root_fd, create=False)
+        except _NotARealDirectory:  # replaced under us: remove whatever it is now as an entry
+            return remove_entry_at(root_fd, name, root_path)
+        try:
+            try:
+                os.unlink(COMMIT_NAME, dir_fd=step_fd)
+                _fsync_dir(step_fd)
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+        finally:
+            os.close(step_fd)
+        trash = f"{TRASH_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(3)}"
+        os.rename(name, trash, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        _fsync_dir(root_fd)
+        name = trash
+    try:
+        shutil.rmtree(name, dir_fd=root_fd)
+    except OSError as exc:
+        logger.warning("could not finish removing %s: %s (it will be removed by the next cleanup)",
+                       root_path / name, exc)
+    return freed
+
+
+# --------------------------------------------------------------------------------------------
+# the store
+
+
+class StepStore:
+    """Atomic, durable writes and verified reads of the steps of one namespace."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+
+    # ---- helpers
+
+    def _check_position(self, step: int, inner_index: int, rank: int) -> None:
+        if type(step) is not int or step < 1:
+            raise HarnessUsageError(f"step must be an int >= 1, got {step!r}")
+        if not 0 <= inner_index < self.layout.K:
+            raise HarnessUsageError(f"inner index {inner_index} is outside 0..{self.layout.K - 1} (K={self.layout.K})")
+        if not 0 <= rank < self.layout.W:
+            raise HarnessUsageError(f"rank {rank} is outside 0..{self.layout.W - 1} (W={self.layout.W})")
+
+    def _step_name(self, step: int) -> str:
+        return self.layout.step_dir(step).name
+
+    def _open_root(self, create: bool) -> Optional[int]:
+        root = self.layout.root
+        if create:
+            os.makedirs(root, exist_ok=True)
+        try:
+            return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+
+    def _open_step(self, root_fd: int, step: int, create: bool) -> Tuple[int, bool]:
+        try:
+            return _open_dir_at(self._step_name(step), root_fd, create=create)
+        except _NotARealDirectory as exc:
+            raise CorruptStepError(self.layout.step_dir(step), f"step directory {exc.what}") from None
+        except FileNotFoundError:
+            raise CorruptStepError(self.layout.step_dir(step), "step directory does not exist") from None
+
+    def _real_file(self, step: int, rel: str) -> Path:
+        """The path of step/rel after checking that no component is a symlink and it is a regular file."""
+        step_dir = self.layout.step_dir(step)
+        path = step_dir
+        parts = PurePosixPath(rel).parts
+        try:
+            st = os.lstat(step_dir)
+            if not stat.S_ISDIR(st.st_mode):
+                raise CorruptStepError(step_dir, f"step directory {_describe_mode(st.st_mode)}")
+            for i, part in enumerate(parts):
+                path = path / part
+                st = os.lstat(path)
+                last = i == len(parts) - 1
+                if not last and not stat.S_ISDIR(st.st_mode):
+                    raise CorruptStepError(path, f"inner directory {_describe_mode(st.st_mode)}")
+                if last and not stat.S_ISREG(st.st_mode):
+                    raise CorruptStepError(path, f"{_describe_mode(st.st_mode)}; expected a regular file")
+        except FileNotFoundError:
+            raise CorruptStepError(path, "missing") from None
+        return path
+
+    def _payload_rel(self, step: int, inner_index: int, rank: int) -> str:
+        """The payload's rel path; for K = 1 falls back to the older `0/` form when that is what exists."""
+        rel = self.layout.payload_rel(inner_index, rank)
+        if self.layout.K == 1 and not os.path.lexists(self.layout.step_dir(step) / rel):
+            legacy = self.layout.legacy_k1_rel(rank)[0]
+            if os.path.lexists(self.layout.step_dir(step) / legacy):
+                return legacy
+        return rel
+
+    def _meta_rel(self, step: int, inner_index: int, rank: int) -> str:
+        rel = self.layout.meta_rel(inner_index, rank)
+        if self.layout.K == 1 and not os.path.lexists(self.layout.step_dir(step) / rel):
+            legacy = self.layout.legacy_k1_rel(rank)[1]
+            if os.path.lexists(self.layout.step_dir(step) / legacy):
+                return legacy
+        return rel
+
+    # ---- writing
+
+    def write_inner(self, step: int, inner_index: int, rank: int, payload: Any,
+                    meta: Mapping[str, Any]) -> Tuple[FileEntry, FileEntry]:
+        """Write the payload of (step, inner_index, rank), then its meta.json, each atomically and
+        durably. Removes the step's commit record first if there is one (the step is being rewritten).
+        A step entry that is a symlink or a file is removed first (never followed); so is an inner
+        directory entry that is one. Returns (payload entry, meta entry)."""
+        self._check_position(step, inner_index, rank)
+        layout = self.layout
+        root_fd = self._open_root(create=True)
+        try:
+            try:
+                step_fd, created = _open_dir_at(self._step_name(step), root_fd, create=True)
+            except _NotARealDirectory as exc:
+                logger.warning("%s %s; removing it before writing step %d",
+                               layout.step_dir(step), exc.what, step)
+                remove_entry_at(root_fd, self._step_name(step), layout.root)
+                step_fd, created = _open_dir_at(self._step_name(step), root_fd, create=True)
+            if created:
+                _fsync_dir(root_fd)
+        finally:
+            os.close(root_fd)
+        inner_fd = step_fd
+        try:
+            if _lstat_at(COMMIT_NAME, step_fd) is not None:
+                logger.info("%s: removing the commit record before rewriting step %d", layout.step_dir(step), step)
+                os.unlink(COMMIT_NAME, dir_fd=step_fd)
+                _fsync_dir(step_fd)
+            inner_rel = layout.inner_rel(inner_index)
+            if str(inner_rel) != ".":
+                inner_name = inner_rel.name
+                try:
+                    inner_fd, created = _open_dir_at(inner_name, step_fd, create=True)
+                except _NotARealDirectory as exc:
+                    logger.warning("%s %s; removing it before writing", layout.inner_dir(step, inner_index), exc.what)
+                    os.unlink(inner_name, dir_fd=step_fd)
+                    inner_fd, created = _open_dir_at(inner_name, step_fd, create=True)
+                if created:
+                    _fsync_dir(step_fd)
+            payload_rel = layout.payload_rel(inner_index, rank)
+            meta_rel = layout.meta_rel(inner_index, rank)
+            size, checksum = write_file_at(inner_fd, PurePosixPath(payload_rel).name,
+                                           lambda f: codec.save_to(f, payload))
+            meta_doc = dict(meta)
+            meta_doc.update(
+                writer=WRITER_NAME, step=step, inner_index=inner_index, rank=rank, K=layout.K, W=layout.W,
+                payload=payload_rel, bytes=size, checksum=checksum, created=time.time(),
+            )
+            meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
+            meta_size, meta_checksum = write_file_at(inner_fd, PurePosixPath(meta_rel).name,
+                                                     lambda f: f.write(meta_bytes))
+        finally:
+            if inner_fd != step_fd:
+                os.close(inner_fd)
+            os.close(step_fd)
+        return FileEntry(payload_rel, size, checksum), FileEntry(meta_rel, meta_size, meta_checksum)
+
+    def commit(self, step: int, entries: Sequence[FileEntry],
+               fingerprint: Optional[Fingerprint]) -> CommitRecord:
+        """Write the step's commit record (atomically, durably) once every rank's files are written.
+        `entries` are the FileEntry pairs `write_inner` returned, from every rank. Refuses (raises)
+        when an entry is missing or a listed file is not there with its size."""
+        layout = self.layout
+        by_rel: Dict[str, FileEntry] = {}
+        for e in entries:
+            if not is_safe_rel(e.rel):
+                raise HarnessUsageError(f"commit of step {step}: unsafe file path {e.rel!r}")
+            if e.rel in by_rel and by_rel[e.rel] != e:
+                raise HarnessUsageError(f"commit of step {step}: two different entries for {e.rel}")
+            by_rel[e.rel] = e
+        missing = [rel for rel in required_rels(layout) if rel not in by_rel]
+        if missing:
+            raise HarnessUsageError(
+                f"commit of step {step}: no entry for {', '.join(missing[:4])}"
+                + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            )
+        for e in by_rel.values():
+            path = self._real_file(step, e.rel)
+            size = os.lstat(path).st_size
+            if size != e.bytes:
+                raise CorruptStepError(path, f"has {size} bytes, the entry to commit says {e.bytes}")
+        record = CommitRecord(step, layout.K, layout.W, fingerprint,
+                              tuple(sorted(by_rel.values(), key=lambda e: e.rel)), time.time())
+        data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
+        root_fd = self._open_root(create=False)
+        if root_fd is None:
+            raise CorruptStepError(layout.root, "namespace directory does not exist")
+        try:
+            step_fd, _ = self._open_step(root_fd, step, create=False)
+        finally:
+            os.close(root_fd)
+        try:
+            write_file_at(step_fd, COMMIT_NAME, lambda f: f.write(data))
+        finally:
+            os.close(step_fd)
+        return record
+
+    def clear_step(self, step: int) -> int:
+        """Remove a step so it can be rewritten: commit record first, then everything else; a step
+        entry that is a symlink is unlinked, never entered. Returns the bytes freed (0 if absent)."""
+        root_fd = self._open_root(create=False)
+        if root_fd is None:
+            return 0
+        try:
+            return remove_entry_at(root_fd, self._step_name(step), self.layout.root)
+        finally:
+            os.close(root_fd)
+
+    # ---- reading
+
+    def read_commit(self, step: int) -> Optional[CommitRecord]:
+        """The step's commit record, None if it has none; CorruptStepError if it does not validate."""
+        path = self.layout.commit_path(step)
+        step_dir = self.layout.step_dir(step)
+        try:
+            st = os.lstat(step_dir)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            raise CorruptStepError(step_dir, f"step directory {_describe_mode(st.st_mode)}")
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptStepError(path, "commit record is a symlink (never followed)") from None
+            raise
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        return parse_commit(data, self.layout, step, path)
+
+    def status(self, step: int):
+        """The step's StepReport (stat only; see `scan.classify_step`)."""
+        from skip_harness import scan
+
+        return scan.classify_step(self.layout, step)
+
+    def verify(self, step: int, ranks: Optional[Iterable[int]] = None) -> Optional[str]:
+        """None if the step can be served, else a reason naming the file. For a complete step the size
+        and checksum of every listed file are checked (only the payload and meta files of `ranks`, if
+        given; unknown extra files always). An unverified (older) step passes when its files exist."""
+        report = self.status(step)
+        if report.status in ("incomplete", "corrupt"):
+            return f"{report.status}: {report.reason}"
+        if report.status == "unverified":
+            return None
+        try:
+            record = self.read_commit(step)
+        except CorruptStepError as exc:
+            return str(exc)
+        if record is None:
+            return f"{self.layout.commit_path(step)}: commit record disappeared"
+        wanted = None if ranks is None else set(ranks)
+        rank_of: Dict[str, int] = {}
+        for _i, r, prel, mrel in self.layout.expected_rels():
+            rank_of[prel] = r
+            rank_of[mrel] = r
+        for entry in record.files:
+            r = rank_of.get(entry.rel)
+            if wanted is not None and r is not None and r not in wanted:
+                continue
+            try:
+                path = self._real_file(step, entry.rel)
+                size, digest = checksum_file(path)
+            except CorruptStepError as exc:
+                return str(exc)
+            except OSError as exc:
+                return f"{self.layout.step_dir(step) / entry.rel}: cannot be read: {exc}"
+            if size != entry.bytes:
+                return f"{path}: {size} bytes, the commit record says {entry.bytes}"
+            if digest != entry.checksum:
+                return f"{path}: checksum {digest} does not match the commit record's {entry.checksum}"
+        return None
+
+    def read_inner(self, step: int, inner_index: int, rank: int) -> Any:
+        """Load the payload of (step, inner_index, rank). Reads K = 1 steps stored as {step}/tq_batch.pt
+        and as {step}/0/tq_batch.pt. CorruptStepError(path, reason) if it cannot be loaded safely."""
+        self._check_position(step, inner_index, rank)
+        path = self._real_file(step, self._payload_rel(step, inner_index, rank))
+        try:
+            return codec.load_from(path)
+        except codec.CodecError as exc:
+            raise CorruptStepError(path, str(exc)) from exc
+
+    def read_step(self, step: int, rank: int) -> List[Any]:
+        """The K mini-batches of this rank in inner order."""
+        return [self.read_inner(step, i, rank) for i in range(self.layout.K)]
+
+    def read_meta(self, step: int, inner_index: int, rank: int) -> Dict[str, Any]:
+        self._check_position(step, inner_index, rank)
+        path = self._real_file(step, self._meta_rel(step, inner_index, rank))
+        try:
+            with open(path, "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise CorruptStepError(path, f"meta file cannot be read: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise CorruptStepError(path, "meta file is not a JSON object")
+        return doc
