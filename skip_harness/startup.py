@@ -69,7 +69,7 @@ class StartupResult:
         corrupt = [s.step for s in steps if s.status == "corrupt"]
         line = (
             f"rollout cache {self.layout.root}: {complete} complete, {unverified} unverified steps; "
-            f"{len(incomplete)} incomplete {_steps(incomplete)}, {len(corrupt)} corrupt {_steps(corrupt)}"
+            f"{len(incomplete)} incomplete{_steps(incomplete)}, {len(corrupt)} corrupt{_steps(corrupt)}"
         )
         if self.cleanup is not None and self.cleanup.items:
             verb = "deleted" if self.cleanup_action == "delete" else "quarantined"
@@ -83,7 +83,7 @@ def _steps(steps) -> str:
     if not steps:
         return ""
     shown = ", ".join(str(s) for s in steps[:10])
-    return f"[{shown}{', ...' if len(steps) > 10 else ''}]"
+    return f" [{shown}{', ...' if len(steps) > 10 else ''}]"
 
 
 def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Optional[float] = None) -> StartupResult:

@@ -324,16 +324,22 @@ def test_logging_lines(tmp_path, caplog):
     assert "1 misses" in text
 
 
-def test_legacy_cache_without_commit_is_served_as_unverified(tmp_path, caplog):
+@pytest.mark.parametrize("legacy_dir", ["", "0/"])
+def test_legacy_cache_without_commit_is_served_as_unverified(tmp_path, caplog, legacy_dir):
+    """A verl-era cache: {step}/tq_batch.pt (or {step}/0/tq_batch.pt) + meta.json, no commit record."""
+    key = NamespaceKey("exp", "proj", 8, 2, 4, 4)
+    step_dir = key.layout(tmp_path / "cache").step_dir(1) / legacy_dir
+    step_dir.mkdir(parents=True)
+    batch = {"x": torch.randn(4, 3), "ids": torch.arange(4)}
+    torch.save(batch, step_dir / "tq_batch.pt")
+    (step_dir / "meta.json").write_text('{"global_steps": 1}')
     h, t = make(tmp_path, 1)
-    out = run_steps(h, t, [1], 1)
-    h.layout.commit_path(1).unlink()
-    h2, t2 = make(tmp_path, 1)
     with caplog.at_level(logging.INFO, logger="skip_harness"):
-        again = run_steps(h2, t2, [1], 1)
-    assert h2.outcome(1) == "hit" and t2.generated == []
-    assert same(out[1][0], again[1][0])
-    assert "unverified" in caplog.text
+        again = run_steps(h, t, [1, 2], 1)
+    assert h.outcome(1) == "hit" and h.outcome(2) == "miss"
+    assert [s for s, _, _ in t.generated] == [2]
+    assert same(batch, again[1][0])
+    assert "1 unverified" in caplog.text and "step 1: hit (unverified" in caplog.text
 
 
 def test_lock_held_by_another_process(tmp_path):
