@@ -180,13 +180,7 @@ class DemoConfig:
                 raise ConfigError(key, f"must be >= 1, got {value}")
         if self.trainer.test_freq < 0:
             raise ConfigError("trainer.test_freq", f"must be >= 0 (0 = no validation), got {self.trainer.test_freq}")
-        gbs = self.data.train_batch_size
-        if gbs % self.K:
-            raise ConfigError(
-                "data.train_batch_size",
-                f"{gbs} is not a multiple of K = trainer.v1.separate_async.parameter_sync_step = {self.K} "
-                f"(each of the K sample calls of a step takes train_batch_size / K prompts)",
-            )
+        check_batch_split(self.data.train_batch_size, self.K, 1)
 
     @property
     def K(self) -> int:
@@ -196,13 +190,7 @@ class DemoConfig:
         return 1
 
     def check_world_size(self, world_size: int) -> None:
-        gbs, K = self.data.train_batch_size, self.K
-        if gbs % (K * world_size):
-            raise ConfigError(
-                "data.train_batch_size",
-                f"{gbs} is not a multiple of K x W = {K} x {world_size} "
-                f"(each sample on each rank takes train_batch_size / (K x W) prompts)",
-            )
+        check_batch_split(self.data.train_batch_size, self.K, world_size)
 
     def namespace_key(self, world_size: int) -> NamespaceKey:
         return namespace_key_from_config(self, world_size)
@@ -243,6 +231,23 @@ def to_demo_config(cfg: Any) -> DemoConfig:
     return obj
 
 
+def check_batch_split(train_batch_size: int, K: int, world_size: int) -> None:
+    """`data.train_batch_size` is global: each sample on each rank takes train_batch_size / (K x W) prompts."""
+    if train_batch_size % (K * world_size) == 0:
+        return
+    if world_size == 1:
+        raise ConfigError(
+            "data.train_batch_size",
+            f"{train_batch_size} is not a multiple of K = trainer.v1.separate_async.parameter_sync_step = {K} "
+            f"(each of the K sample calls of a step takes train_batch_size / K prompts)",
+        )
+    raise ConfigError(
+        "data.train_batch_size",
+        f"{train_batch_size} is not a multiple of K x W = {K} x {world_size} "
+        f"(each sample on each rank takes train_batch_size / (K x W) prompts)",
+    )
+
+
 def _select(cfg: Any, key: str) -> Any:
     value = OmegaConf.select(cfg, key, default=None)
     if value is None:
@@ -267,6 +272,7 @@ def namespace_key_from_config(cfg: Any, world_size: int) -> NamespaceKey:
     """The namespace of any config that uses verl's key names (a DictConfig or the dataclasses)."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
+    check_batch_split(int(_select(cfg, "data.train_batch_size")), k_from_config(cfg), world_size)
     return NamespaceKey(
         experiment_name=str(_select(cfg, "trainer.experiment_name")),
         project_name=str(_select(cfg, "trainer.project_name")),

@@ -1,0 +1,256 @@
+"""End-to-end: `scripts/train.py` run as a user runs it, in real subprocesses, with tiny overrides."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "scripts" / "train.py"
+TINY = [
+    "trainer.progress=false",
+    "trainer.total_training_steps=4",
+    "trainer.test_freq=0",
+    "data.train_batch_size=8",
+    "data.max_prompt_length=6",
+    "data.max_response_length=6",
+    "data.val_batch_size=8",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.model.d_model=32",
+    "actor_rollout_ref.model.n_layers=1",
+]
+MODES = {
+    "sync": ["trainer_mode=sync"],
+    "colocate_async": ["trainer_mode=colocate_async"],
+    "separate_async": ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2"],
+}
+
+pytestmark = pytest.mark.slow
+
+
+def env_for(tmp_path: Path) -> dict:
+    env = dict(os.environ)
+    env["SKIP_HARNESS_DUMP_DIR"] = str(tmp_path / "cache")
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def train(tmp_path: Path, *overrides: str, run: str = "run", check: bool = True, timeout: float = 600):
+    cmd = [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path / run}", *TINY, *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def training_metrics(rows: list) -> list:
+    """Everything but timings (`*_s`) and what was served (`cache`)."""
+    return [{k: v for k, v in r.items() if not k.endswith("_s") and k != "cache"} for r in rows]
+
+
+def namespaces(tmp_path: Path) -> list:
+    return sorted(str(p.relative_to(tmp_path / "cache")) for p in (tmp_path / "cache").glob("*/GBS*"))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_first_run_misses_rerun_hits_identically(tmp_path, mode):
+    train(tmp_path, *MODES[mode], run="first")
+    train(tmp_path, *MODES[mode], run="again")
+    first, again = metrics(tmp_path / "first"), metrics(tmp_path / "again")
+    assert [r["cache"] for r in first] == ["miss"] * 4
+    assert [r["cache"] for r in again] == ["hit"] * 4
+    assert training_metrics(first) == training_metrics(again)
+    log = (tmp_path / "again" / "train.log").read_text()
+    # nothing was generated on the rerun (timings are for the benchmark, not for tests)
+    assert "4 hits, 0 repeats, 0 misses" in log and "generation 0.0s spent" in log
+    verify = subprocess.run(
+        [sys.executable, "-m", "skip_harness.cli", "verify", str(tmp_path / "cache"), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    doc = json.loads(verify.stdout)
+    [ns] = doc["namespaces"]
+    assert [s["status"] for s in ns["steps"]] == ["complete"] * 4
+    assert ns["K"] == (2 if mode == "separate_async" else 1)
+
+
+def test_mix_of_hits_and_misses_is_identical_to_an_uncached_run(tmp_path):
+    mode = MODES["separate_async"]
+    train(tmp_path, *mode, "skip.rollout_tq.enable=false", run="uncached")
+    train(tmp_path, *mode, "skip.rollout_tq.steps=[1,3]", run="cache13")
+    train(tmp_path, *mode, "skip.rollout_tq.steps=[1,3]", run="hit13")
+    train(tmp_path, *mode, run="all")
+    base = training_metrics(metrics(tmp_path / "uncached"))
+    assert [r["cache"] for r in metrics(tmp_path / "uncached")] == ["off"] * 4
+    assert [r["cache"] for r in metrics(tmp_path / "cache13")] == ["miss", "off", "miss", "off"]
+    assert [r["cache"] for r in metrics(tmp_path / "hit13")] == ["hit", "off", "hit", "off"]
+    assert [r["cache"] for r in metrics(tmp_path / "all")] == ["hit", "miss", "hit", "miss"]
+    for run in ("cache13", "hit13", "all"):
+        assert training_metrics(metrics(tmp_path / run)) == base, run
+
+
+def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
+    """An older run left step 2 with inner 0 only, holding other data: cleaned, regenerated, identical."""
+    mode = MODES["separate_async"]
+    train(tmp_path, *mode, run="first")
+    [ns] = (tmp_path / "cache").glob("*/GBS*")
+    step2 = ns / "2"
+    (step2 / "commit.json").unlink()
+    for name in ("tq_batch.pt", "meta.json"):  # inner 0 of step 2 now holds step 1's inner 1
+        (step2 / "0" / name).write_bytes((ns / "1" / "1" / name).read_bytes())
+    import shutil
+
+    shutil.rmtree(step2 / "1")
+    train(tmp_path, *mode, run="again")
+    rows = metrics(tmp_path / "again")
+    assert [r["cache"] for r in rows] == ["hit", "miss", "hit", "hit"]
+    assert training_metrics(rows) == training_metrics(metrics(tmp_path / "first"))
+    log = (tmp_path / "again" / "train.log").read_text()
+    assert "1 incomplete [2]" in log and "deleted 1" in log
+
+
+def test_run_completed_after_a_killed_run_is_identical(tmp_path):
+    mode = MODES["separate_async"] + ["trainer.total_training_steps=8"]
+    train(tmp_path, *mode, "skip.rollout_tq.enable=false", run="uncached")
+    cmd = [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path / 'killed'}", *TINY, *mode]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and not list((tmp_path / "cache").glob("*/GBS*/3/commit.json")):
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    killed = metrics(tmp_path / "killed")
+    assert 3 <= len(killed) < 8
+    train(tmp_path, *mode, run="resumed")
+    rows = metrics(tmp_path / "resumed")
+    assert rows[0]["cache"] == "hit" and rows[-1]["cache"] == "miss"
+    assert training_metrics(rows) == training_metrics(metrics(tmp_path / "uncached"))
+
+
+def test_repeat_serves_nearest_complete_step(tmp_path):
+    train(tmp_path, "trainer.total_training_steps=2", run="two")
+    train(tmp_path, "skip.rollout_tq.action=repeat", run="rep")
+    rows = metrics(tmp_path / "rep")
+    assert [r["cache"] for r in rows] == ["hit", "hit", "repeat", "repeat"]
+    log = (tmp_path / "rep" / "train.log").read_text()
+    assert "step 3: repeat (served step 2)" in log and "step 4: repeat (served step 2)" in log
+
+
+def test_validation_calls_bypass_the_cache(tmp_path):
+    train(tmp_path, "trainer.test_freq=2", run="first")
+    train(tmp_path, "trainer.test_freq=2", run="again")
+    first, again = metrics(tmp_path / "first"), metrics(tmp_path / "again")
+    assert "val_reward" in first[1] and "val_reward" in first[3]
+    assert training_metrics(first) == training_metrics(again)
+    [ns] = (tmp_path / "cache").glob("*/GBS*")
+    assert sorted(p.name for p in ns.iterdir() if not p.name.startswith(".")) == ["1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=0"],
+         "trainer.v1.separate_async.parameter_sync_step"),
+        (["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=3"], "data.train_batch_size"),
+        (["skip.rollout_tq.action=replay"], "skip.rollout_tq.action"),
+        (["skip.rollout_tq.cleanup=shred"], "skip.rollout_tq.cleanup"),
+        (["skip.rollout_tq.steps=[1,two]"], "skip.rollout_tq.steps"),
+        (["skip.rollout_tq.steps=[0]"], "skip.rollout_tq.steps"),
+        (["trainer.v1.trainer_mode=async"], "trainer.v1.trainer_mode"),
+    ],
+)
+def test_bad_config_stops_before_any_work_naming_the_key(tmp_path, overrides, key):
+    proc = train(tmp_path, *overrides, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert key in out, out
+    assert "Traceback" not in out, out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "cache").exists()  # not even the namespace directory
+
+
+def test_mode_by_group_or_by_key_gives_the_same_k(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from skip_harness.config import register_configs, to_demo_config
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        a = to_demo_config(compose("config", ["trainer_mode=separate_async"]))
+        b = to_demo_config(compose("config", ["trainer.v1.trainer_mode=separate_async"]))
+        c = to_demo_config(compose("config", ["trainer_mode=colocate_async"]))
+    assert a.K == b.K == 4 and c.K == 1
+    assert a.namespace_key(1) == b.namespace_key(1)
+    assert a.namespace_key(1).leaf_name.endswith("_K4_W1")
+    assert a.trainer.experiment_name == "separate_async_seed0"
+
+
+@pytest.mark.parametrize(
+    "first, second, differing",
+    [
+        (["seed=0"], ["seed=1"], "seed"),
+        (["trainer_mode=sync"], ["trainer_mode=colocate_async"], "trainer.v1.trainer_mode"),
+    ],
+)
+def test_fingerprint_mismatch_names_the_keys(tmp_path, first, second, differing):
+    train(tmp_path, "trainer.experiment_name=shared", "trainer.total_training_steps=1", *first, run="a")
+    proc = train(tmp_path, "trainer.experiment_name=shared", *second, run="b", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert differing in out and "on_mismatch=regenerate" in out and "trainer.experiment_name" in out
+    assert "Traceback" not in out
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    train(tmp_path, "trainer.experiment_name=shared", *second, "skip.rollout_tq.on_mismatch=regenerate", run="c")
+    assert [r["cache"] for r in metrics(tmp_path / "c")] == ["miss"] * 4
+
+
+def test_default_experiment_names_separate_modes_and_seeds(tmp_path):
+    train(tmp_path, "trainer.total_training_steps=1", "seed=0", run="a")
+    train(tmp_path, "trainer.total_training_steps=1", "seed=1", run="b")
+    train(tmp_path, "trainer.total_training_steps=1", "trainer_mode=colocate_async", run="c")
+    assert namespaces(tmp_path) == [
+        "colocate_async_seed0_skip_harness_demo/GBS8_N2_in6_out6",
+        "sync_seed0_skip_harness_demo/GBS8_N2_in6_out6",
+        "sync_seed1_skip_harness_demo/GBS8_N2_in6_out6",
+    ]
+
+
+def test_lock_held_by_another_run(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from skip_harness.config import RolloutTQConfig\n"
+         "from skip_harness.startup import prepare_namespace\n"
+         "from skip_harness.layout import NamespaceKey\n"
+         f"lay = NamespaceKey('sync_seed0', 'skip_harness_demo', 8, 2, 6, 6).layout({str(tmp_path / 'cache')!r})\n"
+         "r = prepare_namespace(lay, RolloutTQConfig(enable=True))\n"
+         "print('held', flush=True); time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        proc = train(tmp_path, "skip.rollout_tq.lock_timeout=1", check=False)
+        waited = time.monotonic() - t0
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        assert f"pid {holder.pid}" in out and "skip.rollout_tq.lock_timeout" in out
+        assert "Traceback" not in out
+        assert waited >= 1.0
+    finally:
+        holder.kill()
+        holder.wait()
+    train(tmp_path, "trainer.total_training_steps=1", run="after")  # the OS released the dead holder's lock
