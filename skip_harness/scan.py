@@ -23,6 +23,7 @@ import os
 import secrets
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, List, Optional, Tuple
@@ -43,6 +44,8 @@ logger = logging.getLogger("skip_harness.scan")
 
 STATUSES = ("complete", "unverified", "incomplete", "corrupt")
 CLEANUP_ACTIONS = ("delete", "quarantine", "off")
+_PARALLEL_FROM = 256      # steps; below this a scan is quick enough serially
+_SCAN_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -123,17 +126,18 @@ def _list_step(step_path: str) -> _Listing:
         with os.scandir(d) as it:
             for e in it:
                 rel = prefix + e.name
-                if e.is_dir(follow_symlinks=False):
+                if e.is_dir(follow_symlinks=False):   # from d_type: no system call
                     stack.append((rel + "/", e.path))
                     continue
-                size = e.stat(follow_symlinks=False).st_size
-                out.total += size
-                if e.is_symlink():
+                st = e.stat(follow_symlinks=False)
+                mode = st.st_mode
+                out.total += st.st_size
+                if stat.S_ISLNK(mode):
                     out.links.append(rel)
                 elif e.name.startswith(TMP_PREFIX):
                     out.temps.append(rel)
-                elif e.is_file(follow_symlinks=False):
-                    out.files[rel] = size
+                elif stat.S_ISREG(mode):
+                    out.files[rel] = st.st_size
                 else:
                     out.others.append(rel)
     return out
@@ -175,9 +179,9 @@ def _classify(layout: Layout, step: int, path: Path) -> StepReport:
         return report("incomplete", nbytes, f"{_first(listing.links)} is a symlink (never followed)",
                       has_commit=has_commit)
     if has_commit:
-        commit_path = path / COMMIT_NAME
         if COMMIT_NAME not in listing.files:
             return report("corrupt", nbytes, "commit record is not a regular file", has_commit=True)
+        commit_path = os.path.join(spath, COMMIT_NAME)
         try:
             with open(commit_path, "rb") as f:
                 record = _store.parse_commit(f.read(), layout, step, commit_path)
@@ -202,7 +206,7 @@ def _classify(layout: Layout, step: int, path: Path) -> StepReport:
     missing: List[str] = []
     empty: List[str] = []
     metas: List[str] = []
-    for _i, r, prel, mrel in layout.expected_rels():
+    for _i, r, prel, mrel in _store.expected_rels(layout):
         if prel not in files and layout.K == 1:
             legacy_p, legacy_m = layout.legacy_k1_rel(r)
             if legacy_p in files:
@@ -217,13 +221,13 @@ def _classify(layout: Layout, step: int, path: Path) -> StepReport:
         return report("incomplete", nbytes, f"missing {_first(missing)}")
     if empty:
         return report("incomplete", nbytes, f"{_first(empty)} is empty")
-    if _written_by_us(path / metas[0]):
+    if _written_by_us(os.path.join(spath, metas[0])):
         return report("incomplete", nbytes,
                       "no commit record: written by skip_harness, interrupted before the step was committed")
     return report("unverified", nbytes, "no commit record (an older cache); served without checksums")
 
 
-def _written_by_us(meta_path: Path) -> bool:
+def _written_by_us(meta_path: str) -> bool:
     try:
         fd = os.open(meta_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -242,7 +246,6 @@ def scan_namespace(layout: Layout) -> NamespaceReport:
     """Classify every step of a namespace (read-only). Only int-named entries are steps; '.lock',
     '.quarantine' and the like are ignored; '.trash-'/'.tmp-' debris is reported as leftovers."""
     root = layout.root
-    steps: List[StepReport] = []
     leftovers: List[LeftoverEntry] = []
     try:
         it = os.scandir(root)
@@ -250,12 +253,23 @@ def scan_namespace(layout: Layout) -> NamespaceReport:
         return NamespaceReport(layout, ())
     with it:
         entries = list(it)
+    found: List[Tuple[int, str]] = []
     for e in entries:
         step = parse_step_name(e.name)
         if step is not None:
-            steps.append(_classify(layout, step, root / e.name))
+            found.append((step, e.name))
         elif e.name.startswith(TRASH_PREFIX) or e.name.startswith(TMP_PREFIX):
             leftovers.append(LeftoverEntry(root / e.name, _store.tree_bytes(e.path)))
+
+    def classify(item: Tuple[int, str]) -> StepReport:
+        return _classify(layout, item[0], root / item[1])  # one Path per step, none per file
+
+    if len(found) >= _PARALLEL_FROM:
+        # Listing and lstat release the GIL: a few threads hide the disk's latency on a cold cache.
+        with ThreadPoolExecutor(max_workers=_SCAN_THREADS, thread_name_prefix="skip_harness-scan") as pool:
+            steps = list(pool.map(classify, found, chunksize=64))
+    else:
+        steps = [classify(item) for item in found]
     steps.sort(key=lambda s: s.step)
     leftovers.sort(key=lambda x: x.path.name)
     return NamespaceReport(layout, tuple(steps), tuple(leftovers))

@@ -12,6 +12,7 @@ raises CorruptStepError. Only this module, `scan` and `lock` touch cache files.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -87,12 +88,24 @@ def is_safe_rel(rel: str) -> bool:
     return len(parts) <= 2 and all(p and not p.startswith(".") for p in parts)
 
 
-def required_rels(layout: Layout) -> List[str]:
+@functools.lru_cache(maxsize=64)
+def _expected_rels(K: int, W: int) -> Tuple[Tuple[int, int, str, str], ...]:
+    return tuple(Layout(Path("."), K=K, W=W).expected_rels())
+
+
+def expected_rels(layout: Layout) -> Tuple[Tuple[int, int, str, str], ...]:
+    """layout.expected_rels() for every rank, computed once per (K, W)."""
+    return _expected_rels(layout.K, layout.W)
+
+
+@functools.lru_cache(maxsize=64)
+def _required_rels(K: int, W: int) -> Tuple[str, ...]:
+    return tuple(rel for _i, _r, prel, mrel in _expected_rels(K, W) for rel in (prel, mrel))
+
+
+def required_rels(layout: Layout) -> Tuple[str, ...]:
     """Every file a committed step must list: payload and meta of each inner index and rank."""
-    out: List[str] = []
-    for _i, _r, prel, mrel in layout.expected_rels():
-        out += [prel, mrel]
-    return out
+    return _required_rels(layout.K, layout.W)
 
 
 def parse_commit(data: bytes, layout: Layout, step: int, path: Path) -> CommitRecord:
@@ -122,11 +135,13 @@ def parse_commit(data: bytes, layout: Layout, step: int, path: Path) -> CommitRe
         raise bad("has no file list")
     files: List[FileEntry] = []
     seen = set()
+    required = required_rels(layout)
+    required_set = frozenset(required)
     for f in files_doc:
         if not isinstance(f, dict):
             raise bad("has a malformed file entry")
         rel, size, checksum = f.get("rel"), f.get("bytes"), f.get("checksum")
-        if not is_safe_rel(rel):
+        if rel not in required_set and not is_safe_rel(rel):
             raise bad(f"lists an unsafe path {rel!r}")
         if type(size) is not int or size < 0 or not isinstance(checksum, str) or not checksum:
             raise bad(f"has a malformed entry for {rel}")
@@ -134,7 +149,7 @@ def parse_commit(data: bytes, layout: Layout, step: int, path: Path) -> CommitRe
             raise bad(f"lists {rel} twice")
         seen.add(rel)
         files.append(FileEntry(rel, size, checksum))
-    for rel in required_rels(layout):
+    for rel in required:
         if rel not in seen:
             raise bad(f"does not list {rel}")
     fp_doc = doc.get("fingerprint")
@@ -588,7 +603,7 @@ class StepStore:
             return f"{self.layout.commit_path(step)}: commit record disappeared"
         wanted = None if ranks is None else set(ranks)
         rank_of: Dict[str, int] = {}
-        for _i, r, prel, mrel in self.layout.expected_rels():
+        for _i, r, prel, mrel in expected_rels(self.layout):
             rank_of[prel] = r
             rank_of[mrel] = r
         for entry in record.files:
