@@ -25,13 +25,25 @@ _STARTED = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
 def _run_id() -> str:
-    """Identical on every rank of one torchrun/accelerate launch; a timestamp otherwise."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"{_STARTED[:10]}_run-{rid}" if rid and rid != "none" else _STARTED
+    """The run directory's name: identical on every rank of one torchrun / accelerate launch.
+
+    Every rank composes its own config, so a timestamp could differ between ranks; the launcher
+    process they share (their parent) gives a name they all agree on.
+    """
+    if "LOCAL_RANK" not in os.environ:
+        return _STARTED
+    import psutil  # a dependency of accelerate
+
+    launcher = psutil.Process(os.getppid())
+    started = datetime.fromtimestamp(launcher.create_time()).strftime("%Y-%m-%d_%H-%M-%S")
+    return f"{started}_launch{launcher.pid}"
 
 
 register_configs()
 OmegaConf.register_new_resolver("skip_harness_run_id", _run_id, replace=True)
+OmegaConf.register_new_resolver(
+    "skip_harness_k", lambda mode, k: int(k) if mode == "separate_async" else 1, replace=True
+)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

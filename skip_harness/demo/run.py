@@ -97,7 +97,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
             from tqdm import tqdm
 
             bar = tqdm(total=total, desc=f"{demo.trainer.v1.trainer_mode} K={demo.K}", unit="step", dynamic_ncols=True)
-    log.info(
+    say = log.info if dist.is_main else log.debug
+    say(
         "training %d steps: mode=%s K=%d W=%d, run dir %s, rollout cache %s",
         total, demo.trainer.v1.trainer_mode, demo.K, dist.world_size, out_dir,
         harness.layout.root if harness.enabled else "off",
@@ -124,7 +125,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
         if metrics_file is not None:
             metrics_file.close()
     gen = sum(r.get("gen_s", 0.0) for r in rows)
-    log.info(
+    say(
         "done in %.1fs (generation %.1fs); last reward_mean %.4f; metrics in %s",
         time.perf_counter() - t0, gen, rows[-1]["reward_mean"] if rows else float("nan"), out_dir / "metrics.jsonl",
     )
