@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 from collections import OrderedDict
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, BinaryIO, Dict, List, Sequence, Union
 
 import torch
 

@@ -61,8 +61,8 @@ def read_holder(layout: Layout) -> Optional[LockHolder]:
 
 
 def probe(layout: Layout) -> Optional[str]:
-    """Without creating or writing anything: a description of who holds the namespace lock (from
-    another open of the lock file, e.g. another process), or None if nobody does."""
+    """Without creating or writing anything: a description of who holds the namespace lock (any
+    process, this one included), or None if nobody does."""
     try:
         fd = os.open(layout.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -1,0 +1,115 @@
+"""Shared helpers for the storage tests: real namespaces in tmp_path, real subprocesses."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def batch(step: int, inner: int, rank: int = 0, n: int = 4) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + 10 * inner + rank)
+    return {"x": torch.randn(n, 3, generator=g), "ids": torch.arange(n) + step, "tag": f"s{step}i{inner}r{rank}"}
+
+
+def write_step(store, step: int, fingerprint=None, commit: bool = True, inners=None, ranks=None):
+    """Write (and by default commit) a step through StepStore; returns the entries."""
+    lay = store.layout
+    entries = []
+    for i in range(lay.K) if inners is None else inners:
+        for r in range(lay.W) if ranks is None else ranks:
+            entries += store.write_inner(step, i, r, batch(step, i, r), {"note": "test"})
+    if commit:
+        store.commit(step, entries, fingerprint)
+    return entries
+
+
+def write_legacy(layout, step: int, form: str = "") -> dict:
+    """An older cache's step: torch.save'd payload + a meta.json without our writer mark, no commit.
+    form "" -> {step}/tq_batch.pt (K = 1) or {step}/{i}/..., "0/" -> {step}/0/tq_batch.pt (K = 1)."""
+    payloads = {}
+    for i, r, prel, mrel in layout.expected_rels():
+        if form:
+            prel, mrel = layout.legacy_k1_rel(r)
+        p = layout.step_dir(step) / prel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        payloads[(i, r)] = batch(step, i, r)
+        torch.save(payloads[(i, r)], p)
+        (layout.step_dir(step) / mrel).write_text(json.dumps({"global_steps": step}))
+    return payloads
+
+
+def assert_batch_equal(a, b):
+    assert type(a) is type(b)
+    assert list(a) == list(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k])
+        else:
+            assert a[k] == b[k]
+
+
+class HolderProcess:
+    """A real process that takes a namespace lock, says so, and sleeps until killed."""
+
+    def __init__(self, layout):
+        code = textwrap.dedent(
+            f"""
+            import sys, time
+            from pathlib import Path
+            from skip_harness.layout import Layout
+            from skip_harness.lock import NamespaceLock
+            lock = NamespaceLock(Layout(Path({str(layout.root)!r}), K={layout.K}, W={layout.W}))
+            lock.acquire()
+            sys.stdout.write("ready\\n"); sys.stdout.flush()
+            time.sleep(600)
+            """
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                     env=subprocess_env())
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", f"lock holder did not start: {line!r}"
+        self.pid = self.proc.pid
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def lock_holder():
+    holders = []
+
+    def start(layout) -> HolderProcess:
+        h = HolderProcess(layout)
+        holders.append(h)
+        return h
+
+    yield start
+    for h in holders:
+        h.kill()
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.02) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False

@@ -1,0 +1,307 @@
+"""codec: exact round trips without pickled code; snapshot; merge."""
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from skip_harness import codec
+from skip_harness.errors import CodecError
+
+
+def roundtrip(payload, tmp_path, mmap=True):
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, payload)
+    return codec.load_from(path, mmap=mmap)
+
+
+def assert_same(a, b, where="payload"):
+    """Equal in values, dtypes, shapes, container types and key order."""
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, where
+        if a.is_floating_point() or a.is_complex():
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        else:
+            assert torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tolist() == b.tolist(), where
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b, where
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tensor_dtypes_round_trip_exactly(tmp_path, dtype):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(5, 7, generator=g, dtype=torch.float64) * 50
+    if dtype == torch.bool:
+        t = base > 0
+    elif dtype.is_complex:
+        t = torch.complex(base, -base).to(dtype)
+    else:
+        t = base.to(dtype)
+    out = roundtrip({"t": t, "zero_dim": t[0, 0].clone(), "empty": t[:0]}, tmp_path)
+    assert_same({"t": t, "zero_dim": t[0, 0].clone(), "empty": t[:0]}, out)
+    assert out["zero_dim"].dim() == 0 and out["empty"].shape == (0, 7)
+
+
+def test_nested_structure_round_trips_exactly(tmp_path):
+    payload = {
+        "z": 1,                       # key order is kept, not sorted
+        "a": [torch.arange(3), (torch.ones(2, dtype=torch.bfloat16), "s", None), []],
+        7: {"nested": {"deep": (1, 2.5, True, False)}},
+        "strings": ["", "ünï", "x" * 1000],
+        "numbers": [0, -1, 2**62, 1.5, float("inf"), float("-inf"), float("nan"), 3 + 4j],
+        "bytes": b"\x00\xff",
+        "none": None,
+        "empty_tuple": (),
+        "empty_dict": {},
+        "ordered": OrderedDict([("b", 1), ("a", torch.zeros(1))]),
+    }
+    out = roundtrip(payload, tmp_path)
+    assert_same(payload, out)
+    assert type(out["a"][1]) is tuple and type(out["a"]) is list and type(out["ordered"]) is OrderedDict
+
+
+def test_non_contiguous_tensors_round_trip_and_write_only_their_elements(tmp_path):
+    big = torch.arange(1_000_000, dtype=torch.float32).reshape(1000, 1000)
+    views = {"t": big.t(), "step": big[::7, 3], "slice": big[10:12], "expanded": torch.ones(3, 1).expand(3, 4)}
+    out = roundtrip(views, tmp_path)
+    assert_same(views, out)
+    small = {"slice": big[10:12]}
+    with open(tmp_path / "small.pt", "wb") as f:
+        codec.save_to(f, small)
+    assert os.path.getsize(tmp_path / "small.pt") < 64 * 1024  # not the 4 MB storage behind the view
+
+
+def test_load_without_mmap_and_tensor_from_old_torch_format(tmp_path):
+    payload = {"x": torch.randn(3), "y": [1, "a"]}
+    assert_same(payload, roundtrip(payload, tmp_path, mmap=False))
+    path = tmp_path / "old.pt"
+    torch.save(payload, path, _use_new_zipfile_serialization=False)
+    assert_same(payload, codec.load_from(path))
+
+
+def test_dict_holding_the_tag_key_is_escaped(tmp_path):
+    payload = {codec.TAG: "tensor", "device": "cuda:0", "data": torch.ones(2)}
+    out = roundtrip(payload, tmp_path)
+    assert_same(payload, out)
+    nested = {"a": [{codec.TAG: "dict", "keys": 1}], 3: OrderedDict([(codec.TAG, None)])}
+    out = roundtrip(nested, tmp_path)
+    assert_same(nested, out)
+
+
+def test_numpy_arrays_and_scalars(tmp_path):
+    payload = {
+        "f": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "i": np.array([1, -2], dtype=np.int64),
+        "b": np.array([True, False]),
+        "u": np.array(["ab", "c"]),
+        "o": np.array([{"k": 1}, "s", None], dtype=object),
+        "scalar": np.float64(2.5),
+        "iscalar": np.int32(7),
+    }
+    out = roundtrip(payload, tmp_path)
+    for k in ("f", "i", "b", "u", "o"):
+        assert out[k].dtype == payload[k].dtype and out[k].tolist() == payload[k].tolist()
+    assert type(out["scalar"]) is np.float64 and out["scalar"] == 2.5
+    assert type(out["iscalar"]) is np.int32 and out["iscalar"] == 7
+
+
+def test_tensordict_round_trips(tmp_path):
+    tensordict = pytest.importorskip("tensordict")
+    td = tensordict.TensorDict({"a": torch.randn(4, 2), "n": {"b": torch.arange(4)}}, batch_size=[4])
+    out = roundtrip({"batch": td}, tmp_path)["batch"]
+    assert isinstance(out, tensordict.TensorDictBase)
+    assert out.batch_size == td.batch_size
+    assert torch.equal(out["a"], td["a"]) and torch.equal(out["n", "b"], td["n", "b"])
+
+
+@pytest.mark.parametrize(
+    "payload,where,typename",
+    [
+        ({"a": [1, 2, {3}]}, "payload['a'][2]", "set"),
+        ({"a": (0, object())}, "payload['a'][1]", "object"),
+        ([lambda: 1], "payload[0]", "function"),
+        ({(1, 2): 3}, "payload", "tuple"),
+        ({"m": torch.nn.Linear(1, 1)}, "payload['m']", "Linear"),
+    ],
+)
+def test_unsupported_types_name_type_and_position(payload, where, typename):
+    with pytest.raises(CodecError) as err:
+        codec.encode(payload)
+    assert where in str(err.value) and typename in str(err.value)
+
+
+def test_reference_cycle_is_an_error():
+    a = []
+    a.append(a)
+    with pytest.raises(CodecError, match="cycle"):
+        codec.encode({"a": a})
+
+
+def test_sparse_tensor_is_refused():
+    with pytest.raises(CodecError, match=r"payload\['s'\]"):
+        codec.encode({"s": torch.eye(3).to_sparse()})
+
+
+def test_device_is_recorded_and_restored_when_available(monkeypatch):
+    cpu_copy = torch.arange(4.0)
+    setattr(cpu_copy, codec._ORIGIN_ATTR, "cuda:1")  # what snapshot() leaves on a CUDA tensor's copy
+    enc = codec.encode({"x": cpu_copy})
+    assert enc["x"][codec.TAG] == "tensor" and enc["x"]["device"] == "cuda:1"
+    assert type(enc["x"]["data"]) is torch.Tensor and not enc["x"]["data"].__dict__
+    # no such device here: the tensor stays on the CPU
+    out = codec.decode(enc)
+    assert out["x"].device.type == "cpu" and torch.equal(out["x"], torch.arange(4.0))
+    # a device that is available: the tensor goes back to it
+    enc["x"]["device"] = "meta"
+    out = codec.decode(enc)
+    assert out["x"].device.type == "meta" and out["x"].shape == (4,)
+
+
+def test_file_that_would_run_code_is_refused_and_never_executed(tmp_path):
+    sentinel = tmp_path / "pwned"
+    sentinel2 = tmp_path / "pwned2"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(sentinel),))
+
+    class EvilShell:
+        def __reduce__(self):
+            return (os.system, (f"touch {sentinel2}",))
+
+    for evil, mark in ((Evil(), sentinel), (EvilShell(), sentinel2)):
+        path = tmp_path / "evil.pt"
+        torch.save({"x": torch.ones(1), "evil": evil}, path)
+        with pytest.raises(CodecError) as err:
+            codec.load_from(path)
+        assert str(path) in str(err.value)
+        assert not mark.exists()
+        # the file really is dangerous: an unsafe load runs it
+        torch.load(path, weights_only=False)
+        assert mark.exists()
+
+
+def test_pickled_class_instance_is_refused(tmp_path):
+    path = tmp_path / "obj.pt"
+    torch.save({"d": io.BytesIO(b"x")}, path)
+    with pytest.raises(CodecError):
+        codec.load_from(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage" * 100, None])
+def test_unreadable_files_raise_codec_error(tmp_path, content):
+    path = tmp_path / "bad.pt"
+    if content is None:  # truncated real file
+        with open(path, "wb") as f:
+            codec.save_to(f, {"x": torch.randn(1000)})
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.write_bytes(content)
+    with pytest.raises(CodecError):
+        codec.load_from(path)
+
+
+def test_malformed_tagged_record_raises_codec_error():
+    with pytest.raises(CodecError):
+        codec.decode({codec.TAG: "no-such-kind"})
+    with pytest.raises(CodecError):
+        codec.decode({codec.TAG: "tensor", "device": "cpu", "data": "not a tensor"})
+
+
+def test_snapshot_is_independent_of_later_in_place_changes():
+    x = torch.zeros(3, requires_grad=False)
+    view = torch.arange(10.0)[2:5]
+    payload = {"x": x, "l": [view], "t": (torch.ones(2),), "s": "a", "n": np.zeros(2)}
+    snap = codec.snapshot(payload)
+    x.add_(5)
+    view.mul_(0)
+    payload["t"][0].fill_(9)
+    payload["l"].append("new")
+    payload["n"][0] = 3
+    assert torch.equal(snap["x"], torch.zeros(3))
+    assert torch.equal(snap["l"][0], torch.tensor([2.0, 3.0, 4.0])) and len(snap["l"]) == 1
+    assert torch.equal(snap["t"][0], torch.ones(2)) and type(snap["t"]) is tuple
+    assert snap["n"].tolist() == [0.0, 0.0]
+    assert snap["x"].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_snapshot_detaches_and_keeps_values():
+    w = torch.randn(3, requires_grad=True)
+    y = w * 2
+    snap = codec.snapshot({"y": y})
+    assert not snap["y"].requires_grad and torch.equal(snap["y"], y.detach())
+    enc = codec.encode({"p": torch.nn.Parameter(torch.ones(2))})
+    assert type(enc["p"]) is torch.Tensor
+
+
+def test_merge_concatenates_in_order():
+    a = {"x": torch.arange(2), "s": torch.tensor(1.0), "l": [1], "t": (torch.ones(1), "m"), "k": 3, "name": "n",
+         "lr": 0.1}
+    b = {"x": torch.arange(2, 5), "s": torch.tensor(2.0), "l": [2, 3], "t": (torch.zeros(2), "m"), "k": 4,
+         "name": "n", "lr": 0.1}
+    m = codec.merge([a, b])
+    assert torch.equal(m["x"], torch.arange(5))
+    assert torch.equal(m["s"], torch.tensor([1.0, 2.0]))          # 0-dim: stacked
+    assert m["l"] == [1, 2, 3]
+    assert type(m["t"]) is tuple and torch.equal(m["t"][0], torch.tensor([1.0, 0.0, 0.0])) and m["t"][1] == "m"
+    assert m["k"] == [3, 4]                                          # unequal scalars -> list
+    assert m["name"] == "n" and m["lr"] == 0.1                       # equal ones kept
+    assert list(m) == list(a)
+    assert codec.merge([a]) is a
+
+
+def test_merge_numpy_and_errors():
+    m = codec.merge([{"n": np.arange(2)}, {"n": np.arange(2, 3)}])
+    assert m["n"].tolist() == [0, 1, 2]
+    with pytest.raises(CodecError, match="keys"):
+        codec.merge([{"a": 1}, {"b": 1}])
+    with pytest.raises(CodecError, match=r"payload\['a'\]"):
+        codec.merge([{"a": torch.ones(1)}, {"a": 1}])
+    with pytest.raises(CodecError):
+        codec.merge([])
+    with pytest.raises(CodecError, match="lengths"):
+        codec.merge([(1,), (1, 2)])
+
+
+def test_merge_tensordicts():
+    tensordict = pytest.importorskip("tensordict")
+    tds = [tensordict.TensorDict({"a": torch.full((2,), float(i))}, batch_size=[2]) for i in range(3)]
+    m = codec.merge(tds)
+    assert m.batch_size == torch.Size([6]) and m["a"].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_encoded_structure_loads_with_weights_only():
+    payload = {"a": (torch.ones(1), [None, "x", 1, 2.0, True]), codec.TAG: 1, "n": np.ones(2)}
+    buf = io.BytesIO()
+    torch.save(codec.encode(payload), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    out = codec.decode(loaded)
+    assert out[codec.TAG] == 1 and out["n"].tolist() == [1.0, 1.0]
+    assert pickle.loads(pickle.dumps(codec.encode({"a": 1}))) == {"a": 1}
