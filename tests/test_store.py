@@ -1,0 +1,431 @@
+"""store: atomic, durable writes; commit records; verified reads; never through a symlink."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import xxhash
+
+from conftest import assert_batch_equal, batch, subprocess_env, write_legacy, write_step
+from skip_harness import codec, store as store_mod
+from skip_harness.errors import CorruptStepError, HarnessUsageError
+from skip_harness.fingerprint import Fingerprint
+from skip_harness.layout import Layout, NamespaceKey
+from skip_harness.scan import classify_step, scan_namespace
+from skip_harness.store import FileEntry, StepStore
+
+
+def make(tmp_path, K=1, W=1) -> StepStore:
+    return StepStore(NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=W).layout(tmp_path / "cache"))
+
+
+def temp_files(root):
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("K,W", [(1, 1), (3, 1), (1, 2), (2, 2)])
+def test_write_commit_verify_read(tmp_path, K, W):
+    st = make(tmp_path, K, W)
+    fp = Fingerprint({"seed": 3, "mode": "sync"})
+    entries = write_step(st, 4, fingerprint=fp)
+    assert len(entries) == 2 * K * W
+    for e in entries:
+        path = st.layout.step_dir(4) / e.rel
+        data = path.read_bytes()
+        assert e.bytes == len(data) and e.checksum == xxhash.xxh3_128_hexdigest(data)
+    report = st.status(4)
+    assert report.status == "complete" and report.fingerprint == fp and report.has_commit
+    assert st.verify(4) is None
+    for i in range(K):
+        for r in range(W):
+            assert_batch_equal(st.read_inner(4, i, r), batch(4, i, r))
+            meta = st.read_meta(4, i, r)
+            assert meta["note"] == "test" and meta["writer"] == "skip_harness"
+            assert (meta["step"], meta["inner_index"], meta["rank"], meta["K"], meta["W"]) == (4, i, r, K, W)
+            pay = st.layout.payload_path(4, i, r)
+            assert meta["bytes"] == pay.stat().st_size
+            assert meta["checksum"] == xxhash.xxh3_128_hexdigest(pay.read_bytes())
+            assert isinstance(meta["created"], float)
+    record = st.read_commit(4)
+    assert (record.step, record.K, record.W, record.fingerprint) == (4, K, W, fp)
+    assert sorted(record.files, key=lambda e: e.rel) == sorted(entries, key=lambda e: e.rel)
+    doc = json.loads(st.layout.commit_path(4).read_text())
+    assert doc["format"] == 1 and doc["fingerprint"] == fp.to_json()
+    assert {f["rel"] for f in doc["files"]} == {e.rel for e in entries}
+    assert temp_files(st.layout.root) == []
+
+
+def test_file_names_follow_the_layout(tmp_path):
+    st = make(tmp_path, K=1, W=1)
+    write_step(st, 1)
+    assert sorted(os.listdir(st.layout.step_dir(1))) == ["commit.json", "meta.json", "tq_batch.pt"]
+    st2 = make(tmp_path, K=2, W=2)
+    write_step(st2, 1)
+    assert sorted(os.listdir(st2.layout.step_dir(1) / "1")) == [
+        "meta_rank0.json", "meta_rank1.json", "tq_batch_rank0.pt", "tq_batch_rank1.pt"]
+
+
+def test_positions_are_checked(tmp_path):
+    st = make(tmp_path, K=2, W=1)
+    for args in ((0, 0, 0), (1, 2, 0), (1, 0, 1), (1, -1, 0)):
+        with pytest.raises(HarnessUsageError):
+            st.write_inner(*args, payload={}, meta={})
+
+
+def test_commit_refuses_missing_entries_and_wrong_sizes(tmp_path):
+    st = make(tmp_path, K=2)
+    entries = write_step(st, 1, commit=False)
+    with pytest.raises(HarnessUsageError, match="1/tq_batch.pt"):
+        st.commit(1, [e for e in entries if e.rel != "1/tq_batch.pt"], None)
+    bad = [FileEntry(e.rel, e.bytes + 1, e.checksum) if e.rel == "0/meta.json" else e for e in entries]
+    with pytest.raises(CorruptStepError, match="0/meta.json"):
+        st.commit(1, bad, None)
+    with pytest.raises(HarnessUsageError, match="unsafe"):
+        st.commit(1, entries + [FileEntry("../../x", 1, "ab")], None)
+    assert not st.layout.commit_path(1).exists()
+    st.commit(1, entries, None)
+    assert st.status(1).status == "complete"
+
+
+def test_rewriting_a_committed_step_removes_its_commit_record_first(tmp_path):
+    st = make(tmp_path, K=2)
+    write_step(st, 1)
+    st.write_inner(1, 0, 0, {"new": torch.ones(1)}, {})
+    assert not st.layout.commit_path(1).exists()
+    assert st.status(1).status == "incomplete"
+
+
+def test_verify_detects_a_flipped_byte(tmp_path):
+    st = make(tmp_path, K=2, W=2)
+    write_step(st, 1)
+    path = st.layout.payload_path(1, 1, 1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert st.status(1).status == "complete"            # same size: the scan cannot tell
+    reason = st.verify(1)
+    assert reason is not None and str(path) in reason and "checksum" in reason
+    assert st.verify(1, ranks=[0]) is None               # rank 0's files are intact
+    assert st.verify(1, ranks=[1]) is not None
+
+
+def test_verify_detects_a_flipped_byte_in_a_meta_file(tmp_path):
+    st = make(tmp_path, K=1)
+    write_step(st, 2)
+    path = st.layout.meta_path(2, 0, 0)
+    text = path.read_text()
+    path.write_text(text.replace('"test"', '"tesT"'))
+    assert "meta.json" in st.verify(2)
+
+
+def test_verify_reports_incomplete_and_corrupt(tmp_path):
+    st = make(tmp_path, K=2)
+    write_step(st, 1, inners=[0], commit=False)
+    assert st.verify(1).startswith("incomplete")
+    write_step(st, 2)
+    with open(st.layout.payload_path(2, 0, 0), "ab") as f:
+        f.write(b"x")
+    assert st.verify(2).startswith("corrupt")
+
+
+def test_read_inner_of_a_damaged_payload_raises_corrupt_step_error(tmp_path):
+    st = make(tmp_path)
+    write_step(st, 1)
+    path = st.layout.payload_path(1, 0, 0)
+    path.write_bytes(b"\0" * path.stat().st_size)
+    with pytest.raises(CorruptStepError) as err:
+        st.read_inner(1, 0, 0)
+    assert err.value.path == path
+    with pytest.raises(CorruptStepError, match="missing"):
+        st.read_inner(2, 0, 0)
+
+
+@pytest.mark.parametrize("form", ["", "0/"])
+def test_legacy_k1_step_is_unverified_and_loads(tmp_path, form):
+    st = make(tmp_path, K=1)
+    payloads = write_legacy(st.layout, 3, form)
+    assert st.status(3).status == "unverified"
+    assert st.read_commit(3) is None
+    assert st.verify(3) is None
+    assert_batch_equal(st.read_inner(3, 0, 0), payloads[(0, 0)])
+    assert st.read_meta(3, 0, 0) == {"global_steps": 3}
+
+
+def test_read_commit_validates(tmp_path):
+    st = make(tmp_path, K=2)
+    write_step(st, 1)
+    assert st.read_commit(2) is None
+    path = st.layout.commit_path(1)
+    doc = json.loads(path.read_text())
+    for mutate, reason in [
+        (lambda d: d.update(K=3), "K=3"),
+        (lambda d: d.update(step=9), "step 9"),
+        (lambda d: d.update(format=99), "format"),
+        (lambda d: d["files"].pop(), "does not list"),
+        (lambda d: d["files"].append({"rel": "../x", "bytes": 1, "checksum": "a"}), "unsafe"),
+    ]:
+        d = json.loads(json.dumps(doc))
+        mutate(d)
+        path.write_text(json.dumps(d))
+        with pytest.raises(CorruptStepError, match=reason):
+            st.read_commit(1)
+    path.write_text("{not json")
+    with pytest.raises(CorruptStepError, match="does not parse"):
+        st.read_commit(1)
+
+
+def test_clear_step_unlinks_the_commit_record_first(tmp_path, monkeypatch):
+    st = make(tmp_path, K=2)
+    write_step(st, 1)
+    write_step(st, 2)
+    size = sum(p.stat().st_size for p in st.layout.step_dir(1).rglob("*") if p.is_file())
+
+    def interrupted(*a, **k):
+        raise OSError("interrupted")
+
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
+    assert st.clear_step(1) == size
+    assert not st.layout.step_dir(1).exists()            # renamed away before removal
+    (trash,) = [p for p in st.layout.root.iterdir() if p.name.startswith(".trash-")]
+    assert not (trash / "commit.json").exists()          # the commit record went first
+    assert (trash / "0" / "tq_batch.pt").exists()        # the rest was still there when removal stopped
+    monkeypatch.undo()
+    assert st.clear_step(2) > 0 and not st.layout.step_dir(2).exists()
+    assert st.clear_step(2) == 0 and st.clear_step(99) == 0
+    report = scan_namespace(st.layout)
+    assert report.steps == () and len(report.leftovers) == 1   # the interrupted removal's trash
+
+
+def test_symlinked_step_dir_is_never_followed(tmp_path):
+    st = make(tmp_path, K=1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_text("keep me")
+    st.layout.root.mkdir(parents=True)
+    link = st.layout.step_dir(1)
+    os.symlink(outside, link)
+    torch.save(batch(1, 0), outside / "tq_batch.pt")
+    (outside / "meta.json").write_text("{}")
+    assert st.status(1).status == "incomplete"
+    with pytest.raises(CorruptStepError, match="symlink"):
+        st.read_inner(1, 0, 0)
+    with pytest.raises(CorruptStepError, match="symlink"):
+        st.read_commit(1)
+    assert st.verify(1) is not None
+    # writing replaces the link by a real directory; nothing is written outside
+    write_step(st, 1)
+    assert not link.is_symlink() and link.is_dir()
+    assert sorted(os.listdir(outside)) == ["meta.json", "sentinel", "tq_batch.pt"]
+    assert (outside / "sentinel").read_text() == "keep me"
+    assert st.status(1).status == "complete"
+    # clearing a linked step removes the link only
+    os.symlink(outside, st.layout.step_dir(2))
+    assert st.clear_step(2) > 0
+    assert not os.path.lexists(st.layout.step_dir(2)) and (outside / "sentinel").exists()
+
+
+def test_symlinked_inner_dir_is_never_followed(tmp_path):
+    st = make(tmp_path, K=2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_text("keep me")
+    step_dir = st.layout.step_dir(1)
+    step_dir.mkdir(parents=True)
+    os.symlink(outside, step_dir / "1")
+    assert st.status(1).status == "incomplete"
+    write_step(st, 1)
+    assert os.listdir(outside) == ["sentinel"]
+    assert not (step_dir / "1").is_symlink()
+    assert st.status(1).status == "complete" and st.verify(1) is None
+
+
+def test_payload_file_that_is_a_symlink_is_not_read(tmp_path):
+    st = make(tmp_path)
+    write_step(st, 1)
+    target = tmp_path / "elsewhere.pt"
+    torch.save(batch(1, 0), target)
+    pay = st.layout.payload_path(1, 0, 0)
+    pay.unlink()
+    os.symlink(target, pay)
+    with pytest.raises(CorruptStepError, match="symlink"):
+        st.read_inner(1, 0, 0)
+    assert st.status(1).status == "incomplete"
+
+
+# ---------------------------------------------------------------------------------------------
+# interrupted writes: fail at every point of the protocol in turn
+
+
+class Boom(Exception):
+    pass
+
+
+def _instrument(monkeypatch, fail_at):
+    """Count every protocol operation; raise Boom at operation number `fail_at` (None: never)."""
+    counter = {"n": 0, "ops": []}
+    targets = [
+        (os, "fsync"), (os, "replace"), (os, "rename"), (os, "mkdir"), (os, "unlink"),
+        (codec, "save_to"), (store_mod.json, "dumps"), (store_mod, "write_file_at"),
+    ]
+    for mod, name in targets:
+        orig = getattr(mod, name)
+
+        def wrapped(*a, __orig=orig, __name=name, **k):
+            n = counter["n"]
+            counter["n"] += 1
+            counter["ops"].append(__name)
+            if fail_at is not None and n == fail_at:
+                raise Boom(f"{__name} #{n}")
+            return __orig(*a, **k)
+
+        monkeypatch.setattr(mod, name, wrapped)
+    return counter
+
+
+def _protocol(st, step):
+    entries = []
+    for i in range(st.layout.K):
+        entries += st.write_inner(step, i, 0, batch(step, i), {"note": "x"})
+    st.commit(step, entries, Fingerprint({"seed": 1}))
+
+
+def _check_no_partial_final_files(st, step):
+    lay = st.layout
+    for i in range(lay.K):
+        pay, meta = lay.payload_path(step, i, 0), lay.meta_path(step, i, 0)
+        if pay.exists():
+            assert_batch_equal(codec.load_from(pay), batch(step, i))
+        if meta.exists():
+            assert json.loads(meta.read_text())["bytes"] == pay.stat().st_size
+    if lay.commit_path(step).exists():
+        store_mod.parse_commit(lay.commit_path(step).read_bytes(), lay, step, lay.commit_path(step))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_write_interrupted_at_every_point(tmp_path, monkeypatch, K):
+    probe = make(tmp_path / "probe", K=K)
+    with monkeypatch.context() as m:
+        total = _instrument(m, None)
+        _protocol(probe, 1)
+    n_ops = total["n"]
+    assert n_ops >= 8 * K
+    for fail_at in range(n_ops):
+        st = make(tmp_path / f"run{fail_at}", K=K)
+        with monkeypatch.context() as m:
+            counter = _instrument(m, fail_at)
+            with pytest.raises(Boom):
+                _protocol(st, 1)
+            failed_op = counter["ops"][-1]
+        report = classify_step(st.layout, 1)
+        committed = st.layout.commit_path(1).exists()
+        assert report.status in ("complete", "incomplete"), (fail_at, failed_op, report)
+        assert (report.status == "complete") == committed, (fail_at, failed_op, report)
+        if committed:  # only the very last directory fsync can fail after the commit record is in place
+            assert st.verify(1) is None
+        _check_no_partial_final_files(st, 1)
+        assert temp_files(st.layout.root) == [], (fail_at, failed_op)
+        # the step can be written again from inner index 0
+        st.clear_step(1)
+        _protocol(st, 1)
+        assert st.status(1).status == "complete" and st.verify(1) is None
+
+
+KILL_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from pathlib import Path
+    from skip_harness.layout import Layout
+    from skip_harness.store import StepStore
+    st = StepStore(Layout(Path(sys.argv[1]), K=2, W=1))
+    g = torch.Generator().manual_seed(0)
+    step = 1
+    while True:
+        entries = []
+        for i in range(2):
+            # many small tensors: most of the time goes into writing, so kills land mid-file
+            payload = {"many": [torch.randn(64, generator=g) for _ in range(3000)], "step": step}
+            entries += st.write_inner(step, i, 0, payload, {"step": step})
+        st.commit(step, entries, None)
+        sys.stdout.write(f"{step}\\n"); sys.stdout.flush()
+        step += 1
+    """
+)
+
+
+def test_killed_writer_leaves_only_complete_or_incomplete_steps(tmp_path):
+    root = tmp_path / "ns"
+    for delay in (0.1, 0.35):
+        proc = subprocess.Popen([sys.executable, "-c", KILL_WRITER, str(root)], stdout=subprocess.PIPE,
+                                text=True, env=subprocess_env())
+        try:
+            assert proc.stdout.readline().strip() == "1", "the writer did not start"
+            time.sleep(delay)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+        lay = Layout(root, K=2, W=1)
+        report = scan_namespace(lay)
+        statuses = {s.status for s in report.steps}
+        assert statuses <= {"complete", "incomplete"}, report
+        assert report.by_status("complete")
+        st = StepStore(lay)
+        for s in report.by_status("complete"):
+            assert st.verify(s.step) is None
+        # even in the step that was being written, no file under its final name is partial
+        for s in report.steps[-2:]:
+            for i in range(2):
+                if lay.payload_path(s.step, i, 0).exists():
+                    assert codec.load_from(lay.payload_path(s.step, i, 0))["step"] == s.step
+                if lay.meta_path(s.step, i, 0).exists():
+                    assert json.loads(lay.meta_path(s.step, i, 0).read_text())["step"] == s.step
+        shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("die_in", ["payload", "meta"])
+def test_process_dying_inside_a_write_leaves_no_partial_final_file(tmp_path, die_in):
+    """Deterministic version of the kill test: a forked writer calls os._exit halfway through a file."""
+    import multiprocessing
+
+    st = make(tmp_path, K=1)
+    payload = {"x": torch.randn(1 << 16), "step": 1}
+
+    def child():
+        orig = store_mod.HashingWriter.write
+
+        def write(self, data):
+            view = memoryview(data).cast("B")
+            is_meta = self.bytes == 0 and bytes(view[:1]) == b"{"
+            if (die_in == "meta") == is_meta and len(view) > 8:
+                orig(self, view[: len(view) // 2])
+                self.flush()
+                os._exit(17)  # dies with the file half written: no cleanup code runs
+            return orig(self, data)
+
+        store_mod.HashingWriter.write = write
+        st.write_inner(1, 0, 0, payload, {"note": "x"})
+        os._exit(0)
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 17
+    lay = st.layout
+    assert len(temp_files(lay.root)) == 1                     # the half-written file kept its temp name
+    assert lay.payload_path(1, 0, 0).exists() == (die_in == "meta")
+    if die_in == "meta":
+        assert torch.equal(codec.load_from(lay.payload_path(1, 0, 0))["x"], payload["x"])
+    assert not lay.meta_path(1, 0, 0).exists()
+    r = st.status(1)
+    assert r.status == "incomplete" and ".tmp-" in r.reason
+    st.clear_step(1)
+    write_step(st, 1)
+    assert st.verify(1) is None
