@@ -362,7 +362,7 @@ class CleanupPlan:
             if item.path.parent != root or item.path != layout.step_dir(item.step):
                 errors.append(f"{item.path}: not a step of namespace {root}; left alone")
                 continue
-            log = logger.warning if item.status == "corrupt" else logger.info
+            log = logger.info  # the caller reports (WARNING for corrupt steps): the result lists every item
             try:
                 if item.action == "delete":
                     freed += store.clear_step(item.step)
@@ -391,8 +391,6 @@ class CleanupPlan:
                         errors.append(f"{lo.path}: removal failed: {exc}")
             finally:
                 os.close(root_fd)
-        for e in errors:
-            logger.warning("cleanup: %s", e)
         return CleanupResult(tuple(done), freed, tuple(errors), moved, tuple(quarantined))
 
 

@@ -309,12 +309,12 @@ def test_plan_does_nothing_until_executed(tmp_path):
 def test_delete_removes_incomplete_and_corrupt_steps_only(tmp_path, caplog):
     st = _mixed_namespace(tmp_path)
     plan = plan_cleanup(scan_namespace(st.layout), "delete")
-    with caplog.at_level("WARNING", logger="skip_harness"):
+    with caplog.at_level("INFO", logger="skip_harness"):
         result = plan.execute()
     assert result.errors == () and result.freed_bytes == plan.expected_freed_bytes
-    assert [i.step for i in result.items] == [3, 4]
+    assert [(i.step, i.status) for i in result.items] == [(3, "incomplete"), (4, "corrupt")]
     assert {s.step: s.status for s in scan_namespace(st.layout).steps} == {1: "complete", 2: "unverified"}
-    assert "corrupt step 4" in caplog.text                  # a corrupt step gets a WARNING
+    assert "corrupt step 4 deleted" in caplog.text
     assert not [p for p in st.layout.root.iterdir() if p.name.startswith(".trash-")]
 
 
