@@ -72,8 +72,13 @@ class StartupResult:
             f"{len(incomplete)} incomplete{_steps(incomplete)}, {len(corrupt)} corrupt{_steps(corrupt)}"
         )
         if self.cleanup is not None and self.cleanup.items:
-            verb = "deleted" if self.cleanup_action == "delete" else "quarantined"
-            line += f" -> {verb} {len(self.cleanup.items)} ({human_bytes(self.cleanup.freed_bytes)})"
+            if self.cleanup_action == "delete":
+                line += f" -> deleted {len(self.cleanup.items)} ({human_bytes(self.cleanup.freed_bytes)})"
+            else:
+                line += (
+                    f" -> quarantined {len(self.cleanup.items)} ({human_bytes(self.cleanup.moved_bytes)}) "
+                    f"under {self.layout.quarantine_dir}"
+                )
         elif incomplete or corrupt:
             line += " -> left in place (skip.rollout_tq.cleanup=off; rewritten when generated)"
         return line
@@ -97,7 +102,7 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
         cleanup = None
         if action != "off":
             plan = plan_cleanup(report, action)
-            if plan.items:
+            if plan.items or plan.leftovers:
                 cleanup = plan.execute()
         return StartupResult(layout, report, cleanup, action, lock, was_held)
     except BaseException:

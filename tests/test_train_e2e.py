@@ -120,7 +120,7 @@ def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
 
 
 def test_run_completed_after_a_killed_run_is_identical(tmp_path):
-    mode = MODES["separate_async"] + ["trainer.total_training_steps=8"]
+    mode = MODES["separate_async"] + ["trainer.total_training_steps=40"]
     train(tmp_path, *mode, "skip.rollout_tq.enable=false", run="uncached")
     cmd = [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path / 'killed'}", *TINY, *mode]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -133,7 +133,7 @@ def test_run_completed_after_a_killed_run_is_identical(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     killed = metrics(tmp_path / "killed")
-    assert 3 <= len(killed) < 8
+    assert 3 <= len(killed) < 40
     train(tmp_path, *mode, run="resumed")
     rows = metrics(tmp_path / "resumed")
     assert rows[0]["cache"] == "hit" and rows[-1]["cache"] == "miss"
