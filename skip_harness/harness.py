@@ -478,12 +478,19 @@ class SkipHarness:
             path = str(self.layout.inner_dir(step, inner))
             self._fault(path, f"cache write failed ({state.failed}); step {step} stays uncommitted, training goes on")
 
-    def _commit(self, step: int, state: _StepState, entries: List[FileEntry]) -> None:
+    def _commit(self, step: int, state: _StepState, entries: List[FileEntry]) -> bool:
+        """Write the commit record (one process, or rank 0); True when it is durable."""
         try:
             self.store.commit(step, entries, self.fingerprint)
         except Exception as exc:
             self._write_failed(step, self.K - 1, state, exc)
-            return
+            return False
+        if self.dist.world_size == 1:
+            self._committed(step, state)
+        return True
+
+    def _committed(self, step: int, state: _StepState) -> None:
+        """Book-keeping once a step is committed; with W > 1 every rank calls it together."""
         with self._lock:
             self._servable.add(step)
             self._stats["misses"] += 1
@@ -494,7 +501,11 @@ class SkipHarness:
         self.callbacks.on_step_end(record=StepRecord(step, MISS, self.K, None, state.bytes, state.gen_s))
 
     def _finalize_ready(self, everything: bool = False) -> None:
-        """W > 1: commit the steps whose K samples ended two decision points ago (or all, at close)."""
+        """W > 1: commit the steps whose K samples ended two decision points ago (or all, at close).
+
+        Every rank calls this at the same decision points with the same steps, so the collectives
+        line up and every rank ends with the same set of servable steps.
+        """
         if self.dist.world_size == 1:
             return
         ready = [
@@ -506,20 +517,19 @@ class SkipHarness:
             state.written.wait()
             local = None if state.failed else [e for i in range(self.K) for e in state.entries[i]]
             gathered = self.dist.gather(local)
-            if any(g is None for g in gathered):
-                if state.failed is None:
-                    self._fault(str(self.layout.step_dir(step)), "another rank failed to write its shard; not committed")
-                state.closed = True
-                self._stats["uncommitted"] += 1
-            elif self.dist.is_main:
-                self._commit(step, state, [e for part in gathered for e in part])
+            committed = False
+            if all(g is not None for g in gathered):
+                if self.dist.is_main:
+                    committed = self._commit(step, state, [e for part in gathered for e in part])
+                committed = self.dist.broadcast(committed)
+            elif state.failed is None:
+                self._fault(str(self.layout.step_dir(step)), "another rank failed to write its shard; not committed")
+            if committed:
+                self._committed(step, state)
             else:
-                with self._lock:
-                    self._servable.add(step)
-                    self._stats["misses"] += 1
-                    self._stats["gen_s_spent"] += state.gen_s
                 state.closed = True
-            self._open.discard(step)
+                self._open.discard(step)
+                self._stats["uncommitted"] += 1
 
     def _end_short_steps(self, before: Optional[int] = None) -> None:
         for step in sorted(self._open):
