@@ -1,0 +1,341 @@
+"""Draw the runs of the demo: time generating vs the rest, loss and reward per step, one line per run.
+
+    python scripts/plot.py RUNS_DIR [-o plot.png]
+
+RUNS_DIR is one run directory, a sweep directory, or a folder of them: every `metrics.jsonl` under it
+is a run (hidden directories such as `.hydra` are not searched). A run is labelled by its trainer mode
+and K, read from the `.hydra/config.yaml` next to its metrics (plus the seed when the runs differ in
+seed), or by its directory name when that file says nothing. Steps served from the cache (`cache` is
+`hit` or `repeat`) have hollow markers; generated steps have filled ones.
+
+Bad input (no such directory, no metrics.jsonl, a line that is not a JSON object with a step) stops
+with one message naming the path, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+log = logging.getLogger("skip_harness.plot")
+
+METRICS_NAME = "metrics.jsonl"
+SERVED = ("hit", "repeat")   # `cache` values of steps whose rollouts came from the cache
+
+
+class PlotInputError(Exception):
+    """RUNS_DIR or a metrics file cannot be used; the message names the path."""
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path                        # the run directory (holding metrics.jsonl)
+    rows: Tuple[Dict[str, Any], ...]  # metrics.jsonl, one dict a step, in file order
+    mode: Optional[str]
+    K: Optional[int]
+    seed: Optional[int]
+    name: str = ""                    # the run directory relative to RUNS_DIR (its own name if it is RUNS_DIR)
+    label: str = ""
+
+    @property
+    def steps(self) -> List[int]:
+        return [int(r["step"]) for r in self.rows]
+
+    def series(self, key: str) -> List[float]:
+        return [_number(r.get(key)) for r in self.rows]
+
+    @property
+    def rest_s(self) -> List[float]:
+        """Seconds of each step not spent generating: step_s - gen_s, else train_s."""
+        out = []
+        for r in self.rows:
+            step_s, gen_s = _number(r.get("step_s")), _number(r.get("gen_s"))
+            out.append(step_s - gen_s if not (math.isnan(step_s) or math.isnan(gen_s)) else _number(r.get("train_s")))
+        return out
+
+    @property
+    def served(self) -> List[bool]:
+        return [r.get("cache") in SERVED for r in self.rows]
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return float("nan")
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------------
+# finding and reading runs
+
+
+def read_metrics(path: Path) -> List[Dict[str, Any]]:
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlotInputError(f"{path}: cannot be read: {exc}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise PlotInputError(f"{path}:{n}: not a JSON line: {exc}") from None
+        if not isinstance(row, dict):
+            raise PlotInputError(f"{path}:{n}: not a JSON object")
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise PlotInputError(f"{path}:{n}: has no integer 'step'")
+        rows.append(row)
+    return rows
+
+
+def read_run_config(run_dir: Path) -> Tuple[Optional[str], Optional[int], Optional[int]]:
+    """(trainer mode, K, seed) from run_dir/.hydra/config.yaml; None for what it does not say."""
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return None, None, None
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(path)
+        mode = OmegaConf.select(cfg, "trainer.v1.trainer_mode", default=None)
+        k = OmegaConf.select(cfg, "trainer.v1.separate_async.parameter_sync_step", default=None)
+        seed = OmegaConf.select(cfg, "seed", default=None)
+    except Exception as exc:  # a config we cannot read only costs the label
+        log.warning("%s: cannot be read (%s); labelling the run by its directory name", path, exc)
+        return None, None, None
+    mode = str(mode) if mode is not None else None
+    if mode is None:
+        K = None
+    elif mode == "separate_async":
+        K = int(k) if isinstance(k, int) and not isinstance(k, bool) else None
+    else:
+        K = 1
+    seed = int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else None
+    return mode, K, seed
+
+
+def _metrics_files(root: Path) -> List[Path]:
+    if root.is_file():
+        return [root] if root.name == METRICS_NAME else []
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):  # never follows symlinked directories
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        if METRICS_NAME in filenames:
+            found.append(Path(dirpath) / METRICS_NAME)
+    return found
+
+
+def find_runs(root: os.PathLike | str) -> List[Run]:
+    """Every run under `root` (a run directory, a sweep, a folder of them, or a metrics.jsonl), with
+    its label, sorted by mode, K, seed and path. Raises PlotInputError naming the path."""
+    root = Path(root)
+    if not root.exists():
+        raise PlotInputError(f"{root}: no such directory")
+    if not (root.is_dir() or root.is_file()):
+        raise PlotInputError(f"{root}: not a directory")
+    files = _metrics_files(root)
+    if not files:
+        raise PlotInputError(f"{root}: no {METRICS_NAME} found under it")
+    runs = []
+    for path in files:
+        rows = read_metrics(path)
+        if not rows:
+            log.warning("%s: no steps yet; skipped", path)
+            continue
+        mode, K, seed = read_run_config(path.parent)
+        rel = path.parent.relative_to(root) if root.is_dir() else Path(path.parent.name)
+        name = str(rel) if str(rel) != "." else (path.parent.resolve().name or str(path.parent))
+        runs.append(Run(path.parent, tuple(rows), mode, K, seed, name))
+    if not runs:
+        raise PlotInputError(f"{root}: every {METRICS_NAME} under it is empty")
+    return label_runs(runs)
+
+
+def _distinguishing(run: Run, group: Sequence[Run]) -> str:
+    """The parts of run.name (a relative path) that differ within `group`, e.g. 'rerun' for
+    'rerun/0_separate_async_K1' next to 'first/0_separate_async_K1'."""
+    parts = [Path(r.name).parts for r in group]
+    mine = Path(run.name).parts
+    if any(len(p) != len(mine) for p in parts):
+        return run.name
+    keep = [c for i, c in enumerate(mine) if len({p[i] for p in parts}) > 1]
+    return "/".join(keep) or run.name
+
+
+def label_runs(runs: Sequence[Run]) -> List[Run]:
+    """'mode K=k' (plus ' seed=s' when the runs differ in seed); the directory name when the config
+    says nothing, or added when two runs would otherwise share a label."""
+    seeds = {r.seed for r in runs if r.mode is not None}
+    with_seed = len(seeds) > 1
+
+    def base(r: Run) -> str:
+        if r.mode is None or r.K is None:
+            return r.name or str(r.path)
+        text = f"{r.mode} K={r.K}"
+        if with_seed and r.seed is not None:
+            text += f" seed={r.seed}"
+        return text
+
+    bases = [base(r) for r in runs]
+    labels = []
+    for b, r in zip(bases, runs):
+        same = [o for o, ob in zip(runs, bases) if ob == b]
+        labels.append(b if len(same) == 1 or b == r.name else f"{b} ({_distinguishing(r, same)})")
+    out = [dataclasses.replace(r, label=lab) for r, lab in zip(runs, labels)]
+    out.sort(key=lambda r: (r.mode is None, r.mode or "", r.K or 0, r.seed or 0, str(r.path)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# drawing
+
+
+def _marked_line(ax, x: Sequence[int], y: Sequence[float], served: Sequence[bool], color, linestyle: str,
+                 marker: str, size: float, label: Optional[str] = None) -> None:
+    ax.plot(x, y, color=color, linestyle=linestyle, linewidth=1.4, label=label)
+    filled = [(a, b) for a, b, s in zip(x, y, served) if not s]
+    hollow = [(a, b) for a, b, s in zip(x, y, served) if s]
+    if filled:
+        ax.plot(*zip(*filled), linestyle="none", marker=marker, markersize=size, color=color)
+    if hollow:
+        ax.plot(*zip(*hollow), linestyle="none", marker=marker, markersize=size, markerfacecolor="white",
+                markeredgecolor=color, markeredgewidth=1.2)
+
+
+def _clip_outliers(ax, values: Sequence[float]) -> None:
+    """Keep a few outliers (a first step that warms everything up) from flattening the rest: cap the
+    y axis and mark each step above it with a triangle on the top edge."""
+    finite = sorted(v for v in values if not math.isnan(v))
+    if len(finite) < 8:
+        return
+    p95 = finite[int(0.95 * (len(finite) - 1))]
+    if p95 <= 0 or finite[-1] <= 3 * p95:
+        return
+    top = 1.6 * p95
+    ax.set_ylim(bottom=min(0.0, finite[0]), top=top)
+    above = 0
+    for line in list(ax.get_lines()):
+        if line.get_linestyle() in ("None", "none", ""):  # the marker overlays repeat their line's points
+            continue
+        xs = [x for x, y in zip(line.get_xdata(), line.get_ydata()) if not math.isnan(y) and y > top]
+        if xs:
+            above += len(xs)
+            ax.plot(xs, [top] * len(xs), marker="^", markersize=7, color=line.get_color(), linestyle="none",
+                    clip_on=False)
+    ax.text(0.99, 0.98, f"axis capped at {top:.2f} s: \u25b2 marks {above} value{'s' if above != 1 else ''} "
+            f"above it (up to {finite[-1]:.2f} s)", transform=ax.transAxes, ha="right", va="top", fontsize=7,
+            color="0.35", bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
+
+
+def draw(runs: Sequence[Run], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    longest = max(len(r.rows) for r in runs)
+    size = 5 if longest <= 40 else 3 if longest <= 150 else 1.5
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
+    (ax_time, ax_cum), (ax_loss, ax_reward) = axes
+    per_step_values: List[float] = []
+    for n, run in enumerate(runs):
+        c = colors[n % len(colors)]
+        x, served = run.steps, run.served
+        gen, rest = run.series("gen_s"), run.rest_s
+        per_step_values += gen + rest
+        _marked_line(ax_time, x, gen, served, c, "-", "o", size)
+        _marked_line(ax_time, x, rest, served, c, "--", "s", size * 0.8)
+        cum_total, cum_gen, t_all, t_gen = [], [], 0.0, 0.0
+        for g, r in zip(gen, rest):
+            g, r = (0.0 if math.isnan(g) else g), (0.0 if math.isnan(r) else r)
+            t_gen += g
+            t_all += g + r
+            cum_gen.append(t_gen)
+            cum_total.append(t_all)
+        _marked_line(ax_cum, x, cum_gen, served, c, "-", "o", size)
+        _marked_line(ax_cum, x, cum_total, served, c, ":", "D", size * 0.8)
+        _marked_line(ax_loss, x, run.series("loss"), served, c, "-", "o", size)
+        _marked_line(ax_reward, x, run.series("reward_mean"), served, c, "-", "o", size)
+    _clip_outliers(ax_time, per_step_values)
+
+    ax_time.set_title("seconds per step: generating (solid) vs the rest (dashed)", fontsize=10)
+    ax_time.set_ylabel("seconds")
+    ax_cum.set_title("cumulative seconds: generating (solid), whole steps (dotted)", fontsize=10)
+    ax_cum.set_ylabel("seconds")
+    ax_loss.set_title("loss", fontsize=10)
+    ax_reward.set_title("reward_mean", fontsize=10)
+    for ax in (ax_loss, ax_reward):
+        ax.set_xlabel("step")
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+
+    handles = [Line2D([], [], color=colors[n % len(colors)], linewidth=2.5, label=run.label)
+               for n, run in enumerate(runs)]
+    handles += [
+        Line2D([], [], color="0.3", linestyle="-", label="generating"),
+        Line2D([], [], color="0.3", linestyle="--", label="rest of the step"),
+        Line2D([], [], color="0.3", linestyle=":", label="whole steps"),
+        Line2D([], [], color="0.3", marker="o", linestyle="none", label="generated"),
+        Line2D([], [], color="0.3", marker="o", linestyle="none", markerfacecolor="white",
+               label="served from the cache"),
+    ]
+    ncol = min(len(handles), 4 if len(runs) > 4 else len(handles))
+    fig.suptitle(title, y=0.995)
+    legend = fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.97), ncol=ncol, fontsize=8,
+                        frameon=False)
+    fig.canvas.draw()
+    legend_bottom = legend.get_window_extent().transformed(fig.transFigure.inverted()).y0
+    fig.tight_layout(rect=(0, 0, 1, legend_bottom + 0.02))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs_dir", metavar="RUNS_DIR", help="a run directory, a sweep directory, or a folder of them")
+    p.add_argument("-o", "--output", default="plot.png", help="the PNG to write (default: plot.png)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="[plot] %(message)s")
+    log.setLevel(logging.INFO)
+    out = Path(args.output)
+    if out.suffix.lower() != ".png" or out.is_dir():
+        log.error("%s: -o must name a .png file", out)
+        return 2
+    try:
+        runs = find_runs(args.runs_dir)
+        served = sum(sum(r.served) for r in runs)
+        title = f"{Path(args.runs_dir).resolve().name}: {len(runs)} run{'s' if len(runs) != 1 else ''}"
+        if served:
+            title += f", {served} steps served from the cache"
+        draw(runs, out, title)
+    except PlotInputError as exc:
+        log.error("%s", exc)
+        return 2
+    except ImportError as exc:
+        log.error("plotting needs matplotlib (pip install 'skip_harness[plot]'): %s", exc)
+        return 2
+    except OSError as exc:
+        log.error("%s: cannot be written: %s", out, exc.strerror or exc)
+        return 2
+    for run in runs:
+        log.info("drew %s (%d steps, %d served from the cache): %s", run.label, len(run.rows), sum(run.served), run.path)
+    log.info("wrote %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
