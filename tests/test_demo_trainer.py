@@ -161,6 +161,22 @@ def test_settings_are_checked(accelerator):
 # --------------------------------------------------------------------------- the trainer
 
 
+@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
+def test_undispatched_step_generates_on_demand_with_the_step_start_weights(mode, accelerator):
+    settings = SMALL_BY_MODE[mode]
+    batches = {}
+    for dispatch in (True, False):
+        trainer = DemoTrainer(settings, accelerator)
+        trainer.prepare_data(1, dispatch=dispatch)
+        batches[dispatch] = []
+        for _ in range(settings.K):
+            batches[dispatch].append(trainer.sample(1))
+            trainer.train_on(1, batches[dispatch][-1])
+        trainer.close()
+    for a, b in zip(batches[True], batches[False]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
 def test_cached_steps_give_bit_identical_metrics(mode, accelerator):
     settings = SMALL_BY_MODE[mode]

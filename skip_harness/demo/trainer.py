@@ -172,9 +172,9 @@ class DemoTrainer:
         self._drain()  # no generation may still be reading the rollout weights
         prepared = _PreparedStep(shards, shard_uids)
         self._prepared = {step: prepared}  # a step prepared but never sampled (a hit) is dropped here
+        self._sync_rollout_weights()  # a copy, not a generation: the step's K mini-batches use these weights
         if not dispatch:
             return
-        self._sync_rollout_weights()
         for inner_index in range(s.K):
             if s.mode == "sync":
                 prepared.jobs.append(None)  # generated in the caller's thread when sampled
@@ -188,7 +188,7 @@ class DemoTrainer:
             prompts = self._val_prepared.pop(step, None)
             if prompts is None:
                 raise RuntimeError(f"sample(step={step}, validate=True) before prepare_data(step={step}, validate=True)")
-            responses, logprobs, mask = self.accelerator.unwrap_model(self.actor).generate(
+            responses, _, mask = self.accelerator.unwrap_model(self.actor).generate(
                 prompts, self.settings.max_response_length, n=1, temperature=0.0
             )
             return {
@@ -207,8 +207,7 @@ class DemoTrainer:
         job = prepared.jobs[inner_index] if inner_index < len(prepared.jobs) else None
         if job is not None:
             return job.result()
-        if not prepared.jobs:  # prepared without dispatch, yet asked to generate: do it now
-            self._sync_rollout_weights()
+        # sync mode, or prepared without dispatch yet asked to generate: generate here, now
         self.generations += 1
         return self._generate(step, inner_index, prepared)
 
