@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from dataclasses import replace
 from pathlib import Path
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
