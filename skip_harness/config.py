@@ -114,9 +114,9 @@ class TrainerConfig:
 
 @dataclass
 class DataConfig:
-    train_batch_size: int = 32
+    train_batch_size: int = 512
     max_prompt_length: int = 8
-    max_response_length: int = 8
+    max_response_length: int = 10
     val_batch_size: int = 32
 
 

@@ -86,8 +86,15 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
 
     trainer = DemoTrainer(demo_settings(demo), accelerator)
     harness.wrap(trainer)
-    rows: List[Dict[str, Any]] = []
     total = demo.trainer.total_training_steps
+    say = log.info if dist.is_main else log.debug
+    say(
+        "training %d steps: mode=%s K=%d W=%d, run dir %s, rollout cache %s",
+        total, demo.trainer.v1.trainer_mode, demo.K, dist.world_size, out_dir,
+        harness.layout.root if harness.enabled else "off",
+    )
+
+    rows: List[Dict[str, Any]] = []
     metrics_file = None
     bar = None
     if dist.is_main:
@@ -97,12 +104,6 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
             from tqdm import tqdm
 
             bar = tqdm(total=total, desc=f"{demo.trainer.v1.trainer_mode} K={demo.K}", unit="step", dynamic_ncols=True)
-    say = log.info if dist.is_main else log.debug
-    say(
-        "training %d steps: mode=%s K=%d W=%d, run dir %s, rollout cache %s",
-        total, demo.trainer.v1.trainer_mode, demo.K, dist.world_size, out_dir,
-        harness.layout.root if harness.enabled else "off",
-    )
 
     def on_step_end(step: int, metrics: Dict[str, Any]) -> None:
         row = {"step": step, "cache": harness.outcome(step), **metrics}
@@ -115,13 +116,22 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
             bar.update(1)
 
     t0 = time.perf_counter()
+    if bar is not None:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        console = logging_redirect_tqdm()  # log lines print above the bar instead of through it
+    else:
+        console = nullcontext()
     try:
-        trainer.fit(total, on_step_end=on_step_end, test_freq=demo.trainer.test_freq)
+        with console:
+            try:
+                trainer.fit(total, on_step_end=on_step_end, test_freq=demo.trainer.test_freq)
+            finally:
+                if bar is not None:
+                    bar.close()
     finally:
         summary = harness.close()
         harness.unwrap()
-        if bar is not None:
-            bar.close()
         if metrics_file is not None:
             metrics_file.close()
     gen = sum(r.get("gen_s", 0.0) for r in rows)
