@@ -1,0 +1,80 @@
+"""The hook dispatcher and the Hydra callback that runs the startup before the task function."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from skip_harness.callbacks import CallbackDispatcher, HarnessCallback, HydraStartupCallback
+from skip_harness.config import register_configs, to_demo_config
+from skip_harness.harness import SkipHarness
+from skip_harness.lock import probe
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def test_dispatcher_orders_hooks_and_survives_a_broken_callback(caplog):
+    seen = []
+
+    class Named(HarnessCallback):
+        def __init__(self, name):
+            self.name = name
+
+        def on_step_start(self, **kw):
+            seen.append(("start", self.name))
+
+        def on_end(self, **kw):
+            seen.append(("end", self.name))
+
+    class Broken(HarnessCallback):
+        def on_step_start(self, **kw):
+            raise RuntimeError("observer bug")
+
+    d = CallbackDispatcher([Named("a"), Broken(), Named("b")])
+    with caplog.at_level(logging.ERROR, logger="skip_harness"):
+        d.on_step_start(step=1, decision=None, future_argument=True)
+        d.on_end(summary=None)
+    assert seen == [("start", "a"), ("start", "b"), ("end", "b"), ("end", "a")]
+    assert "observer bug" in caplog.text
+
+
+def compose_demo(tmp_path, *overrides):
+    register_configs()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", [f"skip.rollout_tq.dump_dir={tmp_path}", *overrides])
+
+
+def test_hydra_callback_holds_the_lock_from_job_start_to_job_end(tmp_path, caplog):
+    cfg = compose_demo(tmp_path, "data.train_batch_size=8")
+    demo = to_demo_config(cfg)
+    layout = demo.namespace_key(1).layout(tmp_path)
+    stale = layout.step_dir(3)
+    stale.mkdir(parents=True)
+    (stale / "tq_batch.pt").write_bytes(b"half a file")
+    cb = HydraStartupCallback()
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        cb.on_job_start(config=cfg, task_function=None)
+    assert not stale.exists()  # cleaned before the task function
+    assert f"pid {os.getpid()}" in probe(layout)
+    assert caplog.text.count("1 incomplete [3]") == 1
+    harness = SkipHarness(demo.skip.rollout_tq, demo.namespace_key(1))
+    harness.start()  # the same process: re-entrant, no second summary line at INFO
+    harness.close()
+    assert f"pid {os.getpid()}" in probe(layout)  # still held by the callback
+    cb.on_job_end(config=cfg, job_return=None)
+    assert probe(layout) is None
+
+
+def test_hydra_callback_leaves_a_bad_config_to_the_task_function(tmp_path):
+    cfg = compose_demo(tmp_path, "trainer_mode=separate_async", "data.train_batch_size=6")
+    HydraStartupCallback().on_job_start(config=cfg, task_function=None)
+    assert list(tmp_path.iterdir()) == []  # nothing created for a config that will be refused
+
+
+def test_hydra_callback_does_nothing_on_other_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    cfg = compose_demo(tmp_path)
+    HydraStartupCallback().on_job_start(config=cfg, task_function=None)
+    assert list(tmp_path.iterdir()) == []
