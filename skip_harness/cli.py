@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from skip_harness import lock as _lock
+from skip_harness.callbacks import human_bytes
 from skip_harness import scan as _scan
 from skip_harness.errors import LockHeldError
 from skip_harness.layout import Layout, parse_namespace_leaf
@@ -30,15 +31,6 @@ def _out(text: str = "") -> None:
 
 def _err(text: str) -> None:
     sys.stderr.write(f"skip-harness: {text}\n")
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def namespaces_under(path: Path) -> List[Layout]:
