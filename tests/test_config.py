@@ -1,0 +1,64 @@
+"""Schemas and cross-field checks: every error names its key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from skip_harness.config import DemoConfig, RolloutTQConfig, namespace_key_from_config, to_demo_config
+from skip_harness.errors import ConfigError
+
+
+def demo(*dotlist):
+    return to_demo_config(OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.from_dotlist(list(dotlist))))
+
+
+def test_dump_dir_explicit_key_beats_env_which_beats_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("SKIP_HARNESS_DUMP_DIR", raising=False)
+    default = RolloutTQConfig().resolved_dump_dir()
+    assert default.parts[-2:] == ("skip_harness", "rollouts")
+    monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", str(tmp_path / "env"))
+    assert RolloutTQConfig().resolved_dump_dir() == tmp_path / "env"
+    assert RolloutTQConfig(dump_dir=str(tmp_path / "key")).resolved_dump_dir() == tmp_path / "key"
+
+
+@pytest.mark.parametrize(
+    "dotlist, key",
+    [
+        (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=0"],
+         "trainer.v1.separate_async.parameter_sync_step"),
+        (["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=30"], "data.train_batch_size"),
+        (["trainer.v1.trainer_mode=fast"], "trainer.v1.trainer_mode"),
+        (["skip.rollout_tq.lock_timeout=-1"], "skip.rollout_tq.lock_timeout"),
+        (["actor_rollout_ref.rollout.n=0"], "actor_rollout_ref.rollout.n"),
+    ],
+)
+def test_cross_field_errors_name_the_key(dotlist, key):
+    with pytest.raises(ConfigError) as err:
+        demo(*dotlist)
+    assert err.value.key == key and str(err.value).startswith(key)
+
+
+def test_k_is_one_outside_separate_async_whatever_parameter_sync_step_says():
+    assert demo("trainer.v1.separate_async.parameter_sync_step=8").K == 1
+    assert demo("trainer.v1.trainer_mode=colocate_async", "trainer.v1.separate_async.parameter_sync_step=8").K == 1
+    assert demo("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=8").K == 8
+
+
+def test_world_size_must_divide_the_per_sample_batch():
+    cfg = demo("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4",
+               "data.train_batch_size=12")
+    with pytest.raises(ConfigError, match="K x W = 4 x 2"):
+        cfg.check_world_size(2)
+    with pytest.raises(ConfigError, match="data.train_batch_size"):
+        namespace_key_from_config(OmegaConf.structured(cfg), 2)
+    assert namespace_key_from_config(OmegaConf.structured(cfg), 3).leaf_name == "GBS12_N8_in8_out10_K4_W3"
+
+
+def test_rollout_tq_rejects_non_int_steps_and_unknown_choices():
+    with pytest.raises(ConfigError, match=r"skip.rollout_tq.steps\[1\]"):
+        RolloutTQConfig(steps=[1, 0])
+    with pytest.raises(ConfigError, match="skip.rollout_tq.action"):
+        RolloutTQConfig(action="replay")
+    assert RolloutTQConfig(action="repeat", cleanup="off").action.value == "repeat"
