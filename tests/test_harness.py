@@ -366,3 +366,11 @@ def test_lock_held_by_another_process(tmp_path):
     import os
 
     assert f"pid {os.getpid()}" in proc.stdout and "lock_timeout" in proc.stdout
+
+
+def test_merged_step_concatenates_inner_batches_in_order(tmp_path):
+    h, t = make(tmp_path, 3)
+    out = run_steps(h, t, [1], 3)
+    merged = h.merged(1)
+    assert torch.equal(merged["x"], torch.cat([b["x"] for b in out[1]]))
+    assert torch.equal(merged["ids"], torch.cat([b["ids"] for b in out[1]]))
