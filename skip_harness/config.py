@@ -109,6 +109,9 @@ class TrainerConfig:
     total_training_steps: int = 20
     test_freq: int = 0
     progress: bool = True
+    # torch intra-op threads; null: the machine's cores / processes per machine. Fixed so a run gives
+    # the same bits under any launcher (Hydra's joblib workers would otherwise run with one thread).
+    torch_threads: Optional[int] = None
     v1: TrainerV1Config = field(default_factory=TrainerV1Config)
 
 

@@ -83,6 +83,8 @@ def test_bad_world_size_split_names_the_key(tmp_path):
 def sweep(tmp_path: Path, name: str, *extra: str):
     cmd = [
         sys.executable, str(TRAIN), "-m", *TINY, "trainer.total_training_steps=2",
+        # big enough that torch splits reductions across threads, so a thread-count drift would show
+        "data.train_batch_size=64", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.model.d_model=64",
         "trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1,2",
         f"hydra.sweep.dir={tmp_path / name}", *extra,
     ]
@@ -93,13 +95,18 @@ def sweep(tmp_path: Path, name: str, *extra: str):
     return runs
 
 
-@pytest.mark.parametrize("launcher", [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]], ids=["basic", "joblib"])
-def test_sweep_over_k_gets_own_namespaces_and_rerun_hits(tmp_path, launcher):
-    first = sweep(tmp_path, "sweep1", *launcher)
-    again = sweep(tmp_path, "sweep2", *launcher)
+BASIC: list = []
+JOBLIB = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+
+
+@pytest.mark.parametrize("first_launcher, second_launcher", [(BASIC, JOBLIB), (JOBLIB, BASIC)], ids=["basic-then-joblib", "joblib-then-basic"])
+def test_sweep_over_k_gets_own_namespaces_and_rerun_hits(tmp_path, first_launcher, second_launcher):
+    first = sweep(tmp_path, "sweep1", *first_launcher)
+    again = sweep(tmp_path, "sweep2", *second_launcher)
     leaves = sorted(p.name for p in (tmp_path / "cache").glob("*/GBS*"))
-    assert leaves == ["GBS8_N2_in6_out6", "GBS8_N2_in6_out6_K2_W1"]
+    assert leaves == ["GBS64_N8_in6_out6", "GBS64_N8_in6_out6_K2_W1"]
     for a, b in zip(first, again):
         assert [r["cache"] for r in metrics(a)] == ["miss", "miss"]
         assert [r["cache"] for r in metrics(b)] == ["hit", "hit"]
+        # the same bits under either launcher (joblib's workers would default to one torch thread)
         assert training_metrics(metrics(a)) == training_metrics(metrics(b))

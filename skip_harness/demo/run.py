@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import torch
 from omegaconf import OmegaConf
 
 from ..config import DEMO_FINGERPRINT_KEYS, DemoConfig, to_demo_config
@@ -76,6 +77,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
 
     accelerator = Accelerator(cpu=True)
     dist = DistContext.current()
+    threads = demo.trainer.torch_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
     demo.check_world_size(dist.world_size)
     out_dir = _run_dir(run_dir)
     fingerprint = Fingerprint.from_config(OmegaConf.structured(demo), DEMO_FINGERPRINT_KEYS)
@@ -89,8 +92,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
     total = demo.trainer.total_training_steps
     say = log.info if dist.is_main else log.debug
     say(
-        "training %d steps: mode=%s K=%d W=%d, run dir %s, rollout cache %s",
-        total, demo.trainer.v1.trainer_mode, demo.K, dist.world_size, out_dir,
+        "training %d steps: mode=%s K=%d W=%d, %d torch threads, run dir %s, rollout cache %s",
+        total, demo.trainer.v1.trainer_mode, demo.K, dist.world_size, threads, out_dir,
         harness.layout.root if harness.enabled else "off",
     )
 
