@@ -41,7 +41,3 @@ class CorruptStepError(SkipHarnessError):
 
 class HarnessUsageError(SkipHarnessError):
     """The trainer used the harness in a way the contract forbids (e.g. more than K samples in a step)."""
-
-
-class CacheWriteWarning(UserWarning):
-    """A cache write failed; the run goes on without caching that step."""

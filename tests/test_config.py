@@ -62,3 +62,20 @@ def test_rollout_tq_rejects_non_int_steps_and_unknown_choices():
     with pytest.raises(ConfigError, match="skip.rollout_tq.action"):
         RolloutTQConfig(action="replay")
     assert RolloutTQConfig(action="repeat", cleanup="off").action.value == "repeat"
+
+
+def test_own_trainer_config_can_use_the_rollout_tq_schema(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from skip_harness.config import register_configs, rollout_tq_from
+
+    (tmp_path / "config.yaml").write_text(
+        "defaults:\n  - skip: rollout_tq_schema\n  - _self_\nskip:\n  rollout_tq:\n    enable: true\n"
+    )
+    register_configs()
+    with initialize_config_dir(str(tmp_path), version_base="1.3"):
+        settings = rollout_tq_from(compose("config", ["skip.rollout_tq.action=repeat"]))
+        assert settings.enable and settings.action.value == "repeat" and settings.cleanup.value == "delete"
+        with pytest.raises(ConfigCompositionException, match="skip.rollout_tq.action"):
+            compose("config", ["skip.rollout_tq.action=bogus"])
