@@ -419,6 +419,7 @@ class SkipHarness:
             kind = state.decision.kind
             self._stats["hits" if kind == HIT else "repeats"] += 1
             state.closed = True
+            state.metas = []  # keep only the small book-keeping of finished steps
             self._open.discard(step)
             self.callbacks.on_step_end(
                 record=StepRecord(step, kind, self.K, source, state.bytes, state.load_s, state.unverified)
@@ -496,6 +497,7 @@ class SkipHarness:
             self._stats["misses"] += 1
             self._stats["gen_s_spent"] += state.gen_s
         state.closed = True
+        state.entries = {}
         self._open.discard(step)
         self.callbacks.on_commit(step=step, bytes=state.bytes)
         self.callbacks.on_step_end(record=StepRecord(step, MISS, self.K, None, state.bytes, state.gen_s))
