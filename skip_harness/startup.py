@@ -9,6 +9,7 @@ from typing import FrozenSet, Optional, Tuple
 
 from .callbacks import human_bytes
 from .config import RolloutTQConfig
+from .errors import ConfigError
 from .fingerprint import Fingerprint
 from .layout import Layout
 from .lock import NamespaceLock
@@ -95,7 +96,12 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
     """Lock, scan, and clean (per `skip.rollout_tq.cleanup`) one namespace. Raises LockHeldError."""
     lock = NamespaceLock(layout, timeout=settings.lock_timeout if timeout is None else timeout)
     was_held = lock.held_by_this_process
-    lock.acquire()
+    try:
+        lock.acquire()
+    except OSError as exc:  # not a directory, not writable, no flock on this filesystem...
+        raise ConfigError(
+            "skip.rollout_tq.dump_dir", f"cannot use {layout.root} for the rollout cache: {exc.strerror or exc}"
+        ) from None
     try:
         report = scan_namespace(layout)
         action = settings.cleanup.value if hasattr(settings.cleanup, "value") else str(settings.cleanup)

@@ -254,3 +254,14 @@ def test_lock_held_by_another_run(tmp_path):
         holder.kill()
         holder.wait()
     train(tmp_path, "trainer.total_training_steps=1", run="after")  # the OS released the dead holder's lock
+
+
+def test_unusable_dump_dir_names_the_key_and_the_path(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = train(tmp_path, f"skip.rollout_tq.dump_dir={blocker}", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "skip.rollout_tq.dump_dir" in out and str(blocker) in out and "Not a directory" in out
+    assert "Traceback" not in out
+    assert blocker.read_text() == "not a directory"
