@@ -181,6 +181,9 @@ class DemoConfig:
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
+        threads = self.trainer.torch_threads
+        if threads is not None and threads < 1:
+            raise ConfigError("trainer.torch_threads", f"must be >= 1 or null (cores / processes per machine), got {threads}")
         if self.trainer.test_freq < 0:
             raise ConfigError("trainer.test_freq", f"must be >= 0 (0 = no validation), got {self.trainer.test_freq}")
         check_batch_split(self.data.train_batch_size, self.K, 1)

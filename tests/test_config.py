@@ -32,6 +32,7 @@ def test_dump_dir_explicit_key_beats_env_which_beats_the_user_cache(monkeypatch,
         (["trainer.v1.trainer_mode=fast"], "trainer.v1.trainer_mode"),
         (["skip.rollout_tq.lock_timeout=-1"], "skip.rollout_tq.lock_timeout"),
         (["actor_rollout_ref.rollout.n=0"], "actor_rollout_ref.rollout.n"),
+        (["trainer.torch_threads=0"], "trainer.torch_threads"),
     ],
 )
 def test_cross_field_errors_name_the_key(dotlist, key):
