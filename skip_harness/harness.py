@@ -56,7 +56,6 @@ class _StepState:
     entries: Dict[int, Tuple[FileEntry, ...]] = field(default_factory=dict)
     failed: Optional[str] = None
     completed_epoch: Optional[int] = None
-    closed: bool = False
     written: threading.Event = field(default_factory=threading.Event)
 
 
@@ -376,7 +375,8 @@ class SkipHarness:
             self.dist.barrier()
         self._states[step] = state
         if decision.kind != OFF:
-            self._open.add(step)
+            with self._lock:
+                self._open.add(step)
         self._outcomes[step] = decision.kind
         if decision.kind == OFF:
             self._stats["off"] += 1
@@ -418,9 +418,8 @@ class SkipHarness:
         if state.sampled == self.K:
             kind = state.decision.kind
             self._stats["hits" if kind == HIT else "repeats"] += 1
-            state.closed = True
             state.metas = []  # keep only the small book-keeping of finished steps
-            self._open.discard(step)
+            self._close(step)
             self.callbacks.on_step_end(
                 record=StepRecord(step, kind, self.K, source, state.bytes, state.load_s, state.unverified)
             )
@@ -496,9 +495,8 @@ class SkipHarness:
             self._servable.add(step)
             self._stats["misses"] += 1
             self._stats["gen_s_spent"] += state.gen_s
-        state.closed = True
+            self._open.discard(step)
         state.entries = {}
-        self._open.discard(step)
         self.callbacks.on_commit(step=step, bytes=state.bytes)
         self.callbacks.on_step_end(record=StepRecord(step, MISS, self.K, None, state.bytes, state.gen_s))
 
@@ -511,8 +509,8 @@ class SkipHarness:
         if self.dist.world_size == 1:
             return
         ready = [
-            (s, st) for s, st in ((s, self._states[s]) for s in sorted(self._open))
-            if st.decision.kind == MISS and not st.closed and st.completed_epoch is not None
+            (s, st) for s, st in ((s, self._states[s]) for s in self._open_steps())
+            if st.decision.kind == MISS and st.completed_epoch is not None
             and (everything or st.completed_epoch <= self._epoch - 2)
         ]
         for step, state in ready:
@@ -529,24 +527,31 @@ class SkipHarness:
             if committed:
                 self._committed(step, state)
             else:
-                state.closed = True
-                self._open.discard(step)
+                self._close(step)
                 self._stats["uncommitted"] += 1
 
     def _end_short_steps(self, before: Optional[int] = None) -> None:
-        for step in sorted(self._open):
+        for step in self._open_steps():
             state = self._states[step]
             if before is not None and step >= before:
                 continue
-            if state.decision.kind == MISS and 0 < state.sampled < self.K and not state.closed:
-                state.closed = True
+            if state.decision.kind == MISS and 0 < state.sampled < self.K:
+                self._close(step)
                 self._stats["uncommitted"] += 1
                 self._fault(
                     str(self.layout.step_dir(step)),
                     f"step ended after {state.sampled} of K = {self.K} sample calls; not committed "
                     "(its files are incomplete and are cleaned at the next startup)",
                 )
-                self._open.discard(step)
+
+    def _open_steps(self) -> List[int]:
+        """The steps not yet closed, in order (a snapshot: the writer thread closes steps too)."""
+        with self._lock:
+            return sorted(self._open)
+
+    def _close(self, step: int) -> None:
+        with self._lock:
+            self._open.discard(step)
 
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)
