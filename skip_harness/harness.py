@@ -387,18 +387,18 @@ class SkipHarness:
         """Verify this rank's files of `source` and load its K mini-batches (memory-mapped)."""
         t0 = time.perf_counter()
         rank = self.dist.rank
-        reason = self.store.verify(source, ranks=[rank])
+        status, reason = self.store.verify_status(source, ranks=[rank])
         path = str(self.layout.step_dir(source))
         if reason is None:
             try:
-                batches = [self.store.read_inner(source, i, rank) for i in range(self.K)]
+                batches = self.store.read_step(source, rank)
                 metas = [self.store.read_meta(source, i, rank) for i in range(self.K)]
             except (CorruptStepError, OSError, ValueError) as exc:
                 reason = str(exc)
         if reason is not None:
             self._fault(path, f"{reason}; step {source} is not served and will be regenerated whole")
             return False, None
-        unverified = self.store.status(source).status == "unverified"
+        unverified = status == "unverified"
         nbytes = sum(int(m.get("bytes", 0)) for m in metas)
         return True, (batches, metas, unverified, time.perf_counter() - t0, nbytes)
 
@@ -566,7 +566,7 @@ class SkipHarness:
     def merged(self, step: int) -> Any:
         """The whole committed step: its K mini-batches (this rank's shards) concatenated in order."""
         self.flush()
-        return codec.merge([self.store.read_inner(step, i, self.dist.rank) for i in range(self.K)])
+        return codec.merge(self.store.read_step(step, self.dist.rank))
 
     def flush(self) -> None:
         """Wait until every queued write is durable (and, with one process, committed)."""

@@ -427,22 +427,18 @@ class StepStore:
             raise CorruptStepError(path, "missing") from None
         return path
 
-    def _payload_rel(self, step: int, inner_index: int, rank: int) -> str:
-        """The payload's rel path; for K = 1 falls back to the older `0/` form when that is what exists."""
-        rel = self.layout.payload_rel(inner_index, rank)
+    def _existing_rel(self, step: int, rel: str, legacy_rel: str) -> str:
+        """`rel`, or for K = 1 the older `0/` form `legacy_rel` when that is what exists."""
         if self.layout.K == 1 and not os.path.lexists(self.layout.step_dir(step) / rel):
-            legacy = self.layout.legacy_k1_rel(rank)[0]
-            if os.path.lexists(self.layout.step_dir(step) / legacy):
-                return legacy
+            if os.path.lexists(self.layout.step_dir(step) / legacy_rel):
+                return legacy_rel
         return rel
 
+    def _payload_rel(self, step: int, inner_index: int, rank: int) -> str:
+        return self._existing_rel(step, self.layout.payload_rel(inner_index, rank), self.layout.legacy_k1_rel(rank)[0])
+
     def _meta_rel(self, step: int, inner_index: int, rank: int) -> str:
-        rel = self.layout.meta_rel(inner_index, rank)
-        if self.layout.K == 1 and not os.path.lexists(self.layout.step_dir(step) / rel):
-            legacy = self.layout.legacy_k1_rel(rank)[1]
-            if os.path.lexists(self.layout.step_dir(step) / legacy):
-                return legacy
-        return rel
+        return self._existing_rel(step, self.layout.meta_rel(inner_index, rank), self.layout.legacy_k1_rel(rank)[1])
 
     # ---- writing
 
@@ -590,17 +586,26 @@ class StepStore:
         """None if the step can be served, else a reason naming the file. For a complete step the size
         and checksum of every listed file are checked (only the payload and meta files of `ranks`, if
         given; unknown extra files always). An unverified (older) step passes when its files exist."""
+        return self.verify_status(step, ranks)[1]
+
+    def verify_status(self, step: int, ranks: Optional[Iterable[int]] = None) -> Tuple[str, Optional[str]]:
+        """`verify`, also telling the step's status as classified on the way ('complete', 'unverified',
+        'incomplete' or 'corrupt'), so a caller that needs both classifies the step once."""
         report = self.status(step)
         if report.status in ("incomplete", "corrupt"):
-            return f"{report.status}: {report.reason}"
+            return report.status, f"{report.status}: {report.reason}"
         if report.status == "unverified":
-            return None
+            return report.status, None
         try:
             record = self.read_commit(step)
         except CorruptStepError as exc:
-            return str(exc)
+            return "corrupt", str(exc)
         if record is None:
-            return f"{self.layout.commit_path(step)}: commit record disappeared"
+            return "incomplete", f"{self.layout.commit_path(step)}: commit record disappeared"
+        reason = self._check_files(step, record, ranks)
+        return ("corrupt" if reason else "complete"), reason
+
+    def _check_files(self, step: int, record: CommitRecord, ranks: Optional[Iterable[int]]) -> Optional[str]:
         wanted = None if ranks is None else set(ranks)
         rank_of: Dict[str, int] = {}
         for _i, r, prel, mrel in expected_rels(self.layout):

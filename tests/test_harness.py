@@ -64,7 +64,7 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("K", [1, 3])
-def test_first_run_misses_rerun_hits_same_batches(tmp_path, K):
+def test_first_run_misses_rerun_hits_same_batches(tmp_path, K, caplog):
     h, t = make(tmp_path, K)
     first = run_steps(h, t, [1, 2, 3], K)
     assert t.dispatched == [1, 2, 3] and len(t.generated) == 3 * K
@@ -73,7 +73,9 @@ def test_first_run_misses_rerun_hits_same_batches(tmp_path, K):
     assert [s.status for s in report.steps] == ["complete"] * 3
 
     h2, t2 = make(tmp_path, K, trainer=Trainer(tag=7))  # a different generator would give other data
-    second = run_steps(h2, t2, [1, 2, 3], K)
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        second = run_steps(h2, t2, [1, 2, 3], K)
+    assert f"step 3: hit, K={K}" in caplog.text  # committed steps are verified hits, not "unverified"
     assert t2.generated == [] and t2.dispatched == []
     assert [p for p, _ in t2.prepared] == [1, 2, 3]  # the data stream still advances
     assert [h2.outcome(s) for s in (1, 2, 3)] == ["hit"] * 3
