@@ -7,6 +7,7 @@ DUMP_DIR may be the cache root, one `{experiment}_{project}` directory, or one n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -91,10 +92,10 @@ def cmd_verify(layouts: List[Layout], as_json: bool) -> int:
         store = StepStore(layout)
         steps: List[_scan.StepReport] = []
         for s in report.steps:
-            if s.status == "complete":
-                reason = store.verify(s.step)
+            if s.status == "complete":  # the scan classified it: only the checksums are left to read
+                reason = store.verify_checksums(s.step)
                 if reason is not None:
-                    s = _scan.StepReport(s.step, s.path, "corrupt", s.bytes, reason, s.fingerprint, s.has_commit)
+                    s = dataclasses.replace(s, status="corrupt", reason=reason)
             steps.append(s)
             any_corrupt |= s.status == "corrupt"
         if as_json:

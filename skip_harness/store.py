@@ -596,16 +596,18 @@ class StepStore:
             return report.status, f"{report.status}: {report.reason}"
         if report.status == "unverified":
             return report.status, None
+        reason = self.verify_checksums(step, ranks)
+        return ("corrupt" if reason else "complete"), reason
+
+    def verify_checksums(self, step: int, ranks: Optional[Iterable[int]] = None) -> Optional[str]:
+        """For a step already classified complete: size and checksum of every file its commit record
+        lists (of `ranks`, if given). None if they all match, else a reason naming the file."""
         try:
             record = self.read_commit(step)
         except CorruptStepError as exc:
-            return "corrupt", str(exc)
+            return str(exc)
         if record is None:
-            return "incomplete", f"{self.layout.commit_path(step)}: commit record disappeared"
-        reason = self._check_files(step, record, ranks)
-        return ("corrupt" if reason else "complete"), reason
-
-    def _check_files(self, step: int, record: CommitRecord, ranks: Optional[Iterable[int]]) -> Optional[str]:
+            return f"{self.layout.commit_path(step)}: commit record disappeared"
         wanted = None if ranks is None else set(ranks)
         rank_of: Dict[str, int] = {}
         for _i, r, prel, mrel in expected_rels(self.layout):
