@@ -165,12 +165,7 @@ class DemoConfig:
     skip: SkipConfig = field(default_factory=SkipConfig)
 
     def __post_init__(self) -> None:
-        mode = self.trainer.v1.trainer_mode
-        if mode not in TRAINER_MODES:
-            raise ConfigError("trainer.v1.trainer_mode", f"unknown mode {mode!r}; expected one of {', '.join(TRAINER_MODES)}")
-        k = self.trainer.v1.separate_async.parameter_sync_step
-        if k < 1:
-            raise ConfigError("trainer.v1.separate_async.parameter_sync_step", f"must be >= 1, got {k}")
+        k_for(self.trainer.v1.trainer_mode, self.trainer.v1.separate_async.parameter_sync_step)
         positive = {
             "data.train_batch_size": self.data.train_batch_size,
             "data.max_prompt_length": self.data.max_prompt_length,
@@ -191,9 +186,7 @@ class DemoConfig:
     @property
     def K(self) -> int:
         """Sample calls per step: parameter_sync_step in separate_async, else 1."""
-        if self.trainer.v1.trainer_mode == "separate_async":
-            return self.trainer.v1.separate_async.parameter_sync_step
-        return 1
+        return k_for(self.trainer.v1.trainer_mode, self.trainer.v1.separate_async.parameter_sync_step)
 
     def check_world_size(self, world_size: int) -> None:
         check_batch_split(self.data.train_batch_size, self.K, world_size)
@@ -261,17 +254,21 @@ def _select(cfg: Any, key: str) -> Any:
     return value
 
 
-def k_from_config(cfg: Any) -> int:
-    """K for any verl-keyed config: parameter_sync_step in separate_async, else 1."""
-    mode = str(_select(cfg, "trainer.v1.trainer_mode"))
+def k_for(mode: str, parameter_sync_step: Optional[int]) -> int:
+    """K from the trainer mode: parameter_sync_step in separate_async, else 1. Checks both keys."""
     if mode not in TRAINER_MODES:
         raise ConfigError("trainer.v1.trainer_mode", f"unknown mode {mode!r}; expected one of {', '.join(TRAINER_MODES)}")
+    if parameter_sync_step is not None and parameter_sync_step < 1:
+        raise ConfigError("trainer.v1.separate_async.parameter_sync_step", f"must be >= 1, got {parameter_sync_step}")
+    return parameter_sync_step if mode == "separate_async" else 1
+
+
+def k_from_config(cfg: Any) -> int:
+    """K for any verl-keyed config (parameter_sync_step is only required in separate_async)."""
+    mode = str(_select(cfg, "trainer.v1.trainer_mode"))
     if mode != "separate_async":
-        return 1
-    k = int(_select(cfg, "trainer.v1.separate_async.parameter_sync_step"))
-    if k < 1:
-        raise ConfigError("trainer.v1.separate_async.parameter_sync_step", f"must be >= 1, got {k}")
-    return k
+        return k_for(mode, None)
+    return k_for(mode, int(_select(cfg, "trainer.v1.separate_async.parameter_sync_step")))
 
 
 def namespace_key_from_config(cfg: Any, world_size: int) -> NamespaceKey:
