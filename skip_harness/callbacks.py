@@ -212,9 +212,10 @@ class HydraStartupCallback(_HydraCallback):  # type: ignore[misc]
             log.debug("skip_harness startup deferred to the harness: %s", exc)
             return
         self._held[id(config)] = result
+        report = LoggingCallback()  # the same lines the harness logs when it does the startup itself
         for path, reason in result.faults():
-            log.warning("%s: %s", path, reason)
-        log.info("%s", result.describe())
+            report.on_fault(path=path, reason=reason)
+        report.on_startup(namespace=str(layout.root), startup=result)
 
     def on_job_end(self, config: Any, **kwargs: Any) -> None:
         result = self._held.pop(id(config), None)
