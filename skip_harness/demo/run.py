@@ -19,7 +19,6 @@ from omegaconf import OmegaConf
 
 from ..config import DEMO_FINGERPRINT_KEYS, DemoConfig, to_demo_config
 from ..dist import DistContext
-from ..fingerprint import Fingerprint
 from ..harness import SkipHarness
 
 log = logging.getLogger("skip_harness.demo")
@@ -81,10 +80,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
     torch.set_num_threads(threads)
     demo.check_world_size(dist.world_size)
     out_dir = _run_dir(run_dir)
-    fingerprint = Fingerprint.from_config(OmegaConf.structured(demo), DEMO_FINGERPRINT_KEYS)
-    harness = SkipHarness(
-        demo.skip.rollout_tq, demo.namespace_key(dist.world_size), fingerprint=fingerprint, dist=dist
-    )
+    harness = SkipHarness.from_config(OmegaConf.structured(demo), fingerprint_keys=DEMO_FINGERPRINT_KEYS, dist=dist)
     harness.start()  # lock, scan, cleanup, fingerprint check: before any work
 
     trainer = DemoTrainer(demo_settings(demo), accelerator)
