@@ -1,33 +1,73 @@
-"""The namespace lock and its holder record.
+"""The namespace lock, its holder record, and the shared-filesystem run marker.
 
-One process per run holds `{namespace}/.lock` (an flock, so the operating system releases it when
-the process dies) for as long as the run lasts. The lock is re-entrant within a process: a Hydra
-callback may take it first and the harness again. Whoever holds it writes `{namespace}/.lock.holder.json`
-(pid, host, since) so that a refused run can say who is in the way.
+One process per run holds `{namespace}/.lock` (an flock through `filelock`, so the operating system
+releases it when the process dies) for as long as the run lasts, and writes
+`{namespace}/.lock.holder.json` (pid, host, since) so that a refused run can say who is in the way.
+
+- Links are never followed: a `.lock` that is not a regular file is refused (never opened), the
+  holder record and the run markers are written under a temporary name and renamed into place
+  (which replaces a link as a link) and read with O_NOFOLLOW.
+- A second lock on a namespace this process already holds is refused like another process's
+  (`LockHeldError`), unless it is taken with `reentrant=True` (the Hydra startup callback hands the
+  namespace over to the harness that way).
+- A namespace that cannot be written (a read-only mount, no permission) raises `ReadOnlyCache`, so
+  the caller can still serve complete steps with no lock, no cleanup and no writes.
+- No holder record outlives its run: the last release removes it even when the run stops on an
+  error (every lock still held is released at interpreter exit), and a record left by a killed
+  process is replaced by the next holder and reported as stale, never as the holder.
 """
 from __future__ import annotations
 
+import atexit
 import errno
-import fcntl
 import json
 import logging
 import os
+import re
+import secrets
 import socket
 import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import filelock
 
-from skip_harness.errors import LockHeldError
-from skip_harness.layout import Layout
-from skip_harness.store import write_file_at
+from skip_harness.errors import LockHeldError, SkipHarnessError
+from skip_harness.layout import TMP_PREFIX, Layout
 
 logger = logging.getLogger("skip_harness.lock")
 
 TIMEOUT_KEY = "skip.rollout_tq.lock_timeout"
+DUMP_DIR_KEY = "skip.rollout_tq.dump_dir"
+RUN_MARKER_PREFIX = ".run-marker-"
+
+_READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class ReadOnlyCache(SkipHarnessError):
+    """The namespace cannot be written (read-only mount, no permission): serve complete steps only,
+    with no lock, no cleanup and no writes."""
+
+    def __init__(self, path, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"{path}: cannot be written ({reason}); {DUMP_DIR_KEY} is read-only here, so complete steps "
+            "are served and nothing is locked, cleaned or written"
+        )
+
+
+class UnsafeLockFileError(SkipHarnessError):
+    """`.lock` is a symbolic link or another non-regular file: never opened or followed."""
+
+
+# ---------------------------------------------------------------------------------------- holder
 
 
 @dataclass(frozen=True)
@@ -43,116 +83,246 @@ class LockHolder:
     def to_json(self) -> dict:
         return {"pid": self.pid, "host": self.host, "since": self.since}
 
+    def is_alive(self) -> Optional[bool]:
+        """Whether the process it names is running: None when it is on another host (unknowable)."""
+        if self.host != socket.gethostname():
+            return None
+        if self.pid <= 0:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # exists, owned by someone else
+            return True
+        return True
 
-def read_holder(layout: Layout) -> Optional[LockHolder]:
-    """The holder record of a namespace, None if absent or unreadable (never follows a symlink)."""
+
+def _read_small_json(dir_path, name: str) -> Optional[dict]:
+    """A small JSON document `name` in `dir_path`, None if absent, not a regular file or unreadable."""
     try:
-        fd = os.open(layout.lock_holder_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(dir_path, name), _READ_FLAGS)
     except OSError:
         return None
     try:
-        with open(fd, "rb", closefd=False) as f:
-            doc = json.loads(f.read(65536))
-        return LockHolder(int(doc["pid"]), str(doc["host"]), float(doc["since"]))
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        doc = json.loads(os.read(fd, 65536))
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
     finally:
         os.close(fd)
 
 
-def probe(layout: Layout) -> Optional[str]:
-    """Without creating or writing anything: a description of who holds the namespace lock (any
-    process, this one included), or None if nobody does."""
-    try:
-        fd = os.open(layout.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
+def read_holder(layout: Layout) -> Optional[LockHolder]:
+    """The holder record of a namespace, None if absent or unreadable (never follows a symlink).
+    It may be stale (its process killed): see `stale_holder`."""
+    doc = _read_small_json(layout.root, layout.lock_holder_path.name)
+    if doc is None:
         return None
-    except OSError as exc:
-        return f"unknown holder ({layout.lock_path}: {exc.strerror})"
     try:
+        return LockHolder(int(doc["pid"]), str(doc["host"]), float(doc["since"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _write_small_file(dir_path, name: str, data: bytes) -> None:
+    """Write `data` as `dir_path/name` atomically: a new temporary file (O_EXCL | O_NOFOLLOW), made
+    durable, renamed into place (a link at `name` is replaced, never followed)."""
+    dir_fd = os.open(dir_path, _DIR_FLAGS)
+    try:
+        tmp = f"{TMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                holder = read_holder(layout)
-                return holder.describe() if holder else "unknown holder"
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
             raise
-        return None
+        try:
+            os.fsync(dir_fd)
+        except OSError:
+            pass
     finally:
-        os.close(fd)  # also drops the shared lock
+        os.close(dir_fd)
+
+
+def _remove_regular_file(dir_path, name: str, only_if=None) -> bool:
+    """Unlink `dir_path/name` if it is a regular file (a link is removed as a link only when
+    `only_if` is None); `only_if(doc)` must approve its JSON content. True if removed."""
+    path = os.path.join(dir_path, name)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if only_if is not None:
+        if not stat.S_ISREG(st.st_mode) or not only_if(_read_small_json(dir_path, name)):
+            return False
+    elif not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------- the lock
+
+
+def _file_lock(path: str) -> filelock.BaseFileLock:
+    # One instance per path in this process (is_singleton), shared by all threads. No soft-lock
+    # fallback: a lock must be released by the operating system when its process dies.
+    return filelock.FileLock(path, is_singleton=True, thread_local=False, fallback_to_soft=False)
+
+
+def _check_lock_file(layout: Layout) -> None:
+    path = layout.lock_path
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise UnsafeLockFileError(
+            f"{path} is {kind}; skip_harness never follows or opens it (nothing outside the namespace "
+            "is written): remove it (the link itself, not its target) and rerun"
+        )
+
+
+def _describe_holder(layout: Layout) -> str:
+    holder = read_holder(layout)
+    if holder is None:
+        return "unknown holder"
+    if holder.is_alive() is False:
+        return f"unknown holder (the holder record names pid {holder.pid} on this host, which is not running)"
+    return holder.describe()
+
+
+_GUARD = threading.RLock()      # check-then-acquire and release are atomic within the process
+_HELD: List["NamespaceLock"] = []  # locks this process holds, released at exit if the run did not
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    for lock in reversed(list(_HELD)):
+        try:
+            lock.release(all_levels=True)
+        except Exception:  # pragma: no cover - best effort at interpreter exit
+            pass
 
 
 class NamespaceLock:
-    """Exclusive, process-wide, re-entrant lock on one namespace.
+    """Exclusive lock on one namespace, for this process.
 
-    `timeout` is how long `acquire` waits for another process: 0 gives up at once; a negative value
-    waits forever."""
+    `timeout`: how long `acquire` waits for another process (0 gives up at once, negative waits
+    forever). `reentrant`: take a namespace that another NamespaceLock of this process already holds
+    (a hand-over, e.g. Hydra callback -> harness); without it that is refused with LockHeldError.
+    The same NamespaceLock object may be acquired several times (released as often)."""
 
-    def __init__(self, layout: Layout, timeout: float = 0.0):
+    def __init__(self, layout: Layout, timeout: float = 0.0, *, reentrant: bool = False):
         self.layout = layout
         self.timeout = float(timeout)
+        self.reentrant = bool(reentrant)
         self._lock: Optional[filelock.BaseFileLock] = None
         self._levels = 0
-        self._guard = threading.Lock()
 
     def _file_lock(self) -> filelock.BaseFileLock:
         if self._lock is None:
-            # Same path -> same instance within this process (is_singleton), shared by all threads.
-            self._lock = filelock.FileLock(
-                str(self.layout.lock_path), is_singleton=True, thread_local=False, fallback_to_soft=False
-            )
+            self._lock = _file_lock(str(self.layout.lock_path))
         return self._lock
 
     def acquire(self) -> None:
+        """Take the lock. Raises LockHeldError (held by another process, or by another lock of this
+        process without `reentrant`), ReadOnlyCache (the namespace cannot be written),
+        UnsafeLockFileError (`.lock` is a link), or OSError (e.g. the path is not a directory)."""
         root = self.layout.root
-        os.makedirs(root, exist_ok=True)
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            if exc.errno in _READ_ONLY_ERRNOS:
+                raise ReadOnlyCache(root, exc.strerror or str(exc)) from None
+            raise
+        _check_lock_file(self.layout)
         lock = self._file_lock()
-        with self._guard:
+        with _GUARD:
+            if self._levels == 0 and lock.is_locked and not self.reentrant:
+                raise LockHeldError(
+                    f"namespace {root} is already in use by this process ({_describe_holder(self.layout)}): "
+                    "another harness holds it; close that one first or use another trainer.experiment_name"
+                )
             try:
                 lock.acquire(timeout=self.timeout, poll_interval=0.05)
             except filelock.Timeout:
-                holder = read_holder(self.layout)
-                who = holder.describe() if holder else "unknown holder"
                 waited = "did not wait" if self.timeout == 0 else f"waited {self.timeout:g} s"
                 raise LockHeldError(
-                    f"namespace {root} is in use by {who} ({waited}; set {TIMEOUT_KEY} to wait longer, "
-                    f"or use another trainer.experiment_name)"
+                    f"namespace {root} is in use by {_describe_holder(self.layout)} ({waited}; set "
+                    f"{TIMEOUT_KEY} to wait longer, or use another trainer.experiment_name)"
                 ) from None
+            except OSError as exc:
+                if exc.errno in _READ_ONLY_ERRNOS:
+                    raise ReadOnlyCache(root, exc.strerror or str(exc)) from None
+                raise
             self._levels += 1
+            if self not in _HELD:
+                _HELD.append(self)
             if lock.lock_counter == 1:
                 try:
                     self._write_holder()
                 except OSError as exc:
+                    if exc.errno in _READ_ONLY_ERRNOS:
+                        self.release(all_levels=True)
+                        raise ReadOnlyCache(root, exc.strerror or str(exc)) from None
                     logger.warning("%s: could not write the lock holder record: %s", root, exc)
         logger.debug("namespace lock %s taken (level %d)", self.layout.lock_path, lock.lock_counter)
 
     def _write_holder(self) -> None:
         holder = LockHolder(os.getpid(), socket.gethostname(), time.time())
-        data = json.dumps(holder.to_json()).encode()
-        root_fd = os.open(self.layout.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            write_file_at(root_fd, self.layout.lock_holder_path.name, lambda f: f.write(data))
-        finally:
-            os.close(root_fd)
+        _write_small_file(self.layout.root, self.layout.lock_holder_path.name, json.dumps(holder.to_json()).encode())
 
-    def release(self) -> None:
-        with self._guard:
-            if self._levels == 0 or self._lock is None:
-                return
-            lock = self._lock
-            if lock.lock_counter == 1:
-                self._remove_holder()
-            lock.release()
-            self._levels -= 1
+    def release(self, *, all_levels: bool = False) -> None:
+        """Give back one level (every level of this object with `all_levels`). The last level held in
+        the process removes the holder record, then unlocks; neither failure stops the other."""
+        with _GUARD:
+            while self._levels > 0 and self._lock is not None:
+                lock = self._lock
+                self._levels -= 1
+                try:
+                    if lock.lock_counter <= 1:
+                        self._remove_holder()
+                finally:
+                    try:
+                        lock.release()
+                    except Exception as exc:  # never leave the run holding the lock over a release error
+                        logger.warning("%s: releasing the namespace lock failed (%s); forcing it",
+                                       self.layout.lock_path, exc)
+                        try:
+                            lock.release(force=True)
+                        except Exception:
+                            pass
+                if not all_levels:
+                    break
+            if self._levels == 0 and self in _HELD:
+                _HELD.remove(self)
 
     def _remove_holder(self) -> None:
-        path = self.layout.lock_holder_path
         try:
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and (read_holder(self.layout) or LockHolder(0, "", 0)).pid == os.getpid():
-                os.unlink(path)
-        except OSError:
-            pass
+            _remove_regular_file(
+                self.layout.root, self.layout.lock_holder_path.name,
+                only_if=lambda doc: doc is not None and doc.get("pid") == os.getpid(),
+            )
+        except OSError as exc:
+            logger.warning("%s: could not remove the lock holder record: %s", self.layout.lock_holder_path, exc)
 
     def __enter__(self) -> "NamespaceLock":
         self.acquire()
@@ -163,7 +333,111 @@ class NamespaceLock:
 
     @property
     def held_by_this_process(self) -> bool:
+        """Whether this process holds the namespace (through this object or another one)."""
         return self._file_lock().is_locked
 
     def holder(self) -> Optional[LockHolder]:
         return read_holder(self.layout)
+
+
+def probe(layout: Layout) -> Optional[str]:
+    """Without creating or writing anything: a description of who holds the namespace lock (any
+    process, this one included), or None if nobody does (a stale holder record is not a holder)."""
+    path = layout.lock_path
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"unknown holder ({path}: {exc.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return None  # nobody can hold a lock through a link: acquire refuses it
+    if _file_lock(str(path)).is_locked:
+        return _describe_holder(layout)
+    # Another process? Ask filelock with a non-blocking try on an instance of our own.
+    trial = filelock.FileLock(str(path), thread_local=False, fallback_to_soft=False)
+    try:
+        trial.acquire(blocking=False)
+    except filelock.Timeout:
+        return _describe_holder(layout)
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            return None  # a read-only mount: no run can hold it for writing
+        return f"unknown holder ({path}: {exc.strerror})"
+    trial.release()
+    return None
+
+
+def stale_holder(layout: Layout) -> Optional[LockHolder]:
+    """The holder record when it outlived its run (nobody holds the lock, or the pid it names is
+    not running on this host), else None. Reads only."""
+    holder = read_holder(layout)
+    if holder is None:
+        return None
+    if probe(layout) is None or holder.is_alive() is False:
+        return holder
+    return None
+
+
+def remove_stale_holder(layout: Layout) -> Optional[LockHolder]:
+    """Remove a holder record that outlived its run (only while nobody holds the lock); returns it."""
+    holder = read_holder(layout)
+    if holder is None or not layout.lock_path.exists():
+        return None
+    if _file_lock(str(layout.lock_path)).is_locked:
+        return None
+    trial = filelock.FileLock(str(layout.lock_path), thread_local=False, fallback_to_soft=False)
+    try:
+        trial.acquire(blocking=False)
+    except (filelock.Timeout, OSError):
+        return None
+    try:
+        removed = _remove_regular_file(
+            layout.root, layout.lock_holder_path.name, only_if=lambda doc: doc is not None and doc.get("pid") == holder.pid
+        )
+    finally:
+        trial.release()
+    return holder if removed else None
+
+
+# ---------------------------------------------------------------------------------------- run marker
+
+
+def new_run_token() -> str:
+    """A fresh token for `write_run_marker` (rank 0 makes it and broadcasts it)."""
+    return secrets.token_hex(8)
+
+
+def _marker_name(token: str) -> str:
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        raise ValueError(f"run marker token must be 1-64 letters, digits, '_' or '-', got {token!r}")
+    return RUN_MARKER_PREFIX + token
+
+
+def write_run_marker(layout: Layout, token: str) -> None:
+    """Rank 0: put a small marker file for this run in the namespace (atomic, never through a link)."""
+    name = _marker_name(token)
+    doc = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    _write_small_file(layout.root, name, json.dumps(doc).encode())
+
+
+def sees_run_marker(layout: Layout, token: str, wait: float = 0.0) -> bool:
+    """Every rank: whether this process sees rank 0's marker, i.e. shares its cache directory.
+    `wait` seconds of polling allow for a network filesystem's attribute caching."""
+    name = _marker_name(token)
+    deadline = time.monotonic() + max(0.0, float(wait))
+    while True:
+        doc = _read_small_json(layout.root, name)
+        if doc is not None and doc.get("token") == token:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def remove_run_marker(layout: Layout, token: str) -> None:
+    """Rank 0, after every rank looked: remove the marker (a link at its name is removed as a link)."""
+    try:
+        _remove_regular_file(layout.root, _marker_name(token))
+    except OSError as exc:
+        logger.debug("%s: could not remove the run marker: %s", layout.root, exc)
