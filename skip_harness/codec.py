@@ -1,28 +1,50 @@
 """Payload <-> file without pickled code.
 
 A payload is whatever a trainer's `sample` returns: tensors, dicts (str/int keys), lists, tuples,
-ints, floats, bools, complex numbers, strings, bytes, None, NumPy arrays and scalars, and TensorDicts.
+ints, floats, bools, complex numbers, strings, bytes, None, NumPy arrays and scalars, TensorDicts,
+and dataclasses / namedtuples whose type was registered with :func:`register_type`.
 
-`encode` turns a payload into a structure that `torch.save` writes and `torch.load(weights_only=True)`
-reads back: only tensors, plain containers and scalars. Anything that is not one of those is
-written as a *tagged dict* ``{TAG: kind, ...}``:
+`encode` turns a payload into a structure of plain CPU tensors, plain containers and scalars. Anything
+else is written as a *tagged dict* ``{TAG: kind, ...}``:
 
     "tensor"      a tensor that lived on another device: ``device`` (str) and ``data`` (CPU tensor)
     "tensordict"  a TensorDict: ``batch_size`` (list of ints), ``device`` (str or None), ``keys``, ``values``
     "ndarray"     a NumPy array: numeric ones as a CPU tensor in ``data``; others as ``items`` + ``shape``
     "npscalar"    a NumPy scalar: ``dtype`` and ``value``
     "dict"        a user dict that itself holds the key TAG (escaped): ``keys``, ``values``
+    "object"      a registered dataclass or namedtuple: ``type`` (its registered name), ``fields``, ``values``
 
-`decode` is the inverse. Loading a file never imports or calls anything stored in it: `load_from`
-uses `torch.load(weights_only=True)` and turns every failure into `CodecError`.
+`decode` is the inverse. A registered type is rebuilt from this process's name -> class registry; nothing
+is ever imported or called by a name found in a file.
+
+The file (FORMAT_VERSION 2) is a small JSON header followed by the raw bytes of every tensor:
+
+    MAGIC (8 bytes) | u32 format version | u32 0 | u64 header length | header (UTF-8 JSON) | pad |
+    tensor bytes, each at a 64-byte aligned offset
+
+The header holds ``format``, ``tensors`` (one ``[dtype, shape, offset, nbytes]`` per tensor) and ``tree``
+(the encoded structure: JSON scalars and lists as themselves, every other value a one-key object, e.g.
+``{"T": 3}`` for tensor 3, ``{"d": [[key, value], ...]}`` for a dict). Loading parses JSON and maps the
+file: there is no unpickling at all. Files of the previous version (``torch.save`` of the encoded
+structure, and older caches' ``torch.save`` files) are still read, with ``torch.load(weights_only=True)``.
+Every failure to load is a `CodecError` that names the file once.
 """
 from __future__ import annotations
 
+import base64
+import copy
+import dataclasses
 import functools
+import json
 import logging
+import math
+import mmap as _mmap
 import os
+import re
+import struct
+import threading
 from collections import OrderedDict
-from typing import Any, BinaryIO, Dict, List, Sequence, Union
+from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -43,7 +65,124 @@ except Exception:  # ImportError, or a tensordict that does not match this torch
 logger = logging.getLogger("skip_harness.codec")
 
 TAG = "__skip_harness__"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # 1: torch.save of the encoded structure (read, never written any more)
+MAGIC = b"\x89SKH\r\n\x1a\n"
+_PREAMBLE = struct.Struct("<8sIIQ")   # magic, format version, reserved, header length
+_ALIGN = 64
+_MAX_HEADER_BYTES = 1 << 30
+
+
+class UnregisteredTypeError(CodecError):
+    """A dataclass or namedtuple whose type is not registered (at write), or a file holding a registered
+    type's record whose name this process has not registered (at read). Not a corrupt file."""
+
+
+# --------------------------------------------------------------------------------------------
+# registered types (dataclasses and namedtuples)
+
+_registry_lock = threading.Lock()
+_by_name: Dict[str, type] = {}
+_by_class: Dict[type, str] = {}
+
+
+def _is_namedtuple_class(cls: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_type(cls: Optional[type] = None, name: Optional[str] = None):
+    """Let instances of a dataclass or namedtuple class be cached; they come back as that class.
+
+    `name` (default ``module.QualName``) is what the file records; loading rebuilds the instance from
+    the class registered under that name in the loading process (nothing is imported from the file),
+    so register the type in every process that reads or writes it. Returns the class, so it also works
+    as a decorator (``@register_type`` or ``@register_type(name="...")``)."""
+    if cls is None:
+        return lambda c: register_type(c, name)
+    if not isinstance(cls, type) or not (dataclasses.is_dataclass(cls) or _is_namedtuple_class(cls)):
+        raise CodecError(f"register_type: {cls!r} is not a dataclass or namedtuple class")
+    key = _qualified(cls) if name is None else name
+    if not isinstance(key, str) or not key:
+        raise CodecError(f"register_type: the name must be a non-empty string, got {key!r}")
+    with _registry_lock:
+        other = _by_name.get(key)
+        if other is not None and other is not cls and _qualified(other) != _qualified(cls):
+            raise CodecError(f"register_type: the name {key!r} is already registered for {_qualified(other)}")
+        old = _by_class.get(cls)
+        if old is not None and old != key:
+            del _by_name[old]
+        if other is not None and other is not cls:  # the same class defined again (a re-run notebook cell)
+            _by_class.pop(other, None)
+        _by_name[key] = cls
+        _by_class[cls] = key
+    return cls
+
+
+def unregister_type(cls: type) -> None:
+    """Forget a registered class (tests, notebooks)."""
+    with _registry_lock:
+        key = _by_class.pop(cls, None)
+        if key is not None:
+            _by_name.pop(key, None)
+
+
+def registered_name(cls: type) -> Optional[str]:
+    return _by_class.get(cls)
+
+
+def _registered_or_refuse(obj: Any, where: str) -> Optional[str]:
+    """The registered name of a dataclass / namedtuple instance's type; None if obj is neither;
+    UnregisteredTypeError naming the type and how to register it if it is one but not registered."""
+    t = type(obj)
+    if not (_is_namedtuple_class(t) or (dataclasses.is_dataclass(t) and not isinstance(obj, type))):
+        return None
+    name = _by_class.get(t)
+    if name is None:
+        kind = "namedtuple" if _is_namedtuple_class(t) else "dataclass"
+        raise UnregisteredTypeError(
+            f"{where}: {_qualified(t)} is a {kind} whose type is not registered with the codec; call "
+            f"skip_harness.codec.register_type({t.__qualname__}) before caching it (and before loading it)"
+        )
+    return name
+
+
+def _fields_of(obj: Any) -> Tuple[List[str], List[Any]]:
+    if isinstance(obj, tuple):
+        names = list(type(obj)._fields)
+        return names, list(obj)
+    names = [f.name for f in dataclasses.fields(obj)]
+    return names, [getattr(obj, n) for n in names]
+
+
+def _rebuild(name: str, names: Sequence[str], values: Sequence[Any], where: str) -> Any:
+    cls = _by_name.get(name)
+    if cls is None:
+        short = name.rsplit(".", 1)[-1]
+        raise UnregisteredTypeError(
+            f"{where}: holds a {name} record, a type not registered in this process; call "
+            f"skip_harness.codec.register_type({short}) before loading it"
+        )
+    return _construct(cls, list(names), list(values), where)
+
+
+def _construct(cls: type, names: List[str], values: List[Any], where: str) -> Any:
+    if _is_namedtuple_class(cls):
+        if names != list(cls._fields):
+            raise CodecError(f"{where}: stored fields {names} differ from {_qualified(cls)}'s {list(cls._fields)}")
+        return cls._make(values)
+    fields = dataclasses.fields(cls)
+    if names != [f.name for f in fields]:
+        raise CodecError(f"{where}: stored fields {names} differ from {_qualified(cls)}'s "
+                         f"{[f.name for f in fields]}")
+    kwargs = {f.name: v for f, v in zip(fields, values) if f.init}
+    obj = cls(**kwargs)
+    for f, v in zip(fields, values):
+        if not f.init:
+            object.__setattr__(obj, f.name, v)
+    return obj
 
 # Attribute `snapshot` sets on its CPU copy of a tensor that lived on another device, so that
 # `encode` still records where it came from.
@@ -135,6 +274,11 @@ def _encode(obj: Any, where: str, active: set) -> Any:
             if obj.dtype.kind in "biufc":
                 return {TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
             return _encode(obj.item(), where, active)
+        name = _registered_or_refuse(obj, where)
+        if name is not None:
+            names, values = _fields_of(obj)
+            return {TAG: "object", "type": name, "fields": names,
+                    "values": [_encode(v, f"{where}.{n}", active) for n, v in zip(names, values)]}
     finally:
         active.discard(oid)
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
@@ -180,12 +324,15 @@ def _device_available(device: str) -> bool:
     return dev.type == "meta"
 
 
-def decode(obj: Any) -> Any:
-    """Inverse of `encode`. Tensors go back to their recorded device when it exists here, else stay on CPU."""
-    return _decode(obj, "payload")
+def decode(obj: Any, *, check_only: bool = False) -> Any:
+    """Inverse of `encode`. Tensors go back to their recorded device when it exists here, else stay on CPU.
+    With `check_only`, the structure is validated without building registered types or TensorDicts
+    (so a process that registered nothing can check a file) and None is returned."""
+    out = _decode(obj, "payload", check_only)
+    return None if check_only else out
 
 
-def _decode(obj: Any, where: str) -> Any:
+def _decode(obj: Any, where: str, check_only: bool = False) -> Any:
     t = type(obj)
     if isinstance(obj, torch.Tensor) or t in _SCALARS:
         return obj
@@ -194,29 +341,38 @@ def _decode(obj: Any, where: str) -> Any:
         if kind is None:
             out = {} if t is dict else OrderedDict()
             for k, v in obj.items():
-                out[k] = _decode(v, where + _key_repr(k))
+                out[k] = _decode(v, where + _key_repr(k), check_only)
             return out
         try:
-            return _decode_tagged(kind, obj, where)
+            return _decode_tagged(kind, obj, where, check_only)
         except CodecError:
             raise
         except Exception as exc:
             raise CodecError(f"{where}: malformed {kind!r} record: {exc}") from exc
     if t is list:
-        return [_decode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [_decode(v, f"{where}[{i}]", check_only) for i, v in enumerate(obj)]
     if t is tuple:
-        return tuple(_decode(v, f"{where}[{i}]") for i, v in enumerate(obj))
+        return tuple(_decode(v, f"{where}[{i}]", check_only) for i, v in enumerate(obj))
     if isinstance(obj, torch.Size):
         return obj
     raise CodecError(f"{where}: unexpected stored type {t.__module__}.{t.__qualname__}")
 
 
-def _decode_tagged(kind: str, obj: Dict[str, Any], where: str) -> Any:
+def _decode_tagged(kind: str, obj: Dict[str, Any], where: str, check_only: bool = False) -> Any:
+    if kind == "object":
+        name, names, values = obj["type"], obj["fields"], obj["values"]
+        if (not isinstance(name, str) or type(names) is not list or type(values) is not list
+                or len(names) != len(values) or not all(isinstance(n, str) for n in names)):
+            raise CodecError(f"{where}: malformed object record")
+        decoded = [_decode(v, f"{where}.{n}", check_only) for n, v in zip(names, values)]
+        return None if check_only else _rebuild(name, names, decoded, where)
     if kind == "tensor":
         data = obj["data"]
-        if not isinstance(data, torch.Tensor):
+        if not isinstance(data, torch.Tensor) or not isinstance(obj["device"], str):
             raise CodecError(f"{where}: malformed tensor record")
         device = obj["device"]
+        if check_only:
+            return None
         if _device_available(device):
             return data.to(device)
         logger.debug("%s: device %s is not available here; left on CPU", where, device)
@@ -225,13 +381,15 @@ def _decode_tagged(kind: str, obj: Dict[str, Any], where: str) -> Any:
         keys, values = obj["keys"], obj["values"]
         out = OrderedDict() if obj.get("ordered") else {}
         for k, v in zip(keys, values, strict=True):
-            out[k] = _decode(v, where + _key_repr(k))
+            out[k] = _decode(v, where + _key_repr(k), check_only)
         return out
     if kind == "tensordict":
+        keys, values = obj["keys"], obj["values"]
+        data = {k: _decode(v, where + _key_repr(k), check_only) for k, v in zip(keys, values, strict=True)}
+        if check_only:
+            return None
         if _TensorDict is None:
             raise CodecError(f"{where}: stored TensorDict, but the tensordict package is not importable")
-        keys, values = obj["keys"], obj["values"]
-        data = {k: _decode(v, where + _key_repr(k)) for k, v in zip(keys, values, strict=True)}
         device = obj.get("device")
         if device is not None and not _device_available(device):
             device = None
@@ -241,9 +399,13 @@ def _decode_tagged(kind: str, obj: Dict[str, Any], where: str) -> Any:
             raise CodecError(f"{where}: stored NumPy array, but numpy is not importable")
         dtype = _np.dtype(obj["dtype"]) if obj["dtype"] != "O" else _np.dtype(object)
         if "data" in obj:
-            return obj["data"].numpy().astype(dtype, copy=False)
-        items = [_decode(v, f"{where}[{i}]") for i, v in enumerate(obj["items"])]
+            if not isinstance(obj["data"], torch.Tensor):
+                raise CodecError(f"{where}: malformed ndarray record")
+            return None if check_only else obj["data"].numpy().astype(dtype, copy=False)
+        items = [_decode(v, f"{where}[{i}]", check_only) for i, v in enumerate(obj["items"])]
         shape = tuple(obj["shape"])
+        if check_only:
+            return None
         if dtype.kind == "O":
             arr = _np.empty(len(items), dtype=object)
             for i, v in enumerate(items):
@@ -253,7 +415,8 @@ def _decode_tagged(kind: str, obj: Dict[str, Any], where: str) -> Any:
     if kind == "npscalar":
         if _np is None:
             raise CodecError(f"{where}: stored NumPy scalar, but numpy is not importable")
-        return _np.dtype(obj["dtype"]).type(obj["value"])
+        value = _np.dtype(obj["dtype"]).type(obj["value"])
+        return None if check_only else value
     raise CodecError(f"{where}: unknown record kind {kind!r}")
 
 
@@ -274,10 +437,10 @@ def _snapshot(obj: Any, where: str) -> Any:
         dev = origin_device(obj)
         if type(src) is not torch.Tensor:
             src = src.as_subclass(torch.Tensor)
-        copy = src.to("cpu", copy=True) if src.device.type != "cpu" else src.clone()
+        clone = src.to("cpu", copy=True) if src.device.type != "cpu" else src.clone()
         if dev.type != "cpu":
-            setattr(copy, _ORIGIN_ATTR, str(dev))
-        return copy
+            setattr(clone, _ORIGIN_ATTR, str(dev))
+        return clone
     t = type(obj)
     if t in _SCALARS:
         return obj
@@ -302,6 +465,15 @@ def _snapshot(obj: Any, where: str) -> Any:
         return out.reshape(obj.shape)
     if _np is not None and isinstance(obj, _np.generic):
         return obj
+    if _registered_or_refuse(obj, where) is not None:
+        names, values = _fields_of(obj)
+        copies = [_snapshot(v, f"{where}.{n}") for n, v in zip(names, values)]
+        if isinstance(obj, tuple):
+            return t._make(copies)
+        out = copy.copy(obj)  # keeps what __init__ would not rebuild; every field replaced below
+        for n, v in zip(names, copies):
+            object.__setattr__(out, n, v)
+        return out
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
 
 
@@ -363,6 +535,11 @@ def _merge(items: List[Any], where: str) -> Any:
         if all(_same_scalar(x, first) for x in items[1:]):
             return first
         return list(items)
+    if _registered_or_refuse(first, where) is not None:
+        names = _fields_of(first)[0]
+        columns = [_fields_of(x)[1] for x in items]
+        merged = [_merge([c[j] for c in columns], f"{where}.{n}") for j, n in enumerate(names)]
+        return _construct(t, names, merged, where)
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
 
 
@@ -381,26 +558,262 @@ def _type_names(items: Sequence[Any]) -> str:
 # files
 
 
-def save_to(fileobj: BinaryIO, payload: Any) -> None:
-    """Write `payload` to an open binary file object (anything with write() and flush())."""
-    torch.save(encode(payload), fileobj)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).rpartition(".")[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if name.isidentifier() and not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype) or name.startswith("q"):  # quantized dtypes are never written
+        raise CodecError(f"unknown tensor dtype {name!r}")
+    return dtype
+
+
+def _pack(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """The encoded structure as a JSON tree; every tensor is appended to `tensors` and named by index."""
+    t = type(obj)
+    if obj is None or t is bool or t is str or t is int:
+        return obj
+    if t is float:
+        return obj if math.isfinite(obj) else {"f": repr(obj)}
+    if t is list:
+        return [_pack(v, tensors) for v in obj]
+    if t is dict or t is OrderedDict:
+        return {"d" if t is dict else "o": [[k, _pack(v, tensors)] for k, v in obj.items()]}
+    if t is torch.Tensor:
+        tensors.append(obj)
+        return {"T": len(tensors) - 1}
+    if t is tuple:
+        return {"t": [_pack(v, tensors) for v in obj]}
+    if t is bytes:
+        return {"b": base64.b64encode(obj).decode("ascii")}
+    if t is complex:
+        return {"c": [_pack(obj.real, tensors), _pack(obj.imag, tensors)]}
+    raise CodecError(f"internal: encode produced a {t.__qualname__}")  # pragma: no cover
+
+
+_KEY_TYPES = (str, int, bool)
+_NONFINITE = ("nan", "inf", "-inf")
+
+
+def _unpack(node: Any, tensors: List[torch.Tensor]) -> Any:
+    """Inverse of `_pack`, validating every node (a file is untrusted input)."""
+    t = type(node)
+    if node is None or t is bool or t is str or t is int or t is float:
+        return node
+    if t is list:
+        return [_unpack(v, tensors) for v in node]
+    if t is dict and len(node) == 1:
+        ((kind, v),) = node.items()
+        if kind == "T" and type(v) is int and 0 <= v < len(tensors):
+            return tensors[v]
+        if kind in ("d", "o") and type(v) is list:
+            out = {} if kind == "d" else OrderedDict()
+            for pair in v:
+                if type(pair) is not list or len(pair) != 2 or type(pair[0]) not in _KEY_TYPES:
+                    break
+                out[pair[0]] = _unpack(pair[1], tensors)
+            else:
+                return out
+        elif kind == "t" and type(v) is list:
+            return tuple(_unpack(x, tensors) for x in v)
+        elif kind == "b" and type(v) is str:
+            try:
+                return base64.b64decode(v, validate=True)
+            except ValueError:
+                pass
+        elif kind == "c" and type(v) is list and len(v) == 2:
+            re_, im = (_unpack(x, tensors) for x in v)
+            if type(re_) is float and type(im) is float:
+                return complex(re_, im)
+        elif kind == "f" and v in _NONFINITE:
+            return float(v)
+    raise CodecError(f"malformed header: unexpected node {str(node)[:80]}")
+
+
+def _byte_view(t: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor, without copying them."""
+    u8 = t.reshape(-1).view(torch.uint8)
+    if _np is not None:
+        return memoryview(u8.numpy())
+    import ctypes  # pragma: no cover - numpy ships with torch wheels
+
+    return ctypes.string_at(u8.data_ptr(), u8.numel())  # pragma: no cover
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def save_to(fileobj: BinaryIO, payload: Any) -> int:
+    """Write `payload` to an open binary file object (anything with write()) in the current format.
+    The tensors' bytes are written straight from their memory (no pickling, no copy, no container).
+    Returns the bytes written."""
+    tensors: List[torch.Tensor] = []
+    tree = _pack(encode(payload), tensors)
+    table, views, offset = [], [], 0
+    for t in tensors:
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        table.append([_dtype_name(t.dtype), list(t.shape), offset, nbytes])
+        views.append((offset, _byte_view(t) if nbytes else b""))
+        offset = _align(offset + nbytes)
+    header = json.dumps({"format": FORMAT_VERSION, "tensors": table, "tree": tree},
+                        ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+    head = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header)) + header
+    data_start = _align(len(head))
+    fileobj.write(head + bytes(data_start - len(head)))
+    pos = 0
+    for off, view in views:
+        if off > pos:
+            fileobj.write(bytes(off - pos))
+        if len(view):
+            fileobj.write(view)
+        pos = off + len(view)
+    return data_start + pos
+
+
+def _sanitized(exc: BaseException) -> str:
+    """A short reason for a failed torch.load, without torch's advice to retry unsafely."""
+    text = str(exc)
+    if "Weights only load failed" in text or "weights_only" in text:
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        what = f" ({found.group(1)})" if found else ""
+        return f"it needs pickled code to load{what}, which skip_harness never runs"
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _read_header(fd: int, size: int) -> Tuple[Dict[str, Any], int]:
+    head = os.pread(fd, _PREAMBLE.size, 0)
+    if len(head) < _PREAMBLE.size:
+        raise CodecError("truncated: no complete header")
+    magic, version, _reserved, hlen = _PREAMBLE.unpack(head)
+    if version > FORMAT_VERSION or version < 2:
+        raise CodecError(f"format version {version}; this skip_harness reads versions up to {FORMAT_VERSION}"
+                         + (" (written by a newer skip_harness)" if version > FORMAT_VERSION else ""))
+    if hlen > min(size, _MAX_HEADER_BYTES):
+        raise CodecError(f"truncated: the header says {hlen} bytes, the file has {size}")
+    raw = os.pread(fd, hlen, _PREAMBLE.size)
+    if len(raw) != hlen:
+        raise CodecError("truncated header")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CodecError(f"malformed header: {str(exc)[:200]}") from None
+    if type(doc) is not dict or doc.get("format") != version or type(doc.get("tensors")) is not list \
+            or "tree" not in doc:
+        raise CodecError("malformed header")
+    data_start = _align(_PREAMBLE.size + hlen)
+    end = data_start
+    for entry in doc["tensors"]:
+        if (type(entry) is not list or len(entry) != 4 or type(entry[0]) is not str or type(entry[1]) is not list
+                or not all(type(s) is int and s >= 0 for s in entry[1])
+                or type(entry[2]) is not int or type(entry[3]) is not int or entry[2] < 0):
+            raise CodecError(f"malformed tensor entry {str(entry)[:80]}")
+        dtype = _dtype_from_name(entry[0])
+        if entry[3] != math.prod(entry[1]) * dtype.itemsize or entry[2] % _ALIGN:
+            raise CodecError(f"malformed tensor entry {str(entry)[:80]}")
+        end = max(end, data_start + entry[2] + entry[3])
+    if end > size:
+        raise CodecError(f"truncated: {size} bytes, the header needs {end}")
+    return doc, data_start
+
+
+def _is_current_format(fd: int) -> bool:
+    return os.pread(fd, len(MAGIC), 0) == MAGIC
+
+
+def _tensors_from(buf: Any, doc: Dict[str, Any], data_start: int) -> List[torch.Tensor]:
+    out = []
+    for name, shape, off, nbytes in doc["tensors"]:
+        dtype = _dtype_from_name(name)
+        if nbytes == 0:
+            out.append(torch.empty(shape, dtype=dtype))
+            continue
+        u8 = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + off)
+        out.append(u8.view(dtype).reshape(shape))
+    return out
+
+
+def _open_nofollow(spath: str) -> int:
+    try:
+        return os.open(spath, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CodecError(f"{spath}: cannot be opened: {exc.strerror or exc}") from None
 
 
 def load_from(path: Union[str, os.PathLike], mmap: bool = True) -> Any:
-    """Load a payload written by `save_to`. Never runs code stored in the file: anything that would
-    need more than tensors, containers and scalars raises CodecError, as does any other load failure."""
+    """Load a payload written by `save_to` (or by the previous version's torch.save). Never runs code
+    stored in the file: anything that is not tensors, containers and scalars raises CodecError, as
+    does any other load failure; the message names the file once. With `mmap` the tensors are
+    private (copy-on-write) views of the mapped file, read lazily."""
+    spath = os.fspath(path)
+    fd = _open_nofollow(spath)
+    try:
+        if not _is_current_format(fd):
+            return _load_torch(spath, mmap)
+        size = os.fstat(fd).st_size
+        doc, data_start = _read_header(fd, size)
+        if mmap:
+            buf: Any = _mmap.mmap(fd, size, access=_mmap.ACCESS_COPY)
+        else:
+            buf = bytearray(size)
+            view, got = memoryview(buf), 0
+            while got < size:
+                n = os.preadv(fd, [view[got:]], got)
+                if n <= 0:
+                    raise CodecError("truncated while reading")
+                got += n
+        structure = _unpack(doc["tree"], _tensors_from(buf, doc, data_start))
+        return decode(structure)
+    except UnregisteredTypeError as exc:
+        raise UnregisteredTypeError(f"{spath}: {exc}") from None
+    except CodecError as exc:
+        raise CodecError(f"{spath}: {exc}") from None
+    except (OSError, ValueError, RecursionError, RuntimeError) as exc:
+        raise CodecError(f"{spath}: cannot be loaded: {_sanitized(exc)}") from None
+    finally:
+        os.close(fd)
+
+
+def check_file(path: Union[str, os.PathLike]) -> None:
+    """Raise CodecError (naming the file once) unless the file would load safely: its header and every
+    record are well formed and everything lies within the file. Reads no tensor data, builds no
+    registered type (a process that registered nothing can check any file) and runs nothing from it."""
+    spath = os.fspath(path)
+    fd = _open_nofollow(spath)
+    try:
+        if not _is_current_format(fd):
+            obj = _torch_load(spath, mmap=True)
+        else:
+            doc, data_start = _read_header(fd, os.fstat(fd).st_size)
+            placeholders = [torch.empty(0)] * len(doc["tensors"])
+            obj = _unpack(doc["tree"], placeholders)
+        decode(obj, check_only=True)
+    except CodecError as exc:
+        raise CodecError(f"{spath}: {exc}") from None
+    except (OSError, ValueError, RecursionError, RuntimeError) as exc:
+        raise CodecError(f"{spath}: cannot be loaded: {_sanitized(exc)}") from None
+    finally:
+        os.close(fd)
+
+
+def _torch_load(spath: str, mmap: bool) -> Any:
+    """torch.load(weights_only=True) of a file in the previous format; CodecError (no path) on failure."""
     try:
         try:
-            obj = torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
+            return torch.load(spath, weights_only=True, mmap=mmap, map_location="cpu")
         except RuntimeError as exc:
             # Files in torch's old (non-zip) format cannot be memory-mapped; load them normally.
             if not (mmap and "mmap" in str(exc)):
                 raise
-            obj = torch.load(path, weights_only=True, mmap=False, map_location="cpu")
+            return torch.load(spath, weights_only=True, mmap=False, map_location="cpu")
     except Exception as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CodecError(f"{os.fspath(path)}: cannot be loaded safely: {type(exc).__name__}: {first_line}") from exc
-    try:
-        return decode(obj)
-    except CodecError as exc:
-        raise CodecError(f"{os.fspath(path)}: {exc}") from exc
+        raise CodecError(f"cannot be loaded safely: {_sanitized(exc)}") from None
+
+
+def _load_torch(spath: str, mmap: bool) -> Any:
+    return decode(_torch_load(spath, mmap))

@@ -1,7 +1,11 @@
 """codec: exact round trips without pickled code; snapshot; merge."""
 from __future__ import annotations
 
+import collections
+import dataclasses
 import io
+import json
+import struct
 import math
 import os
 import pickle
@@ -305,3 +309,186 @@ def test_encoded_structure_loads_with_weights_only():
     out = codec.decode(loaded)
     assert out[codec.TAG] == 1 and out["n"].tolist() == [1.0, 1.0]
     assert pickle.loads(pickle.dumps(codec.encode({"a": 1}))) == {"a": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# registered types, the file format and its version
+
+
+@dataclasses.dataclass
+class Rollout:
+    ids: torch.Tensor
+    rewards: list
+    name: str = "r"
+    extra: dict = dataclasses.field(default_factory=dict)
+    derived: int = dataclasses.field(init=False, default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    x: torch.Tensor
+    tag: str
+
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+@dataclasses.dataclass
+class NeverRegistered:
+    x: int
+
+
+@pytest.fixture
+def registered():
+    for cls in (Rollout, Frozen, Pair):
+        codec.register_type(cls)
+    yield
+    for cls in (Rollout, Frozen, Pair):
+        codec.unregister_type(cls)
+
+
+def test_registered_dataclasses_and_namedtuples_round_trip_as_their_type(tmp_path, registered):
+    r = Rollout(torch.arange(6).reshape(2, 3), [1.0, 2.0], extra={"p": Pair(torch.ones(2), "s")})
+    r.derived = 7
+    payload = {"r": r, "f": Frozen(torch.zeros(3), "t"), "pairs": [Pair(1, (2, 3))]}
+    out = roundtrip(payload, tmp_path)
+    assert type(out["r"]) is Rollout and type(out["f"]) is Frozen and type(out["pairs"][0]) is Pair
+    assert torch.equal(out["r"].ids, r.ids) and out["r"].rewards == [1.0, 2.0] and out["r"].derived == 7
+    assert type(out["r"].extra["p"]) is Pair and torch.equal(out["r"].extra["p"].left, torch.ones(2))
+    assert out["pairs"][0] == Pair(1, (2, 3)) and out["f"].tag == "t"
+    snap = codec.snapshot(payload)
+    r.ids.add_(100)
+    assert type(snap["r"]) is Rollout and torch.equal(snap["r"].ids, torch.arange(6).reshape(2, 3))
+    assert snap["r"].derived == 7 and type(snap["f"]) is Frozen
+    merged = codec.merge([{"p": Pair(torch.ones(1), "a")}, {"p": Pair(torch.zeros(2), "a")}])
+    assert type(merged["p"]) is Pair and merged["p"].left.tolist() == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("value,kind", [(NeverRegistered(1), "dataclass"), (Pair(1, 2), "namedtuple")])
+def test_unregistered_type_is_refused_at_the_first_write_naming_it_and_the_fix(tmp_path, value, kind):
+    for fn in (codec.snapshot, codec.encode, lambda p: codec.save_to(io.BytesIO(), p)):
+        with pytest.raises(codec.UnregisteredTypeError) as err:
+            fn({"batch": [value]})
+        msg = str(err.value)
+        assert f"{type(value).__qualname__}" in msg and kind in msg and "payload['batch'][0]" in msg
+        assert f"skip_harness.codec.register_type({type(value).__qualname__})" in msg
+
+
+def test_registered_type_is_rebuilt_from_the_registry_never_imported_from_the_file(tmp_path, registered):
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, {"p": Pair(1, 2)})
+    data = path.read_bytes()
+    name = codec.registered_name(Pair).encode()
+    assert name in data
+    # A file naming a type this process never registered -- even a real importable callable -- is
+    # refused, and nothing is imported or called.
+    sentinel = tmp_path / "pwned"
+    evil_name = b"os.system".ljust(len(name), b" ")
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(data.replace(name, evil_name))
+    codec.unregister_type(Pair)
+    for p in (path, evil):
+        with pytest.raises(codec.UnregisteredTypeError, match="register_type"):
+            codec.load_from(p)
+        codec.check_file(p)  # well formed: checking a file needs no registration
+    assert not sentinel.exists()
+    codec.register_type(Pair, name="my.Pair")
+    with pytest.raises(codec.UnregisteredTypeError):  # registered under another name now
+        codec.load_from(path)
+
+
+def test_register_type_checks_its_argument_and_name_clashes():
+    with pytest.raises(CodecError, match="not a dataclass or namedtuple"):
+        codec.register_type(dict)
+    codec.register_type(Frozen, name="clash")
+    try:
+        with pytest.raises(CodecError, match="already registered"):
+            codec.register_type(Rollout, name="clash")
+    finally:
+        codec.unregister_type(Frozen)
+    assert codec.register_type(name="deco")(NeverRegistered) is NeverRegistered
+    assert codec.registered_name(NeverRegistered) == "deco"
+    codec.unregister_type(NeverRegistered)
+    assert codec.registered_name(NeverRegistered) is None
+
+
+def test_every_file_records_the_format_version_and_a_newer_one_is_refused(tmp_path):
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, {"x": torch.ones(3)})
+    data = path.read_bytes()
+    assert data[:8] == codec.MAGIC and not data.startswith(b"PK")  # not torch.save's zip
+    magic, version, _, hlen = struct.unpack_from("<8sIIQ", data)
+    assert version == codec.FORMAT_VERSION
+    assert json.loads(data[24:24 + hlen])["format"] == codec.FORMAT_VERSION
+    newer = tmp_path / "newer.pt"
+    newer.write_bytes(data[:8] + struct.pack("<I", codec.FORMAT_VERSION + 1) + data[12:])
+    for fn in (codec.load_from, codec.check_file):
+        with pytest.raises(CodecError, match=rf"format version {codec.FORMAT_VERSION + 1}.*newer"):
+            fn(newer)
+
+
+def test_files_of_the_previous_version_and_plain_torch_save_files_still_load(tmp_path):
+    payload = {"x": torch.randn(4), "n": np.arange(3), codec.TAG: 1, "t": (1, "a")}
+    previous = tmp_path / "v1.pt"
+    with open(previous, "wb") as f:
+        torch.save(codec.encode(payload), f)  # what save_to wrote before FORMAT_VERSION 2
+    assert_same(payload, codec.load_from(previous))
+    verl = tmp_path / "tq_batch.pt"
+    plain = {"input_ids": torch.arange(8).reshape(2, 4), "uid": ["a", "b"]}
+    torch.save(plain, verl)
+    assert_same(plain, codec.load_from(verl))
+    codec.check_file(previous)
+    codec.check_file(verl)
+
+
+def test_check_file_refuses_pickled_code_without_suggesting_an_unsafe_load(tmp_path):
+    sentinel = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(sentinel),))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"x": torch.ones(1), "evil": Evil()}, path)
+    for fn in (codec.check_file, codec.load_from):
+        with pytest.raises(CodecError) as err:
+            fn(path)
+        msg = str(err.value)
+        assert msg.count(str(path)) == 1 and "pickled code" in msg
+        assert "weights_only" not in msg and "False" not in msg
+    assert not sentinel.exists()
+
+
+def test_damaged_headers_raise_codec_error_only(tmp_path):
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, {"x": torch.arange(10), "s": ["a", {"b": (1.5, b"z", 2j)}]})
+    data = path.read_bytes()
+    hlen = struct.unpack_from("<Q", data, 16)[0]
+    g = np.random.default_rng(0)
+    bad = tmp_path / "bad.pt"
+    for trial in range(150):
+        mutated = bytearray(data)
+        pos = int(g.integers(8, 24 + hlen))
+        mutated[pos] = int(g.integers(0, 256))
+        bad.write_bytes(bytes(mutated))
+        for fn in (codec.load_from, codec.check_file):
+            try:
+                fn(bad)
+            except CodecError:
+                pass
+
+
+def test_tensor_bytes_are_stored_raw_and_mapped_on_load(tmp_path):
+    t = torch.arange(1 << 16, dtype=torch.int32)
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        n = codec.save_to(f, {"t": t})
+    assert n == os.path.getsize(path)
+    assert t.numpy().tobytes() in path.read_bytes()
+    out = codec.load_from(path)["t"]
+    out.add_(1)  # private mapping: the loaded tensor is writable and the file is unchanged
+    assert torch.equal(codec.load_from(path)["t"], t)
+    assert torch.equal(codec.load_from(path, mmap=False)["t"], t)
