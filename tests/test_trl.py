@@ -1,0 +1,211 @@
+"""skip_harness.integrations.trl: a TRL GRPOTrainer recorded, then replayed from the cache.
+
+The end-to-end tests run scripts/trl_demo.py in real subprocesses (a tiny local Llama and a
+character tokenizer, CPU, a few seconds each). One recording is shared by the module; each test that
+replays with other settings replays into its own copy of that cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from skip_harness.errors import ConfigError, HarnessUsageError  # noqa: E402
+from skip_harness.integrations import trl as integration  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "scripts" / "trl_demo.py"
+STEPS = 4
+# Values of a training log entry that come from the rollouts alone (the recorded completions and
+# the reward function): a replay with another learning rate must reproduce them exactly.
+ROLLOUT_KEYS = ("num_tokens", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                "completions/max_length", "completions/clipped_ratio", "rewards/digit_reward/mean")
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _demo(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(DEMO), *args], capture_output=True, text=True, env=_env(),
+                          timeout=300)
+    assert proc.returncode in (0, 1), proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert lines, proc.stdout + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+def _run(role: str, workdir: Path, dump_dir: Path, out: Path, *args: str) -> tuple:
+    """One training in a fresh process; returns (its result, its stderr)."""
+    result = out / f"{role}.json"
+    proc = subprocess.run(
+        [sys.executable, str(DEMO), "--role", role, "--workdir", str(workdir), "--dump-dir", str(dump_dir),
+         "--output-dir", str(out / f"out_{role}"), "--result", str(result), *args],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(result.read_text()), proc.stderr
+
+
+def _train_entries(history: list) -> list:
+    return [e for e in history if "loss" in e]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """scripts/trl_demo.py run once: a record and a replay, each its own process."""
+    workdir = tmp_path_factory.mktemp("trl_demo")
+    report = _demo("--workdir", str(workdir), "--steps", str(STEPS))
+    return SimpleNamespace(workdir=workdir, dump_dir=workdir / "cache", report=report)
+
+
+def _copy_cache(recorded, tmp_path: Path) -> Path:
+    dump_dir = tmp_path / "cache"
+    shutil.copytree(recorded.dump_dir, dump_dir)
+    for lock in dump_dir.rglob("*.lock"):
+        lock.unlink()
+    return dump_dir
+
+
+# --------------------------------------------------------------------------- end to end
+def test_demo_replay_is_bit_identical_and_skips_generation(recorded):
+    report = recorded.report
+    assert report["identical"] is True, report["differing_keys"]
+    assert report["differing_keys"] == []
+    assert report["log_entries"] >= STEPS
+    assert report["record_generation_calls"]["train"] == STEPS
+    assert report["replay_generation_calls"].get("train", 0) == 0
+    assert report["record_summary"]["misses"] == STEPS and report["record_summary"]["hits"] == 0
+    assert report["replay_summary"]["hits"] == STEPS and report["replay_summary"]["misses"] == 0
+    assert report["record_wall_s"] > 0 and report["replay_wall_s"] > 0
+
+
+def test_evaluation_generation_is_never_cached(recorded):
+    report = recorded.report
+    # the demo evaluates every 2 steps: those generations run on the replay too
+    assert report["record_generation_calls"]["eval"] > 0
+    assert report["replay_generation_calls"]["eval"] == report["record_generation_calls"]["eval"]
+    namespace = Path(report["namespace"])
+    steps = sorted(p.name for p in namespace.iterdir() if p.is_dir() and p.name.isdigit())
+    assert steps == [str(s) for s in range(STEPS)]  # 0-based optimizer steps, nothing else
+
+
+def test_learning_rate_change_still_replays(recorded, tmp_path):
+    dump_dir = _copy_cache(recorded, tmp_path)
+    record, _ = _run("replay", recorded.workdir, dump_dir, tmp_path, "--lr", "5e-3")
+    baseline = json.loads((recorded.workdir / "replay.json").read_text())
+    assert record["summary"]["hits"] == STEPS and record["summary"]["misses"] == 0
+    assert record["generation_calls"].get("train", 0) == 0
+    new, old = _train_entries(record["log_history"]), _train_entries(baseline["log_history"])
+    assert len(new) == len(old) == STEPS
+    for a, b in zip(new, old):
+        assert {k: a[k] for k in ROLLOUT_KEYS} == {k: b[k] for k in ROLLOUT_KEYS}
+    assert [e["learning_rate"] for e in new] != [e["learning_rate"] for e in old]
+    assert any(a["grad_norm"] != b["grad_norm"] or a["loss"] != b["loss"] for a, b in zip(new[1:], old[1:]))
+
+
+def test_changed_prompt_regenerates_that_step_with_a_warning(recorded, tmp_path):
+    dump_dir = _copy_cache(recorded, tmp_path)
+    result, stderr = _run("replay", recorded.workdir, dump_dir, tmp_path, "--changed-prompt", "3")
+    outcomes = {int(s): o for s, o in result["outcomes"].items()}
+    regenerated = [s for s, o in outcomes.items() if o == "miss"]
+    assert len(regenerated) == 1, outcomes  # each of the 8 prompts is used by exactly one of the 4 steps
+    assert sorted(o for o in outcomes.values()) == ["hit"] * (STEPS - 1) + ["miss"]
+    assert result["generation_calls"]["train"] == 1
+    step = regenerated[0]
+    warnings = [line for line in stderr.splitlines() if "WARNING" in line and f"step {step}" in line]
+    assert warnings, stderr[-4000:]
+
+
+def test_gradient_accumulation_with_two_generations_per_step(tmp_path):
+    # gradient_accumulation_steps=2 with steps_per_generation=1: TRL generates at every micro-step,
+    # so K = 2 generation calls per optimizer step, cached as inner indices 0 and 1.
+    report = _demo("--workdir", str(tmp_path), "--steps", "2", "--grad-accum", "2", "--steps-per-generation", "1",
+                   "--batch", "4", "--eval-steps", "0")
+    assert report["identical"] is True, report["differing_keys"]
+    assert report["record_generation_calls"]["train"] == 4
+    assert report["replay_generation_calls"].get("train", 0) == 0
+    namespace = Path(report["namespace"])
+    assert namespace.name.endswith("_K2_W1"), namespace.name
+    for step in ("0", "1"):
+        assert sorted(p.name for p in (namespace / step).iterdir() if p.is_dir()) == ["0", "1"]
+
+
+# --------------------------------------------------------------------------- K, digests, payload
+def _config(tmp_path, **kwargs):
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=4,
+                      num_generations=4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, K",
+    [
+        ({}, 1),
+        ({"gradient_accumulation_steps": 2}, 1),  # steps_per_generation defaults to it: one generation per step
+        ({"gradient_accumulation_steps": 2, "steps_per_generation": 1}, 2),
+        ({"gradient_accumulation_steps": 4, "steps_per_generation": 2}, 2),
+        ({"gradient_accumulation_steps": 2, "num_iterations": 2}, 1),  # a generation serves two steps
+        ({"gradient_accumulation_steps": 1, "steps_per_generation": 2}, 1),
+    ],
+)
+def test_generations_per_step_from_trl_arguments(tmp_path, kwargs, K):
+    assert integration.generations_per_step(_config(tmp_path, **kwargs)) == K
+
+
+def test_generations_per_step_refuses_a_varying_count(tmp_path):
+    with pytest.raises(ConfigError, match="steps_per_generation"):
+        integration.generations_per_step(_config(tmp_path, gradient_accumulation_steps=3, steps_per_generation=2))
+
+
+def test_generation_payload_round_trips_exactly():
+    ids = [[5, 6, 7], [], [8]]
+    assert integration.decode_generation(integration.encode_generation((ids, None))) == (ids, None)
+    logprobs = [[-0.1, -2.5, None], [], [float("-inf")]]
+    payload = integration.encode_generation((ids, logprobs))
+    assert payload["completion_ids"].dtype == torch.int64 and payload["logprobs"].dtype == torch.float64
+    assert integration.decode_generation(payload) == (ids, logprobs)
+    odd = ("not", "the usual shape")
+    assert integration.decode_generation(integration.encode_generation(odd)) == odd
+
+
+def test_prompt_digest_sees_the_prompts_only():
+    a = integration.prompt_digest(([[1, 2, 3], [4]], None, {}, 4), {})
+    assert a == integration.prompt_digest(([[1, 2, 3], [4]], None, {}, 4), {})
+    assert a == integration.prompt_digest(([[1, 2, 3], [4]],), {"images": None, "multimodal_fields": {},
+                                                                    "num_generations": 4})
+    assert a != integration.prompt_digest(([[1, 2, 3], [5]], None, {}, 4), {})
+    assert a != integration.prompt_digest(([[1, 2, 3], [4]], None, {"pixel_values": torch.ones(2)}, 4), {})
+
+
+def test_fingerprint_leaves_out_the_training_side(tmp_path):
+    from transformers import LlamaConfig
+
+    def trainer(**kwargs):
+        model = SimpleNamespace(config=LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4))
+        return SimpleNamespace(args=_config(tmp_path, **kwargs), model=model, eos_token_ids=[2])
+
+    base = integration.generation_fingerprint(trainer())
+    assert integration.generation_fingerprint(trainer(learning_rate=0.5, beta=0.1)) == base
+    hotter = integration.generation_fingerprint(trainer(temperature=0.7))
+    assert {k for k in base if base[k] != hotter[k]} == {"trl.temperature"}
+    json.dumps(base)  # JSON-able, as the commit record needs
+
+
+def test_attach_refuses_what_it_cannot_cache():
+    with pytest.raises(HarnessUsageError, match="rollout_func"):
+        integration.attach(SimpleNamespace(rollout_func=lambda p, t: {}, args=None))
+    with pytest.raises(HarnessUsageError, match="tools"):
+        integration.attach(SimpleNamespace(rollout_func=None, tools=[print], args=None))
