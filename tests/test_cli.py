@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import subprocess_env, write_legacy, write_step
 from skip_harness.cli import main
@@ -36,18 +37,42 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def table_rows(text):
+    """The cells of every body row of the rich tables in `text` (lines drawn with '│')."""
+    return [[c.strip() for c in line.strip().strip("│").split("│")] for line in text.splitlines()
+            if line.strip().startswith("│")]
+
+
 def test_ls_human(cache, capsys):
     dump, a, b = cache
     code, out, err = run(capsys, "ls", str(dump))
     assert code == 0
-    lines = out.splitlines()
-    header_a = next(l for l in lines if str(a.layout.root) in l)
-    assert "K=2 W=1" in header_a and "complete=1 unverified=1 incomplete=1 corrupt=1" in header_a
-    header_b = next(l for l in lines if str(b.layout.root) in l)
-    assert "complete=2" in header_b
-    step_lines = [l.split() for l in lines if l.startswith("  ")]
-    assert [(x[0], x[1]) for x in step_lines] == [("1", "complete"), ("2", "unverified"), ("3", "incomplete"),
-                                                  ("4", "corrupt"), ("1", "complete"), ("2", "complete")]
+    rows = {r[0]: r for r in table_rows(out)}
+    row_a, row_b = rows["expA_proj/GBS8_N2_in4_out4_K2_W1"], rows["expB_proj/GBS8_N2_in4_out4"]
+    # namespace, K, W, mode, seed, complete, unverified, incomplete, corrupt, size, last written, gen stored
+    assert row_a[1:3] == ["2", "1"] and row_a[5:9] == ["1", "1", "1", "1"]
+    assert row_b[1:3] == ["1", "1"] and row_b[5:9] == ["2", "0", "0", "0"]
+    assert "ago" in row_b[10] and row_b[11] == "-"      # no gen_s recorded by these writes
+    code, out, err = run(capsys, "ls", str(dump), "--steps")
+    steps = [(r[0], r[1]) for r in table_rows(out) if r[0].isdigit()]
+    assert steps == [("1", "complete"), ("2", "unverified"), ("3", "incomplete"), ("4", "corrupt"),
+                     ("1", "complete"), ("2", "complete")]
+
+
+def test_ls_shows_mode_seed_and_generation_seconds(tmp_path, capsys):
+    from skip_harness.fingerprint import Fingerprint
+
+    store = StepStore(NamespaceKey("e", "p", 8, 2, 4, 4).layout(tmp_path))
+    fp = Fingerprint({"trainer.v1.trainer_mode": "colocate_async", "seed": 7})
+    for step, gen_s in ((1, 1.25), (2, 2.5)):
+        entries = store.write_inner(step, 0, 0, {"x": torch.ones(2)}, {"gen_s": gen_s})
+        store.commit(step, entries, fp)
+    code, out, _ = run(capsys, "ls", str(tmp_path))
+    row = table_rows(out)[0]
+    assert code == 0 and row[3:5] == ["colocate_async", "7"] and row[11] == "3.8s"
+    doc = json.loads(run(capsys, "ls", str(tmp_path), "--json")[1])["namespaces"][0]
+    assert doc["mode"] == "colocate_async" and doc["seed"] == "7" and doc["gen_s"] == 3.75
+    assert [s["gen_s"] for s in doc["steps"]] == [1.25, 2.5]
 
 
 def test_ls_json_is_one_document_matching_the_scan(cache, capsys):

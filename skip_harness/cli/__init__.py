@@ -1,0 +1,228 @@
+"""`skip-harness`: look at, tidy, export and import rollout caches from the command line.
+
+    skip-harness ls DUMP_DIR [--steps] [--json]
+    skip-harness verify DUMP_DIR [--steps] [--json]
+    skip-harness clean DUMP_DIR [--dry-run] [--quarantine] [--keep-last N] [--older-than AGE]
+                       [--max-size SIZE] [--pin STEP ...] [--json]
+    skip-harness show PATH [STEP [INNER]] [--rank R] [--head N] [--json]
+    skip-harness export DUMP_DIR -o OUT [--format parquet|jsonl] [--namespace NS ...] [--steps 1,3,5-9]
+    skip-harness import-verl VERL_DUMP_DIR DUMP_DIR --trust [--dry-run] [--json]
+
+Exit codes: 0 fine; 1 a corrupt step (verify, show, export) or a failed removal (clean); 2 bad usage,
+a path that is not there, or import-verl without --trust; 3 a namespace was locked by a running job
+(clean, import-verl; other namespaces are still handled). DUMP_DIR may be the cache root, one
+`{experiment}_{project}` directory, or one namespace directory. Tables go to stdout; progress bars go
+to stderr when it is a terminal (plain log lines otherwise); errors are one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from skip_harness import retention as _retention
+
+from ._common import EXIT_USAGE, CliError, namespaces_under, require_dir, stdout_console
+
+__all__ = ["main", "build_parser"]
+
+
+def _int_at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{what} must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _age(text: str) -> float:
+    try:
+        return _retention.parse_age(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return _retention.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pins(text: str):
+    out = []
+    for part in text.split(","):
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--pin takes step numbers, got {part!r}") from None
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:   # one line, exit 2, no usage dump
+        sys.stderr.write(f"{self.prog}: {message}\n")
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="skip-harness", description="Inspect, tidy, export and import skip_harness rollout caches.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    ls = sub.add_parser("ls", help="namespaces and steps: status, sizes, ages, fingerprint, generation time")
+    ls.add_argument("dump_dir", metavar="DUMP_DIR")
+    ls.add_argument("--steps", action="store_true", help="a table of every step too")
+    ls.add_argument("--json", action="store_true", help="print one JSON document")
+
+    ve = sub.add_parser("verify", help="check every step: commit record, sizes, checksums, safe load")
+    ve.add_argument("dump_dir", metavar="DUMP_DIR")
+    ve.add_argument("--steps", action="store_true", help="a table of every step, not only the failing ones")
+    ve.add_argument("--json", action="store_true", help="print one JSON document")
+
+    cl = sub.add_parser("clean", help="remove (or quarantine) incomplete and corrupt steps; retention rules")
+    cl.add_argument("dump_dir", metavar="DUMP_DIR")
+    cl.add_argument("--dry-run", action="store_true", help="show what would go and the bytes freed; change nothing")
+    cl.add_argument("--quarantine", action="store_true", help="move steps under {namespace}/.quarantine/")
+    cl.add_argument("--keep-last", type=_int_at_least(0, "--keep-last"), metavar="N",
+                    help="keep the N newest complete steps of each namespace, remove older ones")
+    cl.add_argument("--older-than", type=_age, metavar="AGE", help="remove complete steps written before AGE ago "
+                    "(90s, 30m, 12h, 7d, 2w)")
+    cl.add_argument("--max-size", type=_size, metavar="SIZE", help="remove the oldest complete steps until "
+                    "everything under DUMP_DIR fits in SIZE (500MiB, 20GiB, 1TB)")
+    cl.add_argument("--pin", type=_pins, action="append", default=[], metavar="STEP",
+                    help="never remove this step by a retention rule (repeat, or 3,7,9)")
+    cl.add_argument("--json", action="store_true", help="print one JSON document")
+
+    sh = sub.add_parser("show", help="what one cached mini-batch holds (loaded safely)")
+    sh.add_argument("path", metavar="PATH", help="a namespace, a step directory, or a payload file")
+    sh.add_argument("step", metavar="STEP", nargs="?", type=_int_at_least(0, "STEP"),
+                    help="default: the newest complete step")
+    sh.add_argument("inner", metavar="INNER", nargs="?", type=_int_at_least(0, "INNER"),
+                    help="inner index (default 0)")
+    sh.add_argument("--rank", type=_int_at_least(0, "--rank"), default=0, help="rank (default 0)")
+    sh.add_argument("--head", type=_int_at_least(0, "--head"), default=0, metavar="N",
+                    help="also print the first N entries of every field")
+    sh.add_argument("--json", action="store_true", help="print one JSON document")
+
+    ex = sub.add_parser("export", help="every complete step as rows: Parquet or JSON lines")
+    ex.add_argument("dump_dir", metavar="DUMP_DIR")
+    ex.add_argument("-o", "--output", required=True, metavar="OUT", help="the file to write")
+    ex.add_argument("--format", choices=("parquet", "jsonl"), help="default: from OUT's suffix, else parquet")
+    ex.add_argument("--namespace", action="append", default=[], metavar="NS",
+                    help="only these namespaces (relative path, group or leaf name, or a pattern; repeat)")
+    ex.add_argument("--steps", metavar="STEPS", help="only these steps: 1,3,10-20")
+    ex.add_argument("--json", action="store_true", help="print a JSON summary")
+
+    iv = sub.add_parser("import-verl", help="convert a cache verl wrote into committed skip_harness steps")
+    iv.add_argument("verl_dump_dir", metavar="VERL_DUMP_DIR")
+    iv.add_argument("dump_dir", metavar="DUMP_DIR")
+    iv.add_argument("--trust", action="store_true",
+                    help="load verl's pickled payloads (torch.load(weights_only=False): runs code from the files)")
+    iv.add_argument("--dry-run", action="store_true", help="list what would be converted; loads nothing")
+    iv.add_argument("--json", action="store_true", help="print one JSON document")
+    return p
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (so redirections and tests see it)."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        return f"skip-harness: {level}{record.getMessage()}"
+
+
+def _setup_logging():
+    pkg = logging.getLogger("skip_harness")
+    cli = logging.getLogger("skip_harness.cli")
+    saved = (pkg.handlers[:], pkg.level, pkg.propagate, cli.level)
+    handler = _CurrentStderr()
+    handler.setFormatter(_Formatter())
+    pkg.handlers = [handler]
+    pkg.propagate = False
+    if pkg.level == logging.NOTSET or pkg.level > logging.WARNING:
+        pkg.setLevel(logging.WARNING)
+    cli.setLevel(logging.INFO)
+    return saved
+
+
+def _restore_logging(saved) -> None:
+    pkg = logging.getLogger("skip_harness")
+    pkg.handlers, level, pkg.propagate, cli_level = saved[0], saved[1], saved[2], saved[3]
+    pkg.setLevel(level)
+    logging.getLogger("skip_harness.cli").setLevel(cli_level)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "show":
+        from .show import cmd_show
+
+        return cmd_show(Path(args.path), args.step, args.inner, args.rank, args.head, args.json)
+    if args.command == "import-verl":
+        from .transfer import cmd_import_verl
+
+        require_dir(Path(args.verl_dump_dir))
+        return cmd_import_verl(Path(args.verl_dump_dir), Path(args.dump_dir), args.trust, args.dry_run, args.json)
+    dump_dir = require_dir(Path(args.dump_dir))
+    layouts = namespaces_under(dump_dir)
+    as_json = getattr(args, "json", False)
+    if not layouts and not as_json and args.command != "export":
+        stdout_console().print(f"no skip_harness namespaces under {dump_dir}")
+    if args.command == "ls":
+        from .inspect import cmd_ls
+
+        return cmd_ls(layouts, dump_dir, as_json, args.steps)
+    if args.command == "verify":
+        from .inspect import cmd_verify
+
+        return cmd_verify(layouts, dump_dir, as_json, args.steps)
+    if args.command == "clean":
+        from .clean import cmd_clean
+
+        rules = _retention.RetentionRules(args.keep_last, args.older_than, args.max_size,
+                                          frozenset(s for group in args.pin for s in group))
+        return cmd_clean(layouts, dump_dir, dry_run=args.dry_run, quarantine=args.quarantine, as_json=as_json,
+                         rules=rules)
+    from .transfer import cmd_export
+
+    if not layouts:
+        raise CliError(f"{dump_dir}: no skip_harness namespaces to export")
+    return cmd_export(layouts, dump_dir, Path(args.output), args.format, args.namespace, args.steps, as_json)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    saved = _setup_logging()
+    log = logging.getLogger("skip_harness.cli")
+    try:
+        return _run(args)
+    except CliError as exc:
+        log.error("%s", exc)
+        return exc.code
+    except OSError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _restore_logging(saved)
+
+

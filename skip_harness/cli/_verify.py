@@ -1,0 +1,77 @@
+"""Verify a step as a run would before serving it: sizes, checksums, and a safe load of every payload."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import List, Optional, Tuple
+
+from skip_harness import scan as _scan
+from skip_harness.errors import CorruptStepError, SkipHarnessError
+from skip_harness.store import StepStore
+
+_UNSAFE_ADVICE = re.compile(r"(Weights only load failed|weights_only).*", re.IGNORECASE | re.DOTALL)
+VERL_HINT = "if verl wrote it, `skip-harness import-verl VERL_DUMP_DIR DUMP_DIR --trust` converts it"
+
+
+def _plain_reason(reason: str) -> str:
+    """A reason without torch's advice to load with weights_only=False (never to be followed here)."""
+    return _UNSAFE_ADVICE.sub("it needs pickled code to load, which skip_harness never runs", reason).strip()
+
+
+def _load_all(store: StepStore, step: int) -> Optional[str]:
+    """None if every payload of the step loads safely (weights_only; no code from the file), else why not."""
+    lay = store.layout
+    for i, r, _prel, _mrel in lay.expected_rels():
+        try:
+            store.read_inner(step, i, r)
+        except (CorruptStepError, SkipHarnessError) as exc:
+            return _plain_reason(str(exc))
+        except Exception as exc:  # a payload that breaks the decoder is corrupt, whatever the error
+            return _plain_reason(f"{lay.payload_path(step, i, r)}: cannot be loaded safely: {type(exc).__name__}: {exc}")
+    return None
+
+
+def _looks_like_verl(store: StepStore, step: int) -> bool:
+    try:
+        meta = store.read_meta(step, 0, 0)
+    except Exception:
+        return False
+    return "global_steps" in meta and meta.get("writer") is None
+
+
+def verify_step(store: StepStore, report: _scan.StepReport) -> Optional[str]:
+    """None if a servable step would be served, else the reason (naming the file) it would be refused.
+    Complete steps: StepStore.verify_step when the store has it (sizes, checksums, safe load), else
+    checksums and then a safe load here. Unverified steps: a safe load of every payload."""
+    if report.status == "complete":
+        full = getattr(store, "verify_step", None)
+        if full is not None:
+            reason = full(report.step)
+            return None if reason is None else _plain_reason(reason)
+        reason = store.verify_checksums(report.step)
+        if reason is not None:
+            return reason
+        return _load_all(store, report.step)
+    if report.status == "unverified":
+        reason = _load_all(store, report.step)
+        if reason is not None and _looks_like_verl(store, report.step):
+            reason += f" ({VERL_HINT})"
+        return reason
+    return None
+
+
+def verified_steps(store: StepStore, report: _scan.NamespaceReport, tick=lambda: None
+                   ) -> Tuple[List[_scan.StepReport], List[Tuple[int, str]]]:
+    """Every step of the report, servable ones checked by `verify_step`: those that fail become
+    'corrupt' with the reason. Also returns the (step, reason) pairs that failed."""
+    out: List[_scan.StepReport] = []
+    failed: List[Tuple[int, str]] = []
+    for s in report.steps:
+        if s.servable:
+            reason = verify_step(store, s)
+            if reason is not None:
+                s = dataclasses.replace(s, status="corrupt", reason=reason)
+                failed.append((s.step, reason))
+        out.append(s)
+        tick()
+    return out, failed

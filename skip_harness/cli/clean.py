@@ -1,0 +1,179 @@
+"""`skip-harness clean`: handle incomplete and corrupt steps as startup does (checksum-corrupt and
+unloadable ones included, found by verifying first), and apply retention rules to complete steps."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from rich.table import Table
+
+from skip_harness import lock as _lock
+from skip_harness import retention as _retention
+from skip_harness import scan as _scan
+from skip_harness.errors import LockHeldError
+from skip_harness.layout import Layout
+from skip_harness.store import StepStore
+
+from ._common import (
+    EXIT_CORRUPT,
+    EXIT_LOCKED,
+    EXIT_OK,
+    emit_json,
+    human_bytes,
+    logger,
+    progress,
+    short_path,
+    stdout_console,
+    step_written,
+)
+from ._verify import verified_steps
+
+RETENTION_STATUS = "retention"   # what a step removed by a retention rule is listed as
+
+
+@dataclass
+class _Namespace:
+    layout: Layout
+    lock: Optional[_lock.NamespaceLock] = None
+    refused: Optional[str] = None
+    report: Optional[_scan.NamespaceReport] = None
+    failed: List[Tuple[int, str]] = field(default_factory=list)   # servable steps that failed to verify
+    verified: Sequence[_scan.StepReport] = ()
+
+
+def _take(layout: Layout, dry_run: bool) -> _Namespace:
+    ns = _Namespace(layout)
+    if dry_run:
+        holder = _lock.probe(layout)   # touches nothing
+        if holder is not None:
+            ns.refused = f"namespace {layout.root} is in use by {holder}"
+        return ns
+    lock = _lock.NamespaceLock(layout, timeout=0)
+    try:
+        lock.acquire()
+        ns.lock = lock
+    except LockHeldError as exc:
+        ns.refused = str(exc)
+    return ns
+
+
+def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> _scan.CleanupPlan:
+    """The scan's cleanup plan with the steps that failed verification added as corrupt (the store's
+    `plan_cleanup(..., extra=...)`), plus the retention removals."""
+    report = ns.report
+    if "extra" in inspect.signature(_scan.plan_cleanup).parameters:
+        plan = _scan.plan_cleanup(report, action, extra=list(ns.failed))
+    else:  # a scan without `extra`: mark the failed steps corrupt in the report it plans from
+        failed = dict(ns.failed)
+        steps = tuple(dataclasses.replace(s, status="corrupt", reason=failed[s.step]) if s.step in failed else s
+                      for s in report.steps)
+        plan = _scan.plan_cleanup(dataclasses.replace(report, steps=steps), action)
+    planned = set(plan.steps)
+    by_step = {s.step: s for s in report.steps}
+    extra = tuple(
+        _scan.CleanupItem(step, by_step[step].path, RETENTION_STATUS, reason, by_step[step].bytes, action)
+        for step, reason in removals if step not in planned and step in by_step
+    )
+    return dataclasses.replace(plan, items=plan.items + extra) if extra else plan
+
+
+def _plan_table(ns: _Namespace, plan: _scan.CleanupPlan, base: Path, verb: str) -> Table:
+    t = Table(title=f"{short_path(ns.layout, base)}  (K={ns.layout.K} W={ns.layout.W}): {verb}",
+              title_justify="left")
+    t.add_column("step", justify="right")
+    t.add_column("why")
+    t.add_column("size", justify="right")
+    t.add_column("reason", overflow="fold")
+    for i in plan.items:
+        t.add_row(str(i.step), i.status, human_bytes(i.bytes), i.reason)
+    if plan.leftovers:
+        t.add_row("-", "leftover", human_bytes(sum(x.bytes for x in plan.leftovers)),
+                  f"{len(plan.leftovers)} .trash-/.tmp- entries left by an interrupted run")
+    return t
+
+
+def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: bool, as_json: bool,
+              rules: _retention.RetentionRules) -> int:
+    action = "quarantine" if quarantine else "delete"
+    verb = "quarantine" if quarantine else "remove"
+    code = EXIT_OK
+    docs: List[Dict[str, Any]] = []
+    spaces = [_take(layout, dry_run) for layout in layouts]
+    console = stdout_console()
+    try:
+        with progress() as bar:
+            for ns in spaces:
+                if ns.refused is not None:
+                    continue
+                ns.report = _scan.scan_namespace(ns.layout)
+                bar.start(f"verifying {ns.layout.root}", len(ns.report.steps))
+                ns.verified, ns.failed = verified_steps(StepStore(ns.layout), ns.report, bar.advance)
+                bar.finish(f"{len(ns.failed)} corrupt" if ns.failed else "")
+        ages = []
+        for ns in spaces:
+            if ns.report is None:
+                continue
+            store = StepStore(ns.layout)
+            for s in ns.verified:
+                written = step_written(store, s)
+                ages.append(_retention.StepAge(str(ns.layout.root), s.step, s.bytes,
+                                               written if written is not None else 0.0, s.servable))
+        removals = _retention.plan_retention(ages, rules, time.time()) if rules.active else {}
+        for ns in spaces:
+            doc: Dict[str, Any] = {"path": str(ns.layout.root), "K": ns.layout.K, "W": ns.layout.W,
+                                   "action": action, "dry_run": dry_run}
+            docs.append(doc)
+            if ns.refused is not None:
+                logger.error("refusing to clean: %s", ns.refused)
+                doc["refused"] = ns.refused
+                code = EXIT_LOCKED
+                continue
+            plan = _plan(ns, action, removals.get(str(ns.layout.root), []))
+            doc["steps"] = [{"step": i.step, "status": i.status, "bytes": i.bytes, "reason": i.reason}
+                            for i in plan.items]
+            doc["expected_freed_bytes"] = plan.expected_freed_bytes
+            if not as_json:
+                if plan.items or plan.leftovers:
+                    console.print(_plan_table(ns, plan, base, "would " + verb if dry_run else verb))
+                else:
+                    console.print(f"{short_path(ns.layout, base)}: nothing to {verb}")
+            if dry_run:
+                if not as_json:
+                    console.print(f"  would {verb} {len(plan.items)} steps, {plan.bytes} bytes "
+                                  f"({human_bytes(plan.bytes)}); frees {human_bytes(plan.expected_freed_bytes)}")
+                continue
+            result = plan.execute()
+            doc["freed_bytes"] = result.freed_bytes
+            doc["moved_bytes"] = result.moved_bytes
+            doc["errors"] = list(result.errors)
+            for item in result.items:
+                if item.status == "corrupt":
+                    logger.warning("%s: corrupt step %d %s: %s", ns.layout.root, item.step,
+                                   "quarantined" if quarantine else "removed", item.reason)
+            if not as_json and (plan.items or plan.leftovers):
+                if quarantine:
+                    console.print(f"  quarantined {len(result.items)} steps, {result.moved_bytes} bytes, "
+                                  f"under {ns.layout.quarantine_dir}; freed {result.freed_bytes} bytes")
+                else:
+                    console.print(f"  removed {len(result.items)} steps, freed {result.freed_bytes} bytes "
+                                  f"({human_bytes(result.freed_bytes)})")
+            for e in result.errors:
+                logger.error("%s", e)
+            if result.errors and code == EXIT_OK:
+                code = EXIT_CORRUPT
+    finally:
+        for ns in spaces:
+            if ns.lock is not None:
+                ns.lock.release()
+    if rules.max_size_bytes is not None:
+        left = _retention.bytes_left(ages, removals)
+        if left > rules.max_size_bytes:
+            logger.warning("the steps left hold %s, over --max-size %s: pinned steps and locked namespaces "
+                           "are never removed", human_bytes(left), human_bytes(rules.max_size_bytes))
+    if as_json:
+        emit_json({"namespaces": docs})
+    return code

@@ -1,0 +1,188 @@
+"""`skip-harness ls` and `skip-harness verify`: what a cache holds, as tables or one JSON document."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from rich.table import Table
+
+from skip_harness import scan as _scan
+from skip_harness.layout import Layout
+from skip_harness.store import StepStore
+
+from ._common import (
+    EXIT_CORRUPT,
+    EXIT_OK,
+    emit_json,
+    fmt_seconds,
+    fmt_time,
+    human_bytes,
+    mode_and_seed,
+    progress,
+    short_path,
+    stdout_console,
+    step_gen_s,
+    step_written,
+)
+from ._verify import verified_steps
+
+
+@dataclass(frozen=True)
+class StepRow:
+    report: _scan.StepReport
+    written: Optional[float]
+    gen_s: Optional[float]
+
+
+@dataclass(frozen=True)
+class NamespaceView:
+    layout: Layout
+    rows: Sequence[StepRow]
+
+    @property
+    def steps(self) -> List[_scan.StepReport]:
+        return [r.report for r in self.rows]
+
+    def counts(self) -> Dict[str, int]:
+        out = {k: 0 for k in _scan.STATUSES}
+        for r in self.rows:
+            out[r.report.status] += 1
+        return out
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.report.bytes for r in self.rows)
+
+    @property
+    def written(self) -> Optional[float]:
+        times = [r.written for r in self.rows if r.written is not None]
+        return max(times) if times else None
+
+    @property
+    def gen_s(self) -> Optional[float]:
+        known = [r.gen_s for r in self.rows if r.report.servable and r.gen_s is not None]
+        return sum(known) if known else None
+
+
+def view(layout: Layout, steps: Sequence[_scan.StepReport]) -> NamespaceView:
+    store = StepStore(layout)
+    return NamespaceView(layout, [StepRow(s, step_written(store, s), step_gen_s(store, s)) for s in steps])
+
+
+# --------------------------------------------------------------------------------------------
+# output
+
+
+def _step_json(row: StepRow) -> Dict[str, Any]:
+    s = row.report
+    return {"step": s.step, "status": s.status, "bytes": s.bytes, "reason": s.reason,
+            "fingerprint": None if s.fingerprint is None else s.fingerprint.digest,
+            "written": row.written, "gen_s": row.gen_s}
+
+
+def namespace_json(v: NamespaceView) -> Dict[str, Any]:
+    mode, seed = mode_and_seed([s for s in v.steps if s.servable])
+    return {"path": str(v.layout.root), "K": v.layout.K, "W": v.layout.W, "steps": [_step_json(r) for r in v.rows],
+            "counts": v.counts(), "total_bytes": v.bytes, "written": v.written, "gen_s": v.gen_s,
+            "mode": None if mode == "-" else mode, "seed": None if seed == "-" else seed}
+
+
+def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> Table:
+    now = time.time()
+    t = Table(title=title, title_justify="left", show_lines=False)
+    t.add_column("namespace", overflow="fold")
+    t.add_column("K", justify="right")
+    t.add_column("W", justify="right")
+    t.add_column("mode")
+    t.add_column("seed", justify="right")
+    for status in _scan.STATUSES:
+        t.add_column(status, justify="right")
+    t.add_column("size", justify="right")
+    t.add_column("last written")
+    t.add_column("gen stored", justify="right")
+    for v in views:
+        counts = v.counts()
+        mode, seed = mode_and_seed([s for s in v.steps if s.servable])
+        t.add_row(short_path(v.layout, base), str(v.layout.K), str(v.layout.W), mode, seed,
+                  *[_count(status, counts[status]) for status in _scan.STATUSES],
+                  human_bytes(v.bytes), fmt_time(v.written, now), fmt_seconds(v.gen_s))
+    return t
+
+
+def _count(status: str, n: int) -> str:
+    if n and status == "corrupt":
+        return f"[bold red]{n}[/]"
+    if n and status == "incomplete":
+        return f"[yellow]{n}[/]"
+    return str(n)
+
+
+_STATUS_STYLE = {"complete": "green", "unverified": "cyan", "incomplete": "yellow", "corrupt": "bold red"}
+
+
+def steps_table(v: NamespaceView, base: Path, only: Optional[Sequence[str]] = None) -> Table:
+    now = time.time()
+    t = Table(title=f"{short_path(v.layout, base)}  (K={v.layout.K} W={v.layout.W})", title_justify="left")
+    t.add_column("step", justify="right")
+    t.add_column("status")
+    t.add_column("size", justify="right")
+    t.add_column("written")
+    t.add_column("gen", justify="right")
+    t.add_column("fingerprint")
+    t.add_column("reason", overflow="fold")
+    for r in v.rows:
+        s = r.report
+        if only is not None and s.status not in only:
+            continue
+        style = _STATUS_STYLE.get(s.status, "")
+        t.add_row(str(s.step), f"[{style}]{s.status}[/]" if style else s.status, human_bytes(s.bytes),
+                  fmt_time(r.written, now), fmt_seconds(r.gen_s),
+                  "-" if s.fingerprint is None else s.fingerprint.digest, s.reason or "")
+    return t
+
+
+def _print_views(views: Sequence[NamespaceView], base: Path, title: str, steps: bool,
+                 only: Optional[Sequence[str]] = None) -> None:
+    console = stdout_console()
+    console.print(namespace_table(views, base, title))
+    for v in views:
+        if steps or (only is not None and any(s.status in only for s in v.steps)):
+            console.print(steps_table(v, base, None if steps else only))
+
+
+# --------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_ls(layouts: List[Layout], base: Path, as_json: bool, steps: bool) -> int:
+    views = [view(lay, _scan.scan_namespace(lay).steps) for lay in layouts]
+    if as_json:
+        emit_json({"namespaces": [namespace_json(v) for v in views]})
+    elif views:
+        _print_views(views, base, f"skip_harness cache {base}", steps)
+    return EXIT_OK
+
+
+def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) -> int:
+    views = []
+    with progress() as bar:
+        for lay in layouts:
+            report = _scan.scan_namespace(lay)
+            bar.start(f"verifying {lay.root}", len(report.steps))
+            checked, failed = verified_steps(StepStore(lay), report, bar.advance)
+            bar.finish(f"{len(failed)} corrupt" if failed else "")
+            views.append(view(lay, checked))
+    n_corrupt = sum(v.counts()["corrupt"] for v in views)
+    if as_json:
+        emit_json({"namespaces": [namespace_json(v) for v in views]})
+    elif views:
+        _print_views(views, base, f"verified {base}", steps, only=("incomplete", "corrupt"))
+        console = stdout_console()
+        if n_corrupt:
+            console.print(f"{n_corrupt} corrupt step{'s' if n_corrupt != 1 else ''} found "
+                          f"(run `skip-harness clean` to remove them, `--quarantine` to keep them aside)")
+        else:
+            console.print("every complete step verifies (sizes, checksums, safe load)")
+    return EXIT_CORRUPT if n_corrupt else EXIT_OK
