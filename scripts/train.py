@@ -16,9 +16,10 @@ from datetime import datetime
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from skip_harness.config import register_configs
+from skip_harness.config import k_for, register_configs
 from skip_harness.demo.run import train
 from skip_harness.errors import SkipHarnessError
+from skip_harness.hydra_callback import record_job_failure
 
 log = logging.getLogger("skip_harness")
 _STARTED = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -41,9 +42,7 @@ def _run_id() -> str:
 
 register_configs()
 OmegaConf.register_new_resolver("skip_harness_run_id", _run_id, replace=True)
-OmegaConf.register_new_resolver(
-    "skip_harness_k", lambda mode, k: int(k) if mode == "separate_async" else 1, replace=True
-)
+OmegaConf.register_new_resolver("skip_harness_k", lambda mode, k: k_for(str(mode), int(k)), replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -51,6 +50,8 @@ def main(cfg: DictConfig) -> float:
     try:
         result = train(cfg)
     except SkipHarnessError as exc:
+        if record_job_failure(exc):  # in a sweep: the other jobs still run; the sweep exits 1 at the end
+            return float("nan")
         log.error("%s", exc)
         sys.exit(2)
     return float(result.metrics[-1]["reward_mean"]) if result.metrics else float("nan")

@@ -1,62 +1,28 @@
-"""Observing the harness: a hook interface, a dispatcher, the logging consumer, and the Hydra callback.
+"""Observing the harness: a hook interface, a dispatcher and the logging consumer.
 
 In the shape of Hydra's callbacks: :class:`HarnessCallback` is a plain class of no-op methods that take
 keyword arguments (and ``**kwargs``, so new arguments never break anyone); :class:`CallbackDispatcher`
 calls start hooks in order and end hooks in reverse. :class:`LoggingCallback` is one consumer: it
-turns events into the log lines users read. :class:`HydraStartupCallback` runs the startup scan and
-cleanup from Hydra's ``on_job_start`` and holds the namespace lock until ``on_job_end``.
+turns events into the log lines users read. Every hook runs on the trainer's thread, in step order.
+The Hydra callback lives in :mod:`skip_harness.hydra_callback`.
 """
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
+
+from .stats import HIT, MISS, REPEAT, RunSummary, StepRecord
+from .units import human_bytes
 
 log = logging.getLogger("skip_harness")
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What happened in one step, as the per-step log line reports it."""
-
-    step: int
-    kind: str  # hit | miss | repeat
-    K: int
-    source_step: Optional[int]
-    bytes: int
-    seconds: float  # generation seconds for a miss, load seconds for a hit or repeat
-    unverified: bool = False
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    hits: int
-    misses: int
-    repeats: int
-    off: int
-    bytes_read: int
-    bytes_written: int
-    gen_s_spent: float
-    gen_s_saved: float
-    uncommitted: int
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 class HarnessCallback:
     """Hooks called by the harness. Override what you need; every method is a no-op."""
 
     def on_startup(self, *, namespace: str, startup: Any, **kwargs: Any) -> None:
-        """After the startup scan and cleanup (``startup`` is a :class:`skip_harness.startup.StartupResult`)."""
+        """After the startup scan and cleanup (``startup`` is a :class:`skip_harness.startup.StartupResult`;
+        ``quiet`` is True when a Hydra callback already reported this startup)."""
 
     def on_step_start(self, *, step: int, decision: Any, **kwargs: Any) -> None:
         """When the harness has decided a step (``decision`` is a :class:`skip_harness.policy.Decision`)."""
@@ -68,10 +34,10 @@ class HarnessCallback:
         """A mini-batch (payload + meta) became durable."""
 
     def on_commit(self, *, step: int, bytes: int, **kwargs: Any) -> None:
-        """A step's commit record was written."""
+        """A step's commit record was written (every rank's files are durable)."""
 
     def on_step_end(self, *, record: StepRecord, **kwargs: Any) -> None:
-        """A step finished: served whole, or generated and committed."""
+        """A step finished: served whole, generated (committed or not: ``record.committed``), or uncached."""
 
     def on_fault(self, *, path: str, reason: str, **kwargs: Any) -> None:
         """A fault was handled (failed write, failed verification, short step...)."""
@@ -142,82 +108,39 @@ class LoggingCallback(HarnessCallback):
             self._info("%s", startup.describe())
 
     def on_step_end(self, *, record: StepRecord, **kwargs: Any) -> None:
-        if record.kind == "repeat":
-            what = f"repeat (served step {record.source_step})"
-        elif record.kind == "hit" and record.unverified:
-            what = "hit (unverified: no commit record)"
-        else:
-            what = record.kind
-        verb = "generated" if record.kind == "miss" else "loaded"
-        self._info(
-            "step %d: %s, K=%d, %s %s in %.2fs",
-            record.step, what, record.K, verb, human_bytes(record.bytes), record.seconds,
-        )
+        self._info("%s", describe_step(record))
 
     def on_fault(self, *, path: str, reason: str, **kwargs: Any) -> None:
         prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
         self.log.warning("%s%s: %s", prefix, path, reason)
 
     def on_end(self, *, summary: RunSummary, **kwargs: Any) -> None:
-        self._info(
-            "rollout cache summary: %d hits, %d repeats, %d misses, %d uncached; read %s, wrote %s; "
-            "generation %.1fs spent, %.1fs saved%s",
-            summary.hits, summary.repeats, summary.misses, summary.off,
-            human_bytes(summary.bytes_read), human_bytes(summary.bytes_written),
-            summary.gen_s_spent, summary.gen_s_saved,
-            f"; {summary.uncommitted} steps left uncommitted" if summary.uncommitted else "",
-        )
+        self._info("%s", describe_summary(summary))
 
 
-def _rank_from_env() -> int:
-    return int(os.environ.get("RANK", "0"))
+def describe_step(r: StepRecord) -> str:
+    """The per-step line: `step 3: miss, K=2, generated 1.2 MiB in 0.51s, committed`."""
+    if r.kind == REPEAT:
+        return f"step {r.step}: repeat (served step {r.source_step}), K={r.K}, loaded {human_bytes(r.bytes)} in {r.load_s:.2f}s"
+    if r.kind == HIT:
+        what = "hit (unverified: no commit record)" if r.unverified else "hit"
+        return f"step {r.step}: {what}, K={r.K}, loaded {human_bytes(r.bytes)} in {r.load_s:.2f}s"
+    if r.kind == MISS:
+        what = "miss (inputs differed from the recorded ones)" if r.regenerated else "miss"
+        done = "committed" if r.committed else f"not committed ({r.reason})"
+        return f"step {r.step}: {what}, K={r.K}, generated {human_bytes(r.bytes)} in {r.gen_s:.2f}s, {done}"
+    return f"step {r.step}: uncached ({r.reason})" if r.reason else f"step {r.step}: uncached"
 
 
-def _world_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-try:  # Hydra is a dependency, but keep the hook interface importable without it.
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover
-    _HydraCallback = object  # type: ignore[misc,assignment]
-
-
-class HydraStartupCallback(_HydraCallback):  # type: ignore[misc]
-    """Hydra callback: take the namespace lock, scan and clean before the task function runs.
-
-    Configured in ``conf/config.yaml`` under ``hydra.callbacks``. Only rank 0 (``RANK`` unset or 0)
-    acts. An exception in a Hydra callback only becomes a warning, so this callback never raises:
-    when it cannot do the startup (bad config, lock held) it leaves it to the harness, which runs in
-    the task function and stops the run with a clear message.
-    """
-
-    def __init__(self) -> None:
-        self._held: Dict[int, Any] = {}
-
-    def on_job_start(self, config: Any, **kwargs: Any) -> None:
-        from .config import rollout_tq_from, namespace_key_from_config
-        from .startup import prepare_namespace
-
-        if _rank_from_env() != 0:
-            return
-        try:
-            settings = rollout_tq_from(config)
-            if not settings.enable:
-                return
-            key = namespace_key_from_config(config, _world_from_env())
-            layout = key.layout(settings.resolved_dump_dir())
-            result = prepare_namespace(layout, settings, timeout=0.0)
-        except Exception as exc:  # the harness repeats the startup and reports properly
-            log.debug("skip_harness startup deferred to the harness: %s", exc)
-            return
-        self._held[id(config)] = result
-        report = LoggingCallback()  # the same lines the harness logs when it does the startup itself
-        for path, reason in result.faults():
-            report.on_fault(path=path, reason=reason)
-        report.on_startup(namespace=str(layout.root), startup=result)
-
-    def on_job_end(self, config: Any, **kwargs: Any) -> None:
-        result = self._held.pop(id(config), None)
-        if result is not None:
-            result.release()
+def describe_summary(s: RunSummary) -> str:
+    """The summary line; its counts are the sums of the per-step lines."""
+    line = (
+        f"rollout cache summary: {s.steps} steps: {s.hits} hits, {s.repeats} repeats, {s.misses} misses "
+        f"({s.committed} committed, {s.uncommitted} not"
+    )
+    if s.uncommitted_reasons:
+        line += ": " + ", ".join(f"{n} {why}" for why, n in s.uncommitted_reasons.items())
+    return line + (
+        f"), {s.off} uncached; read {human_bytes(s.bytes_read)}, wrote {human_bytes(s.bytes_written)}; "
+        f"generation {s.gen_s_spent:.1f}s spent, {s.gen_s_saved:.1f}s saved; loading {s.load_s:.1f}s"
+    )

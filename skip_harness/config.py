@@ -6,6 +6,7 @@ turned into these dataclasses (`__post_init__`) and raise :class:`ConfigError` n
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -19,6 +20,7 @@ from .layout import NamespaceKey
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 DUMP_DIR_ENV = "SKIP_HARNESS_DUMP_DIR"
+ROLLOUT_TQ_KEY = "skip.rollout_tq"
 
 
 class Action(str, Enum):
@@ -53,15 +55,21 @@ class RolloutTQConfig:
     restore_rng: bool = False
     # Write cache files on a background thread (True) or inside `sample` (False, as verl does).
     async_write: bool = True
+    # Mini-batches handed to the writer and not yet durable; at the bound `sample` waits (back-pressure).
+    max_pending_writes: int = 2
+    # Load and verify the next step's batches in the background while the trainer trains on this one.
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
-        key = "skip.rollout_tq"
+        key = ROLLOUT_TQ_KEY
         if self.steps is not None:
             for i, s in enumerate(self.steps):
-                if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-                    raise ConfigError(f"{key}.steps[{i}]", f"steps must be ints >= 1 or null, got {s!r}")
+                if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                    raise ConfigError(f"{key}.steps[{i}]", f"steps must be ints >= 0 or null, got {s!r}")
         if self.lock_timeout < 0:
             raise ConfigError(f"{key}.lock_timeout", f"must be >= 0 seconds, got {self.lock_timeout}")
+        if self.max_pending_writes < 1:
+            raise ConfigError(f"{key}.max_pending_writes", f"must be >= 1, got {self.max_pending_writes}")
         for name, enum in (("action", Action), ("cleanup", Cleanup), ("on_mismatch", OnMismatch)):
             value = getattr(self, name)
             if not isinstance(value, enum):
@@ -107,7 +115,7 @@ class TrainerConfig:
     project_name: str = "skip_harness_demo"
     experiment_name: str = "${trainer.v1.trainer_mode}_seed${seed}"
     total_training_steps: int = 20
-    test_freq: int = 0
+    test_freq: int = 5
     progress: bool = True
     # torch intra-op threads; null: the machine's cores / processes per machine. Fixed so a run gives
     # the same bits under any launcher (Hydra's joblib workers would otherwise run with one thread).
@@ -191,9 +199,6 @@ class DemoConfig:
     def check_world_size(self, world_size: int) -> None:
         check_batch_split(self.data.train_batch_size, self.K, world_size)
 
-    def namespace_key(self, world_size: int) -> NamespaceKey:
-        return namespace_key_from_config(self, world_size)
-
 
 # The config keys that shape the demo's rollouts apart from the learned weights.
 DEMO_FINGERPRINT_KEYS = (
@@ -222,12 +227,52 @@ def register_configs() -> None:
 
 def to_demo_config(cfg: Any) -> DemoConfig:
     """Validate a composed DictConfig (or a dict) into a DemoConfig; raises ConfigError naming the key."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.merge(OmegaConf.structured(DemoConfig), cfg)
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, DemoConfig):  # composed without the schema: merge it in
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DemoConfig), cfg))
+    return _to_object(DemoConfig, cfg, prefix="")
+
+
+def _to_object(schema: type, cfg: Any, prefix: str) -> Any:
+    """`cfg` (dict, DictConfig, dataclass instance or None) merged onto `schema` and turned into it.
+
+    OmegaConf's own errors (unknown key, wrong type) become one ConfigError naming the full key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        if dataclasses.is_dataclass(cfg) and isinstance(cfg, schema):
+            base = OmegaConf.structured(cfg)
+        else:
+            base = OmegaConf.structured(schema)
+            if cfg is not None:
+                node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(
+                    dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+                )
+                base = OmegaConf.merge(base, node)
+        obj = OmegaConf.to_object(base)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        full = f"{prefix}.{key}" if prefix and key else (prefix or key or "config")
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(full, reason) from None
+    except ConfigError as exc:
+        if prefix and not exc.key.startswith(prefix):
+            raise ConfigError(f"{prefix}.{exc.key.split('.')[-1]}", str(exc).split(": ", 1)[-1]) from None
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(prefix or "config", f"not a mapping of settings: {exc}") from None
     return obj
+
+
+def settings_from(obj: Any) -> RolloutTQConfig:
+    """`skip.rollout_tq` settings from a plain dict, an OmegaConf node, a RolloutTQConfig or None."""
+    return _to_object(RolloutTQConfig, obj, prefix=ROLLOUT_TQ_KEY)
+
+
+def rollout_tq_from(cfg: Any) -> RolloutTQConfig:
+    """The `skip.rollout_tq` node of any trainer's whole config as validated settings."""
+    if cfg is None:
+        return settings_from(None)
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
+    return settings_from(OmegaConf.select(cfg, ROLLOUT_TQ_KEY, default=None))
 
 
 def check_batch_split(train_batch_size: int, K: int, world_size: int) -> None:
@@ -247,15 +292,21 @@ def check_batch_split(train_batch_size: int, K: int, world_size: int) -> None:
     )
 
 
-def _select(cfg: Any, key: str) -> Any:
-    value = OmegaConf.select(cfg, key, default=None)
-    if value is None:
-        raise ConfigError(key, "missing; the rollout cache names its namespace with it")
+_MISSING = object()
+
+
+def select_key(cfg: Any, key: str, *, why: str) -> Any:
+    """The value at dotted `key`; ConfigError naming it when it is absent (`why` says who needs it)."""
+    value = OmegaConf.select(cfg, key, default=_MISSING)
+    if value is _MISSING or value is None:
+        raise ConfigError(key, f"missing; {why}")
     return value
 
 
 def k_for(mode: str, parameter_sync_step: Optional[int]) -> int:
-    """K from the trainer mode: parameter_sync_step in separate_async, else 1. Checks both keys."""
+    """K from the trainer mode: parameter_sync_step in separate_async, else 1. Checks both keys.
+
+    The one K rule: the demo, verl-keyed configs and the sweep directory names all use it."""
     if mode not in TRAINER_MODES:
         raise ConfigError("trainer.v1.trainer_mode", f"unknown mode {mode!r}; expected one of {', '.join(TRAINER_MODES)}")
     if parameter_sync_step is not None and parameter_sync_step < 1:
@@ -265,31 +316,58 @@ def k_for(mode: str, parameter_sync_step: Optional[int]) -> int:
 
 def k_from_config(cfg: Any) -> int:
     """K for any verl-keyed config (parameter_sync_step is only required in separate_async)."""
-    mode = str(_select(cfg, "trainer.v1.trainer_mode"))
+    why = "the rollout cache derives K from it"
+    mode = str(select_key(cfg, "trainer.v1.trainer_mode", why=why))
     if mode != "separate_async":
         return k_for(mode, None)
-    return k_for(mode, int(_select(cfg, "trainer.v1.separate_async.parameter_sync_step")))
+    return k_for(mode, int(select_key(cfg, "trainer.v1.separate_async.parameter_sync_step", why=why)))
 
 
-def namespace_key_from_config(cfg: Any, world_size: int) -> NamespaceKey:
-    """The namespace of any config that uses verl's key names (a DictConfig or the dataclasses)."""
+def namespace_key_from_config(cfg: Any) -> NamespaceKey:
+    """The namespace of a config that uses verl's key names, W = 1 (the harness sets W at startup)."""
     if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.structured(cfg)
-    check_batch_split(int(_select(cfg, "data.train_batch_size")), k_from_config(cfg), world_size)
+        cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
+    why = "the rollout cache names its namespace with it"
+    K = k_from_config(cfg)
+    gbs = int(select_key(cfg, "data.train_batch_size", why=why))
+    check_batch_split(gbs, K, 1)
     return NamespaceKey(
-        experiment_name=str(_select(cfg, "trainer.experiment_name")),
-        project_name=str(_select(cfg, "trainer.project_name")),
-        train_batch_size=int(_select(cfg, "data.train_batch_size")),
-        n=int(_select(cfg, "actor_rollout_ref.rollout.n")),
-        max_prompt_length=int(_select(cfg, "data.max_prompt_length")),
-        max_response_length=int(_select(cfg, "data.max_response_length")),
-        K=k_from_config(cfg),
-        W=world_size,
+        experiment_name=str(select_key(cfg, "trainer.experiment_name", why=why)),
+        project_name=str(select_key(cfg, "trainer.project_name", why=why)),
+        train_batch_size=gbs,
+        n=int(select_key(cfg, "actor_rollout_ref.rollout.n", why=why)),
+        max_prompt_length=int(select_key(cfg, "data.max_prompt_length", why=why)),
+        max_response_length=int(select_key(cfg, "data.max_response_length", why=why)),
+        K=K,
     )
 
 
-def rollout_tq_from(cfg: Any) -> RolloutTQConfig:
-    """The `skip.rollout_tq` node of any trainer's config as a validated RolloutTQConfig."""
-    node = OmegaConf.select(cfg, "skip.rollout_tq", default=None) if cfg is not None else None
-    merged = OmegaConf.merge(OmegaConf.structured(RolloutTQConfig), node or {})
-    return OmegaConf.to_object(merged)
+def namespace_key_from(obj: Any) -> NamespaceKey:
+    """A NamespaceKey from a plain dict / OmegaConf node / NamespaceKey, for trainers without verl keys:
+    experiment_name, project_name, K and whichever shape values the trainer has."""
+    if isinstance(obj, NamespaceKey):
+        key = obj
+    else:
+        if isinstance(obj, DictConfig):
+            obj = OmegaConf.to_container(obj, resolve=True)
+        if not isinstance(obj, dict):
+            raise ConfigError("namespace", f"must be a dict or a NamespaceKey, got {type(obj).__name__}")
+        fields = {f.name for f in dataclasses.fields(NamespaceKey)}
+        unknown = sorted(set(obj) - fields)
+        if unknown:
+            raise ConfigError(f"namespace.{unknown[0]}", f"unknown key; expected some of {', '.join(sorted(fields))}")
+        for name in ("experiment_name", "project_name"):
+            if not obj.get(name):
+                raise ConfigError(f"namespace.{name}", "missing; the rollout cache names its namespace with it")
+        key = NamespaceKey(**obj)
+    for f in dataclasses.fields(NamespaceKey):
+        value = getattr(key, f.name)
+        if f.name in ("experiment_name", "project_name"):
+            if not isinstance(value, str) or not value or "/" in value or value.startswith("."):
+                raise ConfigError(f"namespace.{f.name}", f"must be a non-empty name without '/', got {value!r}")
+            continue
+        if value is None and f.name not in ("K", "W"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if f.name in ("K", "W") else 0):
+            raise ConfigError(f"namespace.{f.name}", f"must be an int >= {1 if f.name in ('K', 'W') else 0}, got {value!r}")
+    return key

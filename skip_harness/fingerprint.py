@@ -5,12 +5,17 @@ generator (another mode, seed, model, data or sampling setting). Pure: no I/O.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+from .errors import ConfigError
+
+_MISSING = object()
 
 
 def _plain(value: Any) -> Any:
@@ -27,10 +32,27 @@ class Fingerprint:
 
     @classmethod
     def from_config(cls, cfg: Any, keys: Iterable[str]) -> "Fingerprint":
+        """The values of `keys` in `cfg`; a key that is not in the config is a ConfigError naming it
+        (a mistyped key would otherwise be stored as None and protect nothing)."""
+        if not isinstance(cfg, DictConfig):
+            cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
         out: Dict[str, Any] = {}
         for key in keys:
-            out[key] = _plain(OmegaConf.select(cfg, key, default=None))
+            value = OmegaConf.select(cfg, key, default=_MISSING)
+            if value is _MISSING:
+                raise ConfigError(key, "fingerprint key not found in the config (mistyped?)")
+            out[key] = _plain(value)
         return cls(dict(sorted(out.items())))
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> "Fingerprint":
+        """A fingerprint of values a trainer computed itself (JSON-able: str, numbers, bools, lists, dicts)."""
+        plain = {str(k): _plain(v) for k, v in dict(values).items()}
+        try:
+            json.dumps(plain, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("fingerprint", f"values must be JSON-able: {exc}") from None
+        return cls(dict(sorted(plain.items())))
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Fingerprint":

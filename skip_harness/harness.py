@@ -1,92 +1,42 @@
-"""The object a trainer owns: wraps its `prepare_data` and `sample`, caching every mini-batch.
+"""The object a trainer owns: `SkipHarness` caches the mini-batches its `sample` returns.
 
-The harness never builds a path or touches a file itself: it asks :mod:`startup` (lock, scan,
-cleanup), :mod:`policy` (hit / miss / repeat) and :class:`store.StepStore` (write, commit, verify,
-read). Inner indices are counted from the calls the trainer makes, never guessed from the disk.
-
-Writes happen on a background thread (``skip.rollout_tq.async_write``): `sample` hands over an
-independent CPU copy of what it returned and goes on. With one process a step is committed by the
-writer as soon as its K mini-batches are durable. With W > 1 processes the ranks agree on the commit
-at a later decision point (two decision points after the step's last `sample`, or at `close`), so a
-commit never waits on a write that the next step's training could have overlapped.
+It is a few named parts: :class:`~skip_harness.hooks.MethodHooks` wraps the trainer's methods
+(reversibly), :class:`~skip_harness.steps.StepRunner` decides and serves each step,
+:class:`~skip_harness.coordinator.CommitCoordinator` owns the writer thread and the commits, and
+:class:`~skip_harness.stats.RunStats` keeps the run's records. This module builds them, runs the
+startup (lock, scan, cleanup, fingerprint check, shared-filesystem check) and shuts them down.
+Construction only validates: nothing touches the disk before :meth:`SkipHarness.start`.
 """
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from . import codec, rng
-from .callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback, RunSummary, StepRecord
-from .config import Action, RolloutTQConfig, namespace_key_from_config, rollout_tq_from
-from .dist import DistContext
-from .errors import (
-    CorruptStepError,
-    FingerprintMismatchError,
-    HarnessUsageError,
-    LockHeldError,
-    SkipHarnessError,
+from . import codec
+from .callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback
+from .config import (
+    RolloutTQConfig,
+    check_batch_split,
+    namespace_key_from,
+    namespace_key_from_config,
+    rollout_tq_from,
+    settings_from,
 )
+from .coordinator import CommitCoordinator, Writer
+from .dist import DistContext
+from .errors import HarnessUsageError
 from .fingerprint import Fingerprint
-from .layout import NamespaceKey
-from .policy import HIT, MISS, OFF, REPEAT, Decision, decide
-from .startup import StartupResult, prepare_namespace
-from .store import FileEntry, StepStore
+from .hooks import CallReader, MethodHooks, accepts_keyword
+from .layout import Layout, NamespaceKey
+from .prefetch import Prefetcher
+from .startup import StartupResult, start_namespace
+from .stats import HIT, MISS, OFF, REPEAT, RunStats, RunSummary
+from .steps import StepRunner
+from .store import StepStore
 
 log = logging.getLogger("skip_harness")
 
-
-@dataclass
-class _StepState:
-    """Book-keeping of one step, from its decision to its commit."""
-
-    decision: Decision
-    K: int
-    epoch: int
-    sampled: int = 0
-    gen_s: float = 0.0
-    load_s: float = 0.0
-    bytes: int = 0
-    unverified: bool = False
-    batches: List[Any] = field(default_factory=list)
-    metas: List[Dict[str, Any]] = field(default_factory=list)
-    entries: Dict[int, Tuple[FileEntry, ...]] = field(default_factory=dict)
-    failed: Optional[str] = None
-    completed_epoch: Optional[int] = None
-    written: threading.Event = field(default_factory=threading.Event)
-
-
-class _Writer:
-    """One background thread writing queued mini-batches in order."""
-
-    def __init__(self, work: Callable[..., None]):
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._work = work
-        self._thread = threading.Thread(target=self._run, name="skip_harness-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, *item: Any) -> None:
-        self._queue.put(item)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                self._work(*item)
-            finally:
-                self._queue.task_done()
-
-    def flush(self) -> None:
-        self._queue.join()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+_DEFAULT = object()
 
 
 class SkipHarness:
@@ -94,18 +44,14 @@ class SkipHarness:
 
     Typical use::
 
-        harness = SkipHarness.from_config(cfg, fingerprint_keys=[...])
-        harness.wrap(trainer)          # trainer.prepare_data / trainer.sample are now cached
-        harness.start()                # lock, scan, cleanup, fingerprint check (else: at first call)
+        harness = SkipHarness.create(settings={"enable": True}, namespace={"experiment_name": "e",
+                                     "project_name": "p", "K": 2}, fingerprint={"temperature": 1.0})
+        harness.wrap(trainer)      # trainer.prepare_data / trainer.sample are now cached
         for step in range(1, total + 1):
-            trainer.prepare_data(step)  # on a hit: called with dispatch=False (advance data only)
+            trainer.prepare_data(step)   # on a hit: called with dispatch=False (advance data only)
             for _ in range(K):
                 batch = trainer.sample(step)
-                ...
-        harness.close()
-
-    The wrapped methods take the step as their first argument or as ``step=`` (or pass ``step_of``
-    to :meth:`wrap`), and ``validate=True`` marks a validation call, which is never cached.
+        harness.close()            # finish writes and commits, report, release the lock, unwrap
     """
 
     def __init__(
@@ -114,40 +60,46 @@ class SkipHarness:
         namespace: NamespaceKey,
         *,
         fingerprint: Optional[Fingerprint] = None,
-        dist: Optional[DistContext] = None,
         callbacks: Sequence[HarnessCallback] = (),
-        log_to: Optional[logging.Logger] = None,
+        dist: Optional[DistContext] = None,
+        check_world_size: Optional[Callable[[int], None]] = None,
     ):
         self.settings = settings
-        self.namespace = namespace
-        self.dist = dist or DistContext.current()
-        if namespace.W != self.dist.world_size:
-            raise HarnessUsageError(
-                f"namespace is keyed for W={namespace.W} processes but this run has {self.dist.world_size}"
-            )
-        self.K = namespace.K
         self.fingerprint = fingerprint
-        self.layout = namespace.layout(settings.resolved_dump_dir())
-        self.store = StepStore(self.layout)
-        self.callbacks = CallbackDispatcher(
-            [LoggingCallback(self.dist.rank, self.dist.world_size, log_to), *callbacks]
-        )
-        self._lock = threading.RLock()
-        self._states: Dict[int, _StepState] = {}
-        self._open: set = set()  # steps decided but not yet closed (served, committed or abandoned)
-        self._outcomes: Dict[int, str] = {}
-        self._servable: set = set()
+        self.K = namespace.K
+        self._key = namespace
+        self._user_callbacks = list(callbacks)
+        self._dist = dist
+        self._check_world_size = check_world_size
+        self._hooks = MethodHooks()
+        self._call_digest: Optional[Callable[[tuple, dict], str]] = None
+        self._started = self._closed = False
         self._startup: Optional[StartupResult] = None
-        self._started = False
-        self._closed = False
-        self._epoch = 0
-        self._writer: Optional[_Writer] = None
-        self._wrapped: List[Tuple[Any, str, Any, bool]] = []
-        self._dispatch_kwarg = "dispatch"
-        self._stats = {"hits": 0, "misses": 0, "repeats": 0, "off": 0, "bytes_read": 0, "bytes_written": 0,
-                       "gen_s_spent": 0.0, "gen_s_saved": 0.0, "uncommitted": 0}
+        self._runner: Optional[StepRunner] = None
+        self._coordinator: Optional[CommitCoordinator] = None
+        self._prefetcher: Optional[Prefetcher] = None
+        self.callbacks = CallbackDispatcher(self._user_callbacks)
 
     # ----------------------------------------------------------------- construction
+    @classmethod
+    def create(
+        cls,
+        settings: Any = None,
+        *,
+        namespace: Union[Mapping[str, Any], NamespaceKey],
+        fingerprint: Union[Mapping[str, Any], Fingerprint, None] = None,
+        callbacks: Sequence[HarnessCallback] = (),
+        dist: Optional[DistContext] = None,
+    ) -> "SkipHarness":
+        """For any trainer: `settings` are `skip.rollout_tq`'s keys (a dict, an OmegaConf node, a
+        RolloutTQConfig or None), `namespace` names the cache directly (experiment_name, project_name,
+        K and whichever of train_batch_size, n, max_prompt_length, max_response_length the trainer
+        has), `fingerprint` the values that shape the rollouts apart from the learned weights."""
+        if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
+            fingerprint = Fingerprint.from_values(fingerprint)
+        return cls(settings_from(settings), namespace_key_from(namespace), fingerprint=fingerprint,
+                   callbacks=callbacks, dist=dist)
+
     @classmethod
     def from_config(
         cls,
@@ -157,453 +109,204 @@ class SkipHarness:
         callbacks: Sequence[HarnessCallback] = (),
         dist: Optional[DistContext] = None,
     ) -> "SkipHarness":
-        """Build from a config with verl's key names (`skip.rollout_tq`, `trainer.*`, `data.*`...)."""
-        dist = dist or DistContext.current()
-        settings = rollout_tq_from(cfg)
-        key = namespace_key_from_config(cfg, dist.world_size)
+        """From a whole config with verl's key names (`skip.rollout_tq`, `trainer.*`, `data.*`, ...):
+        a dict, an OmegaConf node or a dataclass. A fingerprint key not in the config is a ConfigError."""
+        key = namespace_key_from_config(cfg)
         fingerprint = Fingerprint.from_config(cfg, fingerprint_keys) if fingerprint_keys else None
-        return cls(settings, key, fingerprint=fingerprint, dist=dist, callbacks=callbacks)
+        gbs = key.train_batch_size
+        return cls(rollout_tq_from(cfg), key, fingerprint=fingerprint, callbacks=callbacks, dist=dist,
+                   check_world_size=lambda W: check_batch_split(gbs, key.K, W))
 
     @property
     def enabled(self) -> bool:
         return bool(self.settings.enable)
+
+    @property
+    def layout(self) -> Layout:
+        """Where this run's cache lives (known once started: W comes from the process group)."""
+        if self._runner is None:
+            raise HarnessUsageError("harness.layout is known after start() (the world size comes from the process group)")
+        return self._runner.store.layout
 
     # ----------------------------------------------------------------- wrapping
     def wrap(
         self,
         trainer: Any,
         *,
-        prepare_data: str = "prepare_data",
         sample: str = "sample",
-        step_of: Optional[Callable[[], int]] = None,
-        dispatch_kwarg: str = "dispatch",
+        prepare_data: Any = _DEFAULT,
+        dispatch_kwarg: Optional[str] = "dispatch",
+        on_hit_prepare: Union[str, Callable[..., Any], None] = None,
+        step_of: Optional[Callable[[], Any]] = None,
+        first_step: int = 1,
+        is_validation: Optional[Callable[[tuple, dict], bool]] = None,
+        call_digest: Optional[Callable[[tuple, dict], str]] = None,
     ) -> "SkipHarness":
-        """Replace `trainer.<prepare_data>` and `trainer.<sample>` with caching wrappers.
+        """Wrap `trainer.<sample>` (and `trainer.<prepare_data>` when it has one) with caching.
 
-        On a hit, the original `prepare_data` is still called (it advances the data stream) but with
-        ``<dispatch_kwarg>=False``: it must then start no generation.
-        """
-        self._dispatch_kwarg = dispatch_kwarg
-        for name, make in ((prepare_data, self._wrap_prepare), (sample, self._wrap_sample)):
-            original = getattr(trainer, name)
-            had_own = name in getattr(trainer, "__dict__", {})
-            setattr(trainer, name, make(original, step_of, name))
-            self._wrapped.append((trainer, name, original, had_own))
+        On a hit, `prepare_data` still runs to advance the data stream: with ``<dispatch_kwarg>=False``
+        (it must then start no generation), or `on_hit_prepare` (a method name or callable taking the
+        same arguments) instead, or not at all with ``dispatch_kwarg=None``. `call_digest(args,
+        kwargs)` digests a sample call's inputs: a hit whose inputs differ is regenerated."""
+        if self._closed:
+            raise HarnessUsageError("wrap(): this harness is closed; build a new one")
+        if self._hooks.installed:
+            raise HarnessUsageError("wrap(): this harness already wraps a trainer; call unwrap() first")
+        name = prepare_data if prepare_data is not _DEFAULT else "prepare_data"
+        wants_prepare = prepare_data is not None and (prepare_data is not _DEFAULT or hasattr(trainer, name))
+        if wants_prepare:
+            on_hit = self._on_hit_prepare(trainer, name, dispatch_kwarg, on_hit_prepare)
+            reader = CallReader(name, step_of, first_step, is_validation)
+            self._hooks.install(trainer, name, lambda orig: self._prepare_wrapper(orig, reader, on_hit))
+        reader = CallReader(sample, step_of, first_step, is_validation)
+        try:
+            self._hooks.install(trainer, sample, lambda orig: self._sample_wrapper(orig, reader))
+        except BaseException:
+            self._hooks.remove()
+            raise
+        self._call_digest = call_digest
         return self
 
-    def unwrap(self) -> None:
-        """Give the trainer its original methods back."""
-        while self._wrapped:
-            trainer, name, original, had_own = self._wrapped.pop()
-            if had_own:
-                setattr(trainer, name, original)
-            else:
-                delattr(trainer, name)
-
     @staticmethod
-    def _call_info(args: tuple, kwargs: dict, step_of: Optional[Callable[[], int]], name: str) -> Tuple[int, bool]:
-        validate = bool(kwargs.get("validate", False))
-        if step_of is not None:
-            step = step_of()
-        elif "step" in kwargs:
-            step = kwargs["step"]
-        elif args:
-            step = args[0]
-        else:
+    def _on_hit_prepare(trainer: Any, name: str, dispatch_kwarg: Optional[str], alternative: Any) -> Optional[Callable]:
+        if alternative is not None:
+            fn = getattr(trainer, alternative) if isinstance(alternative, str) else alternative
+            return lambda orig, args, kwargs: fn(*args, **kwargs)
+        if dispatch_kwarg is None:
+            return None
+        original = getattr(trainer, name, None)
+        if original is not None and not accepts_keyword(original, dispatch_kwarg):
             raise HarnessUsageError(
-                f"{name}() was called without a step: pass the global step as its first argument or step=, "
-                "or give wrap(step_of=...)"
+                f"wrap(): {type(trainer).__name__}.{name}() has no {dispatch_kwarg!r} parameter, so a cache hit "
+                f"cannot ask it to advance the data without dispatching generation; pass "
+                f"wrap(on_hit_prepare=<a method that only advances the data>), or wrap(dispatch_kwarg=None) "
+                f"to skip {name}() on a hit"
             )
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            if validate:
-                return 0, True
-            raise HarnessUsageError(f"{name}(): the step must be an int >= 1, got {step!r}")
-        return step, validate
+        return lambda orig, args, kwargs: orig(*args, **{**kwargs, dispatch_kwarg: False})
 
-    def _wrap_prepare(self, original: Callable, step_of: Optional[Callable[[], int]], name: str) -> Callable:
+    def _active(self, reader: CallReader, args: tuple, kwargs: dict) -> Optional[int]:
+        """The step of a call the harness handles, or None when the trainer's own code should run."""
+        if self._closed or not self.enabled or reader.validation(args, kwargs):
+            return None
+        step = reader.step(args, kwargs)
+        self.start()
+        return step
+
+    def _prepare_wrapper(self, original: Callable, reader: CallReader, on_hit: Optional[Callable]) -> Callable:
         def prepare_data(*args: Any, **kwargs: Any) -> Any:
-            step, validate = self._call_info(args, kwargs, step_of, name)
-            if validate or not self.enabled:
+            step = self._active(reader, args, kwargs)
+            if step is None:
                 return original(*args, **kwargs)
-            state = self._state_for(step)
-            if state.decision.serves_cache:
-                return original(*args, **{**kwargs, self._dispatch_kwarg: False})
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                state.gen_s += time.perf_counter() - t0
+            hit = None if on_hit is None else (lambda: on_hit(original, args, kwargs))
+            return self._runner.prepare(step, lambda: original(*args, **kwargs), hit)
 
-        prepare_data.__wrapped__ = original  # type: ignore[attr-defined]
         return prepare_data
 
-    def _wrap_sample(self, original: Callable, step_of: Optional[Callable[[], int]], name: str) -> Callable:
+    def _sample_wrapper(self, original: Callable, reader: CallReader) -> Callable:
         def sample(*args: Any, **kwargs: Any) -> Any:
-            step, validate = self._call_info(args, kwargs, step_of, name)
-            if validate or not self.enabled:
+            step = self._active(reader, args, kwargs)
+            if step is None:
                 return original(*args, **kwargs)
-            self._end_short_steps(before=step)
-            state = self._state_for(step)
-            kind = state.decision.kind
-            if kind == OFF:
-                return original(*args, **kwargs)
-            inner = state.sampled
-            if inner >= self.K:
-                raise HarnessUsageError(
-                    f"step {step}: sample() called more than K = {self.K} times "
-                    "(K is trainer.v1.separate_async.parameter_sync_step in separate_async, else 1)"
-                )
-            state.sampled += 1
-            if state.decision.serves_cache:
-                return self._serve(step, inner, state)
-            t0 = time.perf_counter()
-            out = original(*args, **kwargs)
-            dt = time.perf_counter() - t0
-            spent = dt + (state.gen_s if inner == 0 else 0.0)
-            state.gen_s += dt
-            self._stash(step, inner, state, out, spent)
-            return out
+            return self._runner.sample(step, lambda: original(*args, **kwargs), args, kwargs)
 
-        sample.__wrapped__ = original  # type: ignore[attr-defined]
         return sample
+
+    def unwrap(self) -> None:
+        """Give the trainer its original methods back (close() does it too)."""
+        self._hooks.remove()
 
     # ----------------------------------------------------------------- startup
     def start(self) -> None:
-        """Lock, scan and clean the namespace (rank 0), check the fingerprint; every rank waits.
-
-        Raises LockHeldError or FingerprintMismatchError on every rank. Idempotent.
-        """
+        """Lock, scan and clean the namespace (rank 0), check the fingerprint and that every rank sees
+        the same cache; every rank waits. Raises the same error on every rank. Idempotent."""
         if self._started or not self.enabled:
             return
-        outcome: Tuple[Optional[str], Optional[str], List[int]]
-        error: Optional[BaseException] = None
-        if self.dist.is_main:
-            try:
-                self._startup = prepare_namespace(self.layout, self.settings)
-                outcome = (None, None, sorted(self._check_fingerprint(self._startup)))
-            except SkipHarnessError as exc:
-                error = exc
-                outcome = (type(exc).__name__, str(exc), [])
-            except BaseException as exc:  # a bug: make the other ranks stop too, then re-raise
-                error = exc
-                outcome = ("SkipHarnessError", f"rank 0 failed during startup: {exc!r}", [])
-        else:
-            outcome = (None, None, [])
-        kind, message, servable = self.dist.broadcast(outcome)
-        if error is not None:
-            raise error
-        if kind is not None:
-            cls = {"LockHeldError": LockHeldError, "FingerprintMismatchError": FingerprintMismatchError}.get(
-                kind, SkipHarnessError
-            )
-            raise cls(message)
-        with self._lock:
-            self._servable = set(servable)
+        if self._closed:
+            raise HarnessUsageError("start(): this harness is closed")
+        dist = self._dist or DistContext.current()
+        if self._check_world_size is not None:
+            self._check_world_size(dist.world_size)
+        layout = self._key.with_world_size(dist.world_size).layout(self.settings.resolved_dump_dir())
+        self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *self._user_callbacks])
+        run = start_namespace(layout, self.settings, self.fingerprint, dist)
+        self._startup = run.startup
+        self._build(dist, layout, run.servable, run.read_only)
         self._started = True
-        if self._startup is not None:
-            for path, reason in self._startup.faults():
+        if run.startup is not None:
+            for path, reason in run.faults:
                 self.callbacks.on_fault(path=path, reason=reason)
-            self.callbacks.on_startup(
-                namespace=str(self.layout.root), startup=self._startup, quiet=self._startup.lock_was_held_here
-            )
+            self.callbacks.on_startup(namespace=str(layout.root), startup=run.startup, quiet=run.quiet)
 
-    def _check_fingerprint(self, startup: StartupResult) -> frozenset:
-        if self.fingerprint is None:
-            return startup.servable_steps(None)
-        mismatched = startup.mismatched_steps(self.fingerprint)
-        if mismatched and self.settings.on_mismatch.value == "error":
-            startup.release()
-            self._startup = None
-            steps = [s for s, _ in mismatched]
-            shown = ", ".join(str(s) for s in steps[:8]) + (", ..." if len(steps) > 8 else "")
-            differences = self.fingerprint.describe_difference(mismatched[0][1])
-            raise FingerprintMismatchError(
-                f"rollout cache {self.layout.root}: {len(steps)} committed steps ({shown}) were generated with "
-                f"another config: {differences}. Either choose another trainer.experiment_name for this run, "
-                "or set skip.rollout_tq.on_mismatch=regenerate to replace those steps as they come."
-            )
-        if mismatched:
-            log.warning(
-                "rollout cache %s: %d committed steps were generated with another config (%s); "
-                "they are regenerated as they come (skip.rollout_tq.on_mismatch=regenerate)",
-                self.layout.root, len(mismatched), self.fingerprint.describe_difference(mismatched[0][1]),
-            )
-        return startup.servable_steps(self.fingerprint)
-
-    # ----------------------------------------------------------------- decisions
-    def _state_for(self, step: int) -> _StepState:
-        state = self._states.get(step)
-        if state is None:
-            state = self._begin(step)
-        return state
-
-    def _begin(self, step: int) -> _StepState:
-        """A decision point: every rank calls it for the same steps in the same order."""
-        self.start()
-        self._epoch += 1
-        self._finalize_ready()
-        excluded: set = set()
-        settled = False
-        while True:
-            with self._lock:
-                servable = frozenset(self._servable - excluded)
-            decision = decide(step, self.settings, servable)
-            if decision.kind == MISS and self.settings.action == Action.repeat and not settled:
-                # `repeat` with nothing to serve yet: let this run's pending commits land first, so
-                # the choice never depends on how fast the writer was.
-                settled = True
-                self.flush()
-                self._finalize_ready(everything=True)
-                continue
-            if not decision.serves_cache:
-                break
-            ok, loaded = self._load_step(decision.source_step)
-            if self.dist.all_true(ok):
-                break
-            excluded.add(decision.source_step)
-            with self._lock:
-                self._servable.discard(decision.source_step)
-        state = _StepState(decision=decision, K=self.K, epoch=self._epoch)
-        if decision.serves_cache:
-            state.batches, state.metas, state.unverified, state.load_s, state.bytes = loaded
-        elif decision.kind == MISS:
-            if self.dist.is_main:
-                try:
-                    self.store.clear_step(step)
-                except OSError as exc:
-                    self._fault(str(self.layout.step_dir(step)), f"could not clear the old step: {exc}")
-            self.dist.barrier()
-        self._states[step] = state
-        if decision.kind != OFF:
-            with self._lock:
-                self._open.add(step)
-        self._outcomes[step] = decision.kind
-        if decision.kind == OFF:
-            self._stats["off"] += 1
-        self.callbacks.on_step_start(step=step, decision=decision)
-        return state
-
-    def _load_step(self, source: int) -> Tuple[bool, Any]:
-        """Verify this rank's files of `source` and load its K mini-batches (memory-mapped)."""
-        t0 = time.perf_counter()
-        rank = self.dist.rank
-        status, reason = self.store.verify_status(source, ranks=[rank])
-        path = str(self.layout.step_dir(source))
-        if reason is None:
-            try:
-                batches = self.store.read_step(source, rank)
-                metas = [self.store.read_meta(source, i, rank) for i in range(self.K)]
-            except (CorruptStepError, OSError, ValueError) as exc:
-                reason = str(exc)
-        if reason is not None:
-            self._fault(path, f"{reason}; step {source} is not served and will be regenerated whole")
-            return False, None
-        unverified = status == "unverified"
-        nbytes = sum(int(m.get("bytes", 0)) for m in metas)
-        return True, (batches, metas, unverified, time.perf_counter() - t0, nbytes)
-
-    # ----------------------------------------------------------------- hits
-    def _serve(self, step: int, inner: int, state: _StepState) -> Any:
-        batch = state.batches[inner]
-        state.batches[inner] = None
-        meta = state.metas[inner] if inner < len(state.metas) else {}
-        if self.settings.restore_rng and isinstance(meta.get("rng"), dict):
-            rng.restore(meta["rng"])
-        nbytes = int(meta.get("bytes", 0))
-        with self._lock:
-            self._stats["bytes_read"] += nbytes
-            self._stats["gen_s_saved"] += float(meta.get("gen_s", 0.0) or 0.0)
-        source = state.decision.source_step
-        self.callbacks.on_serve(step=step, inner_index=inner, source_step=source, bytes=nbytes, seconds=0.0)
-        if state.sampled == self.K:
-            kind = state.decision.kind
-            self._stats["hits" if kind == HIT else "repeats"] += 1
-            state.metas = []  # keep only the small book-keeping of finished steps
-            self._close(step)
-            self.callbacks.on_step_end(
-                record=StepRecord(step, kind, self.K, source, state.bytes, state.load_s, state.unverified)
-            )
-        return batch
-
-    # ----------------------------------------------------------------- misses
-    def _stash(self, step: int, inner: int, state: _StepState, out: Any, gen_s: float) -> None:
-        """Hand an independent copy of `out` to the writer (or write it now)."""
-        if state.sampled == self.K:
-            state.completed_epoch = self._epoch
-        if state.failed:
-            return
-        try:
-            snapshot = codec.snapshot(out)
-        except SkipHarnessError as exc:
-            self._write_failed(step, inner, state, exc)
-            return
-        meta: Dict[str, Any] = {"gen_s": round(gen_s, 6)}
-        if self.settings.restore_rng:
-            meta["rng"] = rng.capture()
-        if self.settings.async_write:
-            if self._writer is None:
-                self._writer = _Writer(self._write)
-            self._writer.submit(step, inner, state, snapshot, meta)
-        else:
-            self._write(step, inner, state, snapshot, meta)
-
-    def _write(self, step: int, inner: int, state: _StepState, payload: Any, meta: Dict[str, Any]) -> None:
-        if state.failed:
-            return
-        t0 = time.perf_counter()
-        try:
-            entries = self.store.write_inner(step, inner, self.dist.rank, payload, meta)
-        except Exception as exc:  # a failed cache write warns and the run goes on
-            self._write_failed(step, inner, state, exc)
-            return
-        seconds = time.perf_counter() - t0
-        nbytes = sum(e.bytes for e in entries)
-        with self._lock:
-            state.entries[inner] = tuple(entries)
-            state.bytes += nbytes
-            self._stats["bytes_written"] += nbytes
-            done = len(state.entries) == self.K
-        self.callbacks.on_write(step=step, inner_index=inner, rank=self.dist.rank, bytes=nbytes, seconds=seconds)
-        if done:
-            state.written.set()
-            if self.dist.world_size == 1:
-                self._commit(step, state, [e for i in range(self.K) for e in state.entries[i]])
-
-    def _write_failed(self, step: int, inner: int, state: _StepState, exc: BaseException) -> None:
-        with self._lock:
-            first = state.failed is None
-            state.failed = f"{type(exc).__name__}: {exc}"
-        state.written.set()
-        if first:
-            path = str(self.layout.inner_dir(step, inner))
-            self._fault(path, f"cache write failed ({state.failed}); step {step} stays uncommitted, training goes on")
-
-    def _commit(self, step: int, state: _StepState, entries: List[FileEntry]) -> bool:
-        """Write the commit record (one process, or rank 0); True when it is durable."""
-        try:
-            self.store.commit(step, entries, self.fingerprint)
-        except Exception as exc:
-            self._write_failed(step, self.K - 1, state, exc)
-            return False
-        if self.dist.world_size == 1:
-            self._committed(step, state)
-        return True
-
-    def _committed(self, step: int, state: _StepState) -> None:
-        """Book-keeping once a step is committed; with W > 1 every rank calls it together."""
-        with self._lock:
-            self._servable.add(step)
-            self._stats["misses"] += 1
-            self._stats["gen_s_spent"] += state.gen_s
-            self._open.discard(step)
-        state.entries = {}
-        self.callbacks.on_commit(step=step, bytes=state.bytes)
-        self.callbacks.on_step_end(record=StepRecord(step, MISS, self.K, None, state.bytes, state.gen_s))
-
-    def _finalize_ready(self, everything: bool = False) -> None:
-        """W > 1: commit the steps whose K samples ended two decision points ago (or all, at close).
-
-        Every rank calls this at the same decision points with the same steps, so the collectives
-        line up and every rank ends with the same set of servable steps.
-        """
-        if self.dist.world_size == 1:
-            return
-        ready = [
-            (s, st) for s, st in ((s, self._states[s]) for s in self._open_steps())
-            if st.decision.kind == MISS and st.completed_epoch is not None
-            and (everything or st.completed_epoch <= self._epoch - 2)
-        ]
-        for step, state in ready:
-            state.written.wait()
-            local = None if state.failed else [e for i in range(self.K) for e in state.entries[i]]
-            gathered = self.dist.gather(local)
-            committed = False
-            if all(g is not None for g in gathered):
-                if self.dist.is_main:
-                    committed = self._commit(step, state, [e for part in gathered for e in part])
-                committed = self.dist.broadcast(committed)
-            elif state.failed is None:
-                self._fault(str(self.layout.step_dir(step)), "another rank failed to write its shard; not committed")
-            if committed:
-                self._committed(step, state)
-            else:
-                self._close(step)
-                self._stats["uncommitted"] += 1
-
-    def _end_short_steps(self, before: Optional[int] = None) -> None:
-        for step in self._open_steps():
-            state = self._states[step]
-            if before is not None and step >= before:
-                continue
-            if state.decision.kind == MISS and 0 < state.sampled < self.K:
-                self._close(step)
-                self._stats["uncommitted"] += 1
-                self._fault(
-                    str(self.layout.step_dir(step)),
-                    f"step ended after {state.sampled} of K = {self.K} sample calls; not committed "
-                    "(its files are incomplete and are cleaned at the next startup)",
-                )
-
-    def _open_steps(self) -> List[int]:
-        """The steps not yet closed, in order (a snapshot: the writer thread closes steps too)."""
-        with self._lock:
-            return sorted(self._open)
-
-    def _close(self, step: int) -> None:
-        with self._lock:
-            self._open.discard(step)
+    def _build(self, dist: DistContext, layout: Layout, servable: Sequence[int], read_only: bool) -> None:
+        store = StepStore(layout)
+        writer = Writer(self.settings.max_pending_writes, background=self.settings.async_write)
+        self._coordinator = CommitCoordinator(store, dist, self.fingerprint, writer, self._fault,
+                                              report_write=self.callbacks.on_write)
+        self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
+        self._runner = StepRunner(
+            self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks, set(servable),
+            read_only=read_only, call_digest=self._call_digest,
+        )
 
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)
 
+    def _release_startup(self) -> None:
+        startup, self._startup = self._startup, None
+        if startup is not None:
+            startup.release()
+
     # ----------------------------------------------------------------- queries
     def outcome(self, step: int) -> str:
         """What was served for `step`: 'hit', 'miss', 'repeat' or 'off'."""
-        if not self.enabled:
+        if self._runner is None:
             return OFF
-        return self._outcomes.get(step, OFF)
+        return self._runner.outcomes.get(step, OFF)
 
     def merged(self, step: int) -> Any:
-        """The whole committed step: its K mini-batches (this rank's shards) concatenated in order."""
-        self.flush()
-        return codec.merge(self.store.read_step(step, self.dist.rank))
+        """The whole step as this rank saw it: its K mini-batches (this rank's shards) concatenated in order."""
+        kind = self.outcome(step)
+        if kind in (HIT, REPEAT):
+            source = self._runner.source_of(step)
+        elif kind == MISS:
+            failed = self._runner.flush_local(step)
+            if failed:
+                raise HarnessUsageError(f"step {step} was not cached: {failed}")
+            source = step
+        else:
+            raise HarnessUsageError(f"step {step} was not cached (caching was off for it)")
+        return codec.merge(self._runner.store.read_step(source, self._runner.dist.rank))
 
     def flush(self) -> None:
-        """Wait until every queued write is durable (and, with one process, committed)."""
-        if self._writer is not None:
-            self._writer.flush()
+        """Wait until this rank's queued writes are durable."""
+        if self._coordinator is not None:
+            for step in self._coordinator.pending_steps:
+                self._coordinator.wait_local(step)
 
-    def summary(self, *, over_ranks: bool = False) -> RunSummary:
-        """Counts so far; with `over_ranks` (a collective: every rank must call it) bytes summed over ranks."""
-        s = self._stats
-        ints = ("hits", "misses", "repeats", "off", "bytes_read", "bytes_written", "uncommitted")
-        if over_ranks and self.dist.world_size > 1:
-            b = self.dist.sum_floats([float(s["bytes_read"]), float(s["bytes_written"])])
-            s = {**s, "bytes_read": b[0], "bytes_written": b[1]}
-        return RunSummary(**{k: int(s[k]) for k in ints}, gen_s_spent=s["gen_s_spent"], gen_s_saved=s["gen_s_saved"])
+    def summary(self) -> RunSummary:
+        """The run's counts so far (this rank's records)."""
+        return (self._runner.stats if self._runner is not None else RunStats()).summary()
 
     # ----------------------------------------------------------------- shutdown
     def close(self) -> RunSummary:
-        """Finish pending writes and commits, report, release the namespace lock. Idempotent."""
+        """Finish writes and commits, report, release the namespace lock, unwrap. Idempotent; always returns."""
         if self._closed:
             return self.summary()
         self._closed = True
-        if not self.enabled or not self._started:
+        self._hooks.remove()
+        if not self._started:
             return self.summary()
         try:
-            if self._writer is not None:
-                self._writer.flush()
-                self._writer.stop()
-                self._writer = None
-            self._finalize_ready(everything=True)
-            self._end_short_steps()
-            summary = self.summary(over_ranks=True)
-            self.callbacks.on_end(summary=summary)
-            return summary
+            self._runner.finish()
         finally:
-            if self._startup is not None:
-                self._startup.release()
-                self._startup = None
+            self._prefetcher.close()
+            if not self._coordinator.close():
+                self._fault(str(self._runner.store.layout.root), "the writer did not finish in time; "
+                            "its unfinished steps stay uncommitted")
+            self._release_startup()
+        summary = self.summary()
+        self.callbacks.on_end(summary=summary)
+        return summary
 
     def __enter__(self) -> "SkipHarness":
         self.start()
@@ -611,3 +314,5 @@ class SkipHarness:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+

@@ -12,6 +12,7 @@ Layout of one namespace (see README "On-disk layout"):
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -26,21 +27,28 @@ QUARANTINE_DIR = ".quarantine"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 
-_NS_RE = re.compile(r"^GBS(\d+)_N(\d+)_in(\d+)_out(\d+)(?:_K(\d+)_W(\d+))?$")
-_STEP_RE = re.compile(r"^[1-9][0-9]*$")
-_INNER_RE = re.compile(r"^(0|[1-9][0-9]*)$")
+_SHAPE_FIELDS = (("train_batch_size", "GBS"), ("n", "N"), ("max_prompt_length", "in"), ("max_response_length", "out"))
+_LEAF_TOKEN_RE = re.compile(r"^(GBS|N|in|out|K|W)(0|[1-9][0-9]*)$")
+_LEAF_ORDER = ("GBS", "N", "in", "out", "K", "W")
+_STEP_RE = re.compile(r"^(0|[1-9][0-9]*)$")
 
 
 @dataclass(frozen=True)
 class NamespaceKey:
-    """Everything that names a namespace. K and W appear in the name only when one of them is > 1."""
+    """Everything that names a namespace.
+
+    verl's shape values (train_batch_size, n, max_prompt_length, max_response_length) are optional: a
+    trainer names the ones it has, and only those appear in the leaf name. K and W appear when one of
+    them is > 1 (or when there is no shape value at all), so runs that differ in K or W never share
+    a directory. The demo's (and verl's) leaf is exactly ``GBS{g}_N{n}_in{p}_out{r}`` for K = W = 1.
+    """
 
     experiment_name: str
     project_name: str
-    train_batch_size: int
-    n: int
-    max_prompt_length: int
-    max_response_length: int
+    train_batch_size: Optional[int] = None
+    n: Optional[int] = None
+    max_prompt_length: Optional[int] = None
+    max_response_length: Optional[int] = None
     K: int = 1
     W: int = 1
 
@@ -50,39 +58,47 @@ class NamespaceKey:
 
     @property
     def leaf_name(self) -> str:
-        base = (
-            f"GBS{self.train_batch_size}_N{self.n}"
-            f"_in{self.max_prompt_length}_out{self.max_response_length}"
-        )
-        if self.K > 1 or self.W > 1:
-            base += f"_K{self.K}_W{self.W}"
-        return base
+        parts = [f"{tag}{getattr(self, name)}" for name, tag in _SHAPE_FIELDS if getattr(self, name) is not None]
+        if self.K > 1 or self.W > 1 or not parts:
+            parts += [f"K{self.K}", f"W{self.W}"]
+        return "_".join(parts)
 
-    @property
-    def relpath(self) -> PurePosixPath:
-        return PurePosixPath(self.group_name) / self.leaf_name
+    def with_world_size(self, W: int) -> "NamespaceKey":
+        return dataclasses.replace(self, W=W)
 
     def layout(self, dump_dir: Path | str) -> "Layout":
         return Layout(Path(dump_dir) / self.group_name / self.leaf_name, K=self.K, W=self.W)
 
 
 def parse_namespace_leaf(name: str) -> Optional[Tuple[int, int]]:
-    """(K, W) if `name` is a namespace leaf directory name, else None."""
-    m = _NS_RE.match(name)
-    if not m:
+    """(K, W) if `name` is a namespace leaf directory name, else None.
+
+    A leaf is `_`-joined tokens in the order GBS, N, in, out, K, W (each at most once, K and W
+    together); `GBS64_N4_in128_out256`, `GBS64_N4_in128_out256_K3_W2`, `N8_K2_W1`, `K1_W1`."""
+    tokens = name.split("_")
+    seen: dict = {}
+    last = -1
+    for tok in tokens:
+        m = _LEAF_TOKEN_RE.match(tok)
+        if not m:
+            return None
+        pos = _LEAF_ORDER.index(m.group(1))
+        if pos <= last:
+            return None
+        last = pos
+        seen[m.group(1)] = int(m.group(2))
+    if ("K" in seen) != ("W" in seen):
         return None
-    if m.group(5) is None:
+    if "K" not in seen:
         return 1, 1
-    return int(m.group(5)), int(m.group(6))
+    if seen["K"] < 1 or seen["W"] < 1:
+        return None
+    return seen["K"], seen["W"]
 
 
 def parse_step_name(name: str) -> Optional[int]:
-    """The step number if `name` names a step directory (an int >= 1 without leading zeros)."""
+    """The step number if `name` names a step directory (an int >= 0 without leading zeros)."""
     return int(name) if _STEP_RE.match(name) else None
-
-
-def parse_inner_name(name: str) -> Optional[int]:
-    return int(name) if _INNER_RE.match(name) else None
 
 
 def payload_name(rank: int, W: int) -> str:
@@ -149,6 +165,3 @@ class Layout:
     def quarantine_dir(self) -> Path:
         return self.root / QUARANTINE_DIR
 
-
-def is_temporary_name(name: str) -> bool:
-    return name.startswith(TMP_PREFIX)

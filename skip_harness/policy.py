@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Optional
 
 from .config import Action, RolloutTQConfig
-
-OFF, HIT, MISS, REPEAT = "off", "hit", "miss", "repeat"
+from .stats import HIT, MISS, OFF, REPEAT
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,28 @@
 """What happens before the first `sample`: lock the namespace, scan it, handle what an earlier run left.
 
-Orchestration only: the disk is touched through :mod:`lock`, :mod:`scan` and nothing else.
+Orchestration only: the disk is touched through :mod:`lock` and :mod:`scan`. A namespace that cannot
+be written (a finished cache on a read-only mount) is scanned only: no lock, no cleanup, no writes.
+A Hydra callback that did the startup before the task function hands its result over here
+(:func:`hand_over`); the harness then takes it (:func:`take_over`) instead of locking a second time.
 """
 from __future__ import annotations
 
+import errno
+import socket
+import threading
 from dataclasses import dataclass, field
-from typing import FrozenSet, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Tuple
 
-from .callbacks import human_bytes
-from .config import RolloutTQConfig
-from .errors import ConfigError
+from .config import Cleanup, OnMismatch, RolloutTQConfig
+from .dist import DistContext
+from .errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
 from .fingerprint import Fingerprint
 from .layout import Layout
-from .lock import NamespaceLock
-from .scan import CleanupResult, NamespaceReport, plan_cleanup, scan_namespace
+from .lock import NamespaceLock, ReadOnlyCache, new_run_token, remove_run_marker, sees_run_marker, write_run_marker
+from .scan import CleanupItem, CleanupPlan, CleanupResult, NamespaceReport, plan_cleanup, scan_namespace
+from .units import human_bytes
+
+_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass(frozen=True)
@@ -24,11 +33,13 @@ class StartupResult:
     report: NamespaceReport
     cleanup: Optional[CleanupResult]
     cleanup_action: str
-    lock: NamespaceLock = field(repr=False, compare=False)
-    lock_was_held_here: bool = False
+    lock: Optional[NamespaceLock] = field(default=None, repr=False, compare=False)
+    read_only: bool = False
+    read_only_reason: str = ""
 
     def release(self) -> None:
-        self.lock.release()
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def handled(self) -> Tuple:
@@ -72,8 +83,11 @@ class StartupResult:
             f"rollout cache {self.layout.root}: {complete} complete, {unverified} unverified steps; "
             f"{len(incomplete)} incomplete{_steps(incomplete)}, {len(corrupt)} corrupt{_steps(corrupt)}"
         )
+        if self.read_only:
+            return line + (f" -> read-only ({self.read_only_reason}): complete steps are served; nothing is "
+                           "locked, cleaned or written")
         if self.cleanup is not None and self.cleanup.items:
-            if self.cleanup_action == "delete":
+            if self.cleanup_action == Cleanup.delete.value:
                 line += f" -> deleted {len(self.cleanup.items)} ({human_bytes(self.cleanup.freed_bytes)})"
             else:
                 line += (
@@ -93,24 +107,166 @@ def _steps(steps) -> str:
 
 
 def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Optional[float] = None) -> StartupResult:
-    """Lock, scan, and clean (per `skip.rollout_tq.cleanup`) one namespace. Raises LockHeldError."""
+    """Lock, scan, and clean (per `skip.rollout_tq.cleanup`) one namespace.
+
+    Raises LockHeldError (another process, or another harness of this process, holds it) and
+    ConfigError for a dump_dir that cannot be used at all. A read-only namespace is scanned only."""
     lock = NamespaceLock(layout, timeout=settings.lock_timeout if timeout is None else timeout)
-    was_held = lock.held_by_this_process
+    action = settings.cleanup.value
     try:
         lock.acquire()
-    except OSError as exc:  # not a directory, not writable, no flock on this filesystem...
+    except ReadOnlyCache as exc:
+        return StartupResult(layout, scan_namespace(layout), None, action, None, True, exc.reason)
+    except OSError as exc:  # not a directory, no flock on this filesystem...
+        if exc.errno in _READ_ONLY_ERRNOS:
+            return StartupResult(layout, scan_namespace(layout), None, action, None, True, exc.strerror or str(exc))
         raise ConfigError(
             "skip.rollout_tq.dump_dir", f"cannot use {layout.root} for the rollout cache: {exc.strerror or exc}"
         ) from None
     try:
         report = scan_namespace(layout)
-        action = settings.cleanup.value if hasattr(settings.cleanup, "value") else str(settings.cleanup)
         cleanup = None
-        if action != "off":
+        if action != Cleanup.off.value:
             plan = plan_cleanup(report, action)
             if plan.items or plan.leftovers:
                 cleanup = plan.execute()
-        return StartupResult(layout, report, cleanup, action, lock, was_held)
+        return StartupResult(layout, report, cleanup, action, lock)
     except BaseException:
         lock.release()
         raise
+
+
+def set_aside(layout: Layout, step: int, reason: str, action: str) -> CleanupResult:
+    """A step that failed verification at run time, handled as `skip.rollout_tq.cleanup` says before it is
+    regenerated: `quarantine` moves it under .quarantine/, otherwise it is removed."""
+    how = Cleanup.quarantine.value if action == Cleanup.quarantine.value else Cleanup.delete.value
+    item = CleanupItem(step, layout.step_dir(step), "corrupt", reason, 0, how)
+    return CleanupPlan(layout, how, (item,)).execute()
+
+
+# ---------------------------------------------------------------------------- a run's startup
+@dataclass(frozen=True)
+class StartedRun:
+    """What every rank knows after the startup: rank 0 also holds the StartupResult (and the lock)."""
+
+    startup: Optional[StartupResult]
+    servable: FrozenSet[int]
+    read_only: bool
+    quiet: bool  # the Hydra callback already reported this startup
+    faults: Tuple[Tuple[str, str], ...] = ()
+
+
+_ERRORS = {"LockHeldError": LockHeldError, "FingerprintMismatchError": FingerprintMismatchError,
+           "HarnessUsageError": HarnessUsageError}
+
+
+def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Optional[Fingerprint],
+                    dist: DistContext) -> StartedRun:
+    """Every rank calls this together: rank 0 takes over the Hydra callback's startup or does its own
+    (lock, scan, cleanup), checks the fingerprint and, with W > 1, writes a marker every rank must
+    see; the outcome (or rank 0's error, as the same class) reaches every rank."""
+    startup: Optional[StartupResult] = None
+    error: Optional[BaseException] = None
+    outcome: Any = None
+    quiet = False
+    faults: Tuple[Tuple[str, str], ...] = ()
+    if dist.is_main:
+        try:
+            startup = take_over(layout)
+            quiet = startup is not None
+            if startup is None:
+                startup = prepare_namespace(layout, settings)
+            servable, warning = _servable(startup, fingerprint, settings)
+            faults = startup.faults() + ((warning,) if warning else ())
+            token = None
+            if dist.world_size > 1 and not startup.read_only:
+                token = new_run_token()
+                write_run_marker(layout, token)
+            outcome = ("ok", sorted(servable), startup.read_only, token)
+        except SkipHarnessError as exc:
+            error, outcome = exc, ("error", type(exc).__name__, getattr(exc, "key", None), str(exc))
+        except BaseException as exc:  # a bug: make the other ranks stop too, then re-raise
+            error, outcome = exc, ("error", "SkipHarnessError", None, f"rank 0 failed during startup: {exc!r}")
+        if error is not None and startup is not None:
+            startup.release()
+    outcome = dist.broadcast(outcome)
+    if error is not None:
+        raise error
+    if outcome[0] == "error":
+        raise _rebuild(*outcome[1:])
+    _, servable, read_only, token = outcome
+    try:
+        _check_shared(dist, layout, token)
+    except BaseException:
+        if startup is not None:
+            startup.release()
+        raise
+    return StartedRun(startup, frozenset(servable), read_only, quiet, faults)
+
+
+def _servable(startup: StartupResult, fingerprint: Optional[Fingerprint],
+              settings: RolloutTQConfig) -> Tuple[FrozenSet[int], Optional[Tuple[str, str]]]:
+    """The servable steps for this generator, and the warning to give when others are regenerated."""
+    if fingerprint is None:
+        return startup.servable_steps(None), None
+    mismatched = startup.mismatched_steps(fingerprint)
+    if not mismatched:
+        return startup.servable_steps(fingerprint), None
+    difference = fingerprint.describe_difference(mismatched[0][1])
+    if settings.on_mismatch == OnMismatch.error:
+        steps = [s for s, _ in mismatched]
+        shown = ", ".join(str(s) for s in steps[:8]) + (", ..." if len(steps) > 8 else "")
+        raise FingerprintMismatchError(
+            f"rollout cache {startup.layout.root}: {len(steps)} committed steps ({shown}) were generated with "
+            f"another config: {difference}. Either choose another trainer.experiment_name for this run, or set "
+            "skip.rollout_tq.on_mismatch=regenerate to replace those steps as they come."
+        )
+    warning = (str(startup.layout.root), f"{len(mismatched)} committed steps were generated with another config "
+               f"({difference}); they are regenerated as they come (skip.rollout_tq.on_mismatch=regenerate)")
+    return startup.servable_steps(fingerprint), warning
+
+
+def _check_shared(dist: DistContext, layout: Layout, token: Optional[str]) -> None:
+    """W > 1: every rank must see the marker rank 0 wrote, or commits would never see every shard."""
+    if token is None:
+        return
+    seen = dist.gather((sees_run_marker(layout, token, wait=2.0), socket.gethostname()))
+    if dist.is_main:
+        remove_run_marker(layout, token)
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(
+            "skip.rollout_tq.dump_dir",
+            f"{', '.join(blind)} cannot see the rollout cache that rank 0 writes at {layout.root}: every node "
+            "must mount one shared filesystem there (set skip.rollout_tq.dump_dir, or SKIP_HARNESS_DUMP_DIR, "
+            "to a path all nodes share), or turn caching off with skip.rollout_tq.enable=false",
+        )
+
+
+def _rebuild(kind: str, key: Optional[str], message: str) -> SkipHarnessError:
+    """Rank 0's startup error, raised on every rank as the same class."""
+    if kind == "ConfigError" and key:
+        return ConfigError(key, message[len(key) + 2:] if message.startswith(f"{key}: ") else message)
+    return _ERRORS.get(kind, SkipHarnessError)(message)
+
+
+# ---------------------------------------------------------------------------- Hydra hand-over
+_HANDED: Dict[str, StartupResult] = {}
+_HANDED_GUARD = threading.Lock()
+
+
+def hand_over(result: StartupResult) -> None:
+    """Offer a startup done before the harness exists (the Hydra callback) to the harness of this process."""
+    with _HANDED_GUARD:
+        _HANDED[str(result.layout.root)] = result
+
+
+def take_over(layout: Layout) -> Optional[StartupResult]:
+    """The startup handed over for `layout`, now owned by the caller (it releases the lock); else None."""
+    with _HANDED_GUARD:
+        return _HANDED.pop(str(layout.root), None)
+
+
+def withdraw(layout: Layout) -> Optional[StartupResult]:
+    """Take back a startup nobody took over (the Hydra callback at job end) — the caller releases it."""
+    return take_over(layout)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from skip_harness.callbacks import CallbackDispatcher, HarnessCallback, HydraStartupCallback
-from skip_harness.config import register_configs, to_demo_config
+from skip_harness.callbacks import CallbackDispatcher, HarnessCallback
+from skip_harness.config import namespace_key_from_config, register_configs, to_demo_config
+from skip_harness.hydra_callback import HydraStartupCallback
 from skip_harness.harness import SkipHarness
 from skip_harness.lock import probe
 
@@ -46,25 +47,48 @@ def compose_demo(tmp_path, *overrides):
         return compose("config", [f"skip.rollout_tq.dump_dir={tmp_path}", *overrides])
 
 
-def test_hydra_callback_holds_the_lock_from_job_start_to_job_end(tmp_path, caplog):
+def test_hydra_callback_hands_its_startup_to_the_jobs_harness(tmp_path, caplog):
     cfg = compose_demo(tmp_path, "data.train_batch_size=8")
     demo = to_demo_config(cfg)
-    layout = demo.namespace_key(1).layout(tmp_path)
+    layout = namespace_key_from_config(demo).layout(tmp_path)
     stale = layout.step_dir(3)
     stale.mkdir(parents=True)
     (stale / "tq_batch.pt").write_bytes(b"half a file")
-    cb = HydraStartupCallback()
+    cb = HydraStartupCallback(validate="skip_harness.demo.run.validate")
     with caplog.at_level(logging.INFO, logger="skip_harness"):
         cb.on_job_start(config=cfg, task_function=None)
-    assert not stale.exists()  # cleaned before the task function
-    assert f"pid {os.getpid()}" in probe(layout)
+        assert not stale.exists()  # cleaned before the task function
+        assert f"pid {os.getpid()}" in probe(layout)
+        harness = SkipHarness.from_config(demo)
+        harness.start()  # takes the callback's startup over: no second lock, no second startup line
+        other = SkipHarness.from_config(demo)
+        try:
+            other.start()
+            raise AssertionError("a second harness on a held namespace must be refused")
+        except Exception as exc:  # refused like another process would be
+            assert type(exc).__name__ == "LockHeldError", exc
+        harness.close()
     assert caplog.text.count("1 incomplete [3]") == 1
-    harness = SkipHarness(demo.skip.rollout_tq, demo.namespace_key(1))
-    harness.start()  # the same process: re-entrant, no second summary line at INFO
-    harness.close()
-    assert f"pid {os.getpid()}" in probe(layout)  # still held by the callback
+    assert probe(layout) is None  # the harness released what it took over
     cb.on_job_end(config=cfg, job_return=None)
     assert probe(layout) is None
+
+
+def test_hydra_callback_releases_a_startup_nobody_took(tmp_path):
+    cfg = compose_demo(tmp_path, "data.train_batch_size=8")
+    layout = namespace_key_from_config(to_demo_config(cfg)).layout(tmp_path)
+    cb = HydraStartupCallback()
+    cb.on_job_start(config=cfg, task_function=None)
+    assert probe(layout) is not None
+    cb.on_job_end(config=cfg, job_return=None)  # the job stopped before its harness started
+    assert probe(layout) is None
+    assert not layout.lock_holder_path.exists()
+
+
+def test_hydra_callback_validates_the_trainers_own_keys_before_the_disk(tmp_path):
+    cfg = compose_demo(tmp_path, "trainer.torch_threads=0")
+    HydraStartupCallback(validate="skip_harness.demo.run.validate").on_job_start(config=cfg, task_function=None)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_hydra_callback_leaves_a_bad_config_to_the_task_function(tmp_path):

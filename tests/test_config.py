@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from skip_harness.config import DemoConfig, RolloutTQConfig, namespace_key_from_config, to_demo_config
+from skip_harness.config import DemoConfig, RolloutTQConfig, check_batch_split, namespace_key_from_config, to_demo_config
 from skip_harness.errors import ConfigError
 
 
@@ -53,13 +53,14 @@ def test_world_size_must_divide_the_per_sample_batch():
     with pytest.raises(ConfigError, match="K x W = 4 x 2"):
         cfg.check_world_size(2)
     with pytest.raises(ConfigError, match="data.train_batch_size"):
-        namespace_key_from_config(OmegaConf.structured(cfg), 2)
-    assert namespace_key_from_config(OmegaConf.structured(cfg), 3).leaf_name == "GBS12_N8_in8_out10_K4_W3"
+        check_batch_split(cfg.data.train_batch_size, cfg.K, 2)
+    check_batch_split(cfg.data.train_batch_size, cfg.K, 3)
+    assert namespace_key_from_config(OmegaConf.structured(cfg)).with_world_size(3).leaf_name == "GBS12_N8_in8_out10_K4_W3"
 
 
 def test_rollout_tq_rejects_non_int_steps_and_unknown_choices():
     with pytest.raises(ConfigError, match=r"skip.rollout_tq.steps\[1\]"):
-        RolloutTQConfig(steps=[1, 0])
+        RolloutTQConfig(steps=[1, -1])
     with pytest.raises(ConfigError, match="skip.rollout_tq.action"):
         RolloutTQConfig(action="replay")
     assert RolloutTQConfig(action="repeat", cleanup="off").action.value == "repeat"

@@ -1,13 +1,11 @@
 """layout: pure path arithmetic for namespaces, steps, inner indices and ranks."""
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import pytest
 
 from skip_harness.layout import (
     Layout,
     NamespaceKey,
-    is_temporary_name,
-    parse_inner_name,
     parse_namespace_leaf,
     parse_step_name,
 )
@@ -20,7 +18,6 @@ def key(K=1, W=1):
 def test_namespace_name_is_verls_when_k_and_w_are_one(tmp_path):
     lay = key().layout(tmp_path)
     assert lay.root == tmp_path / "exp_proj" / "GBS64_N4_in128_out256"
-    assert key().relpath == PurePosixPath("exp_proj/GBS64_N4_in128_out256")
 
 
 @pytest.mark.parametrize("K,W", [(4, 1), (1, 2), (2, 2)])
@@ -39,20 +36,34 @@ def test_runs_differing_in_k_or_w_never_share_a_namespace(tmp_path):
 def test_parse_namespace_leaf():
     assert parse_namespace_leaf("GBS64_N4_in128_out256") == (1, 1)
     assert parse_namespace_leaf("GBS64_N4_in128_out256_K3_W2") == (3, 2)
-    for bad in ("GBS64_N4_in128", "gbs64_N4_in128_out256", "GBS64_N4_in128_out256_K3", "x", ".quarantine"):
+    assert parse_namespace_leaf("GBS64_N4_in128") == (1, 1)  # a trainer without max_response_length
+    for bad in ("gbs64_N4_in128_out256", "GBS64_N4_in128_out256_K3", "x", ".quarantine"):
         assert parse_namespace_leaf(bad) is None
 
 
-def test_parse_step_name_accepts_only_canonical_positive_ints():
+def test_namespace_names_only_the_shape_values_a_trainer_has(tmp_path):
+    # A trainer without verl's keys (TRL: no max_prompt_length) names what it has; K and W are always
+    # in the name when nothing else is.
+    assert NamespaceKey("e", "p", n=4, K=2).leaf_name == "N4_K2_W1"
+    assert NamespaceKey("e", "p", train_batch_size=8, max_response_length=32).leaf_name == "GBS8_out32"
+    assert NamespaceKey("e", "p").leaf_name == "K1_W1"
+    for k in (NamespaceKey("e", "p", n=4, K=2), NamespaceKey("e", "p", train_batch_size=8, max_response_length=32),
+              NamespaceKey("e", "p", W=3)):
+        assert parse_namespace_leaf(k.leaf_name) == (k.K, k.W)
+    assert NamespaceKey("e", "p", n=4).with_world_size(2).leaf_name == "N4_K1_W2"
+
+
+def test_parse_namespace_leaf_rejects_reordered_or_repeated_tokens():
+    for bad in ("N4_GBS8", "N4_N4", "K2", "W1_K1", "K0_W1", "N4_K2_W0", "N04"):
+        assert parse_namespace_leaf(bad) is None, bad
+
+
+def test_parse_step_name_accepts_only_canonical_ints():
+    assert parse_step_name("0") == 0  # 0-based trainers (TRL) store step 0
     assert parse_step_name("1") == 1
     assert parse_step_name("12345") == 12345
-    for bad in ("0", "01", "-1", "1.0", "a", "", ".lock", ".trash-3-1-ab", "3 "):
+    for bad in ("01", "-1", "1.0", "a", "", ".lock", ".trash-3-1-ab", "3 "):
         assert parse_step_name(bad) is None
-
-
-def test_parse_inner_name():
-    assert parse_inner_name("0") == 0 and parse_inner_name("7") == 7
-    assert parse_inner_name("07") is None and parse_inner_name("x") is None
 
 
 def test_k1_files_sit_in_the_step_directory():
@@ -97,4 +108,3 @@ def test_lock_and_quarantine_paths():
     assert lay.lock_path == Path("/ns/.lock")
     assert lay.lock_holder_path == Path("/ns/.lock.holder.json")
     assert lay.quarantine_dir == Path("/ns/.quarantine")
-    assert is_temporary_name(".tmp-tq_batch.pt.1.ab") and not is_temporary_name("tq_batch.pt")

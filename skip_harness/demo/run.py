@@ -64,12 +64,21 @@ def demo_settings(cfg: DemoConfig):
     )
 
 
+def validate(cfg: Any) -> DemoConfig:
+    """The demo's whole config checked, with nothing touched: the schema, every cross-field check, the
+    world size's batch split and the harness's own settings. Raises ConfigError naming the key."""
+    demo = to_demo_config(cfg)
+    demo.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+    SkipHarness.from_config(OmegaConf.structured(demo), fingerprint_keys=DEMO_FINGERPRINT_KEYS)
+    return demo
+
+
 def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
     """Run the demo. `cfg`: a composed DictConfig (or a dict) with the demo's keys.
 
     Raises ConfigError (naming the key), LockHeldError or FingerprintMismatchError before any work.
     """
-    demo = to_demo_config(cfg)
+    demo = validate(cfg)
     from accelerate import Accelerator
 
     from .trainer import DemoTrainer
@@ -129,8 +138,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
                 if bar is not None:
                     bar.close()
     finally:
-        summary = harness.close()
-        harness.unwrap()
+        summary = harness.close()  # also gives the trainer its own methods back
         if metrics_file is not None:
             metrics_file.close()
     gen = sum(r.get("gen_s", 0.0) for r in rows)

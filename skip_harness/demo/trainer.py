@@ -34,12 +34,12 @@ from typing import Callable, Dict, List, Optional
 import accelerate
 import torch
 
+from ..config import TRAINER_MODES
 from .policy import Policy, PolicyConfig, sequence_logprobs
 from .task import SortTask, derive_seed
 
 log = logging.getLogger("skip_harness.demo")
 
-MODES = ("sync", "colocate_async", "separate_async")
 
 #: The keys of a training mini-batch as ``sample`` returns it (all CPU tensors).
 BATCH_KEYS = ("prompts", "responses", "response_mask", "old_logprobs", "rewards", "uid", "step", "inner_index", "rank")
@@ -68,8 +68,8 @@ class DemoSettings:
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in TRAINER_MODES:
+            raise ValueError(f"mode must be one of {TRAINER_MODES}, got {self.mode!r}")
         if self.K < 1:
             raise ValueError(f"K must be >= 1, got {self.K}")
         if self.mode != "separate_async" and self.K != 1:

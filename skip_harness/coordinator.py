@@ -1,0 +1,283 @@
+"""The commit coordinator: the only owner of the writer thread; commits steps; the W > 1 agreement.
+
+:class:`Writer` is one background thread that runs write jobs and nothing else: no callbacks, no
+statistics, no log lines. Each job's outcome comes back as a :class:`concurrent.futures.Future`; a
+job that raises anything (BaseException included) sets it on its future and the thread goes on.
+Pending jobs are bounded (``skip.rollout_tq.max_pending_writes``): at the bound `submit` waits
+(back-pressure). `close()` always returns.
+
+:class:`CommitCoordinator` runs on the trainer's thread. It hands mini-batches to the writer, and at
+the trainer's calls (`poll`) turns finished writes into commits and finished steps. With one process
+a step is committed once its K writes are durable. With W > 1 the ranks agree at decision points: a
+step whose K samples ended two decision points ago (or every step, at close) is gathered, rank 0
+commits when every rank's shard is durable, and broadcasts whether the commit landed, so every rank
+keeps the same set of servable steps.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from .dist import DistContext
+from .fingerprint import Fingerprint
+from .stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REFUSED, SHORT_STEP, WRITE_FAILED
+from .store import StepStore
+
+_STOP = object()
+
+
+class Writer:
+    """One thread writing jobs in order; a bounded number pending; inline when not `background`."""
+
+    def __init__(self, max_pending: int, background: bool = True):
+        self._background = background
+        self._slots = threading.BoundedSemaphore(max(1, max_pending))
+        self._jobs: "queue.Queue[Any]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the writer thread; waits while `max_pending` jobs are pending."""
+        fut: Future = Future()
+        if not self._background or self._closed:
+            _run(fut, fn, args)
+            return fut
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="skip_harness-writer", daemon=True)
+            self._thread.start()
+        while not self._slots.acquire(timeout=0.5):  # back-pressure
+            if not self._thread.is_alive():  # cannot happen (the loop catches everything); never hang
+                _run(fut, fn, args)
+                return fut
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            fut, fn, args = item
+            try:
+                _run(fut, fn, args)
+            finally:
+                self._slots.release()
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Let queued jobs finish and stop the thread; True if it stopped within `timeout`."""
+        self._closed = True
+        if self._thread is None:
+            return True
+        self._jobs.put(_STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _run(fut: Future, fn: Callable[..., Any], args: tuple) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - every failure is the step's, never the thread's
+        fut.set_exception(exc)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A miss step the coordinator is done with: committed, or not and why."""
+
+    step: int
+    committed: bool
+    reason: str
+    bytes: int
+
+
+@dataclass
+class _Pending:
+    step: int
+    writes: Dict[int, Future] = field(default_factory=dict)
+    failed: Optional[str] = None  # first reason this rank could not write the step
+    failed_path: str = ""
+    complete_epoch: Optional[int] = None  # decision epoch at which the K-th sample came
+    commit: Optional[Future] = None
+    reported: set = field(default_factory=set)  # inner indices whose write was reported
+
+
+class CommitCoordinator:
+    """Turns a miss step's K mini-batches into durable files and one commit record."""
+
+    def __init__(
+        self,
+        store: StepStore,
+        dist: DistContext,
+        fingerprint: Optional[Fingerprint],
+        writer: Writer,
+        report_fault: Callable[[str, str], None],
+        report_write: Callable[..., None] = lambda **kw: None,
+    ):
+        self.store = store
+        self.dist = dist
+        self.K = store.layout.K
+        self.fingerprint = fingerprint
+        self.writer = writer
+        self._fault = report_fault
+        self._written = report_write
+        self._pending: Dict[int, _Pending] = {}
+
+    # ---- the trainer's calls
+    def begin(self, step: int) -> None:
+        self._pending[step] = _Pending(step)
+
+    def write(self, step: int, inner: int, snapshot: Any, meta: Dict[str, Any]) -> None:
+        p = self._pending[step]
+        if p.failed is None:
+            p.writes[inner] = self.writer.submit(_timed, self.store.write_inner, step, inner, self.dist.rank, snapshot, meta)
+
+    def refuse(self, step: int, inner: int, reason: str) -> None:
+        """This rank cannot write mini-batch `inner` (its payload was refused by the codec)."""
+        self._set_failed(self._pending[step], f"{PAYLOAD_REFUSED}: {reason}", str(self.store.layout.inner_dir(step, inner)))
+
+    def sampled_all(self, step: int, epoch: int) -> None:
+        self._pending[step].complete_epoch = epoch
+
+    def abandon(self, step: int, sampled: int) -> Finished:
+        """A step that ended after fewer than K sample calls: never committed."""
+        p = self._pending.pop(step)
+        return Finished(step, False, f"{SHORT_STEP}: {sampled} of K = {self.K} sample calls", self._bytes(p))
+
+    def wait_local(self, step: int) -> Optional[str]:
+        """Wait until this rank's writes of `step` are durable; the failure reason, if any."""
+        p = self._pending.get(step)
+        if p is None:
+            return None
+        self._settle_writes(p, wait=True)
+        return p.failed
+
+    def poll(self, epoch: int, *, wait: bool = False, decision_point: bool = False) -> List[Finished]:
+        """The steps finished by now. With W > 1 this is a collective: call it on every rank with
+        ``decision_point=True`` at the same points (it then agrees on ready steps), or with W = 1 anywhere."""
+        if self.dist.world_size == 1:
+            return self._poll_local(wait)
+        if not decision_point:
+            return []
+        return self._poll_agreed(epoch, wait)
+
+    @property
+    def pending_steps(self) -> List[int]:
+        return sorted(self._pending)
+
+    # ---- one process
+    def _poll_local(self, wait: bool) -> List[Finished]:
+        out = []
+        for step in sorted(self._pending):
+            p = self._pending[step]
+            if p.complete_epoch is None:
+                continue
+            if not self._settle_writes(p, wait) and p.failed is None:
+                continue
+            if p.failed is not None:
+                out.append(self._finish(p, False, p.failed))
+                continue
+            if p.commit is None:
+                entries = [e for i in range(self.K) for e in p.writes[i].result()[0]]
+                p.commit = self.writer.submit(self.store.commit, step, entries, self.fingerprint)
+            if wait:
+                _wait(p.commit)
+            if p.commit.done():
+                out.append(self._commit_outcome(p))
+        return out
+
+    def _commit_outcome(self, p: _Pending) -> Finished:
+        exc = p.commit.exception() if p.commit is not None else None
+        if exc is None:
+            return self._finish(p, True, "")
+        reason = f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}"
+        self._fault(str(self.store.layout.step_dir(p.step)), f"{reason}; step {p.step} stays uncommitted, training goes on")
+        return self._finish(p, False, reason)
+
+    # ---- several processes
+    def _poll_agreed(self, epoch: int, wait: bool) -> List[Finished]:
+        ready = [
+            p for _, p in sorted(self._pending.items())
+            if p.complete_epoch is not None and (wait or p.complete_epoch <= epoch - 2)
+        ]
+        out = []
+        for p in ready:
+            self._settle_writes(p, wait=True)
+            local = None if p.failed else [e for i in range(self.K) for e in p.writes[i].result()[0]]
+            gathered = self.dist.gather(local)
+            committed, reason = False, p.failed or OTHER_RANK_FAILED
+            if all(g is not None for g in gathered):
+                if self.dist.is_main:
+                    p.commit = self.writer.submit(self.store.commit, p.step, [e for part in gathered for e in part],
+                                                  self.fingerprint)
+                    _wait(p.commit)
+                    exc = p.commit.exception()
+                    outcome = (exc is None, "" if exc is None else f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}")
+                else:
+                    outcome = None
+                committed, reason = self.dist.broadcast(outcome)
+                if not committed and self.dist.is_main:
+                    self._fault(str(self.store.layout.step_dir(p.step)), f"{reason}; step {p.step} stays uncommitted")
+            elif p.failed is None:
+                self._fault(str(self.store.layout.step_dir(p.step)),
+                            f"{OTHER_RANK_FAILED} to write its shard; step {p.step} is not committed")
+            out.append(self._finish(p, committed, reason))
+        return out
+
+    # ---- shared
+    def _settle_writes(self, p: _Pending, wait: bool) -> bool:
+        """True when every submitted write of `p` is done (waiting if asked); records the first failure."""
+        for inner in sorted(p.writes):
+            fut = p.writes[inner]
+            if wait:
+                _wait(fut)
+            if not fut.done():
+                return False
+            exc = fut.exception()
+            if exc is not None and p.failed is None:
+                self._set_failed(p, f"{WRITE_FAILED}: {type(exc).__name__}: {exc}",
+                                 str(self.store.layout.inner_dir(p.step, inner)))
+            elif exc is None and inner not in p.reported:
+                p.reported.add(inner)
+                entries, seconds = fut.result()
+                self._written(step=p.step, inner_index=inner, rank=self.dist.rank, bytes=entries[0].bytes, seconds=seconds)
+        return True
+
+    def _set_failed(self, p: _Pending, reason: str, path: str) -> None:
+        if p.failed is None:
+            p.failed, p.failed_path = reason, path
+            self._fault(path, f"{reason}; step {p.step} stays uncommitted, training goes on")
+
+    def _finish(self, p: _Pending, committed: bool, reason: str) -> Finished:
+        self._pending.pop(p.step, None)
+        return Finished(p.step, committed, reason, self._bytes(p))
+
+    @staticmethod
+    def _bytes(p: _Pending) -> int:
+        """Payload bytes this rank wrote for the step (what a read of it counts, too)."""
+        total = 0
+        for fut in p.writes.values():
+            if fut.done() and fut.exception() is None:
+                total += fut.result()[0][0].bytes
+        return total
+
+    def close(self, timeout: Optional[float] = 600.0) -> bool:
+        return self.writer.close(timeout)
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple:
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
+def _wait(fut: Future) -> None:
+    try:
+        fut.exception()  # blocks until done; never raises the job's exception here
+    except BaseException:  # noqa: BLE001 - cancelled: nothing to wait for
+        pass
+

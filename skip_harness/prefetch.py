@@ -1,0 +1,105 @@
+"""Loading a step to serve, now or one step ahead in the background.
+
+:func:`load_step` verifies this rank's files of a step (sizes and checksums against its commit
+record) and loads its K mini-batches (memory-mapped). :class:`Prefetcher` runs it for the next hit
+step on one reader thread while the trainer trains on the current one — bounded to one step ahead,
+cancelled at close. It only reads; what it found is reported on the trainer's thread.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .errors import CorruptStepError
+from .store import StepStore
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A step read for serving: its K mini-batches and metas, or why it cannot be served."""
+
+    step: int
+    batches: List[Any] = field(default_factory=list)
+    metas: List[Dict[str, Any]] = field(default_factory=list)
+    unverified: bool = False
+    seconds: float = 0.0
+    reason: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+    @property
+    def bytes(self) -> int:
+        return sum(int(m.get("bytes", 0) or 0) for m in self.metas)
+
+    @property
+    def gen_s(self) -> float:
+        return sum(float(m.get("gen_s", 0.0) or 0.0) for m in self.metas)
+
+
+def load_step(store: StepStore, step: int, rank: int) -> Loaded:
+    """Verify and load this rank's K mini-batches of `step`; never raises for a bad step."""
+    t0 = time.perf_counter()
+    status, reason = store.verify_status(step, ranks=[rank])
+    if reason is None:
+        try:
+            batches = store.read_step(step, rank)
+            metas = [store.read_meta(step, i, rank) for i in range(store.layout.K)]
+        except (CorruptStepError, OSError, ValueError) as exc:
+            reason = str(exc)
+    if reason is not None:
+        return Loaded(step, seconds=time.perf_counter() - t0, reason=reason)
+    return Loaded(step, batches, metas, status == "unverified", time.perf_counter() - t0)
+
+
+class Prefetcher:
+    """At most one step loaded ahead, on one reader thread."""
+
+    def __init__(self, store: StepStore, rank: int, enabled: bool = True):
+        self.store = store
+        self.rank = rank
+        self.enabled = enabled
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._ahead: Optional[tuple] = None  # (step, Future[Loaded])
+
+    def start(self, step: int) -> None:
+        """Begin loading `step` in the background (replaces any other step loaded ahead)."""
+        if not self.enabled or (self._ahead is not None and self._ahead[0] == step):
+            return
+        self.cancel()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skip_harness-prefetch")
+        self._ahead = (step, self._pool.submit(load_step, self.store, step, self.rank))
+
+    def take(self, step: int) -> Loaded:
+        """`step` loaded: the background result when it was loaded ahead, else loaded now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            fut: Future = ahead[1]
+            try:
+                return fut.result()
+            except Exception as exc:  # a bug in loading: treat the step as not servable
+                return Loaded(step, reason=f"prefetch failed: {type(exc).__name__}: {exc}")
+        if ahead is not None:
+            ahead[1].cancel()
+        return load_step(self.store, step, self.rank)
+
+    @property
+    def pending(self) -> Optional[int]:
+        """The step being loaded ahead, if any."""
+        return None if self._ahead is None else self._ahead[0]
+
+    def cancel(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].cancel()
+
+    def close(self) -> None:
+        """Cancel what is loaded ahead and stop the reader thread (waits for a load in progress)."""
+        self.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

@@ -1,0 +1,99 @@
+"""The run's statistics: one record per decided step, and a summary computed from those records.
+
+The summary is an aggregate of the per-step records and nothing else, so it always adds up: every
+decided step is counted once (hit, repeat, miss or uncached), every miss as committed or not, with
+the reason. Owned and updated by the trainer's thread only.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .errors import HarnessUsageError
+
+HIT, MISS, REPEAT, OFF = "hit", "miss", "repeat", "off"
+KINDS = (HIT, REPEAT, MISS, OFF)
+
+# Why a miss was not committed (the keys of RunSummary.uncommitted_reasons).
+WRITE_FAILED = "write failed"
+PAYLOAD_REFUSED = "payload refused"
+SHORT_STEP = "short step"
+OTHER_RANK_FAILED = "another rank failed"
+COMMIT_FAILED = "commit failed"
+READ_ONLY = "read-only cache"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What happened in one step, as its per-step log line reports it.
+
+    bytes: payload bytes of this rank written (miss) or read (hit, repeat), counted the same way.
+    gen_s: seconds spent generating (misses only); load_s: seconds to verify and load (hits, repeats).
+    saved_s: generation seconds the served batches cost when they were recorded.
+    committed: for a miss, whether the step was committed; reason says why not.
+    """
+
+    step: int
+    kind: str
+    K: int
+    source_step: Optional[int] = None
+    bytes: int = 0
+    gen_s: float = 0.0
+    load_s: float = 0.0
+    saved_s: float = 0.0
+    committed: Optional[bool] = None
+    reason: str = ""
+    unverified: bool = False
+    regenerated: bool = False  # a hit whose inputs differed from the recorded ones, generated again
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    hits: int
+    repeats: int
+    misses: int
+    off: int
+    committed: int
+    uncommitted: int
+    uncommitted_reasons: Dict[str, int]
+    bytes_read: int
+    bytes_written: int
+    gen_s_spent: float
+    gen_s_saved: float
+    load_s: float
+
+    @property
+    def steps(self) -> int:
+        return self.hits + self.repeats + self.misses + self.off
+
+
+@dataclass
+class RunStats:
+    records: List[StepRecord] = field(default_factory=list)
+    _seen: set = field(default_factory=set)
+
+    def add(self, record: StepRecord) -> None:
+        if record.step in self._seen:
+            raise HarnessUsageError(f"step {record.step} was decided twice (the trainer went back to an earlier step?)")
+        if record.kind not in KINDS:
+            raise ValueError(f"unknown step kind {record.kind!r}")
+        self._seen.add(record.step)
+        self.records.append(record)
+
+    def summary(self) -> RunSummary:
+        kinds = Counter(r.kind for r in self.records)
+        misses = [r for r in self.records if r.kind == MISS]
+        served = [r for r in self.records if r.kind in (HIT, REPEAT)]
+        reasons = Counter(r.reason.split(":")[0] for r in misses if not r.committed)
+        return RunSummary(
+            hits=kinds[HIT], repeats=kinds[REPEAT], misses=kinds[MISS], off=kinds[OFF],
+            committed=sum(1 for r in misses if r.committed),
+            uncommitted=sum(1 for r in misses if not r.committed),
+            uncommitted_reasons=dict(sorted(reasons.items())),
+            bytes_read=sum(r.bytes for r in served),
+            bytes_written=sum(r.bytes for r in misses),
+            gen_s_spent=sum(r.gen_s for r in self.records),
+            gen_s_saved=sum(r.saved_s for r in served),
+            load_s=sum(r.load_s for r in served),
+        )

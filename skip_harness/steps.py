@@ -1,0 +1,300 @@
+"""The per-step decision and serving: what the harness does inside a wrapped call.
+
+:class:`StepRunner` decides each step once (a decision point: every rank reaches the same ones in the
+same order), serves hits from the cache, hands misses to the :class:`CommitCoordinator`, and turns
+what finished into one :class:`StepRecord` per step, reported in step order on the trainer's thread.
+Inner indices are counted from the calls the trainer makes, never guessed from the disk.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set
+
+from . import codec, rng
+from .callbacks import CallbackDispatcher
+from .config import Action, RolloutTQConfig
+from .coordinator import CommitCoordinator, Finished
+from .dist import DistContext
+from .errors import CodecError, HarnessUsageError
+from .policy import Decision, decide
+from .prefetch import Loaded, Prefetcher
+from .stats import HIT, MISS, OFF, READ_ONLY, REPEAT, RunStats, StepRecord
+from .store import StepStore
+
+
+@dataclass
+class _StepState:
+    decision: Decision
+    sampled: int = 0
+    gen_s: float = 0.0
+    loaded: Optional[Loaded] = None
+    batches: List[Any] = field(default_factory=list)
+    regenerated: bool = False
+    finished: bool = False
+
+
+class StepRunner:
+    """Decides, serves and accounts for the steps of one run (trainer's thread only)."""
+
+    def __init__(
+        self,
+        settings: RolloutTQConfig,
+        store: StepStore,
+        dist: DistContext,
+        coordinator: CommitCoordinator,
+        prefetcher: Prefetcher,
+        callbacks: CallbackDispatcher,
+        servable: Set[int],
+        *,
+        read_only: bool = False,
+        call_digest: Optional[Callable[[tuple, dict], str]] = None,
+    ):
+        self.settings = settings
+        self.store = store
+        self.dist = dist
+        self.K = store.layout.K
+        self.coordinator = coordinator
+        self.prefetcher = prefetcher
+        self.callbacks = callbacks
+        self.servable = set(servable)
+        self.read_only = read_only
+        self.call_digest = call_digest
+        self.stats = RunStats()
+        self.outcomes: Dict[int, str] = {}
+        self._states: Dict[int, _StepState] = {}
+        self._order: List[int] = []  # decided steps whose record is not reported yet, in order
+        self._records: Dict[int, StepRecord] = {}
+        self._epoch = 0
+
+    # ------------------------------------------------------------------ wrapped calls
+    def prepare(self, step: int, run: Callable[[], Any], run_on_hit: Optional[Callable[[], Any]]) -> Any:
+        """A wrapped `prepare_data`: on a hit `run_on_hit` (data only, no dispatch), else `run`."""
+        self._collect(self.coordinator.poll(self._epoch))
+        state = self._state_for(step)
+        if state.decision.serves_cache:
+            return run_on_hit() if run_on_hit is not None else None
+        t0 = time.perf_counter()
+        try:
+            return run()
+        finally:
+            if state.decision.kind == MISS:
+                state.gen_s += time.perf_counter() - t0
+
+    def sample(self, step: int, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+        """A wrapped `sample`: the i-th call of a step serves or generates mini-batch i."""
+        self._end_short_steps(before=step)
+        self._collect(self.coordinator.poll(self._epoch))
+        state = self._state_for(step)
+        if state.decision.kind == OFF:
+            return run()
+        inner = state.sampled
+        if inner >= self.K:
+            raise HarnessUsageError(
+                f"step {step}: sample() called more than K = {self.K} times "
+                "(K is trainer.v1.separate_async.parameter_sync_step in separate_async, else 1)"
+            )
+        state.sampled += 1
+        if state.decision.serves_cache:
+            if state.decision.kind == HIT and self.call_digest is not None and not self._inputs_match(state, inner, args, kwargs):
+                self._regenerate_from(step, inner, state)
+            else:
+                return self._serve(step, inner, state)
+        return self._generate(step, inner, state, run, args, kwargs)
+
+    # ------------------------------------------------------------------ decisions
+    def _state_for(self, step: int) -> _StepState:
+        state = self._states.get(step)
+        return state if state is not None else self._begin(step)
+
+    def _begin(self, step: int) -> _StepState:
+        """A decision point: every rank calls it for the same steps in the same order."""
+        self._epoch += 1
+        self._collect(self.coordinator.poll(self._epoch, decision_point=True))
+        excluded: Set[int] = set()
+        settled = False
+        while True:
+            decision = decide(step, self.settings, frozenset(self.servable - excluded))
+            if decision.kind == MISS and self.settings.action == Action.repeat and not settled:
+                # `repeat` with nothing to serve yet: let this run's pending commits land first, so
+                # the choice never depends on how fast the writer was.
+                settled = True
+                self._collect(self.coordinator.poll(self._epoch, wait=True, decision_point=True))
+                continue
+            if not decision.serves_cache:
+                break
+            loaded = self.prefetcher.take(decision.source_step)
+            if self.dist.all_true(loaded.ok):
+                break
+            if not loaded.ok:
+                self._fault(str(self.store.layout.step_dir(decision.source_step)),
+                            f"{loaded.reason}; step {decision.source_step} is not served and is regenerated whole")
+            excluded.add(decision.source_step)
+            self.servable.discard(decision.source_step)
+        state = _StepState(decision)
+        self._states[step] = state
+        self._order.append(step)
+        self.outcomes[step] = decision.kind
+        if decision.serves_cache:
+            state.loaded = loaded
+            state.batches = list(loaded.batches)
+        elif decision.kind == MISS:
+            self._start_miss(step)
+        self.callbacks.on_step_start(step=step, decision=decision)
+        if decision.kind == OFF:
+            self._finish(step, StepRecord(step, OFF, self.K, reason=decision.reason))
+        self._prefetch_after(step)
+        return state
+
+    def _start_miss(self, step: int) -> None:
+        if self.read_only:
+            return
+        if self.dist.is_main:
+            try:
+                self.store.clear_step(step)
+            except OSError as exc:
+                self._fault(str(self.store.layout.step_dir(step)), f"could not clear the old step: {exc}")
+        self.dist.barrier()
+        self.servable.discard(step)
+        self.coordinator.begin(step)
+
+    def _prefetch_after(self, step: int) -> None:
+        nxt = decide(step + 1, self.settings, frozenset(self.servable))
+        if nxt.serves_cache and nxt.source_step not in self._states:
+            self.prefetcher.start(nxt.source_step)
+
+    # ------------------------------------------------------------------ hits
+    def _serve(self, step: int, inner: int, state: _StepState) -> Any:
+        loaded = state.loaded
+        batch = state.batches[inner]
+        if self.call_digest is None:
+            state.batches[inner] = None  # the trainer holds it now; keep nothing
+        meta = loaded.metas[inner]
+        if self.settings.restore_rng and state.decision.kind == HIT and isinstance(meta.get("rng"), dict):
+            rng.restore(meta["rng"])  # never for `repeat`: another step's state would rewind the RNG
+        self.callbacks.on_serve(step=step, inner_index=inner, source_step=state.decision.source_step,
+                                bytes=int(meta.get("bytes", 0) or 0), seconds=0.0)
+        if state.sampled == self.K:
+            self._finish(step, self._served_record(step, state))
+        return batch
+
+    def _served_record(self, step: int, state: _StepState) -> StepRecord:
+        loaded = state.loaded
+        served = loaded.metas[: state.sampled]
+        return StepRecord(
+            step, state.decision.kind, self.K, state.decision.source_step,
+            bytes=sum(int(m.get("bytes", 0) or 0) for m in served), load_s=loaded.seconds,
+            saved_s=sum(float(m.get("gen_s", 0.0) or 0.0) for m in served), unverified=loaded.unverified,
+        )
+
+    def _inputs_match(self, state: _StepState, inner: int, args: tuple, kwargs: dict) -> bool:
+        recorded = state.loaded.metas[inner].get("call_digest")
+        return self.dist.all_true(recorded is None or recorded == self.call_digest(args, kwargs))
+
+    def _regenerate_from(self, step: int, inner: int, state: _StepState) -> None:
+        """A hit whose inputs differ from the recorded ones at call `inner`: the step becomes a miss;
+        the mini-batches already served are written again as they were, the rest is generated."""
+        self._fault(str(self.store.layout.step_dir(step)),
+                    f"step {step}: the inputs of sample call {inner} differ from the recorded ones; "
+                    "regenerating the step (its cache is replaced)")
+        served, metas = state.batches[:inner], state.loaded.metas[:inner]
+        state.decision = Decision(MISS, step, reason="inputs differ from the recorded ones")
+        state.regenerated = True
+        self.outcomes[step] = MISS
+        self._start_miss(step)
+        for i, (batch, meta) in enumerate(zip(served, metas)):
+            keep = {k: meta[k] for k in ("gen_s", "call_digest", "rng") if k in meta}
+            self._stash(step, i, batch, keep)
+        state.batches = []
+
+    # ------------------------------------------------------------------ misses
+    def _generate(self, step: int, inner: int, state: _StepState, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+        t0 = time.perf_counter()
+        out = run()
+        dt = time.perf_counter() - t0
+        spent = dt + (state.gen_s if inner == 0 else 0.0)  # prepare_data's dispatch belongs to batch 0
+        state.gen_s += dt
+        meta: Dict[str, Any] = {"gen_s": round(spent, 6)}
+        if self.call_digest is not None:
+            meta["call_digest"] = self.call_digest(args, kwargs)
+        if self.settings.restore_rng:
+            meta["rng"] = rng.capture()
+        self._stash(step, inner, out, meta)
+        if state.sampled == self.K:
+            if self.read_only:
+                self._finish(step, self._miss_record(step, state, Finished(step, False, READ_ONLY, 0)))
+            else:
+                self.coordinator.sampled_all(step, self._epoch)
+                self._collect(self.coordinator.poll(self._epoch))
+        return out
+
+    def _stash(self, step: int, inner: int, out: Any, meta: Dict[str, Any]) -> None:
+        """Hand an independent CPU copy of `out` to the writer (what sample returned, even if the
+        trainer changes it in place afterwards)."""
+        if self.read_only:
+            return
+        try:
+            snapshot = codec.snapshot(out)
+        except CodecError as exc:
+            self.coordinator.refuse(step, inner, str(exc))
+            return
+        self.coordinator.write(step, inner, snapshot, meta)
+
+    def _miss_record(self, step: int, state: _StepState, done: Finished) -> StepRecord:
+        return StepRecord(step, MISS, self.K, bytes=done.bytes, gen_s=state.gen_s, committed=done.committed,
+                          reason=done.reason, regenerated=state.regenerated)
+
+    def _collect(self, finished: List[Finished]) -> None:
+        for done in finished:
+            if done.committed:
+                self.servable.add(done.step)
+                self.callbacks.on_commit(step=done.step, bytes=done.bytes)
+            self._finish(done.step, self._miss_record(done.step, self._states[done.step], done))
+
+    def _end_short_steps(self, before: Optional[int] = None) -> None:
+        for step in list(self._order):
+            state = self._states[step]
+            if state.finished or (before is not None and step >= before) or state.sampled >= self.K:
+                continue
+            if before is not None and state.sampled == 0:
+                continue  # decided by prepare_data, not sampled yet (colocate_async dispatches ahead)
+            if state.decision.kind == MISS:
+                if self.read_only:
+                    done = Finished(step, False, READ_ONLY, 0)
+                else:
+                    done = self.coordinator.abandon(step, state.sampled)
+                    self._fault(str(self.store.layout.step_dir(step)),
+                                f"step ended after {state.sampled} of K = {self.K} sample calls; not committed "
+                                "(its files are incomplete and are cleaned at the next startup)")
+                self._finish(step, self._miss_record(step, state, done))
+            elif state.decision.serves_cache:
+                self._finish(step, self._served_record(step, state))
+
+    # ------------------------------------------------------------------ reporting
+    def _finish(self, step: int, record: StepRecord) -> None:
+        state = self._states[step]
+        if state.finished:
+            return
+        state.finished = True
+        state.batches, state.loaded = [], None
+        self._records[step] = record
+        while self._order and self._order[0] in self._records:
+            rec = self._records.pop(self._order.pop(0))
+            self.stats.add(rec)
+            self.callbacks.on_step_end(record=rec)
+
+    def _fault(self, path: str, reason: str) -> None:
+        self.callbacks.on_fault(path=path, reason=reason)
+
+    def source_of(self, step: int) -> Optional[int]:
+        state = self._states.get(step)
+        return None if state is None else state.decision.source_step
+
+    def flush_local(self, step: int) -> Optional[str]:
+        return self.coordinator.wait_local(step)
+
+    def finish(self) -> None:
+        """At close: every remaining step finished and reported (a collective with W > 1)."""
+        self._end_short_steps()
+        self._collect(self.coordinator.poll(self._epoch, wait=True, decision_point=True))
+        self._end_short_steps()
