@@ -1,24 +1,15 @@
 """What the startup scan finds, and what cleanup will do about it.
 
 Scan -> frozen report; plan -> frozen plan with its expected freed size; `plan.execute()` -> result.
-Scanning only reads (directory listings, lstat, the small commit records); nothing changes on disk
-until a plan is executed. Symlinks are never followed: a step or inner directory that is a link
-makes its step incomplete, and cleanup removes the link itself.
-
-Status of a step (K and W come from the Layout):
-- complete:   commit.json parses, its K/W match, it lists every needed file, and every file it lists is
-              a regular file with the listed size (checksums are read by `StepStore.verify` only);
-- corrupt:    commit.json exists but does not parse / validate, or a listed file is missing or has
-              another size;
-- unverified: no commit.json, but each needed payload and meta file is there (for K = 1 the
-              `{step}/0/` form counts too), no temporary files, and the files were not written by
-              skip_harness itself (an older cache; our own uncommitted writes are interrupted ones);
-- incomplete: anything else.
+Scanning reads directory listings, lstat and the small commit records, and nothing changes on disk until
+a plan is executed -- except the namespace index (`index`), a hint the scan rewrites when it finds it
+missing, corrupt or stale. Symlinks are never followed: a step or inner directory that is a link makes
+its step incomplete, and cleanup removes the link itself. The status of a step is `store.classify_step`'s
+(see `store` for the four statuses). Nothing here logs: the report and the result say everything, and
+the caller reports it.
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
 import secrets
 import stat
@@ -26,42 +17,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
+from skip_harness import index as _index
 from skip_harness import store as _store
-from skip_harness.errors import ConfigError, CorruptStepError
+from skip_harness.config import Cleanup
+from skip_harness.errors import ConfigError
 from skip_harness.fingerprint import Fingerprint
-from skip_harness.layout import (
-    COMMIT_NAME,
-    TMP_PREFIX,
-    TRASH_PREFIX,
-    Layout,
-    parse_namespace_leaf,
-    parse_step_name,
-)
+from skip_harness.layout import TMP_PREFIX, TRASH_PREFIX, Layout, parse_namespace_leaf, parse_step_name
+from skip_harness.store import STATUSES, StepReport, classify_step
 
-logger = logging.getLogger("skip_harness.scan")
+__all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace",
+           "find_namespaces", "CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]
 
-STATUSES = ("complete", "unverified", "incomplete", "corrupt")
-CLEANUP_ACTIONS = ("delete", "quarantine", "off")
 _PARALLEL_FROM = 256      # steps; below this a scan is quick enough serially
 _SCAN_THREADS = 4
-
-
-@dataclass(frozen=True)
-class StepReport:
-    step: int
-    path: Path
-    status: str          # one of STATUSES
-    bytes: int
-    reason: str
-    fingerprint: Optional[Fingerprint]
-    has_commit: bool
-    exists: bool = True
-
-    @property
-    def servable(self) -> bool:
-        return self.status in ("complete", "unverified")
 
 
 @dataclass(frozen=True)
@@ -77,6 +47,8 @@ class NamespaceReport:
     layout: Layout
     steps: Tuple[StepReport, ...]          # sorted by step
     leftovers: Tuple[LeftoverEntry, ...] = ()
+    index_note: Optional[str] = None       # set when the index was missing / corrupt / stale and rebuilt
+    index_used: bool = False               # steps were taken from the index (their stamps matched)
 
     def by_status(self, status: str) -> Tuple[StepReport, ...]:
         return tuple(s for s in self.steps if s.status == status)
@@ -104,147 +76,17 @@ class NamespaceReport:
 
 
 # --------------------------------------------------------------------------------------------
-# classification
+# scanning
 
 
-class _Listing:
-    __slots__ = ("files", "links", "temps", "others", "total")
+def scan_namespace(layout: Layout, *, use_index: bool = True) -> NamespaceReport:
+    """Classify every step of a namespace. Only int-named entries are steps; '.lock', '.quarantine' and
+    the like are ignored; '.trash-'/'.tmp-' debris is reported as leftovers.
 
-    def __init__(self) -> None:
-        self.files: Dict[str, int] = {}   # rel -> size of regular files (temps excluded)
-        self.links: List[str] = []
-        self.temps: List[str] = []
-        self.others: List[str] = []
-        self.total = 0
-
-
-def _list_step(step_path: str) -> _Listing:
-    out = _Listing()
-    stack = [("", step_path)]
-    while stack:
-        prefix, d = stack.pop()
-        with os.scandir(d) as it:
-            for e in it:
-                rel = prefix + e.name
-                if e.is_dir(follow_symlinks=False):   # from d_type: no system call
-                    stack.append((rel + "/", e.path))
-                    continue
-                st = e.stat(follow_symlinks=False)
-                mode = st.st_mode
-                out.total += st.st_size
-                if stat.S_ISLNK(mode):
-                    out.links.append(rel)
-                elif e.name.startswith(TMP_PREFIX):
-                    out.temps.append(rel)
-                elif stat.S_ISREG(mode):
-                    out.files[rel] = st.st_size
-                else:
-                    out.others.append(rel)
-    return out
-
-
-def _first(items: List[str]) -> str:
-    items = sorted(items)
-    more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
-    return items[0] + more
-
-
-def classify_step(layout: Layout, step: int) -> StepReport:
-    """The status of one step, from directory listings and lstat (plus its small commit record)."""
-    return _classify(layout, step, layout.step_dir(step))
-
-
-def _classify(layout: Layout, step: int, path: Path) -> StepReport:
-    spath = str(path)
-
-    def report(status: str, nbytes: int, reason: str, fp: Optional[Fingerprint] = None,
-               has_commit: bool = False, exists: bool = True) -> StepReport:
-        return StepReport(step, path, status, nbytes, reason, fp, has_commit, exists)
-
-    try:
-        st = os.lstat(spath)
-    except FileNotFoundError:
-        return report("incomplete", 0, "step directory does not exist", exists=False)
-    if stat.S_ISLNK(st.st_mode):
-        return report("incomplete", st.st_size, "step directory is a symlink (never followed)")
-    if not stat.S_ISDIR(st.st_mode):
-        return report("incomplete", st.st_size, "step entry is not a directory")
-    try:
-        listing = _list_step(spath)
-    except OSError as exc:
-        return report("incomplete", 0, f"cannot list the step directory: {exc}")
-    nbytes = listing.total
-    has_commit = COMMIT_NAME in listing.files or COMMIT_NAME in listing.links or COMMIT_NAME in listing.others
-    if listing.links:
-        return report("incomplete", nbytes, f"{_first(listing.links)} is a symlink (never followed)",
-                      has_commit=has_commit)
-    if has_commit:
-        if COMMIT_NAME not in listing.files:
-            return report("corrupt", nbytes, "commit record is not a regular file", has_commit=True)
-        commit_path = os.path.join(spath, COMMIT_NAME)
-        try:
-            with open(commit_path, "rb") as f:
-                record = _store.parse_commit(f.read(), layout, step, commit_path)
-        except CorruptStepError as exc:
-            return report("corrupt", nbytes, exc.reason, has_commit=True)
-        except OSError as exc:
-            return report("corrupt", nbytes, f"commit record cannot be read: {exc}", has_commit=True)
-        for entry in record.files:
-            size = listing.files.get(entry.rel)
-            if size is None:
-                return report("corrupt", nbytes, f"{entry.rel} (listed in the commit record) is missing",
-                              record.fingerprint, True)
-            if size != entry.bytes:
-                return report("corrupt", nbytes,
-                              f"{entry.rel} has {size} bytes, the commit record says {entry.bytes}",
-                              record.fingerprint, True)
-        return report("complete", nbytes, "", record.fingerprint, True)
-
-    if listing.temps:
-        return report("incomplete", nbytes, f"temporary file {_first(listing.temps)} (an interrupted write)")
-    files = listing.files
-    missing: List[str] = []
-    empty: List[str] = []
-    metas: List[str] = []
-    for _i, r, prel, mrel in _store.expected_rels(layout):
-        if prel not in files and layout.K == 1:
-            legacy_p, legacy_m = layout.legacy_k1_rel(r)
-            if legacy_p in files:
-                prel, mrel = legacy_p, legacy_m
-        for rel in (prel, mrel):
-            if rel not in files:
-                missing.append(rel)
-        if files.get(prel) == 0:
-            empty.append(prel)
-        metas.append(mrel)
-    if missing:
-        return report("incomplete", nbytes, f"missing {_first(missing)}")
-    if empty:
-        return report("incomplete", nbytes, f"{_first(empty)} is empty")
-    if _written_by_us(os.path.join(spath, metas[0])):
-        return report("incomplete", nbytes,
-                      "no commit record: written by skip_harness, interrupted before the step was committed")
-    return report("unverified", nbytes, "no commit record (an older cache); served without checksums")
-
-
-def _written_by_us(meta_path: str) -> bool:
-    try:
-        fd = os.open(meta_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        with open(fd, "rb", closefd=False) as f:
-            doc = json.loads(f.read(1 << 20))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    finally:
-        os.close(fd)
-    return isinstance(doc, dict) and doc.get("writer") == _store.WRITER_NAME
-
-
-def scan_namespace(layout: Layout) -> NamespaceReport:
-    """Classify every step of a namespace (read-only). Only int-named entries are steps; '.lock',
-    '.quarantine' and the like are ignored; '.trash-'/'.tmp-' debris is reported as leftovers."""
+    With `use_index` (the default) a committed step whose index entry still matches the disk is taken
+    from the index; every other step is classified in full, and an index found missing, corrupt or
+    stale is rewritten (`report.index_note` says so, for the caller's INFO line). The result is the
+    one a full scan (`use_index=False`, which neither reads nor writes the index) gives."""
     root = layout.root
     leftovers: List[LeftoverEntry] = []
     try:
@@ -260,19 +102,78 @@ def scan_namespace(layout: Layout) -> NamespaceReport:
             found.append((step, e.name))
         elif e.name.startswith(TRASH_PREFIX) or e.name.startswith(TMP_PREFIX):
             leftovers.append(LeftoverEntry(root / e.name, _store.tree_bytes(e.path)))
+    leftovers.sort(key=lambda x: x.path.name)
+
+    if not use_index:
+        steps = _classify_all(layout, found)
+        return NamespaceReport(layout, tuple(sorted(steps, key=lambda s: s.step)), tuple(leftovers))
+
+    note: Optional[str] = None
+    try:
+        indexed = _index.read(layout)
+    except _index.IndexUnusable as exc:
+        indexed, note = {}, f"index {exc}"
+    trusted: Dict[int, _index.IndexEntry] = {}
+    changed: List[int] = []
+    if indexed:
+        try:
+            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            root_fd = None
+        if root_fd is not None:
+            try:
+                trusted, changed = _index.check_entries(root_fd, found, indexed, layout.K)
+            finally:
+                os.close(root_fd)
+    rest = [(step, name) for step, name in found if step not in trusted]
+    steps = [_from_entry(layout, e) for e in trusted.values()] + _classify_all(layout, rest)
+    steps.sort(key=lambda s: s.step)
+
+    by_step = {s.step: s for s in steps}
+    stale = [s for s in changed if not (indexed[s].racy and _agrees(indexed[s], by_step[s]))]
+    on_disk = set(by_step)
+    gone = [s for s in indexed if s not in on_disk]
+    unindexed = [s.step for s in steps if s.status == "complete" and s.step not in indexed]
+    if note is None and (stale or gone or unindexed):
+        parts = [f"{len(x)} {what}" for x, what in ((stale, "changed"), (gone, "removed"), (unindexed, "unindexed"))
+                 if x]
+        note = f"index stale ({', '.join(parts)} steps, behind its back)"
+    if note is not None or changed:  # changed but agreeing: racy entries, rewritten with a later time
+        fresh = list(trusted.values())
+        for s in steps:
+            if s.status == "complete" and s.step not in trusted:
+                fp = None if s.fingerprint is None else s.fingerprint.to_json()
+                e = _index.make_entry(layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
+                if e is not None:
+                    fresh.append(e)
+        failed = _index.rewrite(layout, fresh)
+        if note is not None:
+            note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
+    return NamespaceReport(layout, tuple(steps), tuple(leftovers), note, bool(trusted))
+
+
+def _agrees(entry: _index.IndexEntry, report: StepReport) -> bool:
+    fp = None if report.fingerprint is None else report.fingerprint.to_json()
+    return (report.status == "complete" and report.bytes == entry.bytes and fp == entry.fingerprint
+            and report.created == entry.created and report.gen_s == entry.gen_s)
+
+
+def _from_entry(layout: Layout, e: _index.IndexEntry) -> StepReport:
+    fp = None if e.fingerprint is None else Fingerprint.from_json(e.fingerprint)
+    return StepReport(e.step, layout.root / str(e.step), "complete", e.bytes, "", fp, True, True, e.created, e.gen_s)
+
+
+def _classify_all(layout: Layout, found: List[Tuple[int, str]]) -> List[StepReport]:
+    root = layout.root
 
     def classify(item: Tuple[int, str]) -> StepReport:
-        return _classify(layout, item[0], root / item[1])  # one Path per step, none per file
+        return classify_step(layout, item[0], root / item[1])  # one Path per step, none per file
 
     if len(found) >= _PARALLEL_FROM:
         # Listing and lstat release the GIL: a few threads hide the disk's latency on a cold cache.
         with ThreadPoolExecutor(max_workers=_SCAN_THREADS, thread_name_prefix="skip_harness-scan") as pool:
-            steps = list(pool.map(classify, found, chunksize=64))
-    else:
-        steps = [classify(item) for item in found]
-    steps.sort(key=lambda s: s.step)
-    leftovers.sort(key=lambda x: x.path.name)
-    return NamespaceReport(layout, tuple(steps), tuple(leftovers))
+            return list(pool.map(classify, found, chunksize=64))
+    return [classify(item) for item in found]
 
 
 def find_namespaces(dump_dir: Path) -> List[Layout]:
@@ -362,17 +263,13 @@ class CleanupPlan:
             if item.path.parent != root or item.path != layout.step_dir(item.step):
                 errors.append(f"{item.path}: not a step of namespace {root}; left alone")
                 continue
-            log = logger.info  # the caller reports (WARNING for corrupt steps): the result lists every item
             try:
-                if item.action == "delete":
+                if item.action == Cleanup.delete.value:
                     freed += store.clear_step(item.step)
-                    log("%s: %s step %d deleted (%s, %d bytes)", root, item.status, item.step, item.reason, item.bytes)
-                elif item.action == "quarantine":
+                elif item.action == Cleanup.quarantine.value:
                     dst = _quarantine(layout, item.step)
                     moved += item.bytes
                     quarantined.append(dst)
-                    log("%s: %s step %d moved to %s (%s, %d bytes)", root, item.status, item.step, dst,
-                        item.reason, item.bytes)
                 else:
                     errors.append(f"{item.path}: unknown action {item.action!r}")
                     continue
@@ -417,16 +314,26 @@ def _quarantine(layout: Layout, step: int) -> Path:
     return dst
 
 
-def plan_cleanup(report: NamespaceReport, action: str) -> CleanupPlan:
-    """Plan to handle every incomplete and corrupt step: "delete", "quarantine", or "off" (empty plan).
-    Leftover '.trash-'/'.tmp-' debris is deleted by both "delete" and "quarantine"."""
-    if action not in CLEANUP_ACTIONS:
-        raise ConfigError("skip.rollout_tq.cleanup", f"must be one of {', '.join(CLEANUP_ACTIONS)}, got {action!r}")
-    if action == "off":
-        return CleanupPlan(report.layout, action, ())
+def plan_cleanup(report: NamespaceReport, action, extra: Iterable[Tuple[int, str]] = ()) -> CleanupPlan:
+    """Plan to handle every incomplete and corrupt step: `Cleanup.delete`, `Cleanup.quarantine`, or
+    `Cleanup.off` (an empty plan); the action's value ("delete", ...) works too. `extra` holds
+    (step, reason) pairs of steps to handle as corrupt although the scan found them servable --
+    checksum failures found by `StepStore.verify_step` or at run time. Leftover '.trash-'/'.tmp-'
+    debris is deleted by both delete and quarantine."""
+    try:
+        action = Cleanup(action)
+    except ValueError:
+        choices = ", ".join(c.value for c in Cleanup)
+        raise ConfigError("skip.rollout_tq.cleanup", f"unknown value {action!r}; expected one of {choices}") from None
+    if action is Cleanup.off:
+        return CleanupPlan(report.layout, action.value, ())
+    reasons: Dict[int, str] = {}
+    for step, reason in extra:
+        reasons.setdefault(step, reason)
     items = tuple(
-        CleanupItem(s.step, s.path, s.status, s.reason, s.bytes, action)
+        CleanupItem(s.step, s.path, "corrupt" if s.servable else s.status,
+                    reasons[s.step] if s.servable else s.reason, s.bytes, action.value)
         for s in report.steps
-        if s.status in ("incomplete", "corrupt")
+        if s.status in ("incomplete", "corrupt") or (s.servable and s.step in reasons)
     )
-    return CleanupPlan(report.layout, action, items, report.leftovers)
+    return CleanupPlan(report.layout, action.value, items, report.leftovers)

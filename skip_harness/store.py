@@ -6,15 +6,28 @@ directory. A step's commit record is written last, after every rank's payload an
 durable; rewriting or removing a step unlinks the commit record first.
 
 Every operation goes through directory file descriptors opened with O_NOFOLLOW, so a step or inner
-directory that is a symlink is never entered: writing refuses (or removes the link first), reading
-raises CorruptStepError. Only this module, `scan` and `lock` touch cache files.
+directory that is a symlink is never entered: writing removes the link first, reading raises
+CorruptStepError. Only this module, `scan`, `index` and `lock` touch cache files.
+
+Status of a step (K and W come from the Layout), from directory listings and lstat plus the small
+commit record (`classify_step`); checksums are read by `StepStore.verify_*` only:
+- complete:   commit.json parses, its K/W match, it lists every needed file, and every file it lists is
+              a regular file with the listed size;
+- corrupt:    commit.json exists but does not parse / validate, or a listed file is missing or has
+              another size;
+- unverified: no commit.json, but each needed payload and meta file is there (for K = 1 the
+              `{step}/0/` form counts too), no temporary files, and the files were not written by
+              skip_harness itself (an older cache; our own uncommitted writes are interrupted ones);
+- incomplete: anything else.
+
+This module does no logging: it raises or returns, and the harness reports. `StepStore` holds no
+mutable state, so a prefetch thread may read and verify steps while the writer writes others.
 """
 from __future__ import annotations
 
 import errno
 import functools
 import json
-import logging
 import os
 import secrets
 import shutil
@@ -26,13 +39,12 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import xxhash
 
-from skip_harness import codec
+from skip_harness import codec, index
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.fingerprint import Fingerprint
 from skip_harness.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout
 
-logger = logging.getLogger("skip_harness.store")
-
+STATUSES = ("complete", "unverified", "incomplete", "corrupt")
 COMMIT_FORMAT = 1
 WRITER_NAME = "skip_harness"      # meta.json "writer": tells our uncommitted writes from older caches
 CHUNK_BYTES = 8 << 20             # read size when verifying checksums
@@ -67,9 +79,10 @@ class CommitRecord:
     fingerprint: Optional[Fingerprint]
     files: Tuple[FileEntry, ...]
     created: float
+    gen_s: Optional[float] = None      # seconds spent generating the step, when the writer knew it
 
     def to_json(self) -> Dict[str, Any]:
-        return {
+        doc = {
             "format": COMMIT_FORMAT,
             "step": self.step,
             "K": self.K,
@@ -78,6 +91,9 @@ class CommitRecord:
             "files": [f.to_json() for f in self.files],
             "created": self.created,
         }
+        if self.gen_s is not None:
+            doc["gen_s"] = self.gen_s
+        return doc
 
 
 def is_safe_rel(rel: str) -> bool:
@@ -160,17 +176,17 @@ def parse_commit(data: bytes, layout: Layout, step: int, path: Path) -> CommitRe
     else:
         raise bad("has a malformed fingerprint")
     created = doc.get("created", 0.0)
-    if not isinstance(created, (int, float)):
+    if not isinstance(created, (int, float)) or isinstance(created, bool):
         raise bad("has a malformed creation time")
-    return CommitRecord(step, doc["K"], doc["W"], fingerprint, tuple(files), float(created))
+    gen_s = doc.get("gen_s")
+    if gen_s is not None and (not isinstance(gen_s, (int, float)) or isinstance(gen_s, bool)):
+        raise bad("has a malformed gen_s")
+    return CommitRecord(step, doc["K"], doc["W"], fingerprint, tuple(files), float(created),
+                        None if gen_s is None else float(gen_s))
 
 
 # --------------------------------------------------------------------------------------------
 # checksums
-
-
-def new_hasher() -> "xxhash.xxh3_128":
-    return xxhash.xxh3_128()
 
 
 def checksum_bytes(data: bytes) -> str:
@@ -203,7 +219,11 @@ def checksum_file(path: os.PathLike | str, chunk_bytes: int = CHUNK_BYTES) -> Tu
 
 
 class HashingWriter:
-    """File-object wrapper that hashes every byte written through it (so writing never re-reads)."""
+    """File-object wrapper that hashes every byte written through it (so writing never re-reads).
+
+    Each buffer is hashed whole: xxhash releases the GIL for inputs over 100 kB, so hashing a tensor's
+    bytes runs beside the trainer's Python thread. (Hashing in small chunks would not: every chunk
+    would queue for the GIL behind a busy trainer thread.)"""
 
     def __init__(self, f):
         self._f = f
@@ -360,10 +380,172 @@ def remove_entry_at(root_fd: int, name: str, root_path: Path) -> int:
         name = trash
     try:
         shutil.rmtree(name, dir_fd=root_fd)
-    except OSError as exc:
-        logger.warning("could not finish removing %s: %s (it will be removed by the next cleanup)",
-                       root_path / name, exc)
+    except OSError:
+        pass  # the '.trash-' entry left is reported by the next scan as a leftover, and removed by cleanup
     return freed
+
+
+# --------------------------------------------------------------------------------------------
+# status of a step
+
+
+def _check_step(step: Any) -> None:
+    """Steps are ints >= 0 (the harness turns a trainer's integral step into an int first)."""
+    if type(step) is not int or step < 0:
+        raise HarnessUsageError(f"step must be an int >= 0, got {step!r}")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    path: Path
+    status: str          # one of STATUSES
+    bytes: int
+    reason: str
+    fingerprint: Optional[Fingerprint]
+    has_commit: bool
+    exists: bool = True
+    created: Optional[float] = None      # the commit record's time
+    gen_s: Optional[float] = None        # generation seconds, when the commit record has them
+
+    @property
+    def servable(self) -> bool:
+        return self.status in ("complete", "unverified")
+
+
+class _Listing:
+    __slots__ = ("files", "links", "temps", "others", "total")
+
+    def __init__(self) -> None:
+        self.files: Dict[str, int] = {}   # rel -> size of regular files (temps excluded)
+        self.links: List[str] = []
+        self.temps: List[str] = []
+        self.others: List[str] = []
+        self.total = 0
+
+
+def _list_step(step_path: str) -> _Listing:
+    out = _Listing()
+    stack = [("", step_path)]
+    while stack:
+        prefix, d = stack.pop()
+        with os.scandir(d) as it:
+            for e in it:
+                rel = prefix + e.name
+                if e.is_dir(follow_symlinks=False):   # from d_type: no system call
+                    stack.append((rel + "/", e.path))
+                    continue
+                st = e.stat(follow_symlinks=False)
+                mode = st.st_mode
+                out.total += st.st_size
+                if stat.S_ISLNK(mode):
+                    out.links.append(rel)
+                elif e.name.startswith(TMP_PREFIX):
+                    out.temps.append(rel)
+                elif stat.S_ISREG(mode):
+                    out.files[rel] = st.st_size
+                else:
+                    out.others.append(rel)
+    return out
+
+
+def _first(items: List[str]) -> str:
+    items = sorted(items)
+    more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+    return items[0] + more
+
+
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None) -> StepReport:
+    """The status of one step, from directory listings and lstat (plus its small commit record)."""
+    path = layout.step_dir(step) if path is None else path
+    spath = str(path)
+
+    def report(status: str, nbytes: int, reason: str, fp: Optional[Fingerprint] = None,
+               has_commit: bool = False, exists: bool = True, record: Optional[CommitRecord] = None) -> StepReport:
+        created = gen_s = None
+        if record is not None:
+            created, gen_s = record.created, record.gen_s
+        return StepReport(step, path, status, nbytes, reason, fp, has_commit, exists, created, gen_s)
+
+    try:
+        st = os.lstat(spath)
+    except FileNotFoundError:
+        return report("incomplete", 0, "step directory does not exist", exists=False)
+    if stat.S_ISLNK(st.st_mode):
+        return report("incomplete", st.st_size, "step directory is a symlink (never followed)")
+    if not stat.S_ISDIR(st.st_mode):
+        return report("incomplete", st.st_size, "step entry is not a directory")
+    try:
+        listing = _list_step(spath)
+    except OSError as exc:
+        return report("incomplete", 0, f"cannot list the step directory: {exc}")
+    nbytes = listing.total
+    has_commit = COMMIT_NAME in listing.files or COMMIT_NAME in listing.links or COMMIT_NAME in listing.others
+    if listing.links:
+        return report("incomplete", nbytes, f"{_first(listing.links)} is a symlink (never followed)",
+                      has_commit=has_commit)
+    if has_commit:
+        if COMMIT_NAME not in listing.files:
+            return report("corrupt", nbytes, "commit record is not a regular file", has_commit=True)
+        commit_path = os.path.join(spath, COMMIT_NAME)
+        try:
+            with open(commit_path, "rb") as f:
+                record = parse_commit(f.read(), layout, step, commit_path)
+        except CorruptStepError as exc:
+            return report("corrupt", nbytes, exc.reason, has_commit=True)
+        except OSError as exc:
+            return report("corrupt", nbytes, f"commit record cannot be read: {exc}", has_commit=True)
+        for entry in record.files:
+            size = listing.files.get(entry.rel)
+            if size is None:
+                return report("corrupt", nbytes, f"{entry.rel} (listed in the commit record) is missing",
+                              record.fingerprint, True, record=record)
+            if size != entry.bytes:
+                return report("corrupt", nbytes,
+                              f"{entry.rel} has {size} bytes, the commit record says {entry.bytes}",
+                              record.fingerprint, True, record=record)
+        return report("complete", nbytes, "", record.fingerprint, True, record=record)
+
+    if listing.temps:
+        return report("incomplete", nbytes, f"temporary file {_first(listing.temps)} (an interrupted write)")
+    files = listing.files
+    missing: List[str] = []
+    empty: List[str] = []
+    metas: List[str] = []
+    for _i, r, prel, mrel in expected_rels(layout):
+        if prel not in files and layout.K == 1:
+            legacy_p, legacy_m = layout.legacy_k1_rel(r)
+            if legacy_p in files:
+                prel, mrel = legacy_p, legacy_m
+        for rel in (prel, mrel):
+            if rel not in files:
+                missing.append(rel)
+        if files.get(prel) == 0:
+            empty.append(prel)
+        metas.append(mrel)
+    if missing:
+        return report("incomplete", nbytes, f"missing {_first(missing)}")
+    if empty:
+        return report("incomplete", nbytes, f"{_first(empty)} is empty")
+    if _written_by_us(os.path.join(spath, metas[0])):
+        return report("incomplete", nbytes,
+                      "no commit record: written by skip_harness, interrupted before the step was committed")
+    return report("unverified", nbytes, "no commit record (an older cache); served without checksums")
+
+
+def _written_by_us(meta_path: str) -> bool:
+    try:
+        fd = os.open(meta_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    finally:
+        os.close(fd)
+    return isinstance(doc, dict) and doc.get("writer") == WRITER_NAME
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,8 +561,7 @@ class StepStore:
     # ---- helpers
 
     def _check_position(self, step: int, inner_index: int, rank: int) -> None:
-        if type(step) is not int or step < 1:
-            raise HarnessUsageError(f"step must be an int >= 1, got {step!r}")
+        _check_step(step)
         if not 0 <= inner_index < self.layout.K:
             raise HarnessUsageError(f"inner index {inner_index} is outside 0..{self.layout.K - 1} (K={self.layout.K})")
         if not 0 <= rank < self.layout.W:
@@ -450,15 +631,14 @@ class StepStore:
         directory entry that is one. Returns (payload entry, meta entry)."""
         self._check_position(step, inner_index, rank)
         layout = self.layout
+        step_name = self._step_name(step)
         root_fd = self._open_root(create=True)
         try:
             try:
-                step_fd, created = _open_dir_at(self._step_name(step), root_fd, create=True)
-            except _NotARealDirectory as exc:
-                logger.warning("%s %s; removing it before writing step %d",
-                               layout.step_dir(step), exc.what, step)
-                remove_entry_at(root_fd, self._step_name(step), layout.root)
-                step_fd, created = _open_dir_at(self._step_name(step), root_fd, create=True)
+                step_fd, created = _open_dir_at(step_name, root_fd, create=True)
+            except _NotARealDirectory:
+                remove_entry_at(root_fd, step_name, layout.root)
+                step_fd, created = _open_dir_at(step_name, root_fd, create=True)
             if created:
                 _fsync_dir(root_fd)
         finally:
@@ -466,7 +646,6 @@ class StepStore:
         inner_fd = step_fd
         try:
             if _lstat_at(COMMIT_NAME, step_fd) is not None:
-                logger.info("%s: removing the commit record before rewriting step %d", layout.step_dir(step), step)
                 os.unlink(COMMIT_NAME, dir_fd=step_fd)
                 _fsync_dir(step_fd)
             inner_rel = layout.inner_rel(inner_index)
@@ -474,8 +653,7 @@ class StepStore:
                 inner_name = inner_rel.name
                 try:
                     inner_fd, created = _open_dir_at(inner_name, step_fd, create=True)
-                except _NotARealDirectory as exc:
-                    logger.warning("%s %s; removing it before writing", layout.inner_dir(step, inner_index), exc.what)
+                except _NotARealDirectory:
                     os.unlink(inner_name, dir_fd=step_fd)
                     inner_fd, created = _open_dir_at(inner_name, step_fd, create=True)
                 if created:
@@ -487,7 +665,8 @@ class StepStore:
             meta_doc = dict(meta)
             meta_doc.update(
                 writer=WRITER_NAME, step=step, inner_index=inner_index, rank=rank, K=layout.K, W=layout.W,
-                payload=payload_rel, bytes=size, checksum=checksum, created=time.time(),
+                payload=payload_rel, bytes=size, checksum=checksum, format=codec.FORMAT_VERSION,
+                created=time.time(),
             )
             meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
             meta_size, meta_checksum = write_file_at(inner_fd, PurePosixPath(meta_rel).name,
@@ -498,11 +677,14 @@ class StepStore:
             os.close(step_fd)
         return FileEntry(payload_rel, size, checksum), FileEntry(meta_rel, meta_size, meta_checksum)
 
-    def commit(self, step: int, entries: Sequence[FileEntry],
-               fingerprint: Optional[Fingerprint]) -> CommitRecord:
+    def commit(self, step: int, entries: Sequence[FileEntry], fingerprint: Optional[Fingerprint],
+               *, gen_s: Optional[float] = None) -> CommitRecord:
         """Write the step's commit record (atomically, durably) once every rank's files are written.
-        `entries` are the FileEntry pairs `write_inner` returned, from every rank. Refuses (raises)
-        when an entry is missing or a listed file is not there with its size."""
+        `entries` are the FileEntry pairs `write_inner` returned, from every rank; `gen_s` (optional)
+        the step's generation seconds, kept for tables. Refuses (raises) when an entry is missing or a
+        listed file is not there with its size. Then appends the step to the namespace index (a hint:
+        failing to append changes nothing but the next startup's speed)."""
+        _check_step(step)
         layout = self.layout
         by_rel: Dict[str, FileEntry] = {}
         for e in entries:
@@ -523,7 +705,8 @@ class StepStore:
             if size != e.bytes:
                 raise CorruptStepError(path, f"has {size} bytes, the entry to commit says {e.bytes}")
         record = CommitRecord(step, layout.K, layout.W, fingerprint,
-                              tuple(sorted(by_rel.values(), key=lambda e: e.rel)), time.time())
+                              tuple(sorted(by_rel.values(), key=lambda e: e.rel)), time.time(),
+                              None if gen_s is None else float(gen_s))
         data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
         root_fd = self._open_root(create=False)
         if root_fd is None:
@@ -536,6 +719,9 @@ class StepStore:
             write_file_at(step_fd, COMMIT_NAME, lambda f: f.write(data))
         finally:
             os.close(step_fd)
+        fp_json = None if fingerprint is None else fingerprint.to_json()
+        nbytes = sum(e.bytes for e in record.files) + len(data)
+        index.append(layout, index.make_entry(layout, step, nbytes, fp_json, record.created, record.gen_s))
         return record
 
     def clear_step(self, step: int) -> int:
@@ -576,11 +762,9 @@ class StepStore:
             os.close(fd)
         return parse_commit(data, self.layout, step, path)
 
-    def status(self, step: int):
-        """The step's StepReport (stat only; see `scan.classify_step`)."""
-        from skip_harness import scan
-
-        return scan.classify_step(self.layout, step)
+    def status(self, step: int) -> StepReport:
+        """The step's StepReport (directory listings and lstat only; see `classify_step`)."""
+        return classify_step(self.layout, step)
 
     def verify(self, step: int, ranks: Optional[Iterable[int]] = None) -> Optional[str]:
         """None if the step can be served, else a reason naming the file. For a complete step the size
@@ -598,6 +782,31 @@ class StepStore:
             return report.status, None
         reason = self.verify_checksums(step, ranks)
         return ("corrupt" if reason else "complete"), reason
+
+    def verify_step(self, step: int, ranks: Optional[Iterable[int]] = None, *, load: bool = True) -> Optional[str]:
+        """None if the step would be served, else the reason (naming the file) it would be refused.
+
+        A complete step: the size and checksum of every file its commit record lists (of `ranks`, if
+        given). With `load`, also every payload of `ranks` (all ranks by default) is checked to load
+        safely -- header, records and bounds, nothing executed, no registered type needed in this
+        process (`codec.check_file`); a payload that would need pickled code fails. An unverified
+        (older) step has no checksums: only the load check applies. Incomplete and corrupt steps
+        fail with their status and reason."""
+        ranks = None if ranks is None else sorted(set(ranks))
+        status, reason = self.verify_status(step, ranks)
+        if reason is not None or not load:
+            return reason
+        for _i, r, prel, _mrel in expected_rels(self.layout):
+            if ranks is not None and r not in ranks:
+                continue
+            try:
+                path = self._real_file(step, self._existing_rel(step, prel, self.layout.legacy_k1_rel(r)[0]))
+                codec.check_file(path)
+            except CorruptStepError as exc:
+                return str(exc)
+            except codec.CodecError as exc:
+                return str(exc)
+        return None
 
     def verify_checksums(self, step: int, ranks: Optional[Iterable[int]] = None) -> Optional[str]:
         """For a step already classified complete: size and checksum of every file its commit record
@@ -623,7 +832,7 @@ class StepStore:
             except CorruptStepError as exc:
                 return str(exc)
             except OSError as exc:
-                return f"{self.layout.step_dir(step) / entry.rel}: cannot be read: {exc}"
+                return f"{self.layout.step_dir(step) / entry.rel}: cannot be read: {exc.strerror or exc}"
             if size != entry.bytes:
                 return f"{path}: {size} bytes, the commit record says {entry.bytes}"
             if digest != entry.checksum:
@@ -637,8 +846,10 @@ class StepStore:
         path = self._real_file(step, self._payload_rel(step, inner_index, rank))
         try:
             return codec.load_from(path)
+        except codec.UnregisteredTypeError:
+            raise  # not a damaged file: this process has not registered a type the payload holds
         except codec.CodecError as exc:
-            raise CorruptStepError(path, str(exc)) from exc
+            raise CorruptStepError(path, _without_path(str(exc), path)) from None
 
     def read_step(self, step: int, rank: int) -> List[Any]:
         """The K mini-batches of this rank in inner order."""
@@ -651,7 +862,14 @@ class StepStore:
             with open(path, "rb") as f:
                 doc = json.loads(f.read())
         except (OSError, ValueError, UnicodeDecodeError) as exc:
-            raise CorruptStepError(path, f"meta file cannot be read: {exc}") from exc
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise CorruptStepError(path, f"meta file cannot be read: {reason}") from None
         if not isinstance(doc, dict):
             raise CorruptStepError(path, "meta file is not a JSON object")
         return doc
+
+
+def _without_path(message: str, path: Path) -> str:
+    """`message` without a leading "{path}: " (a CorruptStepError names the path itself)."""
+    prefix = f"{path}: "
+    return message[len(prefix):] if message.startswith(prefix) else message

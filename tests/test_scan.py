@@ -218,8 +218,8 @@ def test_scan_namespace_sorts_steps_and_ignores_other_entries(tmp_path):
     for step in (10, 2, 1):
         write_step(st, step)
     root = st.layout.root
-    for name in ("0", "01", "abc", ".quarantine", ".lock.holder.json"):
-        (root / name).mkdir() if name in ("0", "01", "abc", ".quarantine") else (root / name).write_text("{}")
+    for name in ("00", "01", "-1", "abc", ".quarantine", ".lock.holder.json"):
+        (root / name).mkdir() if name != ".lock.holder.json" else (root / name).write_text("{}")
     (root / ".lock").write_text("")
     (root / ".trash-4-1-abc").mkdir()
     (root / ".trash-4-1-abc" / "junk").write_bytes(b"12345")
@@ -256,9 +256,9 @@ def test_large_namespace_is_scanned_in_parallel_with_the_same_result(tmp_path, m
             os.symlink(st.layout.step_dir(1), st.layout.step_dir(step))
         else:
             write_legacy(st.layout, step)
-    parallel = scan_namespace(st.layout)
+    parallel = scan_namespace(st.layout, use_index=False)
     monkeypatch.setattr(scan_mod, "_PARALLEL_FROM", 10**9)
-    assert scan_namespace(st.layout) == parallel
+    assert scan_namespace(st.layout, use_index=False) == parallel
     assert len(parallel.steps) == 299
     assert parallel.by_status("incomplete") == tuple(s for s in parallel.steps if s.step % 7 == 0)
 
@@ -314,7 +314,7 @@ def test_delete_removes_incomplete_and_corrupt_steps_only(tmp_path, caplog):
     assert result.errors == () and result.freed_bytes == plan.expected_freed_bytes
     assert [(i.step, i.status) for i in result.items] == [(3, "incomplete"), (4, "corrupt")]
     assert {s.step: s.status for s in scan_namespace(st.layout).steps} == {1: "complete", 2: "unverified"}
-    assert "corrupt step 4 deleted" in caplog.text
+    assert caplog.text == ""  # scan and cleanup never log: the caller reports the result
     assert not [p for p in st.layout.root.iterdir() if p.name.startswith(".trash-")]
 
 
@@ -383,3 +383,30 @@ def test_quarantine_refuses_a_symlinked_quarantine_dir(tmp_path, outside):
     result = plan_cleanup(scan_namespace(st.layout), "quarantine").execute()
     assert len(result.errors) == 2 and result.items == ()
     assert sorted(os.listdir(outside)) == ["meta.json", "sentinel", "tq_batch.pt"]
+
+
+@pytest.mark.parametrize("action", ["delete", "quarantine"])
+def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_path, action):
+    from skip_harness import scan as scan_mod
+    from skip_harness.config import Cleanup
+
+    st = make(tmp_path, K=2)
+    for step in (1, 2):
+        write_step(st, step)
+    p = st.layout.payload_path(2, 1, 0)
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 1
+    p.write_bytes(bytes(data))
+    report = scan_namespace(st.layout)
+    assert report.counts()["complete"] == 2          # sizes match: only the checksum tells
+    reason = st.verify_step(2)
+    plan = plan_cleanup(report, Cleanup(action), extra=[(2, reason), (99, "not a step here")])
+    assert [(i.step, i.status, i.reason, i.action) for i in plan.items] == [(2, "corrupt", reason, action)]
+    result = plan.execute()
+    assert result.errors == () and [i.step for i in result.items] == [2]
+    assert {s.step for s in scan_namespace(st.layout).steps} == {1}
+    if action == "quarantine":
+        (moved,) = result.quarantined
+        assert moved.parent == st.layout.quarantine_dir and (moved / "1" / "tq_batch.pt").exists()
+    assert plan_cleanup(report, Cleanup.off, extra=[(2, reason)]).items == ()
+    assert not hasattr(scan_mod, "CLEANUP_ACTIONS")  # config.Cleanup is the one list of actions

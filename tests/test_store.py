@@ -75,9 +75,12 @@ def test_file_names_follow_the_layout(tmp_path):
 
 def test_positions_are_checked(tmp_path):
     st = make(tmp_path, K=2, W=1)
-    for args in ((0, 0, 0), (1, 2, 0), (1, 0, 1), (1, -1, 0)):
+    for args in ((-1, 0, 0), (True, 0, 0), (1.0, 0, 0), (1, 2, 0), (1, 0, 1), (1, -1, 0)):
         with pytest.raises(HarnessUsageError):
             st.write_inner(*args, payload={}, meta={})
+    # step 0 is a step (0-based trainers)
+    write_step(st, 0)
+    assert st.verify_step(0) is None and st.read_step(0, 0)[1]["tag"] == "s0i1r0"
 
 
 def test_commit_refuses_missing_entries_and_wrong_sizes(tmp_path):
@@ -429,3 +432,128 @@ def test_process_dying_inside_a_write_leaves_no_partial_final_file(tmp_path, die
     st.clear_step(1)
     write_step(st, 1)
     assert st.verify(1) is None
+
+
+# --------------------------------------------------------------------------------------------
+# verify_step: checksums and a safe load; module hygiene
+
+
+class _Evil:
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.mkdir, (self.mark,))
+
+
+def _replace_payload_keeping_the_commit_valid(st, step, rel, content: bytes):
+    """Overwrite a committed payload and rewrite the commit record with its new size and checksum, as an
+    attacker (or a bug) could: every size and checksum then matches."""
+    path = st.layout.step_dir(step) / rel
+    path.write_bytes(content)
+    commit = st.layout.commit_path(step)
+    doc = json.loads(commit.read_text())
+    for f in doc["files"]:
+        if f["rel"] == rel:
+            f["bytes"], f["checksum"] = len(content), xxhash.xxh3_128_hexdigest(content)
+    commit.write_text(json.dumps(doc))
+    return path
+
+
+def test_verify_step_refuses_a_payload_that_needs_pickled_code_even_when_checksums_match(tmp_path):
+    st = make(tmp_path, K=2, W=2)
+    write_step(st, 1)
+    mark = tmp_path / "pwned"
+    buf = tmp_path / "evil.pt"
+    torch.save({"x": torch.ones(1), "e": _Evil(str(mark))}, buf)
+    path = _replace_payload_keeping_the_commit_valid(st, 1, "1/tq_batch_rank1.pt", buf.read_bytes())
+    assert st.verify_checksums(1) is None and st.verify_status(1) == ("complete", None)
+    reason = st.verify_step(1)
+    assert reason is not None and reason.count(str(path)) == 1 and "pickled code" in reason
+    assert "weights_only" not in reason and "False" not in reason
+    assert st.verify_step(1, ranks=[0]) is None        # only rank 1's shard is bad
+    assert st.verify_step(1, ranks=[1]) == reason
+    assert st.verify_step(1, load=False) is None       # sizes and checksums alone cannot tell
+    with pytest.raises(CorruptStepError) as err:
+        st.read_inner(1, 1, 1)
+    assert str(err.value).count(str(path)) == 1 and "weights_only" not in str(err.value)
+    assert not mark.exists()
+
+
+def test_verify_step_checks_sizes_checksums_and_status(tmp_path):
+    st = make(tmp_path, K=2)
+    write_step(st, 1)
+    write_step(st, 2)
+    write_step(st, 3, commit=False)
+    assert st.verify_step(1) is None
+    p = st.layout.payload_path(2, 1, 0)
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF
+    p.write_bytes(bytes(data))
+    assert "checksum" in st.verify_step(2) and str(p) in st.verify_step(2)
+    assert st.verify_step(3).startswith("incomplete")
+    # an older cache (no checksums): only the load check applies
+    legacy = make(tmp_path / "old", K=1)
+    write_legacy(legacy.layout, 4)
+    assert st.verify_step(1) is None and legacy.verify_step(4) is None
+    torch.save({"e": _Evil(str(tmp_path / "pwned"))}, legacy.layout.payload_path(4, 0, 0))
+    assert "pickled code" in legacy.verify_step(4)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_verify_step_needs_no_registered_type_and_read_says_what_to_register(tmp_path):
+    import collections
+
+    Row = collections.namedtuple("Row", ["ids"])
+    codec.register_type(Row)
+    st = make(tmp_path)
+    entries = st.write_inner(1, 0, 0, {"row": Row(torch.arange(3))}, {})
+    st.commit(1, entries, None)
+    codec.unregister_type(Row)
+    assert st.verify_step(1) is None       # e.g. `skip-harness verify`, which registers nothing
+    with pytest.raises(codec.UnregisteredTypeError, match=r"register_type\(Row\)"):
+        st.read_inner(1, 0, 0)             # not a corrupt step: the reader must register the type
+
+
+def test_store_does_no_logging(tmp_path, caplog):
+    st = make(tmp_path, K=2)
+    write_step(st, 1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, st.layout.step_dir(2))
+    (st.layout.step_dir(1) / "0").rename(st.layout.step_dir(1) / "0-moved")
+    os.symlink(outside, st.layout.step_dir(1) / "0")
+    with caplog.at_level("DEBUG"):
+        write_step(st, 1)                  # rewrites a committed step, replaces a linked inner dir
+        write_step(st, 2)                  # replaces a linked step dir
+        st.clear_step(1)
+    assert caplog.records == []
+    assert os.listdir(outside) == []
+    assert not hasattr(store_mod, "logger") and not hasattr(store_mod, "new_hasher")
+    assert "import logging" not in open(store_mod.__file__).read()
+
+
+def test_store_never_imports_scan(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from skip_harness.layout import Layout
+        from skip_harness.store import StepStore
+        st = StepStore(Layout(Path({str(tmp_path)!r}) / "ns", K=1, W=1))
+        st.status(1); st.verify_status(1); st.verify_step(1)
+        assert "skip_harness.scan" not in sys.modules, "store imported scan"
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_commit_records_generation_seconds_and_time_for_the_scan(tmp_path):
+    st = make(tmp_path)
+    entries = st.write_inner(1, 0, 0, batch(1, 0), {})
+    t0 = time.time()
+    record = st.commit(1, entries, None, gen_s=1.25)
+    assert record.gen_s == 1.25 and st.read_commit(1).gen_s == 1.25
+    rep = classify_step(st.layout, 1)
+    assert rep.gen_s == 1.25 and abs(rep.created - t0) < 60
+    meta = st.read_meta(1, 0, 0)
+    assert meta["format"] == codec.FORMAT_VERSION
