@@ -84,9 +84,15 @@ def digit_reward(completions: List[str], **_: Any) -> List[float]:
 # --------------------------------------------------------------------------- one training run
 def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
     """One GRPOTrainer run with the harness attached; returns what the report and tests need."""
+    import warnings
+
     import torch
+    import transformers
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # TRL's own use of deprecated names
+    transformers.utils.logging.disable_progress_bar()
 
     from skip_harness.integrations.trl import attach
 
@@ -182,7 +188,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8, help="training prompts (8: each used once in 4 steps)")
     p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (completions)")
     p.add_argument("--num-generations", type=int, default=4)
-    p.add_argument("--max-completion-length", type=int, default=8)
+    p.add_argument("--max-completion-length", type=int, default=24)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps-per-generation", type=int, default=None)
     p.add_argument("--num-iterations", type=int, default=1, help="GRPO's mu: optimizer steps per generation")
@@ -219,7 +225,10 @@ def child(role: str, opts: argparse.Namespace, argv: List[str]) -> Dict[str, Any
     result = Path(opts.workdir) / f"{role}.json"
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--role", role, "--workdir", opts.workdir,
            "--dump-dir", opts.dump_dir, "--result", str(result)]
-    subprocess.run(cmd, check=True)
+    # the child's own output (trainer logs, warnings) goes to stderr; stdout carries only the report
+    proc = subprocess.run(cmd, stdout=sys.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"trl_demo: the {role} run failed (exit status {proc.returncode}); see its output above")
     return json.loads(result.read_text())
 
 

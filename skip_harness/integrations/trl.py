@@ -350,12 +350,21 @@ def attach(
         harness.unwrap()
 
     class _Lifecycle(TrainerCallback):
-        """Starts the harness with training, closes it (and gives TRL its method back) at the end."""
+        """Starts the harness with training, closes it (and gives TRL its method back) at the end.
+
+        It stays registered but inert afterwards: a later ``train()`` runs TRL untouched (attach again
+        to cache it)."""
+
+        done = False
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            harness.start()
+            if not self.done:
+                harness.start()
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.done:
+                return
+            self.done = True
             try:
                 harness.close()
             finally:
