@@ -228,17 +228,17 @@ def _arrow_rows(value: Any) -> pa.Array:
 
 
 class _ParquetSink:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, schema: Optional[pa.Schema] = None):
         self.path = path
         self.writer: Optional[pq.ParquetWriter] = None
-        self.schema: Optional[pa.Schema] = None
+        self.schema: Optional[pa.Schema] = schema
 
     def write(self, table: pa.Table, where: str) -> None:
-        if self.writer is None:
+        if self.schema is None:
             self.schema = table.schema
+        if self.writer is None:
             self.writer = pq.ParquetWriter(str(self.path), self.schema)
-        else:
-            table = _conform(table, self.schema, where)
+        table = _conform(table, self.schema, where)
         self.writer.write_table(table)
 
     def close(self) -> None:
@@ -249,6 +249,8 @@ class _ParquetSink:
 def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
     """`table` with exactly `schema`'s columns and types (missing ones as nulls)."""
     extra = [n for n in table.column_names if schema.get_field_index(n) < 0]
+    if not extra and table.schema.equals(schema):
+        return table
     if extra:
         raise ExportError(f"{where}: field {extra[0]} is not in the earlier mini-batches' columns; export the "
                           f"namespaces separately (--namespace) or to JSON lines (--format jsonl)")
@@ -315,6 +317,38 @@ class ExportResult:
     skipped: List[Tuple[str, int, str]] = field(default_factory=list)   # (namespace, step, reason)
 
 
+def _union_schema(layouts: Sequence[Tuple[str, Layout]], steps: Optional[Set[int]]) -> Optional[pa.Schema]:
+    """The columns of every namespace's first exportable mini-batch, in order of appearance, so that
+    namespaces with different fields share one file (a field one of them lacks is null there)."""
+    schemas: List[pa.Schema] = []
+    for name, layout in layouts:
+        store = StepStore(layout)
+        for s in _scan.scan_namespace(layout).steps:
+            if not s.servable or (steps is not None and s.step not in steps):
+                continue
+            try:
+                payload = store.read_inner(s.step, 0, 0)
+            except (CorruptStepError, SkipHarnessError):
+                continue
+            where = str(layout.payload_path(s.step, 0, 0))
+            n, cols = columns_of(payload, where)
+            meta_cols = {"step": [s.step] * n, "inner_index": [0] * n, "rank": [0] * n,
+                         "trajectory_index": list(range(n)), NAMESPACE_COLUMN: name}
+            schemas.append(_table(meta_cols, n, cols, where).schema)
+            break
+    if not schemas:
+        return None
+    try:
+        unified = pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+        raise ExportError(f"the namespaces' fields have types that do not agree ({exc}); export them separately "
+                          f"(--namespace)") from None
+    names = list(INDEX_COLUMNS) + [n for sch in schemas for n in sch.names
+                                   if n not in INDEX_COLUMNS and n != NAMESPACE_COLUMN]
+    names = list(dict.fromkeys(names)) + [NAMESPACE_COLUMN]
+    return pa.schema([unified.field(n) for n in names])
+
+
 def _checksum_reason(store: StepStore, step: int) -> Optional[str]:
     full = getattr(store, "verify_step", None)
     if full is not None:
@@ -338,7 +372,7 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     result = ExportResult(out, fmt)
-    sink = _ParquetSink(tmp) if fmt == "parquet" else None
+    sink = _ParquetSink(tmp, _union_schema(layouts, steps) if len(layouts) > 1 else None) if fmt == "parquet" else None
     jf = open(tmp, "w", encoding="utf-8") if fmt == "jsonl" else None
     try:
         for name, layout in layouts:

@@ -191,3 +191,90 @@ def test_empty_dump_dir(tmp_path, capsys):
     assert code == 0 and json.loads(out) == {"namespaces": []}
     code, out, _ = run(capsys, "ls", str(tmp_path))
     assert code == 0 and "no skip_harness namespaces" in out
+
+
+class Marker:
+    """Unpickling this would create a file: proof that no code from a payload ever ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def recommit_with(store, step, payload_bytes_writer):
+    """Replace the payload of (step, 0, 0) and write a commit record whose sizes and checksums match it,
+    so only loading the payload can tell that it is bad."""
+    from skip_harness.store import FileEntry, checksum_file
+
+    lay = store.layout
+    payload = lay.payload_path(step, 0, 0)
+    payload_bytes_writer(payload)
+    entries = []
+    for _i, _r, prel, mrel in lay.expected_rels():
+        for rel in (prel, mrel):
+            size, digest = checksum_file(lay.step_dir(step) / rel)
+            entries.append(FileEntry(rel, size, digest))
+    store.commit(step, entries, None)
+
+
+def test_verify_reports_a_payload_safe_loading_refuses_and_clean_removes_it(cache, capsys, tmp_path):
+    dump, a, b = cache
+    marker = tmp_path / "code_ran"
+    recommit_with(b, 2, lambda p: torch.save({"x": Marker(str(marker))}, p))
+    code, out, _ = run(capsys, "ls", str(dump / "expB_proj"), "--json")
+    assert json.loads(out)["namespaces"][0]["steps"][1]["status"] == "complete"   # sizes and checksums agree
+    code, out, _ = run(capsys, "verify", str(dump / "expB_proj"), "--json")
+    assert code == 1
+    step2 = json.loads(out)["namespaces"][0]["steps"][1]
+    assert step2["status"] == "corrupt" and str(b.layout.payload_path(2, 0, 0)) in step2["reason"]
+    assert "weights_only=False" not in step2["reason"]
+    assert not marker.exists()
+    code, out, err = run(capsys, "clean", str(dump / "expB_proj"))
+    assert code == 0 and "removed 1 steps" in out and "corrupt step 2" in err
+    assert [s.step for s in scan_namespace(b.layout).steps] == [1]
+    assert run(capsys, "verify", str(dump / "expB_proj"))[0] == 0
+    assert not marker.exists()
+
+
+def test_clean_removes_a_checksum_corrupt_step_and_quarantine_keeps_it(cache, capsys):
+    dump, a, b = cache
+    for step in (1, 2):
+        path = b.layout.payload_path(step, 0, 0)
+        data = bytearray(path.read_bytes())
+        data[-20] ^= 0x40
+        path.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "clean", str(dump / "expB_proj"), "--dry-run", "--json")
+    doc = json.loads(out)["namespaces"][0]
+    assert code == 0 and [(s["step"], s["status"]) for s in doc["steps"]] == [(1, "corrupt"), (2, "corrupt")]
+    assert "checksum" in doc["steps"][0]["reason"]
+    assert len(scan_namespace(b.layout).steps) == 2                         # a dry run changes nothing
+    code, out, _ = run(capsys, "clean", str(dump / "expB_proj"), "--quarantine")
+    assert code == 0 and "quarantined 2 steps" in out
+    assert scan_namespace(b.layout).steps == ()
+    assert sorted(p.name.split("-")[0] for p in b.layout.quarantine_dir.iterdir()) == ["1", "2"]
+
+
+def test_verify_and_clean_log_plain_progress_lines_when_stderr_is_not_a_terminal(cache, capsys):
+    dump, a, b = cache
+    code, out, err = run(capsys, "verify", str(dump))
+    assert f"verifying {a.layout.root}: 4 steps" in err and f"verifying {b.layout.root}: 2 steps" in err
+    assert "\x1b[" not in err and "\x1b[" not in out          # no terminal control codes in a pipe
+    code, out, err = run(capsys, "clean", str(dump), "--dry-run")
+    assert f"verifying {a.layout.root}: 4 steps" in err
+
+
+def test_progress_is_a_rich_bar_on_a_terminal(monkeypatch):
+    import sys as _sys
+
+    from skip_harness.cli import _common
+
+    monkeypatch.setattr(_sys.stderr, "isatty", lambda: True, raising=False)
+    with _common.progress() as bar:
+        assert bar._progress is not None
+    monkeypatch.setattr(_sys.stderr, "isatty", lambda: False, raising=False)
+    with _common.progress() as bar:
+        assert bar._progress is None

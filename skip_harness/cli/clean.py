@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from rich.markup import escape
 from rich.table import Table
 
 from skip_harness import lock as _lock
@@ -89,7 +90,7 @@ def _plan_table(ns: _Namespace, plan: _scan.CleanupPlan, base: Path, verb: str) 
     t.add_column("size", justify="right")
     t.add_column("reason", overflow="fold")
     for i in plan.items:
-        t.add_row(str(i.step), i.status, human_bytes(i.bytes), i.reason)
+        t.add_row(str(i.step), i.status, human_bytes(i.bytes), escape(i.reason))
     if plan.leftovers:
         t.add_row("-", "leftover", human_bytes(sum(x.bytes for x in plan.leftovers)),
                   f"{len(plan.leftovers)} .trash-/.tmp- entries left by an interrupted run")

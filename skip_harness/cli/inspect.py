@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from rich.markup import escape
 from rich.table import Table
 
 from skip_harness import scan as _scan
@@ -105,7 +106,7 @@ def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> T
     for v in views:
         counts = v.counts()
         mode, seed = mode_and_seed([s for s in v.steps if s.servable])
-        t.add_row(short_path(v.layout, base), str(v.layout.K), str(v.layout.W), mode, seed,
+        t.add_row(escape(short_path(v.layout, base)), str(v.layout.K), str(v.layout.W), mode, seed,
                   *[_count(status, counts[status]) for status in _scan.STATUSES],
                   human_bytes(v.bytes), fmt_time(v.written, now), fmt_seconds(v.gen_s))
     return t
@@ -139,7 +140,7 @@ def steps_table(v: NamespaceView, base: Path, only: Optional[Sequence[str]] = No
         style = _STATUS_STYLE.get(s.status, "")
         t.add_row(str(s.step), f"[{style}]{s.status}[/]" if style else s.status, human_bytes(s.bytes),
                   fmt_time(r.written, now), fmt_seconds(r.gen_s),
-                  "-" if s.fingerprint is None else s.fingerprint.digest, s.reason or "")
+                  "-" if s.fingerprint is None else s.fingerprint.digest, escape(s.reason or ""))
     return t
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 
 from skip_harness import codec
@@ -250,7 +251,7 @@ def _header(target: Target, meta: Dict[str, Any], status: Optional[_scan.StepRep
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column(overflow="fold")
-    t.add_row("file", str(target.payload))
+    t.add_row("file", escape(str(target.payload)))
     try:
         t.add_row("size", human_bytes(target.payload.stat().st_size))
     except OSError:
@@ -259,7 +260,7 @@ def _header(target: Target, meta: Dict[str, Any], status: Optional[_scan.StepRep
         t.add_row("namespace", f"{target.layout.root}  (K={target.layout.K} W={target.layout.W})")
         t.add_row("step", f"{target.step}   inner index {target.inner}   rank {target.rank}")
     if status is not None:
-        t.add_row("status", status.status + (f" ({status.reason})" if status.reason else ""))
+        t.add_row("status", escape(status.status + (f" ({status.reason})" if status.reason else "")))
     gen_s = meta.get("gen_s")
     if isinstance(gen_s, (int, float)):
         t.add_row("generation", f"{gen_s:.3f}s (this mini-batch)")
@@ -269,7 +270,7 @@ def _header(target: Target, meta: Dict[str, Any], status: Optional[_scan.StepRep
     fp = record.fingerprint if record is not None else None
     if fp is not None:
         values = ", ".join(f"{k}={v!r}" for k, v in fp.values.items())
-        t.add_row("fingerprint", f"{fp.digest}  {values}")
+        t.add_row("fingerprint", escape(f"{fp.digest}  {values}"))
     elif target.layout is not None:
         t.add_row("fingerprint", "none recorded")
     return t
@@ -324,7 +325,7 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
                          ("bytes", "right"), ("value", "left")):
         t.add_column(col, justify=justify, overflow="fold")
     for r in rows[:_MAX_ROWS]:
-        t.add_row(r[0], r[1], r[2], r[3], human_bytes(r[4]) if r[4] else "", r[5])
+        t.add_row(escape(r[0]), escape(r[1]), r[2], r[3], human_bytes(r[4]) if r[4] else "", escape(r[5]))
     if len(rows) > _MAX_ROWS:
         t.add_row(f"... {len(rows) - _MAX_ROWS} more", "", "", "", "", "")
     console.print(t)
@@ -336,6 +337,6 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
         h.add_column("key")
         h.add_column("values", overflow="fold")
         for k, v in head_values(payload, head):
-            h.add_row(k, v)
+            h.add_row(escape(k), escape(v))
         console.print(h)
     return EXIT_OK

@@ -6,6 +6,7 @@ import fnmatch
 from pathlib import Path
 from typing import List, Optional, Sequence, Set
 
+from rich.markup import escape
 from rich.table import Table
 
 from skip_harness import export as _export
@@ -126,7 +127,7 @@ def cmd_import_verl(source: Path, dump_dir: Path, trust: bool, dry_run: bool, as
             s.add_column("verl step", overflow="fold")
             s.add_column("reason", overflow="fold")
             for path, _step, reason in result.skipped:
-                s.add_row(str(path), reason)
+                s.add_row(escape(str(path)), escape(reason))
             console.print(s)
         console.print(f"{verb} {len(result.converted)} steps, skipped {len(result.skipped)}"
                       + (f", refused {len(result.refused)} namespaces" if result.refused else ""))
