@@ -13,12 +13,13 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from . import codec, rng
 from .callbacks import CallbackDispatcher
-from .config import Action, RolloutTQConfig
+from .config import Action, Cleanup, RolloutTQConfig
 from .coordinator import CommitCoordinator, Finished
 from .dist import DistContext
 from .errors import CodecError, HarnessUsageError
 from .policy import Decision, decide
 from .prefetch import Loaded, Prefetcher
+from .startup import set_aside
 from .stats import HIT, MISS, OFF, READ_ONLY, REPEAT, RunStats, StepRecord
 from .store import StepStore
 
@@ -66,6 +67,7 @@ class StepRunner:
         self._order: List[int] = []  # decided steps whose record is not reported yet, in order
         self._records: Dict[int, StepRecord] = {}
         self._epoch = 0
+        self._failed: Dict[int, str] = {}  # steps that failed verification: why (rank 0 sets them aside)
 
     # ------------------------------------------------------------------ wrapped calls
     def prepare(self, step: int, run: Callable[[], Any], run_on_hit: Optional[Callable[[], Any]]) -> Any:
@@ -127,6 +129,7 @@ class StepRunner:
             if self.dist.all_true(loaded.ok):
                 break
             if not loaded.ok:
+                self._failed[decision.source_step] = loaded.reason
                 self._fault(str(self.store.layout.step_dir(decision.source_step)),
                             f"{loaded.reason}; step {decision.source_step} is not served and is regenerated whole")
             excluded.add(decision.source_step)
@@ -150,7 +153,12 @@ class StepRunner:
         if self.read_only:
             return
         if self.dist.is_main:
+            failed = self._failed.pop(step, None)
             try:
+                if failed is not None and self.settings.cleanup == Cleanup.quarantine:
+                    # a step that failed verification is handled as skip.rollout_tq.cleanup says
+                    for error in set_aside(self.store.layout, step, failed, Cleanup.quarantine.value).errors:
+                        self._fault(str(self.store.layout.step_dir(step)), f"could not quarantine the step: {error}")
                 self.store.clear_step(step)
             except OSError as exc:
                 self._fault(str(self.store.layout.step_dir(step)), f"could not clear the old step: {exc}")

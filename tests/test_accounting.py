@@ -1,0 +1,101 @@
+"""The run's accounting adds up: every decided step once, every miss committed or not with its reason,
+bytes counted alike on write and read, gen_s only for generation — checked against the log lines."""
+from __future__ import annotations
+
+import errno
+import logging
+import re
+
+import torch
+
+from skip_harness import HarnessCallback, SkipHarness
+from skip_harness.store import StepStore
+
+
+class Records(HarnessCallback):
+    def __init__(self):
+        self.records = []
+
+    def on_step_end(self, *, record, **kw):
+        self.records.append(record)
+
+
+class Unregistered:  # a payload type the codec refuses
+    pass
+
+
+class Loop:
+    def __init__(self, refuse_step=None):
+        self.refuse_step = refuse_step
+        self.generated = 0
+
+    def prepare_data(self, step, *, dispatch=True):
+        pass
+
+    def sample(self, step):
+        self.generated += 1
+        if step == self.refuse_step:
+            return {"x": Unregistered()}
+        return {"x": torch.arange(256, dtype=torch.float32) + step}
+
+
+def run(tmp_path, plan, caplog, **settings):
+    """plan: {step: number of sample calls}; returns (summary, per-step lines, summary line)."""
+    t = Loop(refuse_step=settings.pop("refuse_step", None))
+    rec = Records()
+    h = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path / "c"), **settings},
+                           namespace={"experiment_name": "e", "project_name": "p", "K": 2}, callbacks=[rec])
+    h.wrap(t)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        for step, calls in plan.items():
+            t.prepare_data(step)
+            for _ in range(calls):
+                t.sample(step)
+        summary = h.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "skip_harness"]
+    steps = [l for l in lines if re.match(r"step \d+: ", l)]
+    (line,) = [l for l in lines if l.startswith("rollout cache summary")]
+    assert [r.step for r in rec.records] == [int(l.split(":")[0].split()[1]) for l in steps]
+    run.records = rec.records
+    return summary, steps, line
+
+
+def test_summary_adds_up_with_a_failed_write_a_refused_payload_and_a_short_step(tmp_path, caplog, monkeypatch):
+    real = StepStore.write_inner
+
+    def write_inner(self, step, inner, *a, **k):
+        if step == 2 and inner == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, step, inner, *a, **k)
+
+    monkeypatch.setattr(StepStore, "write_inner", write_inner)
+    plan = {1: 2, 2: 2, 3: 2, 4: 1, 5: 2}
+    s, steps, line = run(tmp_path, plan, caplog, refuse_step=3)
+    assert [int(l.split(":")[0].split()[1]) for l in steps] == [1, 2, 3, 4, 5]  # one line each, in order
+    assert sum("committed" in l and "not committed" not in l for l in steps) == s.committed == 2
+    assert "not committed (write failed: OSError" in steps[1]
+    assert "not committed (payload refused:" in steps[2] and "Unregistered" in steps[2]
+    assert "not committed (short step: 1 of K = 2 sample calls)" in steps[3]
+    assert (s.misses, s.committed, s.uncommitted) == (5, 2, 3)
+    assert s.uncommitted_reasons == {"payload refused": 1, "short step": 1, "write failed": 1}
+    assert "5 misses (2 committed, 3 not: 1 payload refused, 1 short step, 1 write failed)" in line
+    written = {r.step: r.bytes for r in run.records}
+    assert s.bytes_written == sum(written.values()) and written[1] > 0 and written[2] > 0  # step 2's first write landed
+    assert written[3] == 0  # nothing of a refused payload was written
+
+    monkeypatch.setattr(StepStore, "write_inner", real)
+    s2, steps2, line2 = run(tmp_path, plan, caplog, refuse_step=3)
+    kinds = [l.split(":")[1].split(",")[0].strip() for l in steps2]
+    assert kinds == ["hit", "miss", "miss", "miss", "hit"]
+    assert (s2.hits, s2.misses) == (2, 3)
+    assert s2.bytes_read == written[1] + written[5]  # read back exactly what the committed steps wrote
+
+
+def test_bytes_are_counted_alike_on_write_and_read_and_a_hit_spends_no_generation(tmp_path, caplog):
+    s1, _, _ = run(tmp_path, {1: 2, 2: 2}, caplog)
+    s2, steps, line = run(tmp_path, {1: 2, 2: 2}, caplog)
+    assert s1.bytes_written > 0 and s2.bytes_read == s1.bytes_written
+    assert s2.hits == 2 and s2.gen_s_spent == 0.0 and s2.load_s > 0
+    assert abs(s2.gen_s_saved - s1.gen_s_spent) < 1e-5  # recorded generation time, rounded to 1 us per batch
+    assert all("loaded" in l for l in steps)

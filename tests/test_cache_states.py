@@ -1,0 +1,80 @@
+"""Caches in unusual states at run time: read-only mounts, steps that fail their checksum."""
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+import torch
+
+from skip_harness import SkipHarness
+
+
+class Loop:
+    def __init__(self):
+        self.generated = 0
+
+    def prepare_data(self, step, *, dispatch=True):
+        pass
+
+    def sample(self, step):
+        self.generated += 1
+        return {"x": torch.arange(64, dtype=torch.float32) * step}
+
+
+def run(dump_dir, steps, **settings):
+    t = Loop()
+    h = SkipHarness.create({"enable": True, "dump_dir": str(dump_dir), **settings},
+                           namespace={"experiment_name": "e", "project_name": "p", "n": 2})
+    h.wrap(t)
+    for s in steps:
+        t.prepare_data(s)
+        t.sample(s)
+    return h, t, h.close()
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """A bind mount of tmp_path/rw at tmp_path/ro, read-only (as a finished cache on a shared mount)."""
+    rw, ro = tmp_path / "rw", tmp_path / "ro"
+    rw.mkdir()
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", str(rw), str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("bind mounts are not available here")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode != 0:
+            pytest.skip("read-only remounts are not available here")
+        yield rw, ro
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+def test_a_read_only_cache_serves_its_complete_steps_and_writes_nothing(read_only_view, caplog):
+    rw, ro = read_only_view
+    run(rw, [1, 2])
+    stale = rw / "e_p" / "N2" / "7"
+    stale.mkdir()
+    (stale / "tq_batch.pt").write_bytes(b"half")  # cleanup would remove this on a writable cache
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        h, t, s = run(ro, [1, 2, 3])
+    assert [h.outcome(i) for i in (1, 2, 3)] == ["hit", "hit", "miss"] and t.generated == 1
+    assert (s.hits, s.misses, s.committed, s.uncommitted_reasons) == (2, 1, 0, {"read-only cache": 1})
+    assert stale.exists() and not (rw / "e_p" / "N2" / "3").exists() and not (rw / "e_p" / "N2" / ".lock.holder.json").exists()
+    assert caplog.text.count("read-only") >= 1 and "nothing is locked, cleaned or written" in caplog.text
+
+
+@pytest.mark.parametrize("cleanup", ["delete", "quarantine"])
+def test_a_step_failing_its_checksum_is_handled_as_cleanup_says(tmp_path, caplog, cleanup):
+    run(tmp_path, [1, 2])
+    payload = tmp_path / "e_p" / "N2" / "2" / "tq_batch.pt"
+    data = bytearray(payload.read_bytes())
+    data[-200] ^= 0x01  # same size: only the checksum can tell
+    payload.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="skip_harness"):
+        h, t, s = run(tmp_path, [1, 2], cleanup=cleanup)
+    assert [h.outcome(1), h.outcome(2)] == ["hit", "miss"] and s.committed == 1
+    assert "checksum" in caplog.text and str(payload) in caplog.text
+    quarantined = list((tmp_path / "e_p" / "N2" / ".quarantine").glob("2-*")) if cleanup == "quarantine" else []
+    assert len(quarantined) == (1 if cleanup == "quarantine" else 0)
+    if quarantined:
+        assert (quarantined[0] / "tq_batch.pt").read_bytes() == bytes(data)  # kept as it was found
