@@ -3,10 +3,12 @@
     python scripts/plot.py RUNS_DIR [-o plot.png]
 
 RUNS_DIR is one run directory, a sweep directory, or a folder of them: every `metrics.jsonl` under it
-is a run (hidden directories such as `.hydra` are not searched). A run is labelled by its trainer mode
+is a run (hidden directories such as `.hydra` are not searched; symlinked run or sweep directories are
+followed, each real directory once). A run is labelled by its trainer mode
 and K, read from the `.hydra/config.yaml` next to its metrics (plus the seed when the runs differ in
 seed), or by its directory name when that file says nothing. Steps served from the cache (`cache` is
-`hit` or `repeat`) have hollow markers; generated steps have filled ones.
+`hit` or `repeat`) have hollow markers; generated steps (`miss`, `off`) have filled ones, and the legend
+says how many steps of each run came from the cache.
 
 Bad input (no such directory, no metrics.jsonl, a line that is not a JSON object with a step) stops
 with one message naming the path, exit status 2.
@@ -128,7 +130,14 @@ def _metrics_files(root: Path) -> List[Path]:
     if root.is_file():
         return [root] if root.name == METRICS_NAME else []
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):  # never follows symlinked directories
+    seen = set()
+    # Runs may be symlinks (a folder of links to the runs being compared): follow them, once each.
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         if METRICS_NAME in filenames:
             found.append(Path(dirpath) / METRICS_NAME)
@@ -282,7 +291,8 @@ def draw(runs: Sequence[Run], out: Path, title: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
 
-    handles = [Line2D([], [], color=colors[n % len(colors)], linewidth=2.5, label=run.label)
+    handles = [Line2D([], [], color=colors[n % len(colors)], linewidth=2.5,
+                      label=f"{run.label}: {sum(run.served)}/{len(run.rows)} steps from the cache")
                for n, run in enumerate(runs)]
     handles += [
         Line2D([], [], color="0.3", linestyle="-", label="generating"),

@@ -18,10 +18,7 @@ from skip_harness.errors import CorruptStepError
 from skip_harness.layout import Layout, parse_namespace_leaf
 from skip_harness.store import StepStore
 
-try:
-    from skip_harness.units import human_bytes
-except ImportError:  # units.py not committed yet: the same function in its old place
-    from skip_harness.callbacks import human_bytes
+from skip_harness.units import human_bytes
 
 logger = logging.getLogger("skip_harness.cli")
 

@@ -1,0 +1,199 @@
+"""End-to-end: scripts/plot.py run as a user runs it, in real subprocesses, on real files (real Hydra
+sweeps of scripts/train.py), plus runs reached through symlinks."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLOT = ROOT / "scripts" / "plot.py"
+TRAIN = ROOT / "scripts" / "train.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def load_script(name: str):
+    """Import scripts/<name>.py as a module (registered, so its dataclasses resolve their module)."""
+    mod_name = f"_skip_harness_script_{name}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def env_for(tmp: Path) -> dict:
+    env = dict(os.environ)
+    env["SKIP_HARNESS_DUMP_DIR"] = str(tmp / "cache")
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def run(cmd, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, cmd)], cwd=tmp, env=env_for(tmp), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_png(path: Path, min_bytes: int = 20_000) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert len(data) >= min_bytes, f"{path} is only {len(data)} bytes"
+
+
+def make_sweep(tmp: Path, name: str) -> Path:
+    sweep = tmp / name
+    proc = run(
+        [TRAIN, "-m", "trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1,2",
+         "trainer.total_training_steps=2", "trainer.progress=false", "data.train_batch_size=8",
+         "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=6", "data.max_response_length=6",
+         "actor_rollout_ref.model.d_model=32", "actor_rollout_ref.model.n_layers=1", f"hydra.sweep.dir={sweep}"],
+        tmp,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return sweep
+
+
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory):
+    """Two real sweeps over K = 1, 2 sharing one cache: 'first' generates, 'again' hits every step."""
+    tmp = tmp_path_factory.mktemp("plot")
+    first = make_sweep(tmp, "runs/first")
+    again = make_sweep(tmp, "runs/again")
+    return tmp, first, again
+
+
+@pytest.mark.slow
+def test_plot_draws_a_sweep(sweeps):
+    tmp, first, _ = sweeps
+    out = tmp / "out" / "sweep.png"
+    proc = run([PLOT, first, "-o", out], tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert_png(out)
+    assert "separate_async K=1" in proc.stderr and "separate_async K=2" in proc.stderr
+    runs = load_script("plot").find_runs(first)
+    assert [r.label for r in runs] == ["separate_async K=1", "separate_async K=2"]
+    assert [len(r.rows) for r in runs] == [2, 2]
+    assert not any(any(r.served) for r in runs)
+
+
+@pytest.mark.slow
+def test_plot_draws_one_run_directory(sweeps):
+    tmp, first, _ = sweeps
+    run_dir = next(p for p in first.iterdir() if p.name.endswith("K2"))
+    out = tmp / "one.png"
+    proc = run([PLOT, run_dir, "-o", out], tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert_png(out)
+    assert [r.label for r in load_script("plot").find_runs(run_dir)] == ["separate_async K=2"]
+
+
+@pytest.mark.slow
+def test_plot_marks_steps_served_from_the_cache(sweeps):
+    tmp, first, again = sweeps
+    runs = load_script("plot").find_runs(first.parent)
+    labels = {r.label: r for r in runs}
+    assert set(labels) == {f"separate_async K={k} ({name})" for k in (1, 2) for name in ("first", "again")}
+    for k in (1, 2):
+        assert labels[f"separate_async K={k} (again)"].served == [True, True]
+        assert labels[f"separate_async K={k} (first)"].served == [False, False]
+    out = tmp / "both.png"
+    proc = run([PLOT, first.parent, "-o", out], tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert_png(out)
+
+
+@pytest.mark.slow
+def test_plot_labels_a_run_without_hydra_config_by_its_directory(tmp_path):
+    run_dir = tmp_path / "my_run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "cache": "miss", "gen_s": 0.1, "step_s": 0.3, "loss": 1.0 / s,
+                            "reward_mean": 0.1 * s}) + "\n" for s in (1, 2, 3))
+    )
+    assert [r.label for r in load_script("plot").find_runs(tmp_path)] == ["my_run"]
+    proc = run([PLOT, tmp_path, "-o", tmp_path / "p.png"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_png(tmp_path / "p.png", min_bytes=10_000)
+
+
+def test_plot_adds_the_seed_when_runs_differ_in_it(tmp_path):
+    for seed in (0, 1):
+        run_dir = tmp_path / f"run{seed}"
+        (run_dir / ".hydra").mkdir(parents=True)
+        (run_dir / ".hydra" / "config.yaml").write_text(
+            f"seed: {seed}\ntrainer:\n  v1:\n    trainer_mode: colocate_async\n"
+            "    separate_async:\n      parameter_sync_step: 4\n"
+        )
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "cache": "hit", "loss": 0.5}) + "\n")
+    runs = load_script("plot").find_runs(tmp_path)
+    assert [r.label for r in runs] == ["colocate_async K=1 seed=0", "colocate_async K=1 seed=1"]
+    assert [r.served for r in runs] == [[True], [True]]
+
+
+@pytest.mark.slow
+def test_plot_bad_input_exits_2_naming_the_path(tmp_path, sweeps):
+    _, first, _ = sweeps
+    missing = tmp_path / "no_such_dir"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    broken = tmp_path / "broken"
+    shutil.copytree(sorted(p for p in first.iterdir() if p.is_dir())[0], broken / "run")
+    with open(broken / "run" / "metrics.jsonl", "a") as f:
+        f.write("{not json\n")
+    bad_line = str(broken / "run" / "metrics.jsonl") + ":3"
+    for target, needle in ((missing, str(missing)), (empty, str(empty)), (broken, bad_line)):
+        proc = run([PLOT, target, "-o", tmp_path / "x.png"], tmp_path)
+        assert proc.returncode == 2, (target, proc.stderr)
+        assert needle in proc.stderr, (needle, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert not (tmp_path / "x.png").exists()
+
+
+
+def write_run(run_dir: Path, cache_values, mode="separate_async", K=2) -> Path:
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(
+        f"seed: 0\ntrainer:\n  v1:\n    trainer_mode: {mode}\n    separate_async:\n      parameter_sync_step: {K}\n")
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "cache": c, "gen_s": 0.0 if c in ("hit", "repeat") else 0.2, "step_s": 0.3,
+                    "loss": 1.0 / s, "reward_mean": 0.1 * s}) + "\n" for s, c in enumerate(cache_values, 1)))
+    return run_dir
+
+
+def test_plot_follows_runs_that_are_symlinks_once_each(tmp_path):
+    store = tmp_path / "elsewhere"
+    write_run(store / "a", ["miss", "miss", "off"], K=1)
+    write_run(store / "b", ["hit", "repeat", "miss"], K=2)
+    folder = tmp_path / "compare"
+    folder.mkdir()
+    (folder / "first").symlink_to(store / "a", target_is_directory=True)
+    (folder / "rerun").symlink_to(store / "b", target_is_directory=True)
+    (folder / "loop").symlink_to(folder, target_is_directory=True)        # a cycle must not hang or repeat runs
+    runs = load_script("plot").find_runs(folder)
+    assert [(r.label, r.name) for r in runs] == [("separate_async K=1", "first"), ("separate_async K=2", "rerun")]
+    assert [r.served for r in runs] == [[False, False, False], [True, True, False]]
+
+
+@pytest.mark.slow
+def test_plot_draws_a_folder_of_symlinked_runs_and_says_what_the_cache_served(tmp_path):
+    store = tmp_path / "elsewhere"
+    write_run(store / "a", ["miss"] * 10, K=1)
+    write_run(store / "b", ["hit"] * 8 + ["miss"] * 2, K=2)
+    folder = tmp_path / "compare"
+    folder.mkdir()
+    for name in ("a", "b"):
+        (folder / name).symlink_to(store / name, target_is_directory=True)
+    out = tmp_path / "p.png"
+    proc = run([PLOT, folder, "-o", out], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_png(out, min_bytes=10_000)
+    assert "separate_async K=2 (10 steps, 8 served from the cache)" in proc.stderr
+    assert "separate_async K=1 (10 steps, 0 served from the cache)" in proc.stderr
