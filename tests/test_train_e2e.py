@@ -168,7 +168,7 @@ def test_validation_calls_bypass_the_cache(tmp_path):
         (["skip.rollout_tq.action=replay"], "skip.rollout_tq.action"),
         (["skip.rollout_tq.cleanup=shred"], "skip.rollout_tq.cleanup"),
         (["skip.rollout_tq.steps=[1,two]"], "skip.rollout_tq.steps"),
-        (["skip.rollout_tq.steps=[0]"], "skip.rollout_tq.steps"),
+        (["skip.rollout_tq.steps=[-1]"], "skip.rollout_tq.steps"),
         (["trainer.v1.trainer_mode=async"], "trainer.v1.trainer_mode"),
     ],
 )
