@@ -20,7 +20,7 @@ from .errors import CodecError, HarnessUsageError
 from .policy import Decision, decide
 from .prefetch import Loaded, Prefetcher
 from .startup import set_aside
-from .stats import HIT, MISS, OFF, READ_ONLY, REPEAT, RunStats, StepRecord
+from .stats import HIT, MISS, OFF, READ_ONLY, RunStats, StepRecord
 from .store import StepStore
 
 

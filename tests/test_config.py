@@ -1,7 +1,6 @@
 """Schemas and cross-field checks: every error names its key."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf

@@ -12,7 +12,7 @@ import torch
 
 from skip_harness.callbacks import HarnessCallback
 from skip_harness.config import RolloutTQConfig
-from skip_harness.errors import FingerprintMismatchError, HarnessUsageError, LockHeldError
+from skip_harness.errors import FingerprintMismatchError, HarnessUsageError
 from skip_harness.fingerprint import Fingerprint
 from skip_harness.harness import SkipHarness
 from skip_harness.layout import NamespaceKey

@@ -72,7 +72,7 @@ def test_changed_inputs_regenerate_the_step_with_a_warning(tmp_path, caplog):
         h, t, out = run_gen_only(tmp_path, [0, 1], K=2, prompts=changed)
     assert h.outcome(0) == "hit" and h.outcome(1) == "miss"
     assert "step 1: the inputs of sample call 1 differ" in caplog.text
-    assert t.calls.count([f"p1-1", "CHANGED"]) == 1 and [f"p1-0", "q"] not in t.calls  # inner 0 was served
+    assert t.calls.count(["p1-1", "CHANGED"]) == 1 and ["p1-0", "q"] not in t.calls  # inner 0 was served
     s = h.summary()
     assert (s.hits, s.misses, s.committed) == (1, 1, 1)
     # the step was rewritten whole: the next run serves the new inputs' batches
