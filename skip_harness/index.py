@@ -22,12 +22,17 @@ This module does no logging and imports nothing from `store` or `scan`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
+import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import xxhash
 
 from skip_harness.layout import COMMIT_NAME, TMP_PREFIX, Layout
 
@@ -35,7 +40,7 @@ INDEX_NAME = ".index.jsonl"
 INDEX_FORMAT = 1
 RACY_NS = 250_000_000          # mtimes this close to the entry's own writing are rechecked (> any local fs tick)
 
-Stamp = Tuple[Any, ...]
+Stamp = int   # xxh3_64 of (step dir ino, mtime_ns, commit ino, size, mtime_ns, each inner dir's ino, mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -49,15 +54,15 @@ class IndexEntry:
     gen_s: Optional[float]
     stamp: Stamp
     written_ns: int                          # when the entry was made (the racy-stamp check)
-
-    def to_line(self) -> str:
-        return json.dumps({"s": self.step, "b": self.bytes, "f": self.fingerprint, "c": self.created,
-                           "g": self.gen_s, "t": _stamp_json(self.stamp), "w": self.written_ns},
-                          separators=(",", ":"), allow_nan=False) + "\n"
+    newest_mtime_ns: int                     # the newest mtime the stamp covers
 
     @property
     def racy(self) -> bool:
-        return _max_mtime(self.stamp) >= self.written_ns - RACY_NS
+        return self.newest_mtime_ns >= self.written_ns - RACY_NS
+
+    def fingerprint_key(self) -> Optional[str]:
+        fp = self.fingerprint
+        return None if fp is None else str(fp.get("digest") or json.dumps(fp, sort_keys=True))
 
 
 class IndexUnusable(Exception):
@@ -73,39 +78,51 @@ def _header(layout: Layout) -> str:
                       separators=(",", ":")) + "\n"
 
 
+# Lines after the header: a fingerprint line {"fp": key, "v": fingerprint JSON} before the first entry
+# that uses it, and one entry line per commit, a flat JSON array:
+#     [step, bytes, created, gen_s | null, fingerprint key | null, stamp, written_ns, newest mtime_ns]
+
+
+def _entry_line(e: IndexEntry) -> str:
+    return json.dumps([e.step, e.bytes, e.created, e.gen_s, e.fingerprint_key(), e.stamp, e.written_ns,
+                       e.newest_mtime_ns], separators=(",", ":"), allow_nan=False) + "\n"
+
+
+def _fp_line(key: str, fp: Dict[str, Any]) -> str:
+    return json.dumps({"fp": key, "v": fp}, separators=(",", ":"), allow_nan=False) + "\n"
+
+
 # --------------------------------------------------------------------------------------------
 # stamps
 
 
-def _stamp_json(stamp: Stamp) -> List[Any]:
-    return [list(x) if isinstance(x, tuple) else x for x in stamp]
-
-
-def _max_mtime(stamp: Stamp) -> int:
-    step_dir, commit, inner = stamp
-    return max([step_dir[1], commit[2], *(m for _ino, m in inner)])
-
-
-def read_stamp(root_fd: int, name: str, K: int) -> Optional[Stamp]:
-    """The stamp of step directory `name` in the namespace directory root_fd, None if any part of it is
-    missing or not what a committed step has (a link, a file where a directory belongs)."""
+def read_stamp(root_fd: int, name: str, K: int) -> Optional[Tuple[Stamp, int]]:
+    """(stamp, newest mtime) of step directory `name` in the namespace directory root_fd, None if any part
+    of it is missing or not what a committed step has (a link, a file where a directory belongs)."""
     try:
         st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-        if not _is_dir(st.st_mode):
-            return None
         commit = os.stat(f"{name}/{COMMIT_NAME}", dir_fd=root_fd, follow_symlinks=False)
-        if not _is_reg(commit.st_mode):
+        if not (_is_dir(st.st_mode) and _is_reg(commit.st_mode)):
             return None
-        inner: List[Tuple[int, int]] = []
+        out = [st.st_ino, st.st_mtime_ns, commit.st_ino, commit.st_size, commit.st_mtime_ns]
         if K > 1:
             for i in range(K):
                 ist = os.stat(f"{name}/{i}", dir_fd=root_fd, follow_symlinks=False)
                 if not _is_dir(ist.st_mode):
                     return None
-                inner.append((ist.st_ino, ist.st_mtime_ns))
-    except OSError:
+                out += (ist.st_ino, ist.st_mtime_ns)
+    except (OSError, ValueError):
         return None
-    return ((st.st_ino, st.st_mtime_ns), (commit.st_ino, commit.st_size, commit.st_mtime_ns), tuple(inner))
+    newest = max(out[1::2]) if K > 1 else max(out[1], out[4])
+    try:
+        return xxhash.xxh3_64_intdigest(_pack_stamp(len(out)).pack(*out)), newest
+    except struct.error:
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _pack_stamp(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}Q")
 
 
 def _is_dir(mode: int) -> bool:
@@ -114,16 +131,6 @@ def _is_dir(mode: int) -> bool:
 
 def _is_reg(mode: int) -> bool:
     return (mode & 0o170000) == 0o100000
-
-
-def _parse_stamp(doc: Any, K: int) -> Stamp:
-    step_dir, commit, inner = doc
-    if len(step_dir) != 2 or len(commit) != 3 or len(inner) != (K if K > 1 else 0):
-        raise ValueError("stamp of the wrong shape")
-    ints = [*step_dir, *commit, *(x for pair in inner for x in pair)]
-    if not all(type(x) is int for x in ints) or any(len(pair) != 2 for pair in inner):
-        raise ValueError("stamp holds a non-integer")
-    return (tuple(step_dir), tuple(commit), tuple(tuple(p) for p in inner))
 
 
 def make_entry(layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]],
@@ -139,7 +146,7 @@ def make_entry(layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dic
         os.close(root_fd)
     if stamp is None:
         return None
-    return IndexEntry(step, nbytes, fingerprint, created, gen_s, stamp, time.time_ns())
+    return IndexEntry(step, nbytes, fingerprint, created, gen_s, stamp[0], time.time_ns(), stamp[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,51 +170,68 @@ def read(layout: Layout) -> Dict[int, IndexEntry]:
         raise IndexUnusable(f"cannot be read: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
-    lines = data.split(b"\n")
-    if not lines or lines[0] + b"\n" != _header(layout).encode():
+    header = _header(layout).encode()
+    if not data.startswith(header):
         raise IndexUnusable("corrupt: unexpected header (another format, K or W)")
-    if lines[-1] != b"":
+    if not data.endswith(b"\n"):
         raise IndexUnusable("corrupt: the last line is cut short (an interrupted append)")
+    body = data[len(header):].rstrip(b"\n")
+    try:
+        lines = json.loads(b"[" + body.replace(b"\n", b",") + b"]") if body else []
+    except (ValueError, RecursionError) as exc:
+        raise IndexUnusable(f"corrupt: does not parse ({exc})") from None
+    fps: Dict[str, Dict[str, Any]] = {}
     out: Dict[int, IndexEntry] = {}
-    K = layout.K
-    for n, line in enumerate(lines[1:-1], start=2):
-        try:
-            doc = json.loads(line)
-            step, nbytes, created, gen_s, written = doc["s"], doc["b"], doc["c"], doc["g"], doc["w"]
-            fp = doc["f"]
-            if (type(step) is not int or step < 0 or type(nbytes) is not int or nbytes < 0
-                    or type(written) is not int or not isinstance(created, (int, float))
-                    or not (gen_s is None or isinstance(gen_s, (int, float)))
-                    or not (fp is None or isinstance(fp, dict))):
-                raise ValueError("a field has the wrong type")
-            out[step] = IndexEntry(step, nbytes, fp, float(created), None if gen_s is None else float(gen_s),
-                                   _parse_stamp(doc["t"], K), written)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise IndexUnusable(f"corrupt: line {n} does not parse ({exc})") from None
+    for n, line in enumerate(lines, start=2):
+        if type(line) is dict and type(line.get("fp")) is str and type(line.get("v")) is dict:
+            fps[line["fp"]] = line["v"]
+            continue
+        # A stamp that is malformed can only fail to match the disk; the fields reported are checked.
+        if (type(line) is not list or len(line) != 8 or type(line[0]) is not int or line[0] < 0
+                or type(line[1]) is not int or type(line[2]) not in (int, float)
+                or type(line[3]) not in (int, float, type(None)) or not (line[4] is None or line[4] in fps)
+                or type(line[5]) is not int or type(line[6]) is not int or type(line[7]) is not int):
+            raise IndexUnusable(f"corrupt: line {n} is not an index entry")
+        step, nbytes, created, gen_s, fpkey, stamp, written, newest = line
+        out[step] = IndexEntry(step, nbytes, None if fpkey is None else fps[fpkey], float(created),
+                               None if gen_s is None else float(gen_s), stamp, written, newest)
     return out
 
 
+_appended: Dict[str, Tuple[int, int, Optional[str]]] = {}   # path -> (inode, size, fingerprint key) after our append
+_append_lock = threading.Lock()
+
+
 def append(layout: Layout, entry: Optional[IndexEntry]) -> bool:
-    """Append one entry durably (creating the index with its header if there is none). Returns False
+    """Append one entry durably (creating the index with its header if there is none, and writing the
+    entry's fingerprint line unless this process's previous append to the same file did). Returns False
     if it could not be written: the index is a hint, and the next scan finds the step anyway."""
     if entry is None:
         return False
     path = index_path(layout)
     flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
+    key = entry.fingerprint_key()
+    with _append_lock:
         try:
-            fd = os.open(path, flags)
-            data = entry.to_line().encode()
-        except FileNotFoundError:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-            data = (_header(layout) + entry.to_line()).encode()
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
+            try:
+                fd = os.open(path, flags)
+                prefix = ""
+            except FileNotFoundError:
+                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                prefix = _header(layout)
+            try:
+                st = os.fstat(fd)
+                if key is not None and _appended.get(path) != (st.st_ino, st.st_size, key):
+                    prefix += _fp_line(key, entry.fingerprint)
+                data = (prefix + _entry_line(entry)).encode()
+                os.write(fd, data)
+                os.fsync(fd)
+                _appended[path] = (st.st_ino, st.st_size + len(data), key)
+            finally:
+                os.close(fd)
+        except OSError:
+            _appended.pop(path, None)
+            return False
     return True
 
 
@@ -215,11 +239,18 @@ def rewrite(layout: Layout, entries: Iterable[IndexEntry]) -> Optional[str]:
     """Replace the index atomically with `entries`. None on success, else why it could not be written."""
     root = os.fspath(layout.root)
     tmp = os.path.join(root, f"{TMP_PREFIX}{INDEX_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
-    body = _header(layout) + "".join(e.to_line() for e in sorted(entries, key=lambda e: e.step))
+    parts = [_header(layout)]
+    seen = set()
+    for e in sorted(entries, key=lambda e: e.step):
+        key = e.fingerprint_key()
+        if key is not None and key not in seen:
+            seen.add(key)
+            parts.append(_fp_line(key, e.fingerprint))
+        parts.append(_entry_line(e))
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
-            os.write(fd, body.encode())
+            os.write(fd, "".join(parts).encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -235,6 +266,8 @@ def rewrite(layout: Layout, entries: Iterable[IndexEntry]) -> Optional[str]:
         except OSError:
             pass
         return exc.strerror or str(exc)
+    with _append_lock:
+        _appended.pop(index_path(layout), None)
     return None
 
 
@@ -256,7 +289,8 @@ def check_entries(root_fd: int, names: Sequence[Tuple[int, str]], entries: Dict[
         entry = entries.get(step)
         if entry is None:
             continue
-        if name != str(step) or entry.racy or read_stamp(root_fd, name, K) != entry.stamp:
+        stamp = read_stamp(root_fd, name, K)
+        if stamp is None or stamp[0] != entry.stamp or entry.racy or stamp[1] != entry.newest_mtime_ns:
             changed.append(step)
         else:
             trusted[step] = entry

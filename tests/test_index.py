@@ -1,0 +1,220 @@
+"""index: the namespace index is a hint -- appended by every commit, used by the startup scan while it
+matches the disk, rebuilt (with a note for the INFO line) when missing, corrupt or stale -- and an
+index-backed scan reports exactly what a full scan does, whatever was changed behind its back."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import subprocess_env, write_legacy, write_step
+from skip_harness import index
+from skip_harness.fingerprint import Fingerprint
+from skip_harness.layout import NamespaceKey
+from skip_harness.scan import scan_namespace
+from skip_harness.store import StepStore
+
+FP = Fingerprint.from_values({"model": "m", "seed": 1})
+
+
+def make(tmp_path, K=1, W=1) -> StepStore:
+    return StepStore(NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=W).layout(tmp_path / "cache"))
+
+
+def index_lines(st):
+    return (st.layout.root / index.INDEX_NAME).read_text().splitlines()
+
+
+def age(st, seconds=30.0):
+    """Pretend the whole namespace was written `seconds` ago (every directory and file), and make the
+    scan rebuild its index now: the entries are then not 'racy', so the stamps alone must tell."""
+    then = time.time() - seconds
+    for d, dirs, files in os.walk(st.layout.root):
+        for name in dirs + files:
+            os.utime(os.path.join(d, name), (then, then), follow_symlinks=False)
+    index.remove(st.layout)
+    scan_namespace(st.layout)
+    assert all(not e.racy for e in index.read(st.layout).values())
+
+
+def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
+    st = make(tmp_path, K=2)
+    for step in (1, 2, 3):
+        write_step(st, step, fingerprint=FP)
+    lines = index_lines(st)
+    assert json.loads(lines[0]) == {"skip_harness_index": index.INDEX_FORMAT, "K": 2, "W": 1}
+    entries = [json.loads(x) for x in lines[1:]]
+    assert [e["fp"] for e in entries if isinstance(e, dict)] == [FP.digest]   # one line per fingerprint
+    assert [e[0] for e in entries if isinstance(e, list)] == [1, 2, 3]       # one line per commit
+    age(st)
+    report = scan_namespace(st.layout)
+    assert report.index_used and report.index_note is None
+    assert report.steps == scan_namespace(st.layout, use_index=False).steps
+    assert [s.fingerprint for s in report.steps] == [FP] * 3
+
+
+def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
+    from skip_harness import store as store_mod
+
+    st = make(tmp_path, K=4)
+    for step in range(1, 6):
+        write_step(st, step)
+    age(st)
+    listed = []
+    real = store_mod._list_step
+    monkeypatch.setattr(store_mod, "_list_step", lambda p: listed.append(p) or real(p))
+    report = scan_namespace(st.layout)
+    assert report.counts()["complete"] == 5 and listed == []   # stamps only: no step directory listed
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "torn", "other_K", "bad_field"])
+def test_missing_or_corrupt_index_is_rebuilt_with_a_note(tmp_path, damage):
+    st = make(tmp_path, K=2)
+    for step in (1, 2):
+        write_step(st, step)
+    path = st.layout.root / index.INDEX_NAME
+    full = scan_namespace(st.layout, use_index=False)
+    if damage == "missing":
+        path.unlink()
+    elif damage == "garbage":
+        path.write_bytes(b"\x00garbage\n")
+    elif damage == "torn":
+        path.write_bytes(path.read_bytes()[:-7])
+    elif damage == "other_K":
+        lines = index_lines(st)
+        path.write_text("\n".join([lines[0].replace('"K":2', '"K":3')] + lines[1:]) + "\n")
+    else:
+        lines = index_lines(st)
+        path.write_text("\n".join(lines[:1] + ['["1",2]'] + lines[2:]) + "\n")
+    report = scan_namespace(st.layout)
+    assert report.steps == full.steps
+    word = "missing" if damage == "missing" else "corrupt"
+    assert report.index_note.startswith(f"index {word}") and "rebuilt" in report.index_note
+    assert sorted(index.read(st.layout)) == [1, 2]
+    again = scan_namespace(st.layout)
+    assert again.index_note is None and again.steps == full.steps
+
+
+def test_stale_index_says_what_changed_and_is_rebuilt(tmp_path):
+    st = make(tmp_path, K=1)
+    for step in (1, 2, 3):
+        write_step(st, step)
+    age(st)
+    shutil.rmtree(st.layout.step_dir(2))                          # removed by hand
+    shutil.copytree(st.layout.step_dir(1), st.layout.step_dir(9))  # added by hand (a copied step)
+    doc = json.loads(st.layout.commit_path(9).read_text())
+    doc["step"] = 9
+    st.layout.commit_path(9).write_text(json.dumps(doc))
+    report = scan_namespace(st.layout)
+    assert [(s.step, s.status) for s in report.steps] == [(1, "complete"), (3, "complete"), (9, "complete")]
+    assert "1 removed" in report.index_note and "1 unindexed" in report.index_note
+    assert "rebuilt" in report.index_note
+    assert sorted(index.read(st.layout)) == [1, 3, 9]
+    assert scan_namespace(st.layout).index_note is None
+
+
+def test_an_unwritable_index_is_reported_and_the_scan_still_right(tmp_path, monkeypatch):
+    st = make(tmp_path)
+    write_step(st, 1)
+    index.remove(st.layout)
+    monkeypatch.setattr(index, "rewrite", lambda layout, entries: "Read-only file system")
+    report = scan_namespace(st.layout)
+    assert report.counts()["complete"] == 1
+    assert "could not be rebuilt: Read-only file system" in report.index_note
+
+
+def _every_status_behind_the_index(st, tmp_path):
+    """A cache with every status, then changed by hand in every way the index must notice."""
+    lay = st.layout
+    for step in range(1, 13):
+        write_step(st, step, fingerprint=FP)
+    entries = st.write_inner(20, 0, 0, {"x": 1}, {"gen_s": 1.0})
+    entries += st.write_inner(20, 1, 0, {"x": 2}, {"gen_s": 1.0})
+    st.commit(20, entries, FP, gen_s=2.0)
+    write_legacy(lay, 13)                                      # unverified (no commit record)
+    write_step(st, 14, inners=[0], commit=False)               # incomplete: interrupted run
+    write_step(st, 15)
+    lay.commit_path(15).write_text("garbage")                  # corrupt commit record
+    return lay
+
+
+def _hand_edits(st, tmp_path):
+    lay = st.layout
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    shutil.rmtree(lay.step_dir(1))                                          # step removed
+    (lay.payload_path(2, 1, 0)).unlink()                                    # file removed: corrupt
+    lay.commit_path(3).unlink()                                             # commit removed: incomplete
+    doc = json.loads(lay.commit_path(4).read_text())
+    doc["files"][0]["bytes"] += 1
+    lay.commit_path(4).write_text(json.dumps(doc))                          # commit edited: corrupt
+    shutil.rmtree(lay.step_dir(5) / "1")                                    # inner dir removed
+    os.symlink(outside, lay.step_dir(6) / "extra")                          # a link added: incomplete
+    shutil.rmtree(lay.step_dir(7))
+    os.symlink(outside, lay.step_dir(7))                                    # step replaced by a link
+    write_step(st, 8, inners=[0], commit=False)                             # rewrite begun: incomplete
+    (lay.inner_dir(9, 0) / ".tmp-tq_batch.pt.1.abcd").write_bytes(b"x")     # temp file in a step
+    shutil.copytree(lay.step_dir(10), lay.step_dir(30))                     # copied in, wrong step no.
+    write_legacy(lay, 31)                                                   # older cache added
+    shutil.copytree(lay.step_dir(11), lay.step_dir(32))                     # copied and fixed up
+    doc = json.loads((lay.step_dir(32) / "commit.json").read_text())
+    doc["step"] = 32
+    (lay.step_dir(32) / "commit.json").write_text(json.dumps(doc))
+    (lay.step_dir(12) / "0").rename(lay.step_dir(12) / "0-old")             # inner dir renamed
+    shutil.copytree(lay.step_dir(12) / "0-old", lay.step_dir(12) / "0")     # ... and put back
+
+
+@pytest.mark.parametrize("aged", [False, True], ids=["just-written", "written-earlier"])
+def test_index_backed_scan_agrees_with_the_full_scan_on_every_status(tmp_path, aged):
+    st = make(tmp_path, K=2)
+    _every_status_behind_the_index(st, tmp_path)
+    if aged:
+        age(st)
+    before = scan_namespace(st.layout)
+    assert before.steps == scan_namespace(st.layout, use_index=False).steps
+    _hand_edits(st, tmp_path)
+    full = scan_namespace(st.layout, use_index=False)
+    statuses = {s.step: s.status for s in full.steps}
+    assert set(statuses.values()) == {"complete", "unverified", "incomplete", "corrupt"}
+    assert statuses[2] == statuses[4] == statuses[30] == "corrupt" and statuses[32] == "complete"
+    assert 1 not in statuses and statuses[31] == "unverified"
+    for attempt in range(2):            # the first reconciles (and rewrites) the index, the next reads it
+        report = scan_namespace(st.layout)
+        assert report.steps == full.steps, attempt
+    assert report.index_used and report.index_note is None
+    assert [s.gen_s for s in full.steps if s.step == 20] == [2.0]
+
+
+def test_cli_ls_and_verify_agree_with_the_full_scan(tmp_path):
+    st = make(tmp_path, K=2)
+    _every_status_behind_the_index(st, tmp_path)
+    age(st)
+    _hand_edits(st, tmp_path)
+    full = {s.step: s.status for s in scan_namespace(st.layout, use_index=False).steps}
+    dump = tmp_path / "cache"
+    for cmd in ("ls", "verify"):
+        proc = subprocess.run([sys.executable, "-c", "import sys; from skip_harness.cli import main; sys.exit(main())",
+                               cmd, str(dump), "--json"], env=subprocess_env(), capture_output=True, text=True)
+        assert proc.returncode in (0, 1), proc.stderr
+        (ns,) = json.loads(proc.stdout)["namespaces"]
+        got = {s["step"]: s["status"] for s in ns["steps"]}
+        assert got == full, cmd
+
+
+def test_a_change_in_the_same_clock_tick_as_the_commit_is_still_seen(tmp_path):
+    """Like git's racy-clean rule: an entry written right after its stamp is rechecked in full."""
+    st = make(tmp_path, K=1)
+    write_step(st, 1)
+    step_dir = st.layout.step_dir(1)
+    before = os.stat(step_dir)
+    (step_dir / "meta.json").unlink()      # removed ...
+    os.utime(step_dir, ns=(before.st_atime_ns, before.st_mtime_ns))   # ... within the same mtime tick
+    assert index.read(st.layout)[1].racy
+    report = scan_namespace(st.layout)
+    assert report.get(1).status == "corrupt"
+    assert report.steps == scan_namespace(st.layout, use_index=False).steps
