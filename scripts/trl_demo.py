@@ -120,12 +120,12 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
         max_completion_length=opts.max_completion_length,
         learning_rate=opts.lr,
         beta=opts.beta,
-        temperature=1.0,
+        temperature=opts.temperature,
         seed=opts.seed,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        use_cpu=True,
+        use_cpu=opts.device == "cpu",
         disable_tqdm=True,
         dataloader_num_workers=0,
         eval_strategy="steps" if opts.eval_steps else "no",
@@ -146,10 +146,13 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
         "wall_s": wall_s,
         "log_history": trainer.state.log_history,
         "generation_calls": dict(generations),
+        # after train() the harness is closed and TRL's own generation method is back
+        "trainer_untouched_after": "_generate_single_turn" not in trainer.__dict__,
     }
     if harness is not None:
         summary = harness.summary()
-        result["summary"] = {k: getattr(summary, k) for k in ("hits", "misses", "repeats", "off", "uncommitted")}
+        result["summary"] = {k: getattr(summary, k) for k in ("hits", "misses", "repeats", "off", "uncommitted",
+                                                              "gen_s_spent", "gen_s_saved")}
         result["outcomes"] = {s: harness.outcome(s) for s in range(opts.steps)}
         result["namespace"] = str(harness.layout.root)
         result["K"] = harness.K
@@ -194,10 +197,12 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-iterations", type=int, default=1, help="GRPO's mu: optimizer steps per generation")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-steps", type=int, default=2, help="evaluate every N steps (0: never)")
     p.add_argument("--changed-prompt", type=int, default=None, help="replace training prompt i's text")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: let TRL use the GPU")
     p.add_argument("--no-cache", action="store_true", help="run TRL without the harness")
     opts = p.parse_args(argv)
     if opts.workdir is None:
@@ -254,6 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "replay_wall_s": round(replay["wall_s"], 3),
         "record_generation_calls": record["generation_calls"],
         "replay_generation_calls": replay["generation_calls"],
+        "untouched_after_train": record["trainer_untouched_after"] and replay["trainer_untouched_after"],
         "record_summary": record.get("summary"),
         "replay_summary": replay.get("summary"),
         "namespace": record.get("namespace"),
@@ -262,8 +268,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"log history identical (every non-timing value of {report['log_entries']} entries): {identical}"
         + ("" if identical else f" — differing keys: {', '.join(differing)}")
     )
-    print(f"record: {report['record_wall_s']:.2f} s, generation calls {record['generation_calls']}")
-    print(f"replay: {report['replay_wall_s']:.2f} s, generation calls {replay['generation_calls']}")
+    for name, run in (("record", record), ("replay", replay)):
+        summary = run.get("summary") or {}
+        print(f"{name}: train() {run['wall_s']:.2f} s; generation calls that ran: {run['generation_calls']}; "
+              f"cache: {summary.get('hits', 0)} hits, {summary.get('misses', 0)} misses, "
+              f"generation {summary.get('gen_s_spent', 0.0):.2f} s spent, {summary.get('gen_s_saved', 0.0):.2f} s saved")
     print("REPORT " + json.dumps(report))
     return 0 if identical else 1
 

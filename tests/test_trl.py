@@ -79,6 +79,7 @@ def _copy_cache(recorded, tmp_path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_demo_replay_is_bit_identical_and_skips_generation(recorded):
     report = recorded.report
     assert report["identical"] is True, report["differing_keys"]
@@ -89,8 +90,10 @@ def test_demo_replay_is_bit_identical_and_skips_generation(recorded):
     assert report["record_summary"]["misses"] == STEPS and report["record_summary"]["hits"] == 0
     assert report["replay_summary"]["hits"] == STEPS and report["replay_summary"]["misses"] == 0
     assert report["record_wall_s"] > 0 and report["replay_wall_s"] > 0
+    assert report["untouched_after_train"] is True
 
 
+@pytest.mark.slow
 def test_evaluation_generation_is_never_cached(recorded):
     report = recorded.report
     # the demo evaluates every 2 steps: those generations run on the replay too
@@ -101,6 +104,7 @@ def test_evaluation_generation_is_never_cached(recorded):
     assert steps == [str(s) for s in range(STEPS)]  # 0-based optimizer steps, nothing else
 
 
+@pytest.mark.slow
 def test_learning_rate_change_still_replays(recorded, tmp_path):
     dump_dir = _copy_cache(recorded, tmp_path)
     record, _ = _run("replay", recorded.workdir, dump_dir, tmp_path, "--lr", "5e-3")
@@ -115,6 +119,7 @@ def test_learning_rate_change_still_replays(recorded, tmp_path):
     assert any(a["grad_norm"] != b["grad_norm"] or a["loss"] != b["loss"] for a, b in zip(new[1:], old[1:]))
 
 
+@pytest.mark.slow
 def test_changed_prompt_regenerates_that_step_with_a_warning(recorded, tmp_path):
     dump_dir = _copy_cache(recorded, tmp_path)
     result, stderr = _run("replay", recorded.workdir, dump_dir, tmp_path, "--changed-prompt", "3")
@@ -128,6 +133,20 @@ def test_changed_prompt_regenerates_that_step_with_a_warning(recorded, tmp_path)
     assert warnings, stderr[-4000:]
 
 
+@pytest.mark.slow
+def test_a_changed_sampling_argument_stops_the_replay_naming_it(recorded, tmp_path):
+    dump_dir = _copy_cache(recorded, tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(DEMO), "--role", "replay", "--workdir", str(recorded.workdir), "--dump-dir",
+         str(dump_dir), "--output-dir", str(tmp_path / "out"), "--temperature", "0.7"],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "FingerprintMismatchError" in proc.stderr and "trl.temperature" in proc.stderr, proc.stderr[-4000:]
+    assert "on_mismatch" in proc.stderr
+
+
+@pytest.mark.slow
 def test_gradient_accumulation_with_two_generations_per_step(tmp_path):
     # gradient_accumulation_steps=2 with steps_per_generation=1: TRL generates at every micro-step,
     # so K = 2 generation calls per optimizer step, cached as inner indices 0 and 1.
@@ -209,3 +228,5 @@ def test_attach_refuses_what_it_cannot_cache():
         integration.attach(SimpleNamespace(rollout_func=lambda p, t: {}, args=None))
     with pytest.raises(HarnessUsageError, match="tools"):
         integration.attach(SimpleNamespace(rollout_func=None, tools=[print], args=None))
+    with pytest.raises(HarnessUsageError, match="attach\(\) called twice"):
+        integration.attach(SimpleNamespace(rollout_func=None, tools=None, _generate_single_turn=print, args=None))
