@@ -26,7 +26,7 @@ from .coordinator import CommitCoordinator, Writer
 from .dist import DistContext
 from .errors import HarnessUsageError
 from .fingerprint import Fingerprint
-from .hooks import CallReader, MethodHooks, accepts_keyword
+from .hooks import CallReader, MethodHooks, hit_prepare
 from .layout import Layout, NamespaceKey
 from .prefetch import Prefetcher
 from .startup import StartupResult, start_namespace
@@ -155,7 +155,7 @@ class SkipHarness:
         name = prepare_data if prepare_data is not _DEFAULT else "prepare_data"
         wants_prepare = prepare_data is not None and (prepare_data is not _DEFAULT or hasattr(trainer, name))
         if wants_prepare:
-            on_hit = self._on_hit_prepare(trainer, name, dispatch_kwarg, on_hit_prepare)
+            on_hit = hit_prepare(trainer, name, dispatch_kwarg, on_hit_prepare)
             reader = CallReader(name, step_of, first_step, is_validation)
             self._hooks.install(trainer, name, lambda orig: self._prepare_wrapper(orig, reader, on_hit))
         reader = CallReader(sample, step_of, first_step, is_validation)
@@ -166,23 +166,6 @@ class SkipHarness:
             raise
         self._call_digest = call_digest
         return self
-
-    @staticmethod
-    def _on_hit_prepare(trainer: Any, name: str, dispatch_kwarg: Optional[str], alternative: Any) -> Optional[Callable]:
-        if alternative is not None:
-            fn = getattr(trainer, alternative) if isinstance(alternative, str) else alternative
-            return lambda orig, args, kwargs: fn(*args, **kwargs)
-        if dispatch_kwarg is None:
-            return None
-        original = getattr(trainer, name, None)
-        if original is not None and not accepts_keyword(original, dispatch_kwarg):
-            raise HarnessUsageError(
-                f"wrap(): {type(trainer).__name__}.{name}() has no {dispatch_kwarg!r} parameter, so a cache hit "
-                f"cannot ask it to advance the data without dispatching generation; pass "
-                f"wrap(on_hit_prepare=<a method that only advances the data>), or wrap(dispatch_kwarg=None) "
-                f"to skip {name}() on a hit"
-            )
-        return lambda orig, args, kwargs: orig(*args, **{**kwargs, dispatch_kwarg: False})
 
     def _active(self, reader: CallReader, args: tuple, kwargs: dict) -> Optional[int]:
         """The step of a call the harness handles, or None when the trainer's own code should run."""

@@ -74,6 +74,25 @@ def accepts_keyword(fn: Callable, name: str) -> bool:
     )
 
 
+def hit_prepare(trainer: Any, name: str, dispatch_kwarg: Optional[str], alternative: Any) -> Optional[Callable]:
+    """What a hit calls in place of `trainer.<name>`: `alternative`, the method with
+    ``<dispatch_kwarg>=False`` (checked to accept it), or nothing (None)."""
+    if alternative is not None:
+        fn = getattr(trainer, alternative) if isinstance(alternative, str) else alternative
+        return lambda orig, args, kwargs: fn(*args, **kwargs)
+    if dispatch_kwarg is None:
+        return None
+    original = getattr(trainer, name, None)
+    if original is not None and not accepts_keyword(original, dispatch_kwarg):
+        raise HarnessUsageError(
+            f"wrap(): {type(trainer).__name__}.{name}() has no {dispatch_kwarg!r} parameter, so a cache hit "
+            f"cannot ask it to advance the data without dispatching generation; pass "
+            f"wrap(on_hit_prepare=<a method that only advances the data>), or wrap(dispatch_kwarg=None) "
+            f"to skip {name}() on a hit"
+        )
+    return lambda orig, args, kwargs: orig(*args, **{**kwargs, dispatch_kwarg: False})
+
+
 class MethodHooks:
     """Installs wrappers on attributes of objects and removes them again."""
 

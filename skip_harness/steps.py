@@ -183,17 +183,8 @@ class StepRunner:
         self.callbacks.on_serve(step=step, inner_index=inner, source_step=state.decision.source_step,
                                 bytes=int(meta.get("bytes", 0) or 0), seconds=0.0)
         if state.sampled == self.K:
-            self._finish(step, self._served_record(step, state))
+            self._finish(step, _served_record(step, state, self.K))
         return batch
-
-    def _served_record(self, step: int, state: _StepState) -> StepRecord:
-        loaded = state.loaded
-        served = loaded.metas[: state.sampled]
-        return StepRecord(
-            step, state.decision.kind, self.K, state.decision.source_step,
-            bytes=sum(int(m.get("bytes", 0) or 0) for m in served), load_s=loaded.seconds,
-            saved_s=sum(float(m.get("gen_s", 0.0) or 0.0) for m in served), unverified=loaded.unverified,
-        )
 
     def _inputs_match(self, state: _StepState, inner: int, args: tuple, kwargs: dict) -> bool:
         recorded = state.loaded.metas[inner].get("call_digest")
@@ -230,7 +221,7 @@ class StepRunner:
         self._stash(step, inner, out, meta)
         if state.sampled == self.K:
             if self.read_only:
-                self._finish(step, self._miss_record(step, state, Finished(step, False, READ_ONLY, 0)))
+                self._finish(step, _miss_record(step, state, self.K, Finished(step, False, READ_ONLY, 0)))
             else:
                 self.coordinator.sampled_all(step, self._epoch)
                 self._collect(self.coordinator.poll(self._epoch))
@@ -248,16 +239,12 @@ class StepRunner:
             return
         self.coordinator.write(step, inner, snapshot, meta)
 
-    def _miss_record(self, step: int, state: _StepState, done: Finished) -> StepRecord:
-        return StepRecord(step, MISS, self.K, bytes=done.bytes, gen_s=state.gen_s, committed=done.committed,
-                          reason=done.reason, regenerated=state.regenerated)
-
     def _collect(self, finished: List[Finished]) -> None:
         for done in finished:
             if done.committed:
                 self.servable.add(done.step)
                 self.callbacks.on_commit(step=done.step, bytes=done.bytes)
-            self._finish(done.step, self._miss_record(done.step, self._states[done.step], done))
+            self._finish(done.step, _miss_record(done.step, self._states[done.step], self.K, done))
 
     def _end_short_steps(self, before: Optional[int] = None) -> None:
         for step in list(self._order):
@@ -274,9 +261,9 @@ class StepRunner:
                     self._fault(str(self.store.layout.step_dir(step)),
                                 f"step ended after {state.sampled} of K = {self.K} sample calls; not committed "
                                 "(its files are incomplete and are cleaned at the next startup)")
-                self._finish(step, self._miss_record(step, state, done))
+                self._finish(step, _miss_record(step, state, self.K, done))
             elif state.decision.serves_cache:
-                self._finish(step, self._served_record(step, state))
+                self._finish(step, _served_record(step, state, self.K))
 
     # ------------------------------------------------------------------ reporting
     def _finish(self, step: int, record: StepRecord) -> None:
@@ -306,3 +293,18 @@ class StepRunner:
         self._end_short_steps()
         self._collect(self.coordinator.poll(self._epoch, wait=True, decision_point=True))
         self._end_short_steps()
+
+
+def _served_record(step: int, state: _StepState, K: int) -> StepRecord:
+    loaded = state.loaded
+    served = loaded.metas[: state.sampled]
+    return StepRecord(
+        step, state.decision.kind, K, state.decision.source_step,
+        bytes=sum(int(m.get("bytes", 0) or 0) for m in served), load_s=loaded.seconds,
+        saved_s=sum(float(m.get("gen_s", 0.0) or 0.0) for m in served), unverified=loaded.unverified,
+    )
+
+
+def _miss_record(step: int, state: _StepState, K: int, done: Finished) -> StepRecord:
+    return StepRecord(step, MISS, K, bytes=done.bytes, gen_s=state.gen_s, committed=done.committed,
+                      reason=done.reason, regenerated=state.regenerated)
