@@ -9,7 +9,6 @@ Construction only validates: nothing touches the disk before :meth:`SkipHarness.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from . import codec
@@ -33,8 +32,6 @@ from .startup import StartupResult, start_namespace
 from .stats import HIT, MISS, OFF, REPEAT, RunStats, RunSummary
 from .steps import StepRunner
 from .store import StepStore
-
-log = logging.getLogger("skip_harness")
 
 _DEFAULT = object()
 

@@ -239,3 +239,37 @@ def test_merged_serves_repeat_steps_too(tmp_path):
     assert h.outcome(5) == "repeat"
     assert torch.equal(h.merged(5), torch.tensor([1.0, 1.0, 1.0, 1.0]))
     h.close()
+
+
+class GlobalSampler:
+    """Draws from the global torch generator, as TRL's generation does."""
+
+    def prepare_data(self, step, *, dispatch=True):
+        pass
+
+    def sample(self, step):
+        return {"x": torch.rand(4)}
+
+
+def test_repeat_never_rewinds_the_rng_to_another_steps_state(tmp_path):
+    def harness(**kw):
+        return make(tmp_path, restore_rng=True, **kw).wrap(t)
+
+    t = GlobalSampler()
+    torch.manual_seed(0)
+    h = harness()
+    t.sample(1)
+    recorded = torch.get_rng_state()  # what step 1's meta records
+    h.close()
+    torch.manual_seed(123)
+    h = harness(action="repeat")
+    before = torch.get_rng_state()
+    t.sample(2)  # served step 1's rollouts
+    assert h.outcome(2) == "repeat"
+    assert torch.equal(torch.get_rng_state(), before) and not torch.equal(before, recorded)
+    h.close()
+    torch.manual_seed(123)
+    h = harness()
+    t.sample(1)  # a hit restores the state the miss left
+    assert h.outcome(1) == "hit" and torch.equal(torch.get_rng_state(), recorded)
+    h.close()
