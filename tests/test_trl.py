@@ -105,9 +105,11 @@ def test_evaluation_generation_is_never_cached(recorded):
 
 
 @pytest.mark.slow
-def test_learning_rate_change_still_replays(recorded, tmp_path):
+def test_learning_rate_and_beta_change_still_replay(recorded, tmp_path):
+    # training-side arguments are not in the fingerprint: every step hits, rewards and completion
+    # statistics (from the recorded rollouts) are identical, the training values are not
     dump_dir = _copy_cache(recorded, tmp_path)
-    record, _ = _run("replay", recorded.workdir, dump_dir, tmp_path, "--lr", "5e-3")
+    record, _ = _run("replay", recorded.workdir, dump_dir, tmp_path, "--lr", "5e-3", "--beta", "0.04")
     baseline = json.loads((recorded.workdir / "replay.json").read_text())
     assert record["summary"]["hits"] == STEPS and record["summary"]["misses"] == 0
     assert record["generation_calls"].get("train", 0) == 0
@@ -117,6 +119,7 @@ def test_learning_rate_change_still_replays(recorded, tmp_path):
         assert {k: a[k] for k in ROLLOUT_KEYS} == {k: b[k] for k in ROLLOUT_KEYS}
     assert [e["learning_rate"] for e in new] != [e["learning_rate"] for e in old]
     assert any(a["grad_norm"] != b["grad_norm"] or a["loss"] != b["loss"] for a, b in zip(new[1:], old[1:]))
+    assert all("kl" in e for e in new) and not any("kl" in e for e in old)  # beta > 0: a KL term, recomputed
 
 
 @pytest.mark.slow

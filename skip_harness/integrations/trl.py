@@ -48,7 +48,7 @@ import json
 import logging
 import os
 import struct
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 
@@ -371,4 +371,11 @@ def attach(
                 detach()
 
     trainer.add_callback(_Lifecycle())
+    if getattr(getattr(trainer, "accelerator", None), "is_main_process", True):
+        log.info(
+            "caching GRPOTrainer generations: K = %d generation call(s) per optimizer step (gradient_accumulation_steps"
+            " = %s, steps_per_generation = %s, num_iterations = %s), experiment %r",
+            K, trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation,
+            getattr(trainer.args, "num_iterations", 1), experiment_name,
+        )
     return harness
