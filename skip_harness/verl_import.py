@@ -263,6 +263,8 @@ def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result:
         except LockHeldError as exc:
             result.refused.append((layout.root, str(exc)))
             return
+        except (_lock.ReadOnlyCache, PermissionError) as exc:
+            raise VerlImportError(f"DUMP_DIR cannot be written: {exc}") from None
     try:
         existing = {s.step: s for s in _scan.scan_namespace(layout).steps}
         store = StepStore(layout)

@@ -71,7 +71,7 @@ def test_ls_shows_mode_seed_and_generation_seconds(tmp_path, capsys):
     row = table_rows(out)[0]
     assert code == 0 and row[3:5] == ["colocate_async", "7"] and row[11] == "3.8s"
     doc = json.loads(run(capsys, "ls", str(tmp_path), "--json")[1])["namespaces"][0]
-    assert doc["mode"] == "colocate_async" and doc["seed"] == "7" and doc["gen_s"] == 3.75
+    assert doc["mode"] == "colocate_async" and doc["seed"] == 7 and doc["gen_s"] == 3.75
     assert [s["gen_s"] for s in doc["steps"]] == [1.25, 2.5]
 
 
@@ -278,3 +278,18 @@ def test_progress_is_a_rich_bar_on_a_terminal(monkeypatch):
     monkeypatch.setattr(_sys.stderr, "isatty", lambda: False, raising=False)
     with _common.progress() as bar:
         assert bar._progress is None
+
+
+def test_clean_of_a_namespace_that_cannot_be_written_is_a_one_line_error(cache, capsys, monkeypatch):
+    from skip_harness import lock
+    from skip_harness.lock import ReadOnlyCache
+
+    dump, a, b = cache
+
+    def refuse(self, *args, **kwargs):
+        raise ReadOnlyCache(self.layout.root, "Read-only file system")
+
+    monkeypatch.setattr(lock.NamespaceLock, "acquire", refuse)
+    code, out, err = run(capsys, "clean", str(dump / "expA_proj"))
+    assert code == 1 and "Read-only file system" in err and "Traceback" not in err
+    assert len(scan_namespace(a.layout).steps) == 4

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from skip_harness import retention as _retention
+from skip_harness.errors import SkipHarnessError
 
 from ._common import EXIT_USAGE, CliError, namespaces_under, require_dir, stdout_console
 
@@ -217,6 +218,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CliError as exc:
         log.error("%s", exc)
         return exc.code
+    except SkipHarnessError as exc:   # anything the package raises on purpose names its path or key
+        log.error("%s", exc)
+        return EXIT_USAGE
     except OSError as exc:
         log.error("%s", exc)
         return EXIT_USAGE

@@ -186,8 +186,11 @@ def fingerprint_value(values: Dict[str, Any], candidates: Sequence[str]) -> Any:
     return None
 
 
-def mode_and_seed(steps: Sequence[_scan.StepReport]) -> Tuple[str, str]:
-    """(mode, seed) as text from the fingerprints of the complete steps; 'mixed' when they differ."""
+MIXED = "mixed"
+
+
+def mode_and_seed(steps: Sequence[_scan.StepReport]) -> Tuple[Any, Any]:
+    """(mode, seed) from the fingerprints of the given steps: None when none says, MIXED when they differ."""
     modes, seeds = set(), set()
     for s in steps:
         if s.fingerprint is None:
@@ -195,15 +198,16 @@ def mode_and_seed(steps: Sequence[_scan.StepReport]) -> Tuple[str, str]:
         modes.add(json.dumps(fingerprint_value(dict(s.fingerprint.values), _MODE_KEYS)))
         seeds.add(json.dumps(fingerprint_value(dict(s.fingerprint.values), _SEED_KEYS)))
 
-    def one(found: set) -> str:
-        if not found:
-            return "-"
+    def one(found: set) -> Any:
         if len(found) > 1:
-            return "mixed"
-        value = json.loads(next(iter(found)))
-        return "-" if value is None else str(value)
+            return MIXED
+        return json.loads(next(iter(found))) if found else None
 
     return one(modes), one(seeds)
+
+
+def fmt_value(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def fmt_time(ts: Optional[float], now: Optional[float] = None) -> str:
@@ -212,6 +216,16 @@ def fmt_time(ts: Optional[float], now: Optional[float] = None) -> str:
         return "-"
     now = time.time() if now is None else now
     return f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(ts))} ({fmt_age(now - ts)} ago)"
+
+
+def fmt_ago(ts: Optional[float], now: Optional[float] = None) -> str:
+    """'5m ago' (the day too once it is more than a day old)."""
+    if ts is None:
+        return "-"
+    now = time.time() if now is None else now
+    if now - ts > 86400:
+        return f"{time.strftime('%Y-%m-%d', time.localtime(ts))} ({fmt_age(now - ts)} ago)"
+    return f"{fmt_age(now - ts)} ago"
 
 
 def fmt_age(seconds: float) -> str:

@@ -40,7 +40,8 @@ RETENTION_STATUS = "retention"   # what a step removed by a retention rule is li
 class _Namespace:
     layout: Layout
     lock: Optional[_lock.NamespaceLock] = None
-    refused: Optional[str] = None
+    refused: Optional[str] = None        # locked by a running job
+    read_only: Optional[str] = None      # the namespace cannot be written
     report: Optional[_scan.NamespaceReport] = None
     failed: List[Tuple[int, str]] = field(default_factory=list)   # servable steps that failed to verify
     verified: Sequence[_scan.StepReport] = ()
@@ -59,6 +60,8 @@ def _take(layout: Layout, dry_run: bool) -> _Namespace:
         ns.lock = lock
     except LockHeldError as exc:
         ns.refused = str(exc)
+    except _lock.ReadOnlyCache as exc:
+        ns.read_only = f"{exc}; nothing can be removed there"
     return ns
 
 
@@ -108,7 +111,7 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
     try:
         with progress() as bar:
             for ns in spaces:
-                if ns.refused is not None:
+                if ns.refused is not None or ns.read_only is not None:
                     continue
                 ns.report = _scan.scan_namespace(ns.layout)
                 bar.start(f"verifying {ns.layout.root}", len(ns.report.steps))
@@ -132,6 +135,11 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
                 logger.error("refusing to clean: %s", ns.refused)
                 doc["refused"] = ns.refused
                 code = EXIT_LOCKED
+                continue
+            if ns.read_only is not None:
+                logger.error("cannot clean: %s", ns.read_only)
+                doc["errors"] = [ns.read_only]
+                code = code if code != EXIT_OK else EXIT_CORRUPT
                 continue
             plan = _plan(ns, action, removals.get(str(ns.layout.root), []))
             doc["steps"] = [{"step": i.step, "status": i.status, "bytes": i.bytes, "reason": i.reason}

@@ -17,7 +17,9 @@ from ._common import (
     EXIT_CORRUPT,
     EXIT_OK,
     emit_json,
+    fmt_ago,
     fmt_seconds,
+    fmt_value,
     fmt_time,
     human_bytes,
     mode_and_seed,
@@ -87,7 +89,7 @@ def namespace_json(v: NamespaceView) -> Dict[str, Any]:
     mode, seed = mode_and_seed([s for s in v.steps if s.servable])
     return {"path": str(v.layout.root), "K": v.layout.K, "W": v.layout.W, "steps": [_step_json(r) for r in v.rows],
             "counts": v.counts(), "total_bytes": v.bytes, "written": v.written, "gen_s": v.gen_s,
-            "mode": None if mode == "-" else mode, "seed": None if seed == "-" else seed}
+            "mode": mode, "seed": seed}
 
 
 def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> Table:
@@ -106,9 +108,10 @@ def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> T
     for v in views:
         counts = v.counts()
         mode, seed = mode_and_seed([s for s in v.steps if s.servable])
-        t.add_row(escape(short_path(v.layout, base)), str(v.layout.K), str(v.layout.W), mode, seed,
+        t.add_row(escape(short_path(v.layout, base)), str(v.layout.K), str(v.layout.W), escape(fmt_value(mode)),
+                  escape(fmt_value(seed)),
                   *[_count(status, counts[status]) for status in _scan.STATUSES],
-                  human_bytes(v.bytes), fmt_time(v.written, now), fmt_seconds(v.gen_s))
+                  human_bytes(v.bytes), fmt_ago(v.written, now), fmt_seconds(v.gen_s))
     return t
 
 
