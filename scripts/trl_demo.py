@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -246,6 +247,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if opts.result:
             Path(opts.result).write_text(json.dumps(result))
         return 0
+    if not any(a == "--dump-dir" or a.startswith("--dump-dir=") for a in argv):
+        shutil.rmtree(opts.dump_dir, ignore_errors=True)  # the demo's own cache: record from scratch
     passthrough = _without(argv, ("--workdir", "--dump-dir", "--role", "--result", "--output-dir"))
     record = child("record", opts, passthrough)
     replay = child("replay", opts, passthrough)

@@ -14,8 +14,8 @@ What is cached
     reference model's log-probs, the loss and every logged metric are recomputed on a replay. So a
     replay may change the training side (learning rate, ``beta``, loss type, clipping, reward
     weighting): it then trains on the recorded completions, which is what the cache is for. It is
-    stored as three tensors (flat ids, per-completion lengths, flat log-probs) and handed back to
-    TRL as the exact lists the generator returned.
+    stored as tensors (flat ids, per-completion lengths, flat log-probs when there are any) and
+    handed back to TRL as the exact lists the generator returned.
 
 How it is keyed
     step = ``trainer.state.global_step`` (the optimizer step, 0-based: ``first_step=0``), inner
