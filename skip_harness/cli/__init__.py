@@ -188,11 +188,11 @@ def _run(args: argparse.Namespace) -> int:
     if not layouts and not as_json and args.command != "export":
         stdout_console().print(f"no skip_harness namespaces under {dump_dir}")
     if args.command == "ls":
-        from .inspect import cmd_ls
+        from .listing import cmd_ls
 
         return cmd_ls(layouts, dump_dir, as_json, args.steps)
     if args.command == "verify":
-        from .inspect import cmd_verify
+        from .listing import cmd_verify
 
         return cmd_verify(layouts, dump_dir, as_json, args.steps)
     if args.command == "clean":
