@@ -217,3 +217,36 @@ def test_two_real_processes(tmp_path, pretend_nccl, no_launcher_env):
             assert res["new_groups"] == ["gloo"] and res["same_group"] and res["used_harness_group"]
         else:
             assert res["new_groups"] == []
+
+
+# ------------------------------------------------------------------------------ scripts/gpu_check.py
+
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _gpu_check(*args: str):
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    return subprocess.run([sys.executable, str(GPU_CHECK), *args], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: run scripts/gpu_check.py itself")
+def test_gpu_check_skips_cleanly_without_a_gpu():
+    proc = _gpu_check()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("gpu_check: skipped: no CUDA device") and "Traceback" not in proc.stderr
+    doc = json.loads(_gpu_check("--json").stdout)
+    assert doc["checks"] == [] and "no CUDA device" in doc["skipped"]
+
+
+@pytest.mark.slow
+def test_gpu_check_logic_on_the_cpu():
+    """--cpu-dry-run: the same checks with gloo on the CPU, so the script's own logic is exercised here."""
+    proc = _gpu_check("--cpu-dry-run", "--only", "payload,rng,nccl", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [(c["check"], c["status"]) for c in doc["checks"]] == [("payload", "held"), ("rng", "held"), ("nccl", "held")]
