@@ -30,7 +30,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import filelock
 
@@ -209,8 +209,16 @@ def _describe_holder(layout: Layout) -> str:
     return holder.describe()
 
 
-_GUARD = threading.RLock()      # check-then-acquire and release are atomic within the process
+# Check-then-acquire and release are atomic within the process, per lock file (a wait on one namespace
+# never holds up another).
+_GUARDS: Dict[str, threading.RLock] = {}
+_GUARDS_GUARD = threading.Lock()
 _HELD: List["NamespaceLock"] = []  # locks this process holds, released at exit if the run did not
+
+
+def _guard(path: str) -> threading.RLock:
+    with _GUARDS_GUARD:
+        return _GUARDS.setdefault(path, threading.RLock())
 
 
 @atexit.register
@@ -255,7 +263,7 @@ class NamespaceLock:
             raise
         _check_lock_file(self.layout)
         lock = self._file_lock()
-        with _GUARD:
+        with _guard(lock.lock_file):
             if self._levels == 0 and lock.is_locked and not self.reentrant:
                 raise LockHeldError(
                     f"namespace {root} is already in use by this process ({_describe_holder(self.layout)}): "
@@ -274,8 +282,9 @@ class NamespaceLock:
                     raise ReadOnlyCache(root, exc.strerror or str(exc)) from None
                 raise
             self._levels += 1
-            if self not in _HELD:
-                _HELD.append(self)
+            with _GUARDS_GUARD:
+                if self not in _HELD:
+                    _HELD.append(self)
             if lock.lock_counter == 1:
                 try:
                     self._write_holder()
@@ -293,7 +302,9 @@ class NamespaceLock:
     def release(self, *, all_levels: bool = False) -> None:
         """Give back one level (every level of this object with `all_levels`). The last level held in
         the process removes the holder record, then unlocks; neither failure stops the other."""
-        with _GUARD:
+        if self._lock is None:
+            return
+        with _guard(self._lock.lock_file):
             while self._levels > 0 and self._lock is not None:
                 lock = self._lock
                 self._levels -= 1
@@ -312,8 +323,9 @@ class NamespaceLock:
                             pass
                 if not all_levels:
                     break
-            if self._levels == 0 and self in _HELD:
-                _HELD.remove(self)
+            with _GUARDS_GUARD:
+                if self._levels == 0 and self in _HELD:
+                    _HELD.remove(self)
 
     def _remove_holder(self) -> None:
         try:

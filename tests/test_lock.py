@@ -417,3 +417,18 @@ def test_sees_run_marker_waits_for_a_late_marker(tmp_path):
     token = new_run_token()
     threading.Timer(0.3, write_run_marker, args=(lay, token)).start()
     assert sees_run_marker(lay, token, wait=20)
+
+
+def test_waiting_on_one_namespace_does_not_hold_up_another(tmp_path, lock_holder):
+    busy, free = layout(tmp_path, "busy"), layout(tmp_path, "free")
+    holder = lock_holder(busy)
+    waiting = NamespaceLock(busy, timeout=60)
+    waiter = threading.Thread(target=waiting.acquire)
+    waiter.start()
+    time.sleep(0.3)
+    with NamespaceLock(free):          # taken while the other thread still waits
+        assert waiter.is_alive()
+    holder.kill()
+    waiter.join(60)
+    assert waiting.held_by_this_process
+    waiting.release()
