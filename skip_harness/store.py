@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import mmap
 import os
 import secrets
 import shutil
@@ -47,7 +48,8 @@ from skip_harness.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout
 STATUSES = ("complete", "unverified", "incomplete", "corrupt")
 COMMIT_FORMAT = 1
 WRITER_NAME = "skip_harness"      # meta.json "writer": tells our uncommitted writes from older caches
-CHUNK_BYTES = 8 << 20             # read size when verifying checksums
+CHUNK_BYTES = 8 << 20             # read size when verifying checksums of small files
+MAP_FROM = 1 << 20                # files from this size are hashed through a read-only mapping
 WRITE_BUFFER_BYTES = 1 << 20
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -194,11 +196,23 @@ def checksum_bytes(data: bytes) -> str:
 
 
 def checksum_fd(fd: int, chunk_bytes: int = CHUNK_BYTES) -> Tuple[int, str]:
-    """(size, xxh3_128 hex) of an open file, streamed in chunks through one reused buffer."""
+    """(size, xxh3_128 hex) of an open regular file. Files from MAP_FROM bytes are hashed through a
+    read-only mapping (no copy into a buffer: several times faster than reading, and the hash releases
+    the GIL); smaller ones are read in chunks through one reused buffer."""
+    size = os.fstat(fd).st_size
+    if size >= MAP_FROM:
+        try:
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
+                if hasattr(mapped, "madvise"):
+                    mapped.madvise(mmap.MADV_SEQUENTIAL)
+                return size, xxhash.xxh3_128_hexdigest(mapped)
+        except (OSError, ValueError):
+            pass  # not mappable (a special file system): read it
     h = xxhash.xxh3_128()
     buf = bytearray(chunk_bytes)
     view = memoryview(buf)
     total = 0
+    os.lseek(fd, 0, os.SEEK_SET)
     with open(fd, "rb", buffering=0, closefd=False) as f:
         while True:
             n = f.readinto(buf)

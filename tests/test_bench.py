@@ -1,0 +1,128 @@
+"""scripts/bench.py run as a user runs it, in a real subprocess, on real files. Behaviour only: every key
+of SPEC "Benchmark" is there and sane, the scan namespaces it builds are real committed caches, the
+payload has the shape rollouts have; never how fast anything was."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from skip_harness import index
+from skip_harness.scan import scan_namespace
+from skip_harness.store import StepStore
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "scripts" / "bench.py"
+SPEC_KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio", "scan_10k_s",
+             "load_peak_mem_ratio", "hit_overhead_ratio")
+MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s", "bare_save_s", "load_s",
+             "bare_load_s", "step_s", "step_off_s", "step_sync_s", "step_hit_s", "step_memory_s",
+             "step_overhead_ratio_1thread", "sync_overhead_ratio_1thread", "scan_1k_s", "scan_full_1k_s",
+             "scan_full_10k_s", "save_mib_s", "save_small_mib_s", "load_mib_s", "load_small_mib_s",
+             "floor_write_fsync_s", "floor_memcpy_s", "save_cpu_s", "bare_save_cpu_s")
+
+
+def load_bench():
+    name = "_skip_harness_script_bench"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run(args, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SKIP_HARNESS_DUMP_DIR=str(tmp / "cache"))
+    return subprocess.run([sys.executable, str(BENCH), *map(str, args)], cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_bench_quick_json_has_every_spec_key(tmp_path):
+    work = tmp_path / "work"
+    proc = run(["--quick", "--json", "--work-dir", work, "--compute-threads", "2"], tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    doc = json.loads(proc.stdout)  # stdout is exactly one JSON document (progress goes to stderr)
+    for key in SPEC_KEYS + MORE_KEYS:
+        value = doc.get(key)
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
+        assert math.isfinite(value) and value > 0, (key, value)
+    assert doc["quick"] is True and doc["scan_10k_extrapolated"] is True
+    assert doc["payload_tokens"] == 4096 and doc["small_payload_bytes"] < doc["payload_bytes"]
+    # Only the scan namespace is kept in a user's work dir, for the next run to reuse -- with its index.
+    assert sorted(p.name for p in work.iterdir()) == ["scan_1000x4"]
+    (ns,) = (work / "scan_1000x4" / "bench_skip_harness").iterdir()
+    assert (ns / index.INDEX_NAME).is_file()
+
+
+@pytest.mark.slow
+def test_bench_table_names_every_figure(tmp_path):
+    proc = run(["--quick", "--rows", "8", "--repeats", "1", "--scan-steps", "50", "--compute-threads", "1"],
+               tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stderr
+    for words in ("save (durable)", "load (+ verify", "training step, miss, async", "sync write (verl)",
+                  "hit (prefetch) vs in memory", "peak memory", "startup scan", "floor of a save", "throughput"):
+        assert words in proc.stdout, words
+    assert "one-thread" not in proc.stdout  # asked for one thread: no second run
+
+
+def test_bench_rejects_a_bad_option_without_traceback(tmp_path):
+    for bad, name in ((["--rows", "0"], "--rows"), (["--scan-steps", "0"], "--scan-steps")):
+        proc = run(bad, tmp_path, timeout=120)
+        assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr
+        assert proc.stdout == ""
+
+
+def test_bench_scan_namespace_is_complete_and_verifies(tmp_path):
+    bench = load_bench()
+    layout = bench.build_scan_namespace(tmp_path / "ns", 25)
+    report = scan_namespace(layout)
+    assert report.counts() == {"complete": 25, "unverified": 0, "incomplete": 0, "corrupt": 0}
+    assert report.steps == scan_namespace(layout, use_index=False).steps
+    store = StepStore(layout)
+    for step in (1, 13, 25):
+        assert store.verify_step(step) is None
+    a, b = store.read_inner(1, 3, 0), store.read_inner(25, 3, 0)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    timing = bench.bench_scan(layout, 25, warm_runs=1)
+    assert set(timing) >= {"first_s", "s", "full_s"}
+
+
+def test_bench_payload_has_the_shape_of_a_rollout_batch():
+    bench = load_bench()
+    p = bench.make_payload(16)
+    tokens = bench.PROMPT_LEN + bench.RESPONSE_LEN
+    assert p["input_ids"].shape == p["attention_mask"].shape == (16, tokens)
+    assert p["input_ids"].dtype == torch.int64 and p["old_log_probs"].dtype == torch.float32
+    assert p["response_mask"].shape == p["old_log_probs"].shape == p["token_level_rewards"].shape == (16, bench.RESPONSE_LEN)
+    assert p["scores"].shape == p["response_length"].shape == (16,)
+    assert len(p["uid"]) == len(p["data_source"]) == 16 and all(isinstance(s, str) for s in p["uid"])
+    # the response mask covers exactly each trajectory's response, and the reward sits on its last token
+    assert torch.equal(p["response_mask"].sum(1), p["response_length"])
+    last = p["response_length"] - 1
+    assert torch.equal(p["token_level_rewards"][torch.arange(16), last], p["scores"])
+    # the default is a realistic mini-batch: 1024 trajectories x 4096 tokens, over 100 MiB
+    assert bench.tensor_bytes(bench.make_payload(1024)) > 100 * 2**20
+    copy = bench.fresh_copy(p)
+    assert copy["input_ids"].data_ptr() != p["input_ids"].data_ptr()
+    assert bench.touch(copy) == bench.touch(p)
+
+
+def test_bench_training_blocks_hit_from_the_cache_they_wrote(tmp_path):
+    bench = load_bench()
+    payload = bench.make_payload(4)
+    compute = bench.Compute(8)
+    bench.run_training_block("async", payload, compute, 3, tmp_path / "c", keep=True)
+    times, _ = bench.run_training_block("hit", payload, compute, 3, tmp_path / "c", keep=True)
+    assert len(times) == 3
+    with pytest.raises(bench.BenchError, match="expected every one to be a miss"):
+        bench.run_training_block("async", payload, compute, 3, tmp_path / "c", keep=True)  # they hit now
