@@ -259,7 +259,11 @@ def draw(runs: Sequence[Run], out: Path, title: str) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
     (ax_time, ax_cum), (ax_loss, ax_reward) = axes
     per_step_values: List[float] = []
-    for n, run in enumerate(runs):
+    # Runs served from the cache are drawn last, so their hollow markers sit on top of the generated
+    # run they reproduce (identical losses and rewards would otherwise hide them).
+    order = sorted(range(len(runs)), key=lambda n: sum(runs[n].served))
+    for n in order:
+        run = runs[n]
         c = colors[n % len(colors)]
         x, served = run.steps, run.served
         gen, rest = run.series("gen_s"), run.rest_s
