@@ -99,38 +99,38 @@ def _fp_line(key: str, fp: Dict[str, Any]) -> str:
 def read_stamp(root_fd: int, name: str, K: int) -> Optional[Tuple[Stamp, int]]:
     """(stamp, newest mtime) of step directory `name` in the namespace directory root_fd, None if any part
     of it is missing or not what a committed step has (a link, a file where a directory belongs)."""
+    stat_at = os.stat
     try:
-        st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-        commit = os.stat(f"{name}/{COMMIT_NAME}", dir_fd=root_fd, follow_symlinks=False)
-        if not (_is_dir(st.st_mode) and _is_reg(commit.st_mode)):
+        st = stat_at(name, dir_fd=root_fd, follow_symlinks=False)
+        commit = stat_at(name + _COMMIT_SUFFIX, dir_fd=root_fd, follow_symlinks=False)
+        if (st.st_mode & 0o170000) != 0o040000 or (commit.st_mode & 0o170000) != 0o100000:
             return None
-        out = [st.st_ino, st.st_mtime_ns, commit.st_ino, commit.st_size, commit.st_mtime_ns]
+        values = [st.st_ino, st.st_mtime_ns, commit.st_ino, commit.st_size, commit.st_mtime_ns]
+        newest = max(st.st_mtime_ns, commit.st_mtime_ns)
         if K > 1:
-            for i in range(K):
-                ist = os.stat(f"{name}/{i}", dir_fd=root_fd, follow_symlinks=False)
-                if not _is_dir(ist.st_mode):
+            for suffix in _inner_suffixes(K):
+                ist = stat_at(name + suffix, dir_fd=root_fd, follow_symlinks=False)
+                if (ist.st_mode & 0o170000) != 0o040000:
                     return None
-                out += (ist.st_ino, ist.st_mtime_ns)
-    except (OSError, ValueError):
+                values += (ist.st_ino, ist.st_mtime_ns)
+                if ist.st_mtime_ns > newest:
+                    newest = ist.st_mtime_ns
+        return xxhash.xxh3_64_intdigest(_pack_stamp(len(values)).pack(*values)), newest
+    except (OSError, ValueError, struct.error):
         return None
-    newest = max(out[1::2]) if K > 1 else max(out[1], out[4])
-    try:
-        return xxhash.xxh3_64_intdigest(_pack_stamp(len(out)).pack(*out)), newest
-    except struct.error:
-        return None
+
+
+_COMMIT_SUFFIX = "/" + COMMIT_NAME
+
+
+@functools.lru_cache(maxsize=16)
+def _inner_suffixes(K: int) -> Tuple[str, ...]:
+    return tuple(f"/{i}" for i in range(K))
 
 
 @functools.lru_cache(maxsize=16)
 def _pack_stamp(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}Q")
-
-
-def _is_dir(mode: int) -> bool:
-    return (mode & 0o170000) == 0o040000
-
-
-def _is_reg(mode: int) -> bool:
-    return (mode & 0o170000) == 0o100000
 
 
 def make_entry(layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]],

@@ -126,7 +126,8 @@ def scan_namespace(layout: Layout, *, use_index: bool = True) -> NamespaceReport
             finally:
                 os.close(root_fd)
     rest = [(step, name) for step, name in found if step not in trusted]
-    steps = [_from_entry(layout, e) for e in trusted.values()] + _classify_all(layout, rest)
+    fingerprints: Dict[int, Optional[Fingerprint]] = {}
+    steps = [_from_entry(layout, e, fingerprints) for e in trusted.values()] + _classify_all(layout, rest)
     steps.sort(key=lambda s: s.step)
 
     by_step = {s.step: s for s in steps}
@@ -158,9 +159,19 @@ def _agrees(entry: _index.IndexEntry, report: StepReport) -> bool:
             and report.created == entry.created and report.gen_s == entry.gen_s)
 
 
-def _from_entry(layout: Layout, e: _index.IndexEntry) -> StepReport:
-    fp = None if e.fingerprint is None else Fingerprint.from_json(e.fingerprint)
-    return StepReport(e.step, layout.root / str(e.step), "complete", e.bytes, "", fp, True, True, e.created, e.gen_s)
+def _from_entry(layout: Layout, e: _index.IndexEntry, fingerprints: Dict[int, Optional[Fingerprint]]) -> StepReport:
+    key = id(e.fingerprint)  # entries of one fingerprint share its parsed JSON
+    fp = fingerprints.get(key)
+    if fp is None and e.fingerprint is not None:
+        fp = fingerprints[key] = Fingerprint.from_json(e.fingerprint)
+    return StepReport(e.step, _child(layout.root, str(e.step)), "complete", e.bytes, "", fp, True, True,
+                      e.created, e.gen_s)
+
+
+def _child(root: Path, name: str) -> Path:
+    """root / name, without pathlib's parsing of `name` (a plain step number) where this Python has it."""
+    make = getattr(root, "_make_child_relpath", None)
+    return make(name) if make is not None else root / name
 
 
 def _classify_all(layout: Layout, found: List[Tuple[int, str]]) -> List[StepReport]:

@@ -186,7 +186,8 @@ def test_index_backed_scan_agrees_with_the_full_scan_on_every_status(tmp_path, a
     for attempt in range(2):            # the first reconciles (and rewrites) the index, the next reads it
         report = scan_namespace(st.layout)
         assert report.steps == full.steps, attempt
-    assert report.index_used and report.index_note is None
+    assert report.index_note is None
+    assert report.index_used or not aged   # just written, every entry may still be racy (rechecked in full)
     assert [s.gen_s for s in full.steps if s.step == 20] == [2.0]
 
 
