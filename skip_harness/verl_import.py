@@ -11,6 +11,10 @@ a pickle, so loading it can run code stored in the file. This module is the only
 skip_harness that loads a file with `torch.load(weights_only=False)`, and only when the caller says
 it trusts the files (`trust=True`, the CLI's `--trust`).
 
+Non-tensor entries of verl's TensorDict (strings and other Python values, as NonTensorData or
+NonTensorStack) are moved to `payload["non_tensor"]` as plain per-trajectory lists; everything else
+is written as verl saved it.
+
 K is not in verl's key: it is the number of inner directories of the namespace's complete steps (1 for
 the older flat form). Steps are written with `StepStore.write_inner` + `commit` (fingerprint None: a
 verl cache records no generator fingerprint) into the matching namespace, which carries `_K{K}_W1`
@@ -202,6 +206,31 @@ def load_trusted(path: Path) -> Any:
     return torch.load(path, weights_only=False, map_location="cpu")  # noqa: S614 - only with --trust
 
 
+def _split_non_tensor(payload: Dict[str, Any]) -> Dict[str, Any]:
+    """verl's TensorDict may hold non-tensor entries (NonTensorData / NonTensorStack: prompt strings,
+    uids). They are moved out, as plain per-trajectory lists, to `payload["non_tensor"]` keyed by their
+    ('.'-joined) key, so that no value is lost on the way through the codec; tensors stay where they are."""
+    td = payload.get("tensordict")
+    try:
+        from tensordict import TensorDictBase, is_non_tensor
+    except ImportError:  # pragma: no cover - the payload could not have been unpickled without it
+        return payload
+    if not isinstance(td, TensorDictBase):
+        return payload
+    keys = [k for k in td.keys(include_nested=True) if is_non_tensor(td.get(k))]
+    if not keys:
+        return payload
+    td = td.clone()
+    non_tensor = {}
+    for k in keys:
+        non_tensor[".".join(k) if isinstance(k, tuple) else k] = td.get(k).tolist()
+        del td[k]
+    out = dict(payload)
+    out["tensordict"] = td
+    out["non_tensor"] = non_tensor
+    return out
+
+
 def _check_payload(obj: Any, meta: Dict[str, Any], path: Path) -> Optional[str]:
     if not isinstance(obj, dict) or "tensordict" not in obj:
         return f"{path}: not a verl rollout_tq payload (a dict with 'tensordict', 'tags', 'keys', 'global_steps')"
@@ -314,6 +343,7 @@ def _convert_step(store: StepStore, vstep: VerlStep, existing: Optional[_scan.St
             problem = _check_payload(obj, meta, payload_path)
             if problem is not None:
                 raise VerlImportError(problem)
+            obj = _split_non_tensor(obj)
             keys = obj.get("keys")
             trajectories += len(keys) if isinstance(keys, (list, tuple)) else 0
             entries += store.write_inner(vstep.step, inner, 0, obj,

@@ -36,6 +36,7 @@ def verl_batch(step: int, inner: int, prompts: int = 2, n: int = 2):
         "rm_scores": torch.rand(rows, 4, generator=g),
         "old_log_probs": torch.randn(rows, 4, generator=g).to(torch.bfloat16),
     }, batch_size=[rows])
+    td["raw_prompt"] = tensordict.NonTensorStack(*[f"prompt {step}.{inner}.{j}" for j in range(rows)])
     keys = [f"{uuid.UUID(int=1000 * step + 10 * inner + p).hex}_{s}_0" for p in range(prompts) for s in range(n)]
     tags = [{"status": "finished", "global_steps": step, "min_global_steps": step, "max_global_steps": step}
             for _ in keys]
@@ -75,9 +76,12 @@ def assert_same(loaded, saved):
     assert loaded["global_steps"] == saved["global_steps"]
     td, want = loaded["tensordict"], saved["tensordict"]
     assert isinstance(td, TensorDict) and td.batch_size == want.batch_size
-    assert sorted(td.keys()) == sorted(want.keys())
-    for k in want.keys():
+    tensors = [k for k in want.keys() if k != "raw_prompt"]
+    assert sorted(td.keys()) == sorted(tensors)
+    for k in tensors:
         assert td[k].dtype == want[k].dtype and torch.equal(td[k], want[k]), k
+    # the non-tensor entry survives as a plain list
+    assert loaded["non_tensor"] == {"raw_prompt": want.get("raw_prompt").tolist()}
 
 
 def test_without_trust_it_refuses_and_says_why(verl_cache, tmp_path, capsys):
@@ -177,3 +181,17 @@ def test_no_verl_cache_is_a_one_line_error(tmp_path, capsys):
     assert code == 2 and "no verl cache" in err and len(err.strip().splitlines()) == 1
     code, out, err = run(capsys, "import-verl", str(tmp_path / "missing"), str(tmp_path / "dump"), "--trust")
     assert code == 2 and str(tmp_path / "missing") in err
+
+
+def test_the_current_layout_with_one_inner_directory_is_k1(tmp_path, capsys):
+    ns = tmp_path / "verl" / "one_proj" / "GBS2_N2_in7_out4"
+    saved = verl_batch(5, 0, prompts=1)
+    write_verl_step(ns / "5" / "0", saved)
+    dump = tmp_path / "dump"
+    code, out, err = run(capsys, "import-verl", str(tmp_path / "verl"), str(dump), "--trust")
+    assert code == 0, err
+    store = StepStore(NamespaceKey("one", "proj", 2, 2, 7, 4).layout(dump))
+    assert store.layout.root.name == "GBS2_N2_in7_out4"
+    assert {s.step: s.status for s in scan_namespace(store.layout).steps} == {5: "complete"}
+    assert store.layout.payload_path(5, 0, 0) == store.layout.step_dir(5) / "tq_batch.pt"
+    assert_same(store.read_inner(5, 0, 0), saved)
