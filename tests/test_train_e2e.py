@@ -185,7 +185,7 @@ def test_bad_config_stops_before_any_work_naming_the_key(tmp_path, overrides, ke
 def test_mode_by_group_or_by_key_gives_the_same_k(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from skip_harness.config import register_configs, to_demo_config
+    from skip_harness.config import namespace_key_from_config, register_configs, to_demo_config
 
     register_configs()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -193,8 +193,8 @@ def test_mode_by_group_or_by_key_gives_the_same_k(tmp_path):
         b = to_demo_config(compose("config", ["trainer.v1.trainer_mode=separate_async"]))
         c = to_demo_config(compose("config", ["trainer_mode=colocate_async"]))
     assert a.K == b.K == 4 and c.K == 1
-    assert a.namespace_key(1) == b.namespace_key(1)
-    assert a.namespace_key(1).leaf_name.endswith("_K4_W1")
+    assert namespace_key_from_config(a) == namespace_key_from_config(b)
+    assert namespace_key_from_config(a).leaf_name.endswith("_K4_W1")
     assert a.trainer.experiment_name == "separate_async_seed0"
 
 
