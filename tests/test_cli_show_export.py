@@ -262,3 +262,18 @@ def test_export_bad_flags_are_one_line_errors(cache, capsys, tmp_path, argv, nee
     code, out, err = run(capsys, "export", str(dump), "-o", str(tmp_path / "o.parquet"), *argv)
     assert code == 2 and out == "" and needle in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.parquet").exists()
+
+
+def test_export_names_the_rank_of_every_shard(tmp_path, capsys):
+    store = StepStore(NamespaceKey("w2", "proj", 4, 1, 3, 3, K=1, W=2).layout(tmp_path / "dump"))
+    entries = []
+    for rank in (0, 1):
+        entries += store.write_inner(1, 0, rank, {"r": torch.full((3,), float(rank)), "who": f"rank{rank}"}, {})
+    store.commit(1, entries, None)
+    out_path = tmp_path / "w2.jsonl"
+    code, out, err = run(capsys, "export", str(tmp_path / "dump"), "-o", str(out_path))
+    assert code == 0, err
+    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
+    assert [(r["rank"], r["trajectory_index"], r["r"], r["who"]) for r in rows] == [
+        (0, 0, 0.0, "rank0"), (0, 1, 0.0, "rank0"), (0, 2, 0.0, "rank0"),
+        (1, 0, 1.0, "rank1"), (1, 1, 1.0, "rank1"), (1, 2, 1.0, "rank1")]
