@@ -6,8 +6,10 @@ First one uninterrupted run gives the reference metrics and how long a run takes
 in a fresh cache directory:
 
 1. starts `scripts/train.py trainer_mode=separate_async trainer.v1.separate_async.parameter_sync_step=4`
-   (a small batch, a few steps) and SIGKILLs it: at a random moment of its training, or (every other
-   trial) at a random moment at which a cache file is being written (a temporary file is present);
+   (a small batch, a few steps) and SIGKILLs it: at a random moment of its training (drawn from the
+   uninterrupted run's, counted from when this run locked its namespace), or (every other trial) at
+   the first moment after such a random moment at which a cache file is being written (a temporary
+   file is present);
 2. records whether the kill landed mid-write (temporary files left in the cache after the kill) and
    which steps it left incomplete;
 3. `skip-harness verify` must pass (no corrupt step);
@@ -43,6 +45,21 @@ TRAIN = ROOT / "scripts" / "train.py"
 TMP_PREFIX = ".tmp-"  # skip_harness.layout.TMP_PREFIX
 
 log = logging.getLogger("crash_test")
+_CHILDREN: List[subprocess.Popen] = []  # the run being killed, killed too if this script is stopped
+
+
+def _stop(signum, frame):
+    raise SystemExit(f"crash_test: stopped by signal {signum}")
+
+
+def _kill_children() -> None:
+    for proc in list(_CHILDREN):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            proc.wait()
 
 
 def demo_overrides(steps: int, batch: int) -> List[str]:
@@ -214,24 +231,31 @@ def run_trial(index: int, work: Path, overrides: List[str], ref: Dict[str, Any],
     trial = Trial(index, targeted)
     cache = work / f"trial{index}-cache"
     env = _env(cache)
-    start, end = ref["ready_s"], max(ref["last_commit_s"], ref["ready_s"] + 0.1)
-    delay = rnd.uniform(start, end) if not targeted else rnd.uniform(start, start + 0.8 * (end - start))
-    trial.kill_at_s = round(delay, 3)
+    # Kill moments are drawn from the uninterrupted run's training window (namespace locked -> last
+    # commit), counted from when this run has locked its namespace, so a slow start (a loaded
+    # machine) does not push every kill into the startup.
+    window = max(ref["last_commit_s"] - ref["ready_s"], 0.1)
+    delay = rnd.uniform(0.0, window) if not targeted else rnd.uniform(0.0, 0.8 * window)
 
     proc = subprocess.Popen(_train_cmd(work / f"trial{index}-killed", cache, overrides), env=env, cwd=work,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    t0 = time.monotonic()
-    while proc.poll() is None and time.monotonic() - t0 < delay:
-        time.sleep(0.002)
-    if targeted:  # then kill at the first moment a cache file is being written
-        deadline = time.monotonic() + 60
-        while proc.poll() is None and time.monotonic() < deadline and not temporary_files(cache):
-            pass
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        trial.killed = True
+    _CHILDREN.append(proc)
+    try:
+        ready = _wait_for("*/*/.lock.holder.json", cache, proc, time.monotonic())
+        t0 = time.monotonic()
+        while ready is not None and proc.poll() is None and time.monotonic() - t0 < delay:
+            time.sleep(0.002)
+        if targeted:  # then kill at the first moment a cache file is being written
+            deadline = time.monotonic() + 60
+            while proc.poll() is None and time.monotonic() < deadline and not temporary_files(cache):
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            trial.killed = True
         trial.kill_at_s = round(time.monotonic() - t0, 3)
-    proc.wait(timeout=60)
+        proc.wait(timeout=60)
+    finally:
+        _CHILDREN.remove(proc)
 
     trial.temporary_files = temporary_files(cache)
     trial.mid_write = bool(trial.temporary_files)
@@ -286,6 +310,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.trials < 1 or args.batch % 4:
         parser.error("--trials must be >= 1 and --batch a multiple of 4")
 
+    signal.signal(signal.SIGTERM, _stop)  # so that the work directory is removed and no run is left behind
     work = Path(tempfile.mkdtemp(prefix="skip_harness_crash_")) if args.keep is None else args.keep
     work.mkdir(parents=True, exist_ok=True)
     overrides = demo_overrides(args.steps, args.batch)
@@ -299,12 +324,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             t = run_trial(i, work, overrides, ref, rnd, targeted=bool(i % 2), self_check=args.self_check)
             trials.append(t)
             log.info(
-                "trial %d: %s at %.2f s, %s, %d complete / %d incomplete steps after the kill, %d hits on restart: %s",
+                "trial %d: %s %.2f s into training, %s, %d complete / %d incomplete steps after the kill, %d hits on restart: %s",
                 i, "killed" if t.killed else "finished before the kill", t.kill_at_s or 0.0,
                 "mid-write" if t.mid_write else "not mid-write", len(t.complete_after_kill),
                 len(t.incomplete_after_kill), t.hits_on_restart, "FAILED: " + "; ".join(t.failures) if t.failures else "ok",
             )
     finally:
+        _kill_children()
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
 
