@@ -293,3 +293,15 @@ def test_clean_of_a_namespace_that_cannot_be_written_is_a_one_line_error(cache, 
     code, out, err = run(capsys, "clean", str(dump / "expA_proj"))
     assert code == 1 and "Read-only file system" in err and "Traceback" not in err
     assert len(scan_namespace(a.layout).steps) == 4
+
+
+def test_ls_on_a_narrow_console_prints_a_block_per_namespace(cache, capsys, monkeypatch):
+    dump, a, b = cache
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run(capsys, "ls", str(dump))
+    assert code == 0 and "┃" not in out                      # no table folding every column to shreds
+    assert "namespace     expA_proj/GBS8_N2_in4_out4_K2_W1" in out
+    assert "steps         1 complete, 1 unverified, 1 incomplete, 1 corrupt" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    monkeypatch.setenv("COLUMNS", "200")
+    assert "┃" in run(capsys, "ls", str(dump))[1]

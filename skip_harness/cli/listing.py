@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from skip_harness import scan as _scan
@@ -20,7 +21,6 @@ from ._common import (
     fmt_ago,
     fmt_seconds,
     fmt_value,
-    fmt_time,
     human_bytes,
     mode_and_seed,
     progress,
@@ -115,6 +115,27 @@ def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> T
     return t
 
 
+def namespace_blocks(views: Sequence[NamespaceView], base: Path, title: str) -> Table:
+    """The namespace table for a narrow console: one block of label/value lines per namespace."""
+    now = time.time()
+    t = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
+    for n, v in enumerate(views):
+        counts = v.counts()
+        mode, seed = mode_and_seed([s for s in v.steps if s.servable])
+        if n:
+            t.add_row("", "")
+        t.add_row("namespace", escape(short_path(v.layout, base)))
+        t.add_row("K, W", f"{v.layout.K}, {v.layout.W}")
+        t.add_row("mode, seed", f"{escape(fmt_value(mode))}, {escape(fmt_value(seed))}")
+        t.add_row("steps", ", ".join(f"{_count(st, counts[st])} {st}" for st in _scan.STATUSES))
+        t.add_row("size", human_bytes(v.bytes))
+        t.add_row("last written", fmt_ago(v.written, now))
+        t.add_row("gen stored", fmt_seconds(v.gen_s))
+    return t
+
+
 def _count(status: str, n: int) -> str:
     if n and status == "corrupt":
         return f"[bold red]{n}[/]"
@@ -126,8 +147,11 @@ def _count(status: str, n: int) -> str:
 _STATUS_STYLE = {"complete": "green", "unverified": "cyan", "incomplete": "yellow", "corrupt": "bold red"}
 
 
+def _stamp(ts: Optional[float]) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
 def steps_table(v: NamespaceView, base: Path, only: Optional[Sequence[str]] = None) -> Table:
-    now = time.time()
     t = Table(title=f"{short_path(v.layout, base)}  (K={v.layout.K} W={v.layout.W})", title_justify="left")
     t.add_column("step", justify="right")
     t.add_column("status")
@@ -142,7 +166,7 @@ def steps_table(v: NamespaceView, base: Path, only: Optional[Sequence[str]] = No
             continue
         style = _STATUS_STYLE.get(s.status, "")
         t.add_row(str(s.step), f"[{style}]{s.status}[/]" if style else s.status, human_bytes(s.bytes),
-                  fmt_time(r.written, now), fmt_seconds(r.gen_s),
+                  _stamp(r.written), fmt_seconds(r.gen_s),
                   "-" if s.fingerprint is None else s.fingerprint.digest, escape(s.reason or ""))
     return t
 
@@ -150,7 +174,11 @@ def steps_table(v: NamespaceView, base: Path, only: Optional[Sequence[str]] = No
 def _print_views(views: Sequence[NamespaceView], base: Path, title: str, steps: bool,
                  only: Optional[Sequence[str]] = None) -> None:
     console = stdout_console()
-    console.print(namespace_table(views, base, title))
+    table = namespace_table(views, base, title)
+    wanted = Measurement.get(console, console.options.update(max_width=100_000), table).maximum
+    if wanted > console.width:   # the table would fold every column: a block per namespace instead
+        table = namespace_blocks(views, base, title)
+    console.print(table)
     for v in views:
         if steps or (only is not None and any(s.status in only for s in v.steps)):
             console.print(steps_table(v, base, None if steps else only))
