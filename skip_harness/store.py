@@ -316,23 +316,51 @@ def write_file_at(dir_fd: int, name: str, write: Callable[[Any], None]) -> Tuple
     """Atomically and durably create `name` in the directory dir_fd: temp file, `write(fileobj)`,
     flush + fsync, rename into place, fsync the directory. Returns (bytes, xxh3_128 hex).
     On any failure before the rename the temp file is removed and the exception propagates."""
-    tmp = _tmp_name(name)
-    fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
-    try:
-        with open(fd, "wb", buffering=WRITE_BUFFER_BYTES, closefd=True) as f:
-            hw = HashingWriter(f)
-            write(hw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
+    return _StagedFile(dir_fd, name, write).finish()
+
+
+class _StagedFile:
+    """A file written under a temporary name in dir_fd (into the page cache: the bytes are copied out of
+    the caller's objects), and made durable and renamed into place by `finish()` -- possibly on another
+    thread. `discard()` removes the temporary file. Any failure removes it too and propagates."""
+
+    def __init__(self, dir_fd: int, name: str, write: Callable[[Any], None]):
+        self.dir_fd, self.name, self.tmp = dir_fd, name, _tmp_name(name)
+        fd = os.open(self.tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
+        self._file = None
         try:
-            os.unlink(tmp, dir_fd=dir_fd)
+            self._file = open(fd, "wb", buffering=WRITE_BUFFER_BYTES, closefd=True)
+            hw = HashingWriter(self._file)
+            write(hw)
+            self._file.flush()
+        except BaseException:
+            if self._file is None:
+                os.close(fd)
+            self.discard()
+            raise
+        self.bytes, self.checksum = hw.bytes, hw.hexdigest()
+
+    def finish(self) -> Tuple[int, str]:
+        try:
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except BaseException:
+            self.discard()
+            raise
+        _fsync_dir(self.dir_fd)
+        return self.bytes, self.checksum
+
+    def discard(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+        try:
+            os.unlink(self.tmp, dir_fd=self.dir_fd)
         except OSError:
             pass
-        raise
-    _fsync_dir(dir_fd)
-    return hw.bytes, hw.hexdigest()
 
 
 def tree_bytes(path: str) -> int:
@@ -566,6 +594,44 @@ def _written_by_us(meta_path: str) -> bool:
 # the store
 
 
+class StagedInner:
+    """A payload written to its temporary file by `StepStore.stage_inner`; `complete()` makes it durable
+    and writes its meta.json (returning the two FileEntry), `discard()` abandons it. Exactly one of them,
+    once, from any thread."""
+
+    def __init__(self, dir_fd: int, staged: _StagedFile, payload_rel: str, meta_rel: str, meta: Dict[str, Any]):
+        self._dir_fd: Optional[int] = dir_fd
+        self._staged = staged
+        self.payload_rel, self.meta_rel = payload_rel, meta_rel
+        self._meta = meta
+        self.bytes = staged.bytes
+
+    def complete(self) -> Tuple[FileEntry, FileEntry]:
+        dir_fd = self._take()
+        try:
+            size, checksum = self._staged.finish()
+            meta_doc = dict(self._meta, bytes=size, checksum=checksum, created=time.time())
+            meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
+            meta_size, meta_checksum = write_file_at(dir_fd, PurePosixPath(self.meta_rel).name,
+                                                     lambda f: f.write(meta_bytes))
+        finally:
+            os.close(dir_fd)
+        return FileEntry(self.payload_rel, size, checksum), FileEntry(self.meta_rel, meta_size, meta_checksum)
+
+    def discard(self) -> None:
+        dir_fd = self._take()
+        try:
+            self._staged.discard()
+        finally:
+            os.close(dir_fd)
+
+    def _take(self) -> int:
+        dir_fd, self._dir_fd = self._dir_fd, None
+        if dir_fd is None:
+            raise HarnessUsageError(f"{self.payload_rel}: this staged write was already completed or discarded")
+        return dir_fd
+
+
 class StepStore:
     """Atomic, durable writes and verified reads of the steps of one namespace."""
 
@@ -643,6 +709,15 @@ class StepStore:
         durably. Removes the step's commit record first if there is one (the step is being rewritten).
         A step entry that is a symlink or a file is removed first (never followed); so is an inner
         directory entry that is one. Returns (payload entry, meta entry)."""
+        return self.stage_inner(step, inner_index, rank, payload, meta).complete()
+
+    def stage_inner(self, step: int, inner_index: int, rank: int, payload: Any,
+                    meta: Mapping[str, Any]) -> "StagedInner":
+        """The first half of `write_inner`, for the caller's thread: prepares the step's directories
+        (removing its commit record) and writes the payload's bytes to a temporary file -- the one copy
+        of the payload a write needs, after which the caller may change the payload in place. The
+        returned StagedInner's `complete()` (fsync, rename, meta.json; for a writer thread) or
+        `discard()` must follow. Raises what encoding or writing raises, leaving no temporary file."""
         self._check_position(step, inner_index, rank)
         layout = self.layout
         step_name = self._step_name(step)
@@ -673,23 +748,18 @@ class StepStore:
                 if created:
                     _fsync_dir(step_fd)
             payload_rel = layout.payload_rel(inner_index, rank)
-            meta_rel = layout.meta_rel(inner_index, rank)
-            size, checksum = write_file_at(inner_fd, PurePosixPath(payload_rel).name,
-                                           lambda f: codec.save_to(f, payload))
-            meta_doc = dict(meta)
-            meta_doc.update(
-                writer=WRITER_NAME, step=step, inner_index=inner_index, rank=rank, K=layout.K, W=layout.W,
-                payload=payload_rel, bytes=size, checksum=checksum, format=codec.FORMAT_VERSION,
-                created=time.time(),
-            )
-            meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
-            meta_size, meta_checksum = write_file_at(inner_fd, PurePosixPath(meta_rel).name,
-                                                     lambda f: f.write(meta_bytes))
-        finally:
+            staged = _StagedFile(inner_fd, PurePosixPath(payload_rel).name, lambda f: codec.save_to(f, payload))
+        except BaseException:
             if inner_fd != step_fd:
                 os.close(inner_fd)
             os.close(step_fd)
-        return FileEntry(payload_rel, size, checksum), FileEntry(meta_rel, meta_size, meta_checksum)
+            raise
+        if inner_fd != step_fd:
+            os.close(step_fd)
+        meta_doc = dict(meta)
+        meta_doc.update(writer=WRITER_NAME, step=step, inner_index=inner_index, rank=rank, K=layout.K,
+                        W=layout.W, payload=payload_rel, format=codec.FORMAT_VERSION)
+        return StagedInner(inner_fd, staged, payload_rel, layout.meta_rel(inner_index, rank), meta_doc)
 
     def commit(self, step: int, entries: Sequence[FileEntry], fingerprint: Optional[Fingerprint],
                *, gen_s: Optional[float] = None) -> CommitRecord:

@@ -557,3 +557,30 @@ def test_commit_records_generation_seconds_and_time_for_the_scan(tmp_path):
     assert rep.gen_s == 1.25 and abs(rep.created - t0) < 60
     meta = st.read_meta(1, 0, 0)
     assert meta["format"] == codec.FORMAT_VERSION
+
+
+def test_stage_inner_copies_the_payload_once_and_completes_on_another_thread(tmp_path):
+    import threading
+
+    st = make(tmp_path, K=2)
+    x = torch.arange(10.0)
+    staged = [st.stage_inner(1, i, 0, {"x": x, "i": i}, {"gen_s": 0.5}) for i in range(2)]
+    x.fill_(-1)                                  # the trainer changes its batch right after sample
+    assert temp_files(st.layout.root) and not st.layout.payload_path(1, 0, 0).exists()
+    results = []
+    t = threading.Thread(target=lambda: results.extend(s.complete() for s in staged))
+    t.start()
+    t.join()
+    entries = [e for pair in results for e in pair]
+    st.commit(1, entries, None)
+    assert st.verify_step(1) is None and not temp_files(st.layout.root)
+    assert torch.equal(st.read_inner(1, 1, 0)["x"], torch.arange(10.0))
+    assert st.read_meta(1, 0, 0)["gen_s"] == 0.5
+    with pytest.raises(HarnessUsageError, match="already"):
+        staged[0].complete()
+    dropped = st.stage_inner(2, 0, 0, {"x": x}, {})
+    dropped.discard()
+    assert not temp_files(st.layout.root)
+    with pytest.raises(codec.UnregisteredTypeError):   # an unregistered dataclass: refused, nothing left
+        st.stage_inner(3, 0, 0, {"a": Fingerprint()}, {})
+    assert not temp_files(st.layout.root)
