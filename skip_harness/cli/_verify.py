@@ -41,23 +41,24 @@ def _looks_like_verl(store: StepStore, step: int) -> bool:
 
 def verify_step(store: StepStore, report: _scan.StepReport) -> Optional[str]:
     """None if a servable step would be served, else the reason (naming the file) it would be refused.
-    Complete steps: StepStore.verify_step when the store has it (sizes, checksums, safe load), else
-    checksums and then a safe load here. Unverified steps: a safe load of every payload."""
-    if report.status == "complete":
-        full = getattr(store, "verify_step", None)
-        if full is not None:
-            reason = full(report.step)
-            return None if reason is None else _plain_reason(reason)
-        reason = store.verify_checksums(report.step)
-        if reason is not None:
-            return reason
-        return _load_all(store, report.step)
-    if report.status == "unverified":
+    `StepStore.verify_step` (sizes and checksums of a complete step, and that every payload loads
+    safely: nothing executed, no registered type needed here); without it, the checksums and a safe
+    load of every payload here. Unverified (older) steps have no checksums: the load check only."""
+    if not report.servable:
+        return None
+    full = getattr(store, "verify_step", None)
+    if full is not None:
+        reason = full(report.step)
+    elif report.status == "complete":
+        reason = store.verify_checksums(report.step) or _load_all(store, report.step)
+    else:
         reason = _load_all(store, report.step)
-        if reason is not None and _looks_like_verl(store, report.step):
-            reason += f" ({VERL_HINT})"
-        return reason
-    return None
+    if reason is None:
+        return None
+    reason = _plain_reason(reason)
+    if report.status == "unverified" and _looks_like_verl(store, report.step):
+        reason += f" ({VERL_HINT})"
+    return reason
 
 
 def verified_steps(store: StepStore, report: _scan.NamespaceReport, tick=lambda: None
