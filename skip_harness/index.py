@@ -271,6 +271,19 @@ def rewrite(layout: Layout, entries: Iterable[IndexEntry]) -> Optional[str]:
     return None
 
 
+def drop(layout: Layout, steps: Iterable[int]) -> None:
+    """Forget `steps` (removed by cleanup), so the next scan does not find the index stale. Best effort."""
+    gone = set(steps)
+    if not gone:
+        return
+    try:
+        entries = read(layout)
+    except IndexUnusable:
+        return
+    if gone & set(entries):
+        rewrite(layout, [e for s, e in entries.items() if s not in gone])
+
+
 def remove(layout: Layout) -> None:
     """Delete the index (tests, and callers that want the next scan to be a full one)."""
     try:

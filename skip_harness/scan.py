@@ -138,7 +138,7 @@ def scan_namespace(layout: Layout, *, use_index: bool = True) -> NamespaceReport
     if note is None and (stale or gone or unindexed):
         parts = [f"{len(x)} {what}" for x, what in ((stale, "changed"), (gone, "removed"), (unindexed, "unindexed"))
                  if x]
-        note = f"index stale ({', '.join(parts)} steps, behind its back)"
+        note = f"index stale ({', '.join(parts)} steps)"
     if note is not None or changed:  # changed but agreeing: racy entries, rewritten with a later time
         fresh = list(trusted.values())
         for s in steps:
@@ -287,6 +287,7 @@ class CleanupPlan:
                 done.append(item)
             except OSError as exc:
                 errors.append(f"{item.path}: {item.action} failed: {exc}")
+        _index.drop(layout, (i.step for i in done))
         if self.leftovers:
             root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:

@@ -219,3 +219,18 @@ def test_a_change_in_the_same_clock_tick_as_the_commit_is_still_seen(tmp_path):
     report = scan_namespace(st.layout)
     assert report.get(1).status == "corrupt"
     assert report.steps == scan_namespace(st.layout, use_index=False).steps
+
+
+def test_cleanup_forgets_the_steps_it_removes(tmp_path):
+    from skip_harness.scan import plan_cleanup
+
+    st = make(tmp_path, K=1)
+    for step in (1, 2, 3):
+        write_step(st, step)
+    p = st.layout.payload_path(2, 0, 0)
+    p.write_bytes(p.read_bytes()[:-1] + b"\x00")
+    report = scan_namespace(st.layout)
+    plan_cleanup(report, "quarantine", extra=[(2, st.verify_step(2))]).execute()
+    assert sorted(index.read(st.layout)) == [1, 3]
+    after = scan_namespace(st.layout)
+    assert after.index_note is None and [s.step for s in after.steps] == [1, 3]
