@@ -77,6 +77,7 @@ def test_show_structure_meta_fingerprint_and_head(cache, capsys):
         rows.setdefault(r[0], r)          # the structure table comes first, the --head table after it
     assert rows["responses"][1:4] == ["Tensor", "(6, 5)", "int64"] and rows["responses"][4] == "240 B"
     assert rows["mask"][3] == "bool" and rows["extra.scores"][2] == "(6, 2, 3)"
+    assert rows["extra"][1:3] == ["dict", "1 keys"] and rows["extra"][4] == "144 B"   # a container: its items' bytes
     assert rows["texts"][1] == "list[str]" and rows["step"][5] == "2" and rows["note"][5] == "'demo'"
     assert str(store.layout.payload_path(2, 1, 0)) in out
     assert "2   inner index 1   rank 0" in out and "complete" in out
@@ -277,3 +278,16 @@ def test_export_names_the_rank_of_every_shard(tmp_path, capsys):
     assert [(r["rank"], r["trajectory_index"], r["r"], r["who"]) for r in rows] == [
         (0, 0, 0.0, "rank0"), (0, 1, 0.0, "rank0"), (0, 2, 0.0, "rank0"),
         (1, 0, 1.0, "rank1"), (1, 1, 1.0, "rank1"), (1, 2, 1.0, "rank1")]
+
+
+def test_show_counts_each_byte_once_in_nested_containers(tmp_path, capsys):
+    store = StepStore(NamespaceKey("nest", "proj", 4, 1, 3, 3).layout(tmp_path / "dump"))
+    td = tensordict.TensorDict({"ids": torch.zeros(4, 3, dtype=torch.int64)}, batch_size=[4])   # 96 B
+    payload = {"batch": td, "more": {"deeper": {"r": torch.zeros(4)}},                         # 16 B
+               "tags": [{"a": 1}, {"a": 2}, {"a": 3}]}                                           # 3 x 8 B
+    store.commit(1, store.write_inner(1, 0, 0, payload, {}), None)
+    code, out, _ = run(capsys, "show", str(store.layout.root), "--json")
+    sizes = {r["key"]: r["bytes"] for r in json.loads(out)["structure"]}
+    assert code == 0
+    assert (sizes["batch"], sizes["more"], sizes["more.deeper"], sizes["tags"]) == (96, 16, 16, 24)
+    assert sizes["(payload)"] == 96 + 16 + 24

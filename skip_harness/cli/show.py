@@ -165,18 +165,27 @@ def describe(obj: Any, path: str = "") -> Iterator[Tuple[str, str, str, str, int
             kind = f"{kind}[{' | '.join(sorted(kinds))}]"
             yield name, kind, shape, "", _scalar_bytes(obj), _short(obj)
             return
-        kids = [(f"[{i}]", v) for i, v in enumerate(obj[:4])]
-        if len(obj) > 4:
-            kids.append((f"[4..{len(obj) - 1}]", _Elided(len(obj) - 4)))
+        if all(isinstance(v, dict) for v in obj) and len({tuple(v) for v in obj}) == 1:
+            kids = [("[*]", obj[0])]          # records of one shape (verl's tags): describe one of them
+            kind = f"{kind}[dict]"
+        else:
+            kids = [(f"[{i}]", v) for i, v in enumerate(obj[:4])]
+            if len(obj) > 4:
+                kids.append((f"[4..{len(obj) - 1}]", _Elided(len(obj) - 4)))
     if kids is None:
         if isinstance(obj, _Elided):
             yield name, "...", f"{obj.n} more", "", 0, ""
             return
         yield name, kind, "", "", _scalar_bytes(obj), _short(obj)
         return
-    rows = [row for k, v in kids for row in describe(v, f"{path}.{k}" if path and not k.startswith("[") else
-                                                    f"{path}{k}" if k.startswith("[") else k)]
-    yield name, kind, shape, "", sum(r[4] for r in rows), ""
+    rows: List[Tuple[str, str, str, str, int, str]] = []
+    total = 0
+    for k, v in kids:
+        child = f"{path}{k}" if k.startswith("[") else (f"{path}.{k}" if path else k)
+        sub = list(describe(v, child))
+        total += sub[0][4] * (len(obj) if k == "[*]" else 1)   # a child's first row is its own total
+        rows += sub
+    yield name, kind, shape, "", total, ""
     yield from rows
 
 
