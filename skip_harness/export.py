@@ -6,7 +6,8 @@ split into one value per row (a number, or a list for rows of 2+ dimensions); a 
 a 0-dim tensor is repeated on every row of its mini-batch. A field named like one of the index
 columns is written as `batch.<name>`.
 
-Written one mini-batch at a time (a Parquet row group each), so memory holds one mini-batch, and
+In JSON lines, NaN and infinities are written as null (JSON has no such numbers). Written one
+mini-batch at a time (a Parquet row group each), so memory holds one mini-batch, and
 into a temporary file renamed into place at the end. Only servable steps are exported: complete
 steps after their sizes and checksums verify, every payload through the codec's safe load.
 """
@@ -146,7 +147,7 @@ def columns_of(payload: Any, where: str) -> Tuple[int, Dict[str, _Column]]:
         if name in INDEX_COLUMNS or name == NAMESPACE_COLUMN:
             name = f"batch.{name}"
         lead = _leading(value)
-        if lead == n and lead is not None and not (n == 1 and isinstance(value, list) and lead != 1):
+        if lead is not None and lead == n:
             cols[name] = _Column(True, value)
         elif isinstance(value, torch.Tensor) and value.dim() == 0:
             cols[name] = _Column(False, value.item())
@@ -300,7 +301,20 @@ def _jsonl_rows(meta_cols: Dict[str, Any], n: int, cols: Dict[str, _Column]) -> 
         for name, col in cols.items():
             row[name] = values[name][j] if col.per_row else values[name]
         row[NAMESPACE_COLUMN] = meta_cols[NAMESPACE_COLUMN]
-        yield json.dumps(row)
+        try:
+            yield json.dumps(row, allow_nan=False)
+        except ValueError:   # NaN or infinity: not JSON; written as null so every JSON reader opens the file
+            yield json.dumps(_finite(row), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 # --------------------------------------------------------------------------------------------

@@ -291,3 +291,12 @@ def test_show_counts_each_byte_once_in_nested_containers(tmp_path, capsys):
     assert code == 0
     assert (sizes["batch"], sizes["more"], sizes["more.deeper"], sizes["tags"]) == (96, 16, 16, 24)
     assert sizes["(payload)"] == 96 + 16 + 24
+
+
+def test_export_jsonl_writes_nan_as_null(tmp_path, capsys):
+    store = StepStore(NamespaceKey("nan", "proj", 2, 1, 3, 3).layout(tmp_path / "dump"))
+    store.commit(1, store.write_inner(1, 0, 0, {"r": torch.tensor([1.5, float("nan")])}, {}), None)
+    out_path = tmp_path / "n.jsonl"
+    assert run(capsys, "export", str(tmp_path / "dump"), "-o", str(out_path))[0] == 0
+    assert [json.loads(line)["r"] for line in out_path.read_text().splitlines()] == [1.5, None]
+    assert "NaN" not in out_path.read_text()
