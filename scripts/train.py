@@ -45,6 +45,16 @@ OmegaConf.register_new_resolver("skip_harness_run_id", _run_id, replace=True)
 OmegaConf.register_new_resolver("skip_harness_k", lambda mode, k: k_for(str(mode), int(k)), replace=True)
 
 
+def _shut_down_process_group() -> None:
+    """Under torchrun / accelerate: every rank leaves the process group together before exiting, so no
+    rank's exit races another's last collective (gloo aborts a process that exits mid-teardown)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     try:
@@ -54,6 +64,7 @@ def main(cfg: DictConfig) -> float:
             return float("nan")
         log.error("%s", exc)
         sys.exit(2)
+    _shut_down_process_group()
     return float(result.metrics[-1]["reward_mean"]) if result.metrics else float("nan")
 
 
