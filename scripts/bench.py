@@ -17,8 +17,8 @@ arms alike. The keys of SPEC "Benchmark":
 - step_overhead_ratio  a synthetic training step (prepare_data, sample, reading the batch, then a matmul loop
                        on every core computing ~4x as long as one bare durable torch.save) under a real
                        SkipHarness that misses every step and writes on its background thread, vs the same
-                       step with caching off (per-step medians over interleaved blocks, each in a fresh
-                       namespace). `..._1thread`: the same with a one-thread compute step.
+                       step with caching off (per-step medians; every arm open at once, in its own
+                       namespace, the arms taking turns step by step). `..._1thread`: the same on one thread.
 - sync_overhead_ratio  the same, writing inside `sample` (async_write=False), as verl does.
 - hit_overhead_ratio   the same training step served from the cache by a SkipHarness with prefetch on, vs
                        the step with its batch already in memory (sample returns it, caching off).
@@ -379,34 +379,68 @@ def _with_threads(threads: int, fn: Callable[[], Dict[str, float]]) -> Dict[str,
         torch.set_num_threads(previous)
 
 
+class TrainingArm:
+    """One arm of the training-step comparison: its own harness, trainer and namespace, open throughout."""
+
+    def __init__(self, mode: str, payload: Any, dump_dir: Path):
+        self.mode = mode
+        self.harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir)
+        self.trainer = SyntheticTrainer(payload, in_memory=mode == "memory")
+        self.harness.wrap(self.trainer)
+        self.harness.start()
+        self.times: List[float] = []
+
+    def step(self, step: int, compute: Compute) -> None:
+        t0 = time.perf_counter()
+        self.trainer.prepare_data(step)
+        batch = self.trainer.sample(step)
+        touch(batch)
+        compute.run()
+        self.times.append(time.perf_counter() - t0)
+        del batch
+        self.harness.flush()  # untimed: this arm's write never runs into another arm's step
+
+    def close(self, steps: int) -> None:
+        summary = self.harness.close()
+        expected = {"off": "off", "memory": "off", "hit": "hit"}.get(self.mode, "miss")
+        outcomes = {self.harness.outcome(s) for s in range(1, steps + 1)}
+        if outcomes != {expected}:
+            raise BenchError(f"caching {self.mode}: steps were {sorted(outcomes)}, expected every one to be a {expected}")
+        if self.mode in ("async", "sync") and summary.misses != steps:
+            raise BenchError(f"caching {self.mode}: {summary.misses} of {steps} steps were committed")
+        if self.mode == "hit" and self.trainer.generated:
+            raise BenchError(f"caching hit: {self.trainer.generated} generations ran on hit steps")
+
+
 def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds: int, threads: int,
                 modes: Sequence[str] = ("off", "async", "sync")) -> Dict[str, float]:
-    """Per-step medians of the training-step arms `modes`, interleaved over `rounds` rounds."""
+    """Per-step medians of the training-step arms `modes`. Every arm is open at once and the arms take
+    turns step by step (A B C, C B A, ...), so a machine whose load changes slows every arm alike; the
+    first step of each arm is a warm-up and not counted."""
     compute = Compute()
     compute_s = compute.calibrate(COMPUTE_FACTOR * bare_save_s)
     log.info("synthetic step on %d thread(s): %d matmuls, %.3f s of compute (%.1fx a bare durable save of %.3f s)",
              threads, compute.iters, compute_s, compute_s / bare_save_s, bare_save_s)
-    hit_cache = work / "steps_hit_cache"
+    total = 1 + steps * rounds
     if "hit" in modes:  # the cache the hit arm reads: written once, untimed
-        run_training_block("async", payload, Compute(8), steps, hit_cache, keep=True)
-    per_step: Dict[str, List[float]] = {m: [] for m in modes}
-    totals: Dict[str, List[float]] = {m: [] for m in modes}
-    for r in range(rounds + 1):  # round 0 (two steps an arm) warms every arm up and is not counted
-        order = tuple(modes) if r % 2 == 0 else tuple(reversed(modes))
-        for mode in order:
-            n = steps if r > 0 else min(2, steps)
-            where = hit_cache if mode == "hit" else work / f"steps_{mode}_{r}"
-            times, total = run_training_block(mode, payload, compute, n, where, keep=mode == "hit")
-            if r > 0:
-                per_step[mode].extend(times)
-                totals[mode].append(total)
-        if r > 0:
-            log.info("training steps on %d thread(s), round %d/%d: %s per step (medians)", threads, r, rounds,
-                     ", ".join(f"{m} {median(per_step[m]):.3f} s" for m in modes))
-    shutil.rmtree(hit_cache, ignore_errors=True)
-    out = {"compute_s": compute_s, **{f"{m}_s": median(per_step[m]) for m in modes}}
-    out.update({f"{m}_block_s": median(totals[m]) for m in modes})
-    return out
+        run_training_block("async", payload, Compute(8), total, work / "steps_hit", keep=True)
+    arms = {m: TrainingArm(m, payload, work / f"steps_{m}") for m in modes}
+    try:
+        for step in range(1, total + 1):
+            order = list(modes) if step % 2 else list(reversed(modes))
+            for mode in order:
+                arms[mode].step(step, compute)
+            if step > 1 and (step - 1) % steps == 0:
+                log.info("training steps on %d thread(s), %d/%d: %s per step (medians)", threads, step - 1, total - 1,
+                         ", ".join(f"{m} {median(arms[m].times[1:]):.3f} s" for m in modes))
+    finally:
+        for arm in arms.values():
+            arm.harness.close()
+    for arm in arms.values():
+        arm.close(total)
+    for m in modes:
+        shutil.rmtree(work / f"steps_{m}", ignore_errors=True)
+    return {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,7 +685,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "step_overhead_ratio": many["async_s"] / many["off_s"],
             "sync_overhead_ratio": many["sync_s"] / many["off_s"],
             "hit_overhead_ratio": many["hit_s"] / many["memory_s"],
-            "step_overhead_ratio_block": many["async_block_s"] / many["off_block_s"],
         })
         if args.compute_threads != 1:
             log.info("training steps again with a one-thread compute step")
@@ -739,8 +772,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats of save and load (default 7; --quick: 3)")
     p.add_argument("--scan-steps", type=int, nargs="+", default=None,
                    help="sizes of the scan namespaces (default 1000 10000; --quick: 1000)")
-    p.add_argument("--steps-per-arm", type=int, default=None, help="training steps per block (default 6; --quick: 3)")
-    p.add_argument("--step-rounds", type=int, default=None, help="interleaved rounds of training blocks (default 3; --quick: 1)")
+    p.add_argument("--steps-per-arm", type=int, default=None, help="training steps per arm and round (default 6; --quick: 3)")
+    p.add_argument("--step-rounds", type=int, default=None, help="rounds of steps (default 3; --quick: 1): each arm runs 1 + steps x rounds steps")
     p.add_argument("--compute-threads", type=int, default=None,
                    help="torch threads of the synthetic step (default: every core; the one-thread figure is reported too)")
     p.add_argument("--quick", action="store_true", help="small and short, for CI")
