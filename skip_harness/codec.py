@@ -211,7 +211,7 @@ def _plain_cpu_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
         raise CodecError(f"{where}: unsupported tensor layout {t.layout} (only dense tensors can be cached)")
     if t.is_quantized or t.is_nested:
         raise CodecError(f"{where}: unsupported tensor kind (quantized or nested)")
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # lazy conjugate / negative views: their values, in memory
     if type(t) is not torch.Tensor:
         t = t.as_subclass(torch.Tensor)
     if t.device.type != "cpu":

@@ -91,7 +91,9 @@ def test_nested_structure_round_trips_exactly(tmp_path):
 
 def test_non_contiguous_tensors_round_trip_and_write_only_their_elements(tmp_path):
     big = torch.arange(1_000_000, dtype=torch.float32).reshape(1000, 1000)
-    views = {"t": big.t(), "step": big[::7, 3], "slice": big[10:12], "expanded": torch.ones(3, 1).expand(3, 4)}
+    c = torch.complex(torch.arange(4.0), torch.ones(4))
+    views = {"t": big.t(), "step": big[::7, 3], "slice": big[10:12], "expanded": torch.ones(3, 1).expand(3, 4),
+             "conj": c.conj(), "neg": c.conj().imag}
     out = roundtrip(views, tmp_path)
     assert_same(views, out)
     small = {"slice": big[10:12]}
