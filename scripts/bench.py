@@ -20,6 +20,9 @@ arms alike. The keys of SPEC "Benchmark":
                        step with caching off (per-step medians; every arm open at once, in its own
                        namespace, the arms taking turns step by step). `..._1thread`: the same on one thread.
 - sync_overhead_ratio  the same, writing inside `sample` (async_write=False), as verl does.
+                       (`*_cpu_overhead_ratio`: the same ratios of the process's CPU seconds per step, every
+                       thread counted -- what a step costs a machine whose cores are all busy, and a figure
+                       other jobs sharing the machine cannot move much.)
 - hit_overhead_ratio   the same training step served from the cache by a SkipHarness with prefetch on, vs
                        the step with its batch already in memory (sample returns it, caching off).
 - scan_10k_s           scan_namespace at 10,000 committed steps x K = 4, with the namespace index (warm:
@@ -389,8 +392,10 @@ class TrainingArm:
         self.harness.wrap(self.trainer)
         self.harness.start()
         self.times: List[float] = []
+        self.cpu: List[float] = []
 
     def step(self, step: int, compute: Compute) -> None:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         self.trainer.prepare_data(step)
         batch = self.trainer.sample(step)
@@ -399,6 +404,7 @@ class TrainingArm:
         self.times.append(time.perf_counter() - t0)
         del batch
         self.harness.flush()  # untimed: this arm's write never runs into another arm's step
+        self.cpu.append(time.process_time() - c0)  # every thread's CPU, the write's included
 
     def close(self, steps: int) -> None:
         summary = self.harness.close()
@@ -440,7 +446,9 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
         arm.close(total)
     for m in modes:
         shutil.rmtree(work / f"steps_{m}", ignore_errors=True)
-    return {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}
+    out = {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}
+    out.update({f"{m}_cpu_s": median(arms[m].cpu[1:]) for m in modes})
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -685,6 +693,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "step_overhead_ratio": many["async_s"] / many["off_s"],
             "sync_overhead_ratio": many["sync_s"] / many["off_s"],
             "hit_overhead_ratio": many["hit_s"] / many["memory_s"],
+            # CPU seconds of the whole process per step (compute threads, writer, prefetch): what the
+            # step costs a machine whose every core is busy, independent of other jobs' load.
+            "step_cpu_s": many["async_cpu_s"], "step_off_cpu_s": many["off_cpu_s"],
+            "step_cpu_overhead_ratio": many["async_cpu_s"] / many["off_cpu_s"],
+            "sync_cpu_overhead_ratio": many["sync_cpu_s"] / many["off_cpu_s"],
+            "hit_cpu_overhead_ratio": many["hit_cpu_s"] / many["memory_cpu_s"],
         })
         if args.compute_threads != 1:
             log.info("training steps again with a one-thread compute step")
@@ -749,6 +763,8 @@ def render_table(r: Dict[str, Any]) -> str:
         + row("startup scan, 10,000 steps x K=4", f"{r['scan_10k_s']:.3f} s", f"{r['scan_full_10k_s']:.3f} s",
               "", tgt("scan_10k_s"))
         + "\n"
+        + f"CPU seconds per step (all threads): miss async {r['step_cpu_overhead_ratio']:.2f}, sync "
+          f"{r['sync_cpu_overhead_ratio']:.2f}, hit {r['hit_cpu_overhead_ratio']:.2f} x the uncached step's\n"
         + (f"one-thread compute step: miss async {r['step_overhead_ratio_1thread']:.2f}, sync "
            f"{r['sync_overhead_ratio_1thread']:.2f}\n" if "step_overhead_ratio_1thread" in r else "")
         + f"scan: with the index vs the full scan ('bare' column; {scan_note}); first scan, building the index: "
