@@ -58,6 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from skip_harness import index
 from skip_harness import store as store_mod
 from skip_harness.harness import SkipHarness
 from skip_harness.layout import COMMIT_NAME, Layout
@@ -496,8 +497,10 @@ def scan_namespace_for(work: Path, steps: int, reuse: bool) -> Layout:
     if reuse and marker.is_file():
         try:
             if json.loads(marker.read_text()) == want:
-                log.info("reusing the scan namespace in %s", root)
-                return Layout(root, K=SCAN_K, W=1)
+                log.info("reusing the scan namespace in %s (without its index: the first scan builds it)", root)
+                layout = Layout(root, K=SCAN_K, W=1)
+                index.remove(layout)
+                return layout
         except ValueError:
             pass
     shutil.rmtree(base, ignore_errors=True)

@@ -10,6 +10,8 @@ the caller reports it.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import secrets
 import stat
@@ -87,6 +89,24 @@ def scan_namespace(layout: Layout, *, use_index: bool = True) -> NamespaceReport
     from the index; every other step is classified in full, and an index found missing, corrupt or
     stale is rewritten (`report.index_note` says so, for the caller's INFO line). The result is the
     one a full scan (`use_index=False`, which neither reads nor writes the index) gives."""
+    with _gc_paused():
+        return _scan_namespace(layout, use_index)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """The scan allocates tens of thousands of small objects that all stay alive: the cyclic garbage
+    collector would walk them again and again for nothing (it doubled a 10,000-step scan's time)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
     root = layout.root
     leftovers: List[LeftoverEntry] = []
     try:

@@ -410,3 +410,24 @@ def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_p
         assert moved.parent == st.layout.quarantine_dir and (moved / "1" / "tq_batch.pt").exists()
     assert plan_cleanup(report, Cleanup.off, extra=[(2, reason)]).items == ()
     assert not hasattr(scan_mod, "CLEANUP_ACTIONS")  # config.Cleanup is the one list of actions
+
+
+def test_scan_pauses_the_cyclic_gc_and_restores_it(tmp_path, monkeypatch):
+    import gc
+
+    from skip_harness import store as store_mod
+
+    st = make(tmp_path, K=1)
+    write_step(st, 1)
+    seen = []
+    real = store_mod.classify_step
+    monkeypatch.setattr("skip_harness.scan.classify_step", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
+    assert gc.isenabled()
+    scan_namespace(st.layout, use_index=False)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        scan_namespace(st.layout, use_index=False)
+        assert not gc.isenabled()      # left as the caller had it
+    finally:
+        gc.enable()
