@@ -23,6 +23,9 @@ arms alike. The keys of SPEC "Benchmark":
                        (`*_cpu_overhead_ratio`: the same ratios of the process's CPU seconds per step, every
                        thread counted -- what a step costs a machine whose cores are all busy, and a figure
                        other jobs sharing the machine cannot move much.)
+- staged_overhead_ratio (not a SPEC key) a miss whose batch is staged by StepStore.stage_inner on the trainer's
+                       thread, fsync + commit on a writer thread: store level, what the harness would get by
+                       staging instead of snapshotting; step_floor_ratio: one memcpy of the batch on the step.
 - hit_overhead_ratio   the same training step served from the cache by a SkipHarness with prefetch on, vs
                        the step with its batch already in memory (sample returns it, caching off).
 - scan_10k_s           scan_namespace at 10,000 committed steps x K = 4, with the namespace index (warm:
@@ -383,11 +386,52 @@ def _with_threads(threads: int, fn: Callable[[], Dict[str, float]]) -> Dict[str,
         torch.set_num_threads(previous)
 
 
+class StagedArm:
+    """What a miss would cost if the harness staged each batch with `StepStore.stage_inner` on the trainer's
+    thread (the one copy a write needs, into the page cache) instead of snapshotting it, leaving only
+    fsync, rename, meta.json and the commit to a writer thread. Store level, not the harness: labelled
+    `staged` in the results, for comparison."""
+
+    def __init__(self, payload: Any, dump_dir: Path):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.mode = "staged"
+        self.store = StepStore(Layout(dump_dir / "staged", K=1, W=1))
+        self.trainer = SyntheticTrainer(payload)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-staged-writer")
+        self.future = None
+        self.times: List[float] = []
+        self.cpu: List[float] = []
+        self.flush_s: List[float] = []
+
+    def step(self, step: int, compute: Compute) -> None:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        batch = self.trainer.sample(step)
+        staged = self.store.stage_inner(step, 0, 0, batch, {"gen_s": 0.0})
+        self.future = self.pool.submit(lambda: self.store.commit(step, staged.complete(), None))
+        touch(batch)
+        compute.run()
+        self.times.append(time.perf_counter() - t0)
+        del batch
+        t1 = time.perf_counter()
+        self.future.result()
+        self.flush_s.append(time.perf_counter() - t1)
+        self.cpu.append(time.process_time() - c0)
+
+    def close(self, steps: int) -> None:
+        self.pool.shutdown(wait=True)
+        complete = scan_namespace(self.store.layout).counts()["complete"]
+        if complete != steps:
+            raise BenchError(f"staged writes: {complete} of {steps} steps were committed")
+
+
 class TrainingArm:
     """One arm of the training-step comparison: its own harness, trainer and namespace, open throughout."""
 
     def __init__(self, mode: str, payload: Any, dump_dir: Path):
         self.mode = mode
+        self.flush_s: List[float] = []
         self.harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir)
         self.trainer = SyntheticTrainer(payload, in_memory=mode == "memory")
         self.harness.wrap(self.trainer)
@@ -404,7 +448,9 @@ class TrainingArm:
         compute.run()
         self.times.append(time.perf_counter() - t0)
         del batch
+        t1 = time.perf_counter()
         self.harness.flush()  # untimed: this arm's write never runs into another arm's step
+        self.flush_s.append(time.perf_counter() - t1)
         self.cpu.append(time.process_time() - c0)  # every thread's CPU, the write's included
 
     def close(self, steps: int) -> None:
@@ -431,7 +477,8 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
     total = 1 + steps * rounds
     if "hit" in modes:  # the cache the hit arm reads: written once, untimed
         run_training_block("async", payload, Compute(8), total, work / "steps_hit", keep=True)
-    arms = {m: TrainingArm(m, payload, work / f"steps_{m}") for m in modes}
+    arms = {m: StagedArm(payload, work / f"steps_{m}") if m == "staged" else TrainingArm(m, payload, work / f"steps_{m}")
+            for m in modes}
     try:
         for step in range(1, total + 1):
             order = list(modes) if step % 2 else list(reversed(modes))
@@ -442,13 +489,15 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
                          ", ".join(f"{m} {median(arms[m].times[1:]):.3f} s" for m in modes))
     finally:
         for arm in arms.values():
-            arm.harness.close()
+            if isinstance(arm, TrainingArm):
+                arm.harness.close()
     for arm in arms.values():
         arm.close(total)
     for m in modes:
         shutil.rmtree(work / f"steps_{m}", ignore_errors=True)
     out = {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}
     out.update({f"{m}_cpu_s": median(arms[m].cpu[1:]) for m in modes})
+    out.update({f"{m}_flush_s": median(arms[m].flush_s[1:]) for m in modes})
     return out
 
 
@@ -687,7 +736,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
         log.info("training steps: caching off / async write / sync write / hit / batch in memory, "
                  "%d steps x %d rounds, on %d thread(s)", args.steps_per_arm, args.step_rounds, args.compute_threads)
-        modes = ("off", "async", "sync", "hit", "memory")
+        modes = ("off", "async", "sync", "staged", "hit", "memory")
         many = _with_threads(args.compute_threads, lambda: bench_steps(
             payload, work, result["bare_save_s"], args.steps_per_arm, args.step_rounds, args.compute_threads, modes))
         result.update({
@@ -702,6 +751,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "step_cpu_overhead_ratio": many["async_cpu_s"] / many["off_cpu_s"],
             "sync_cpu_overhead_ratio": many["sync_cpu_s"] / many["off_cpu_s"],
             "hit_cpu_overhead_ratio": many["hit_cpu_s"] / many["memory_cpu_s"],
+            # Untimed waits after each step for its write to be durable: work an async write left undone.
+            "step_flush_s": many["async_flush_s"],
+            # Store level: the harness's miss with stage_inner instead of a snapshot (see StagedArm).
+            "step_staged_s": many["staged_s"], "staged_overhead_ratio": many["staged_s"] / many["off_s"],
+            "staged_cpu_overhead_ratio": many["staged_cpu_s"] / many["off_cpu_s"],
+            # The floor of any durable miss: one copy of the batch (a memcpy) on top of the step.
+            "step_floor_ratio": 1 + result["floor_memcpy_s"] / many["off_s"],
         })
         if args.compute_threads != 1:
             log.info("training steps again with a one-thread compute step")
@@ -766,6 +822,9 @@ def render_table(r: Dict[str, Any]) -> str:
         + row("startup scan, 10,000 steps x K=4", f"{r['scan_10k_s']:.3f} s", f"{r['scan_full_10k_s']:.3f} s",
               "", tgt("scan_10k_s"))
         + "\n"
+        + f"miss staged by StepStore.stage_inner (store level, not yet the harness): {r['staged_overhead_ratio']:.2f} "
+          f"(CPU {r['staged_cpu_overhead_ratio']:.2f}); floor of any durable miss (one memcpy of the batch): "
+          f"{r['step_floor_ratio']:.3f}\n"
         + f"CPU seconds per step (all threads): miss async {r['step_cpu_overhead_ratio']:.2f}, sync "
           f"{r['sync_cpu_overhead_ratio']:.2f}, hit {r['hit_cpu_overhead_ratio']:.2f} x the uncached step's\n"
         + (f"one-thread compute step: miss async {r['step_overhead_ratio_1thread']:.2f}, sync "
