@@ -319,13 +319,27 @@ def write_file_at(dir_fd: int, name: str, write: Callable[[Any], None]) -> Tuple
     return _StagedFile(dir_fd, name, write).finish()
 
 
+def _drop_cached_pages(fd: int) -> None:
+    """Let the kernel drop a durable file's pages from the page cache. A cache file is read in a later run,
+    not in this one; and writing into pages the kernel must first find and back costs several times the
+    copy itself (measured: 285 ms of kernel time per 112 MiB into fresh pages, 29 ms into reused ones),
+    time taken from the trainer's cores. Advisory: failures are ignored."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
 class _StagedFile:
     """A file written under a temporary name in dir_fd (into the page cache: the bytes are copied out of
     the caller's objects), and made durable and renamed into place by `finish()` -- possibly on another
     thread. `discard()` removes the temporary file. Any failure removes it too and propagates."""
 
-    def __init__(self, dir_fd: int, name: str, write: Callable[[Any], None]):
+    def __init__(self, dir_fd: int, name: str, write: Callable[[Any], None], drop_cache: bool = False):
         self.dir_fd, self.name, self.tmp = dir_fd, name, _tmp_name(name)
+        self.drop_cache = drop_cache
         fd = os.open(self.tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
         self._file = None
         try:
@@ -343,6 +357,8 @@ class _StagedFile:
     def finish(self) -> Tuple[int, str]:
         try:
             os.fsync(self._file.fileno())
+            if self.drop_cache:
+                _drop_cached_pages(self._file.fileno())
             self._file.close()
             os.replace(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         except BaseException:
@@ -748,7 +764,8 @@ class StepStore:
                 if created:
                     _fsync_dir(step_fd)
             payload_rel = layout.payload_rel(inner_index, rank)
-            staged = _StagedFile(inner_fd, PurePosixPath(payload_rel).name, lambda f: codec.save_to(f, payload))
+            staged = _StagedFile(inner_fd, PurePosixPath(payload_rel).name, lambda f: codec.save_to(f, payload),
+                                 drop_cache=True)
         except BaseException:
             if inner_fd != step_fd:
                 os.close(inner_fd)

@@ -584,3 +584,19 @@ def test_stage_inner_copies_the_payload_once_and_completes_on_another_thread(tmp
     with pytest.raises(codec.UnregisteredTypeError):   # an unregistered dataclass: refused, nothing left
         st.stage_inner(3, 0, 0, {"a": Fingerprint()}, {})
     assert not temp_files(st.layout.root)
+
+
+def test_durable_payloads_leave_the_page_cache_meta_and_commit_stay(tmp_path, monkeypatch):
+    st = make(tmp_path, K=2)
+    advised = []
+    real = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        advised.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), advice))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    write_step(st, 1)
+    names = sorted(name.split(".tmp-")[-1].split(".")[0] for name, _ in advised)
+    assert names == ["tq_batch", "tq_batch"] and {a for _, a in advised} == {os.POSIX_FADV_DONTNEED}
+    assert st.verify_step(1) is None
