@@ -8,7 +8,8 @@ Pending jobs are bounded (``skip.rollout_tq.max_pending_writes``): at the bound 
 
 :class:`CommitCoordinator` runs on the trainer's thread. It hands mini-batches to the writer, and at
 the trainer's calls (`poll`) turns finished writes into commits and finished steps. With one process
-a step is committed once its K writes are durable. With W > 1 the ranks agree at decision points: a
+a step is committed once its K writes are durable. A mini-batch is staged (encoded into its temporary
+file) on the trainer's thread; the writer's jobs are the fsync, rename, meta.json and commit record. With W > 1 the ranks agree at decision points: a
 step whose K samples ended two decision points ago (or every step, at close) is gathered, rank 0
 commits when every rank's shard is durable, and broadcasts whether the commit landed, so every rank
 keeps the same set of servable steps.
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from .dist import DistContext
+from .errors import CodecError
 from .fingerprint import Fingerprint
 from .stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REFUSED, SHORT_STEP, WRITE_FAILED
 from .store import StepStore
@@ -104,6 +106,7 @@ class _Pending:
     failed_path: str = ""
     complete_epoch: Optional[int] = None  # decision epoch at which the K-th sample came
     commit: Optional[Future] = None
+    gen_s: float = 0.0
     reported: set = field(default_factory=set)  # inner indices whose write was reported
 
 
@@ -132,21 +135,35 @@ class CommitCoordinator:
     def begin(self, step: int) -> None:
         self._pending[step] = _Pending(step)
 
-    def write(self, step: int, inner: int, snapshot: Any, meta: Dict[str, Any]) -> None:
+    def write(self, step: int, inner: int, batch: Any, meta: Dict[str, Any]) -> None:
+        """Stage mini-batch `inner` on this (the trainer's) thread — encoding it into its temporary file is
+        the one copy a write needs, so the trainer may change the batch afterwards — and let the writer
+        make it durable. A payload the codec refuses, or a failed write, leaves the step uncommitted."""
         p = self._pending[step]
-        if p.failed is None:
-            p.writes[inner] = self.writer.submit(_timed, self.store.write_inner, step, inner, self.dist.rank, snapshot, meta)
+        if p.failed is not None:
+            return
+        try:
+            staged = self.store.stage_inner(step, inner, self.dist.rank, batch, meta)
+        except CodecError as exc:
+            self.refuse(step, inner, str(exc))
+            return
+        except Exception as exc:  # ENOSPC, EACCES, EIO...: a failed cache write warns and training goes on
+            self._set_failed(p, f"{WRITE_FAILED}: {type(exc).__name__}: {exc}", str(self.store.layout.inner_dir(step, inner)))
+            return
+        p.writes[inner] = self.writer.submit(_timed, staged.complete)
 
     def refuse(self, step: int, inner: int, reason: str) -> None:
         """This rank cannot write mini-batch `inner` (its payload was refused by the codec)."""
         self._set_failed(self._pending[step], f"{PAYLOAD_REFUSED}: {reason}", str(self.store.layout.inner_dir(step, inner)))
 
-    def sampled_all(self, step: int, epoch: int) -> None:
+    def sampled_all(self, step: int, epoch: int, gen_s: float = 0.0) -> None:
         self._pending[step].complete_epoch = epoch
+        self._pending[step].gen_s = gen_s
 
     def abandon(self, step: int, sampled: int) -> Finished:
         """A step that ended after fewer than K sample calls: never committed."""
         p = self._pending.pop(step)
+        self._settle_writes(p, wait=True)
         return Finished(step, False, f"{SHORT_STEP}: {sampled} of K = {self.K} sample calls", self._bytes(p))
 
     def wait_local(self, step: int) -> Optional[str]:
@@ -177,14 +194,14 @@ class CommitCoordinator:
             p = self._pending[step]
             if p.complete_epoch is None:
                 continue
-            if not self._settle_writes(p, wait) and p.failed is None:
-                continue
+            if not self._settle_writes(p, wait):
+                continue  # even a failed step waits for its writes in flight: they count in its bytes
             if p.failed is not None:
                 out.append(self._finish(p, False, p.failed))
                 continue
             if p.commit is None:
                 entries = [e for i in range(self.K) for e in p.writes[i].result()[0]]
-                p.commit = self.writer.submit(self.store.commit, step, entries, self.fingerprint)
+                p.commit = self.writer.submit(self._commit, step, entries, p.gen_s)
             if wait:
                 _wait(p.commit)
             if p.commit.done():
@@ -213,8 +230,7 @@ class CommitCoordinator:
             committed, reason = False, p.failed or OTHER_RANK_FAILED
             if all(g is not None for g in gathered):
                 if self.dist.is_main:
-                    p.commit = self.writer.submit(self.store.commit, p.step, [e for part in gathered for e in part],
-                                                  self.fingerprint)
+                    p.commit = self.writer.submit(self._commit, p.step, [e for part in gathered for e in part], p.gen_s)
                     _wait(p.commit)
                     exc = p.commit.exception()
                     outcome = (exc is None, "" if exc is None else f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}")
@@ -230,6 +246,9 @@ class CommitCoordinator:
         return out
 
     # ---- shared
+    def _commit(self, step: int, entries: List[Any], gen_s: float) -> Any:
+        return self.store.commit(step, entries, self.fingerprint, gen_s=round(gen_s, 6))
+
     def _settle_writes(self, p: _Pending, wait: bool) -> bool:
         """True when every submitted write of `p` is done (waiting if asked); records the first failure."""
         for inner in sorted(p.writes):

@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from . import codec, rng
+from . import rng
 from .callbacks import CallbackDispatcher
 from .config import Action, Cleanup, RolloutTQConfig
 from .coordinator import CommitCoordinator, Finished
 from .dist import DistContext
-from .errors import CodecError, HarnessUsageError
+from .errors import HarnessUsageError
 from .policy import Decision, decide
 from .prefetch import Loaded, Prefetcher
 from .startup import set_aside
@@ -223,21 +223,15 @@ class StepRunner:
             if self.read_only:
                 self._finish(step, _miss_record(step, state, self.K, Finished(step, False, READ_ONLY, 0)))
             else:
-                self.coordinator.sampled_all(step, self._epoch)
+                self.coordinator.sampled_all(step, self._epoch, state.gen_s)
                 self._collect(self.coordinator.poll(self._epoch))
         return out
 
     def _stash(self, step: int, inner: int, out: Any, meta: Dict[str, Any]) -> None:
-        """Hand an independent CPU copy of `out` to the writer (what sample returned, even if the
-        trainer changes it in place afterwards)."""
-        if self.read_only:
-            return
-        try:
-            snapshot = codec.snapshot(out)
-        except CodecError as exc:
-            self.coordinator.refuse(step, inner, str(exc))
-            return
-        self.coordinator.write(step, inner, snapshot, meta)
+        """Hand `out` to the coordinator: what sample returned, as it is now (it is encoded into its
+        file before this returns, so later in-place changes by the trainer never reach the cache)."""
+        if not self.read_only:
+            self.coordinator.write(step, inner, out, meta)
 
     def _collect(self, finished: List[Finished]) -> None:
         for done in finished:

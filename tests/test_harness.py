@@ -245,7 +245,7 @@ def test_failed_write_warns_and_training_goes_on(tmp_path, caplog, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(StepStore, "write_inner", boom)
+    monkeypatch.setattr(StepStore, "stage_inner", boom)
     with caplog.at_level(logging.WARNING, logger="skip_harness"):
         out = run_steps(h, t, [1, 2], 1)
     assert len(out) == 2 and "No space left on device" in caplog.text

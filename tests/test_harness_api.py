@@ -192,16 +192,16 @@ def test_prefetch_loads_the_next_hit_ahead_and_is_cancelled_at_close(tmp_path, m
 
 
 def test_pending_writes_are_bounded(tmp_path, monkeypatch):
+    from skip_harness.store import StagedInner
+
     gate = threading.Event()
-    real = StepStore.write_inner
-    in_flight = []
+    real = StagedInner.complete
 
-    def slow_write(self, *a, **k):
-        in_flight.append(a[:2])
+    def slow_complete(self):  # the writer's part of a write: fsync, rename, meta.json
         gate.wait(10)
-        return real(self, *a, **k)
+        return real(self)
 
-    monkeypatch.setattr(StepStore, "write_inner", slow_write)
+    monkeypatch.setattr(StagedInner, "complete", slow_complete)
     t = Loop()
     h = make(tmp_path, K=4, max_pending_writes=2).wrap(t, dispatch_kwarg=None)
     done = []
