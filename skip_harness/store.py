@@ -651,8 +651,11 @@ class StagedInner:
 class StepStore:
     """Atomic, durable writes and verified reads of the steps of one namespace."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, *, drop_written_pages: bool = True):
+        """`drop_written_pages`: once a payload file is durable, let the kernel drop it from the page
+        cache (the next write reuses those pages; a re-read in the same run then comes from the disk)."""
         self.layout = layout
+        self.drop_written_pages = drop_written_pages
 
     # ---- helpers
 
@@ -765,7 +768,7 @@ class StepStore:
                     _fsync_dir(step_fd)
             payload_rel = layout.payload_rel(inner_index, rank)
             staged = _StagedFile(inner_fd, PurePosixPath(payload_rel).name, lambda f: codec.save_to(f, payload),
-                                 drop_cache=True)
+                                 drop_cache=self.drop_written_pages)
         except BaseException:
             if inner_fd != step_fd:
                 os.close(inner_fd)

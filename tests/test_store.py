@@ -600,3 +600,6 @@ def test_durable_payloads_leave_the_page_cache_meta_and_commit_stay(tmp_path, mo
     names = sorted(name.split(".tmp-")[-1].split(".")[0] for name, _ in advised)
     assert names == ["tq_batch", "tq_batch"] and {a for _, a in advised} == {os.POSIX_FADV_DONTNEED}
     assert st.verify_step(1) is None
+    advised.clear()
+    write_step(StepStore(st.layout, drop_written_pages=False), 2)
+    assert advised == []
