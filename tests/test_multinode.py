@@ -4,7 +4,6 @@ skip.rollout_tq.dump_dir; when they share one, steps commit and a rerun hits."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,20 +15,9 @@ import pytest
 
 from conftest import subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "scripts" / "train.py"
-TINY = [
-    "trainer.progress=false",
-    "trainer.total_training_steps=2",
-    "trainer.test_freq=0",
-    "data.train_batch_size=8",
-    "data.max_prompt_length=6",
-    "data.max_response_length=6",
-    "data.val_batch_size=8",
-    "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.model.d_model=32",
-    "actor_rollout_ref.model.n_layers=1",
-]
+from test_train_e2e import TINY as _TINY, TRAIN
+
+TINY = [o for o in _TINY if not o.startswith("trainer.total_training_steps=")] + ["trainer.total_training_steps=2"]
 
 pytestmark = pytest.mark.slow
 
