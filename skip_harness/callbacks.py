@@ -104,8 +104,12 @@ class LoggingCallback(HarnessCallback):
             self.log.info(msg, *args)
 
     def on_startup(self, *, namespace: str, startup: Any, **kwargs: Any) -> None:
-        if not kwargs.get("quiet", False):
-            self._info("%s", startup.describe())
+        if kwargs.get("quiet", False):
+            return
+        note = getattr(startup.report, "index_note", None)
+        if note:
+            self._info("rollout cache %s: %s", namespace, note)
+        self._info("%s", startup.describe())
 
     def on_step_end(self, *, record: StepRecord, **kwargs: Any) -> None:
         self._info("%s", describe_step(record))

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from .codec import UnregisteredTypeError
 from .errors import CorruptStepError
 from .store import StepStore
 
@@ -41,7 +42,8 @@ class Loaded:
 
 
 def load_step(store: StepStore, step: int, rank: int) -> Loaded:
-    """Verify and load this rank's K mini-batches of `step`; never raises for a bad step."""
+    """Verify and load this rank's K mini-batches of `step`; never raises for a bad step. A step holding a
+    type this process has not registered is not bad: UnregisteredTypeError propagates (a usage error)."""
     t0 = time.perf_counter()
     status, reason = store.verify_status(step, ranks=[rank])
     if reason is None:
@@ -81,6 +83,8 @@ class Prefetcher:
             fut: Future = ahead[1]
             try:
                 return fut.result()
+            except UnregisteredTypeError:
+                raise
             except Exception as exc:  # a bug in loading: treat the step as not servable
                 return Loaded(step, reason=f"prefetch failed: {type(exc).__name__}: {exc}")
         if ahead is not None:

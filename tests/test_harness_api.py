@@ -273,3 +273,30 @@ def test_repeat_never_rewinds_the_rng_to_another_steps_state(tmp_path):
     t.sample(1)  # a hit restores the state the miss left
     assert h.outcome(1) == "hit" and torch.equal(torch.get_rng_state(), recorded)
     h.close()
+
+
+def test_registered_types_round_trip_and_an_unregistered_read_is_a_usage_error_not_corruption(tmp_path):
+    from skip_harness import register_type
+    from skip_harness.codec import UnregisteredTypeError, unregister_type
+
+    class DataclassLoop(Loop):
+        def sample(self, step):
+            self.generated += 1
+            return Custom(torch.full((3,), float(step)))
+
+    register_type(Custom)
+    try:
+        for _ in range(2):
+            t = DataclassLoop()
+            h = make(tmp_path).wrap(t, dispatch_kwarg=None)
+            out = t.sample(1)
+            h.close()
+        assert t.generated == 0 and type(out) is Custom and torch.equal(out.x, torch.full((3,), 1.0))
+    finally:
+        unregister_type(Custom)
+    t = DataclassLoop()
+    h = make(tmp_path).wrap(t, dispatch_kwarg=None)
+    with pytest.raises(UnregisteredTypeError, match="register_type"):
+        t.sample(1)
+    h.close()
+    assert (h.layout.step_dir(1) / "commit.json").exists()  # never cleaned as if it were corrupt
