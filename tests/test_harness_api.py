@@ -300,3 +300,19 @@ def test_registered_types_round_trip_and_an_unregistered_read_is_a_usage_error_n
         t.sample(1)
     h.close()
     assert (h.layout.step_dir(1) / "commit.json").exists()  # never cleaned as if it were corrupt
+
+
+def test_a_step_loaded_ahead_and_never_asked_for_is_cancelled_at_close(tmp_path):
+    t = Loop()
+    h = make(tmp_path).wrap(t, dispatch_kwarg=None)
+    for s in (1, 2, 3):
+        t.sample(s)
+    h.close()
+    t = Loop()
+    h = make(tmp_path).wrap(t, dispatch_kwarg=None)
+    t.sample(1)
+    t.sample(2)  # served; step 3 is now being loaded ahead
+    assert h._prefetcher.pending == 3
+    summary = h.close()  # the trainer stopped early: the load ahead is dropped, nothing is counted for it
+    assert h._prefetcher.pending is None and h._prefetcher._pool is None
+    assert (summary.hits, summary.steps) == (2, 2) and t.generated == 0
