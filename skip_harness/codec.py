@@ -9,6 +9,9 @@ else is written as a *tagged dict* ``{TAG: kind, ...}``:
 
     "tensor"      a tensor that lived on another device: ``device`` (str) and ``data`` (CPU tensor)
     "tensordict"  a TensorDict: ``batch_size`` (list of ints), ``device`` (str or None), ``keys``, ``values``
+    "nontensor"   a tensordict NonTensorData or MetaData: ``class``, ``batch_size``, ``device``, ``value``
+    "nontensorstack"  a tensordict NonTensorStack: ``batch_size``, ``device``, ``items`` (its values as
+                  nested lists, one level per batch dimension)
     "ndarray"     a NumPy array: numeric ones as a CPU tensor in ``data``; others as ``items`` + ``shape``
     "npscalar"    a NumPy scalar: ``dtype`` and ``value``
     "dict"        a user dict that itself holds the key TAG (escaped): ``keys``, ``values``
@@ -61,6 +64,13 @@ try:  # optional
 except Exception:  # ImportError, or a tensordict that does not match this torch
     _TensorDictBase = None
     _TensorDict = None
+
+try:  # optional, and newer than TensorDict itself
+    from tensordict import MetaData as _MetaData
+    from tensordict import NonTensorData as _NonTensorData
+    from tensordict import NonTensorStack as _NonTensorStack
+except Exception:
+    _MetaData = _NonTensorData = _NonTensorStack = None
 
 logger = logging.getLogger("skip_harness.codec")
 
@@ -205,6 +215,14 @@ def _is_tensordict(obj: Any) -> bool:
     return _TensorDictBase is not None and isinstance(obj, _TensorDictBase)
 
 
+def _is_non_tensor_data(obj: Any) -> bool:
+    return _NonTensorData is not None and isinstance(obj, (_NonTensorData, _MetaData))
+
+
+def _is_non_tensor_stack(obj: Any) -> bool:
+    return _NonTensorStack is not None and isinstance(obj, _NonTensorStack)
+
+
 def _plain_cpu_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
     """A detached, plain (no subclass, no Python attributes) CPU tensor holding only its own bytes."""
     if t.layout != torch.strided:
@@ -259,6 +277,8 @@ def _encode(obj: Any, where: str, active: set) -> Any:
             return [_encode(v, f"{where}[{i}]", active) for i, v in enumerate(obj)]
         if t is tuple:
             return tuple(_encode(v, f"{where}[{i}]", active) for i, v in enumerate(obj))
+        if _is_non_tensor_data(obj) or _is_non_tensor_stack(obj):
+            return _encode_non_tensor(obj, where, active)
         if _is_tensordict(obj):
             keys = list(obj.keys())
             return {
@@ -282,6 +302,31 @@ def _encode(obj: Any, where: str, active: set) -> Any:
     finally:
         active.discard(oid)
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
+
+
+def _encode_non_tensor(obj: Any, where: str, active: set) -> Any:
+    """A NonTensorData / MetaData (one value for its whole batch) or a NonTensorStack (one value per
+    batch element, kept as nested lists with one level per batch dimension)."""
+    batch_size = [int(s) for s in obj.batch_size]
+    device = None if obj.device is None else str(obj.device)
+    if not _is_non_tensor_stack(obj):
+        return {TAG: "nontensor", "class": "MetaData" if isinstance(obj, _MetaData) else "NonTensorData",
+                "batch_size": batch_size, "device": device, "value": _encode(obj.data, where, active)}
+    if 0 in batch_size[:-1]:
+        raise CodecError(f"{where}: a NonTensorStack of batch size {batch_size} (empty along a leading "
+                         "dimension) cannot be rebuilt, so it is not cached")
+    items = obj.tolist()
+
+    def nested(values: Any, depth: int, at: str) -> Any:
+        if depth == len(batch_size):
+            return _encode(values, at, active)
+        if type(values) is not list or len(values) != batch_size[depth]:
+            raise CodecError(f"{where}: a NonTensorStack of batch size {batch_size} whose values do not "
+                             "have that shape cannot be cached")
+        return [nested(v, depth + 1, f"{at}[{i}]") for i, v in enumerate(values)]
+
+    return {TAG: "nontensorstack", "batch_size": batch_size, "device": device,
+            "items": nested(items, 0, where)}
 
 
 def _encode_ndarray(arr: Any, where: str, active: set) -> Any:
@@ -394,6 +439,8 @@ def _decode_tagged(kind: str, obj: Dict[str, Any], where: str, check_only: bool 
         if device is not None and not _device_available(device):
             device = None
         return _TensorDict(data, batch_size=list(obj["batch_size"]), device=device)
+    if kind in ("nontensor", "nontensorstack"):
+        return _decode_non_tensor(kind, obj, where, check_only)
     if kind == "ndarray":
         if _np is None:
             raise CodecError(f"{where}: stored NumPy array, but numpy is not importable")
@@ -418,6 +465,43 @@ def _decode_tagged(kind: str, obj: Dict[str, Any], where: str, check_only: bool 
         value = _np.dtype(obj["dtype"]).type(obj["value"])
         return None if check_only else value
     raise CodecError(f"{where}: unknown record kind {kind!r}")
+
+
+def _decode_non_tensor(kind: str, obj: Dict[str, Any], where: str, check_only: bool) -> Any:
+    batch_size, device = obj["batch_size"], obj.get("device")
+    if type(batch_size) is not list or not all(type(s) is int and s >= 0 for s in batch_size) \
+            or not (device is None or isinstance(device, str)):
+        raise CodecError(f"{where}: malformed {kind} record")
+    if device is not None and not _device_available(device):
+        device = None
+    if kind == "nontensor":
+        cls_name = obj["class"]
+        if cls_name not in ("NonTensorData", "MetaData"):
+            raise CodecError(f"{where}: malformed nontensor record (class {str(cls_name)[:40]!r})")
+        value = _decode(obj["value"], where, check_only)
+        if check_only:
+            return None
+        if _NonTensorData is None:
+            raise CodecError(f"{where}: stored {cls_name}, but this tensordict has no non-tensor data")
+        cls = _NonTensorData if cls_name == "NonTensorData" else _MetaData
+        return cls(data=value, batch_size=batch_size, device=device)
+
+    def nested(items: Any, depth: int, at: str) -> Any:
+        if depth == len(batch_size):
+            value = _decode(items, at, check_only)
+            return None if check_only else _NonTensorData(data=value, batch_size=[], device=device)
+        if type(items) is not list or len(items) != batch_size[depth]:
+            raise CodecError(f"{where}: malformed nontensorstack record (its items do not have shape "
+                             f"{batch_size})")
+        children = [nested(v, depth + 1, f"{at}[{i}]") for i, v in enumerate(items)]
+        return None if check_only else _NonTensorStack(*children)
+
+    if not check_only and _NonTensorStack is None:
+        raise CodecError(f"{where}: stored NonTensorStack, but this tensordict has no non-tensor data")
+    out = nested(obj["items"], 0, where)
+    if not check_only and list(out.batch_size) != batch_size:  # a shape tensordict cannot stack
+        raise CodecError(f"{where}: malformed nontensorstack record (batch size {batch_size})")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,7 +537,7 @@ def _snapshot(obj: Any, where: str) -> Any:
         return [_snapshot(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     if t is tuple:
         return tuple(_snapshot(v, f"{where}[{i}]") for i, v in enumerate(obj))
-    if _is_tensordict(obj):
+    if _is_tensordict(obj) or _is_non_tensor_data(obj):
         # Keep the TensorDict (with its device, so encode records it) but own every tensor.
         return obj.clone()
     if _np is not None and isinstance(obj, _np.ndarray):
@@ -502,7 +586,7 @@ def _merge(items: List[Any], where: str) -> Any:
             return torch.cat(items, dim=0)
         except Exception as exc:
             raise CodecError(f"{where}: cannot concatenate tensors: {exc}") from exc
-    if _is_tensordict(first):
+    if _is_tensordict(first) or _is_non_tensor_data(first):
         try:
             return torch.cat(items, dim=0)
         except Exception as exc:

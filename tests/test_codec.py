@@ -145,6 +145,53 @@ def test_tensordict_round_trips(tmp_path):
     assert torch.equal(out["a"], td["a"]) and torch.equal(out["n", "b"], td["n", "b"])
 
 
+def test_tensordict_non_tensor_entries_round_trip(tmp_path):
+    tensordict = pytest.importorskip("tensordict")
+    td = tensordict.TensorDict({"x": torch.arange(6.0).reshape(3, 2),
+                                "text": tensordict.NonTensorStack(*["a", "b", "c"])}, batch_size=[3])
+    td.set_non_tensor("tag", "hello")
+    td.set("grid", tensordict.NonTensorStack.from_list([["p", "q"], ["r", "s"], ["t", "u"]]))
+    td.set("pairs", tensordict.NonTensorStack(*[tensordict.NonTensorData([i, i + 1]) for i in range(3)]))
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, td)
+    codec.check_file(path)
+    out = codec.load_from(path)
+    assert type(out) is tensordict.TensorDict and out.batch_size == td.batch_size
+    assert list(out.keys()) == list(td.keys())
+    assert torch.equal(out["x"], td["x"])
+    for key in ("text", "grid", "pairs"):
+        assert type(out.get(key)) is tensordict.NonTensorStack, key
+        assert out.get(key).batch_size == td.get(key).batch_size, key
+        assert out.get(key).tolist() == td.get(key).tolist(), key
+    assert out.get("text").tolist() == ["a", "b", "c"]
+    assert out.get("pairs").tolist() == [[0, 1], [1, 2], [2, 3]]  # a list per element, not a 2-d stack
+    assert type(out.get("tag")) is tensordict.NonTensorData and out.get("tag").data == "hello"
+    assert out.get("tag").batch_size == td.get("tag").batch_size
+
+
+def test_non_tensor_data_round_trips_alone(tmp_path):
+    tensordict = pytest.importorskip("tensordict")
+    payload = {"data": tensordict.NonTensorData({"k": 1.5}, batch_size=[2]),
+               "meta": tensordict.MetaData("m"),
+               "stack": tensordict.NonTensorStack("x", "y"),
+               "empty": tensordict.NonTensorStack()}
+    out = roundtrip(payload, tmp_path, mmap=False)
+    assert type(out["data"]) is tensordict.NonTensorData and out["data"].data == {"k": 1.5}
+    assert out["data"].batch_size == torch.Size([2])
+    assert type(out["meta"]) is tensordict.MetaData and out["meta"].data == "m"
+    assert type(out["stack"]) is tensordict.NonTensorStack and out["stack"].tolist() == ["x", "y"]
+    assert out["empty"].batch_size == torch.Size([0]) and out["empty"].tolist() == []
+
+
+def test_non_tensor_value_that_cannot_be_cached_is_refused_at_write_naming_its_key():
+    tensordict = pytest.importorskip("tensordict")
+    td = tensordict.TensorDict({"x": torch.zeros(2)}, batch_size=[2])
+    td.set("objs", tensordict.NonTensorStack(object(), object()))
+    with pytest.raises(CodecError, match=r"\['objs'\]\[0\].*unsupported type"):
+        codec.save_to(io.BytesIO(), td)
+
+
 @pytest.mark.parametrize(
     "payload,where,typename",
     [
