@@ -4,8 +4,8 @@ Scan -> frozen report; plan -> frozen plan with its expected freed size; `plan.e
 Scanning reads directory listings, lstat and the small commit records, and nothing changes on disk until
 a plan is executed -- except the namespace index (`index`), a hint the scan rewrites when it finds it
 missing, corrupt or stale. Symlinks are never followed: a step or inner directory that is a link makes
-its step incomplete, and cleanup removes the link itself. The status of a step is `store.classify_step`'s
-(see `store` for the four statuses). Nothing here logs: the report and the result say everything, and
+its step incomplete, and cleanup removes the link itself. The status of a step is `stepstatus.classify_step`'s
+(see `stepstatus` for the four statuses). Nothing here logs: the report and the result say everything, and
 the caller reports it.
 """
 from __future__ import annotations
@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from skip_harness import index as _index
-from skip_harness import store as _store
 from skip_harness.config import Cleanup
 from skip_harness.errors import ConfigError
 from skip_harness.fingerprint import Fingerprint
 from skip_harness.layout import TMP_PREFIX, TRASH_PREFIX, Layout, parse_namespace_leaf, parse_step_name
-from skip_harness.store import STATUSES, StepReport, classify_step
+from skip_harness.fileops import remove_entry_at, tree_bytes
+from skip_harness.stepstatus import STATUSES, StepReport, classify_step
+from skip_harness.store import StepStore
 
 __all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace",
            "find_namespaces", "CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]
@@ -121,7 +122,7 @@ def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
         if step is not None:
             found.append((step, e.name))
         elif e.name.startswith(TRASH_PREFIX) or e.name.startswith(TMP_PREFIX):
-            leftovers.append(LeftoverEntry(root / e.name, _store.tree_bytes(e.path)))
+            leftovers.append(LeftoverEntry(root / e.name, tree_bytes(e.path)))
     leftovers.sort(key=lambda x: x.path.name)
 
     if not use_index:
@@ -289,7 +290,7 @@ class CleanupPlan:
         errors: List[str] = []
         quarantined: List[Path] = []
         freed = moved = 0
-        store = _store.StepStore(layout)
+        store = StepStore(layout)
         for item in self.items:
             if item.path.parent != root or item.path != layout.step_dir(item.step):
                 errors.append(f"{item.path}: not a step of namespace {root}; left alone")
@@ -315,7 +316,7 @@ class CleanupPlan:
                     if lo.path.parent != root:
                         continue
                     try:
-                        freed += _store.remove_entry_at(root_fd, lo.path.name, root)
+                        freed += remove_entry_at(root_fd, lo.path.name, root)
                     except OSError as exc:
                         errors.append(f"{lo.path}: removal failed: {exc}")
             finally:

@@ -59,15 +59,15 @@ def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
 
 
 def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
-    from skip_harness import store as store_mod
+    from skip_harness import stepstatus
 
     st = make(tmp_path, K=4)
     for step in range(1, 6):
         write_step(st, step)
     age(st)
     listed = []
-    real = store_mod._list_step
-    monkeypatch.setattr(store_mod, "_list_step", lambda p: listed.append(p) or real(p))
+    real = stepstatus._list_step
+    monkeypatch.setattr(stepstatus, "_list_step", lambda p: listed.append(p) or real(p))
     report = scan_namespace(st.layout)
     assert report.counts()["complete"] == 5 and listed == []   # stamps only: no step directory listed
 
