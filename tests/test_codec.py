@@ -222,7 +222,7 @@ def test_sparse_tensor_is_refused():
 
 def test_device_is_recorded_and_restored_when_available(monkeypatch):
     cpu_copy = torch.arange(4.0)
-    setattr(cpu_copy, codec._ORIGIN_ATTR, "cuda:1")  # what snapshot() leaves on a CUDA tensor's copy
+    setattr(cpu_copy, codec.ORIGIN_ATTR, "cuda:1")  # what snapshot() leaves on a CUDA tensor's copy
     enc = codec.encode({"x": cpu_copy})
     assert enc["x"][codec.TAG] == "tensor" and enc["x"]["device"] == "cuda:1"
     assert type(enc["x"]["data"]) is torch.Tensor and not enc["x"]["data"].__dict__

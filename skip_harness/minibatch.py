@@ -1,0 +1,145 @@
+"""A payload's snapshot (a copy the trainer's later in-place changes never reach) and the merge of a
+step's mini-batches into one payload."""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any, List, Sequence
+
+import torch
+
+from skip_harness.errors import CodecError
+from skip_harness.payload_kinds import (
+    ORIGIN_ATTR, SCALARS, construct, fields_of, is_non_tensor_data, is_tensordict, key_repr, np, origin_device,
+    registered_or_refuse,
+)
+
+
+def snapshot(payload: Any) -> Any:
+    """A deep copy whose every tensor is an independent CPU clone, so changes the trainer makes in
+    place after `sample` returns never reach what is written. A tensor from another device keeps
+    a note of that device (see `origin_device`), which `encode` records."""
+    return _snapshot(payload, "payload")
+
+
+def _snapshot(obj: Any, where: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        dev = origin_device(obj)
+        if type(src) is not torch.Tensor:
+            src = src.as_subclass(torch.Tensor)
+        clone = src.to("cpu", copy=True) if src.device.type != "cpu" else src.clone()
+        if dev.type != "cpu":
+            setattr(clone, ORIGIN_ATTR, str(dev))
+        return clone
+    t = type(obj)
+    if t in SCALARS:
+        return obj
+    if t is dict or t is OrderedDict:
+        out = {} if t is dict else OrderedDict()
+        for k, v in obj.items():
+            out[k] = _snapshot(v, where + key_repr(k))
+        return out
+    if t is list:
+        return [_snapshot(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if t is tuple:
+        return tuple(_snapshot(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    if is_tensordict(obj) or is_non_tensor_data(obj):
+        # Keep the TensorDict (with its device, so encode records it) but own every tensor.
+        return obj.clone()
+    if np is not None and isinstance(obj, np.ndarray):
+        if obj.dtype.kind != "O":
+            return obj.copy()
+        out = np.empty(obj.size, dtype=object)
+        for i, v in enumerate(obj.ravel().tolist()):
+            out[i] = _snapshot(v, f"{where}[{i}]")
+        return out.reshape(obj.shape)
+    if np is not None and isinstance(obj, np.generic):
+        return obj
+    if registered_or_refuse(obj, where) is not None:
+        names, values = fields_of(obj)
+        copies = [_snapshot(v, f"{where}.{n}") for n, v in zip(names, values)]
+        if isinstance(obj, tuple):
+            return t._make(copies)
+        out = copy.copy(obj)  # keeps what __init__ would not rebuild; every field replaced below
+        for n, v in zip(names, copies):
+            object.__setattr__(out, n, v)
+        return out
+    raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
+
+
+def merge(payloads: Sequence[Any]) -> Any:
+    """Concatenate the mini-batches of a step in order into one payload.
+
+    Tensors: `torch.cat` on dim 0 (0-dim tensors are stacked); dicts key by key; lists concatenated;
+    tuples element by element; TensorDicts with `torch.cat`; NumPy arrays concatenated; equal
+    scalars and strings kept once, unequal ones become a list of the values in order."""
+    payloads = list(payloads)
+    if not payloads:
+        raise CodecError("merge: no mini-batches to merge")
+    return _merge(payloads, "payload")
+
+
+def _merge(items: List[Any], where: str) -> Any:
+    first = items[0]
+    if len(items) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(x, torch.Tensor) for x in items):
+            raise CodecError(f"{where}: cannot merge a tensor with {_type_names(items)}")
+        try:
+            if first.dim() == 0:
+                return torch.stack(items)
+            return torch.cat(items, dim=0)
+        except Exception as exc:
+            raise CodecError(f"{where}: cannot concatenate tensors: {exc}") from exc
+    if is_tensordict(first) or is_non_tensor_data(first):
+        try:
+            return torch.cat(items, dim=0)
+        except Exception as exc:
+            raise CodecError(f"{where}: cannot concatenate TensorDicts: {exc}") from exc
+    t = type(first)
+    if not all(type(x) is t for x in items):
+        raise CodecError(f"{where}: cannot merge values of different types: {_type_names(items)}")
+    if t is dict or t is OrderedDict:
+        keys = list(first.keys())
+        for x in items[1:]:
+            if list(x.keys()) != keys and set(x.keys()) != set(keys):
+                raise CodecError(f"{where}: mini-batches have different keys: {sorted(map(str, keys))} "
+                                 f"vs {sorted(map(str, x.keys()))}")
+        out = {} if t is dict else OrderedDict()
+        for k in keys:
+            out[k] = _merge([x[k] for x in items], where + key_repr(k))
+        return out
+    if t is list:
+        return [v for x in items for v in x]
+    if t is tuple:
+        n = len(first)
+        if any(len(x) != n for x in items):
+            raise CodecError(f"{where}: tuples of different lengths: {[len(x) for x in items]}")
+        return tuple(_merge([x[i] for x in items], f"{where}[{i}]") for i in range(n))
+    if np is not None and t is np.ndarray:
+        if first.ndim == 0:
+            return np.stack(items)
+        return np.concatenate(items, axis=0)
+    if t in SCALARS or (np is not None and isinstance(first, np.generic)):
+        if all(_same_scalar(x, first) for x in items[1:]):
+            return first
+        return list(items)
+    if registered_or_refuse(first, where) is not None:
+        names = fields_of(first)[0]
+        columns = [fields_of(x)[1] for x in items]
+        merged = [_merge([c[j] for c in columns], f"{where}.{n}") for j, n in enumerate(names)]
+        return construct(t, names, merged, where)
+    raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) or (a != a and b != b)  # NaN equals NaN here
+    except Exception:
+        return False
+
+
+def _type_names(items: Sequence[Any]) -> str:
+    return ", ".join(sorted({type(x).__name__ for x in items}))

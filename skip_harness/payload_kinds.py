@@ -1,0 +1,208 @@
+"""What a payload may hold, besides tensors and plain containers: the scalar types, the optional NumPy
+and tensordict kinds (None here when the package is missing), and the dataclass and namedtuple types
+registered by name with `register_type`.
+
+A registered type is rebuilt from this process's name -> class registry; nothing is ever imported or
+called by a name found in a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from skip_harness.errors import CodecError
+
+try:  # optional
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch wheels
+    np = None
+
+try:  # optional
+    from tensordict import TensorDictBase
+    from tensordict import TensorDict
+except Exception:  # ImportError, or a tensordict that does not match this torch
+    TensorDictBase = None
+    TensorDict = None
+
+try:  # optional, and newer than TensorDict itself
+    from tensordict import MetaData
+    from tensordict import NonTensorData
+    from tensordict import NonTensorStack
+except Exception:
+    MetaData = NonTensorData = NonTensorStack = None
+
+# Attribute `snapshot` sets on its CPU copy of a tensor that lived on another device, so that
+# `encode` still records where it came from.
+ORIGIN_ATTR = "_skip_harness_origin_device"
+
+SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+class UnregisteredTypeError(CodecError):
+    """A dataclass or namedtuple whose type is not registered (at write), or a file holding a registered
+    type's record whose name this process has not registered (at read). Not a corrupt file."""
+
+
+# --------------------------------------------------------------------------------------------
+# registered types (dataclasses and namedtuples)
+
+_registry_lock = threading.Lock()
+_by_name: Dict[str, type] = {}
+_by_class: Dict[type, str] = {}
+
+
+def _is_namedtuple_class(cls: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_type(cls: Optional[type] = None, name: Optional[str] = None):
+    """Let instances of a dataclass or namedtuple class be cached; they come back as that class.
+
+    `name` (default ``module.QualName``) is what the file records; loading rebuilds the instance from
+    the class registered under that name in the loading process (nothing is imported from the file),
+    so register the type in every process that reads or writes it. Returns the class, so it also works
+    as a decorator (``@register_type`` or ``@register_type(name="...")``)."""
+    if cls is None:
+        return lambda c: register_type(c, name)
+    if not isinstance(cls, type) or not (dataclasses.is_dataclass(cls) or _is_namedtuple_class(cls)):
+        raise CodecError(f"register_type: {cls!r} is not a dataclass or namedtuple class")
+    key = _qualified(cls) if name is None else name
+    if not isinstance(key, str) or not key:
+        raise CodecError(f"register_type: the name must be a non-empty string, got {key!r}")
+    with _registry_lock:
+        other = _by_name.get(key)
+        if other is not None and other is not cls and _qualified(other) != _qualified(cls):
+            raise CodecError(f"register_type: the name {key!r} is already registered for {_qualified(other)}")
+        old = _by_class.get(cls)
+        if old is not None and old != key:
+            del _by_name[old]
+        if other is not None and other is not cls:  # the same class defined again (a re-run notebook cell)
+            _by_class.pop(other, None)
+        _by_name[key] = cls
+        _by_class[cls] = key
+    return cls
+
+
+def unregister_type(cls: type) -> None:
+    """Forget a registered class (tests, notebooks)."""
+    with _registry_lock:
+        key = _by_class.pop(cls, None)
+        if key is not None:
+            _by_name.pop(key, None)
+
+
+def registered_name(cls: type) -> Optional[str]:
+    return _by_class.get(cls)
+
+
+def registered_or_refuse(obj: Any, where: str) -> Optional[str]:
+    """The registered name of a dataclass / namedtuple instance's type; None if obj is neither;
+    UnregisteredTypeError naming the type and how to register it if it is one but not registered."""
+    t = type(obj)
+    if not (_is_namedtuple_class(t) or (dataclasses.is_dataclass(t) and not isinstance(obj, type))):
+        return None
+    name = _by_class.get(t)
+    if name is None:
+        kind = "namedtuple" if _is_namedtuple_class(t) else "dataclass"
+        raise UnregisteredTypeError(
+            f"{where}: {_qualified(t)} is a {kind} whose type is not registered with the codec; call "
+            f"skip_harness.codec.register_type({t.__qualname__}) before caching it (and before loading it)"
+        )
+    return name
+
+
+def fields_of(obj: Any) -> Tuple[List[str], List[Any]]:
+    if isinstance(obj, tuple):
+        names = list(type(obj)._fields)
+        return names, list(obj)
+    names = [f.name for f in dataclasses.fields(obj)]
+    return names, [getattr(obj, n) for n in names]
+
+
+def rebuild(name: str, names: Sequence[str], values: Sequence[Any], where: str) -> Any:
+    cls = _by_name.get(name)
+    if cls is None:
+        short = name.rsplit(".", 1)[-1]
+        raise UnregisteredTypeError(
+            f"{where}: holds a {name} record, a type not registered in this process; call "
+            f"skip_harness.codec.register_type({short}) before loading it"
+        )
+    return construct(cls, list(names), list(values), where)
+
+
+def construct(cls: type, names: List[str], values: List[Any], where: str) -> Any:
+    if _is_namedtuple_class(cls):
+        if names != list(cls._fields):
+            raise CodecError(f"{where}: stored fields {names} differ from {_qualified(cls)}'s {list(cls._fields)}")
+        return cls._make(values)
+    fields = dataclasses.fields(cls)
+    if names != [f.name for f in fields]:
+        raise CodecError(f"{where}: stored fields {names} differ from {_qualified(cls)}'s "
+                         f"{[f.name for f in fields]}")
+    kwargs = {f.name: v for f, v in zip(fields, values) if f.init}
+    obj = cls(**kwargs)
+    for f, v in zip(fields, values):
+        if not f.init:
+            object.__setattr__(obj, f.name, v)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# kinds of value
+
+
+def key_repr(key: Any) -> str:
+    """How a dict key is shown in a position ("payload['x'][0]")."""
+    return f"[{key!r}]"
+
+
+def origin_device(tensor: torch.Tensor) -> torch.device:
+    """The device a tensor came from: its own, or for a `snapshot` copy, the original's."""
+    dev = getattr(tensor, ORIGIN_ATTR, None)
+    return torch.device(dev) if dev is not None else tensor.device
+
+
+def is_tensordict(obj: Any) -> bool:
+    return TensorDictBase is not None and isinstance(obj, TensorDictBase)
+
+
+def is_non_tensor_data(obj: Any) -> bool:
+    return NonTensorData is not None and isinstance(obj, (NonTensorData, MetaData))
+
+
+def is_non_tensor_stack(obj: Any) -> bool:
+    return NonTensorStack is not None and isinstance(obj, NonTensorStack)
+
+
+@functools.lru_cache(maxsize=None)
+def device_available(device: str) -> bool:
+    """Whether tensors can be put on `device` in this process (a recorded device may be absent here)."""
+    try:
+        dev = torch.device(device)
+    except Exception:
+        return False
+    if dev.type == "cpu":
+        return True
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    if dev.type == "mps":
+        return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    mod = getattr(torch, dev.type, None)
+    is_available = getattr(mod, "is_available", None)
+    if callable(is_available):
+        try:
+            if not is_available():
+                return False
+            count = getattr(mod, "device_count", None)
+            return dev.index is None or not callable(count) or dev.index < count()
+        except Exception:
+            return False
+    return dev.type == "meta"
