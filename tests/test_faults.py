@@ -18,6 +18,7 @@ import torch
 
 from conftest import subprocess_env
 from skip_harness import SkipHarness
+from skip_harness import fileops
 from skip_harness import store as store_mod
 from skip_harness.layout import TMP_PREFIX
 from skip_harness.scan import scan_namespace
@@ -171,7 +172,7 @@ class Injector:
         monkeypatch.setattr(os, "open", fake_open)
         monkeypatch.setattr(os, "fsync", fake_fsync)
         monkeypatch.setattr(os, "replace", fake_replace)
-        monkeypatch.setattr(store_mod, "open", fake_builtin_open, raising=False)
+        monkeypatch.setattr(fileops, "open", fake_builtin_open, raising=False)
         return self
 
 
