@@ -822,7 +822,7 @@ def render_table(r: Dict[str, Any]) -> str:
         + row("startup scan, 10,000 steps x K=4", f"{r['scan_10k_s']:.3f} s", f"{r['scan_full_10k_s']:.3f} s",
               "", tgt("scan_10k_s"))
         + "\n"
-        + f"miss staged by StepStore.stage_inner (store level, not yet the harness): {r['staged_overhead_ratio']:.2f} "
+        + f"the same miss through StepStore.stage_inner alone (store level, no harness): {r['staged_overhead_ratio']:.2f} "
           f"(CPU {r['staged_cpu_overhead_ratio']:.2f}); floor of any durable miss (one memcpy of the batch): "
           f"{r['step_floor_ratio']:.3f}\n"
         + f"CPU seconds per step (all threads): miss async {r['step_cpu_overhead_ratio']:.2f}, sync "
