@@ -27,10 +27,11 @@ is importable from here.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import OrderedDict
-from typing import Any, BinaryIO, Dict, Union
+from typing import Any, BinaryIO, Dict, Iterator, Union
 
 import torch
 
@@ -323,13 +324,8 @@ def load_from(path: Union[str, os.PathLike], mmap: bool = True) -> Any:
     spath = os.fspath(path)
     fd = tensorfile.open_nofollow(spath)
     try:
-        return decode(tensorfile.read(fd, spath, mmap))
-    except UnregisteredTypeError as exc:
-        raise UnregisteredTypeError(f"{spath}: {exc}") from None
-    except CodecError as exc:
-        raise CodecError(f"{spath}: {exc}") from None
-    except (OSError, ValueError, RecursionError, RuntimeError) as exc:
-        raise CodecError(f"{spath}: cannot be loaded: {tensorfile.sanitized(exc)}") from None
+        with _errors_naming(spath):
+            return decode(tensorfile.read(fd, spath, mmap))
     finally:
         os.close(fd)
 
@@ -341,10 +337,20 @@ def check_file(path: Union[str, os.PathLike]) -> None:
     spath = os.fspath(path)
     fd = tensorfile.open_nofollow(spath)
     try:
-        decode(tensorfile.read_skeleton(fd, spath), check_only=True)
+        with _errors_naming(spath):
+            decode(tensorfile.read_skeleton(fd, spath), check_only=True)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _errors_naming(spath: str) -> Iterator[None]:
+    """Every failure of loading `spath` as a CodecError (UnregisteredTypeError kept) naming the file once."""
+    try:
+        yield
+    except UnregisteredTypeError as exc:
+        raise UnregisteredTypeError(f"{spath}: {exc}") from None
     except CodecError as exc:
         raise CodecError(f"{spath}: {exc}") from None
     except (OSError, ValueError, RecursionError, RuntimeError) as exc:
         raise CodecError(f"{spath}: cannot be loaded: {tensorfile.sanitized(exc)}") from None
-    finally:
-        os.close(fd)
