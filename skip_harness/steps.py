@@ -129,9 +129,11 @@ class StepRunner:
             if self.dist.all_true(loaded.ok):
                 break
             if not loaded.ok:
-                self._failed[decision.source_step] = loaded.reason
                 self._fault(str(self.store.layout.step_dir(decision.source_step)),
                             f"{loaded.reason}; step {decision.source_step} is not served and is regenerated whole")
+            # rank 0 sets the step aside as skip.rollout_tq.cleanup says, whichever rank found the fault
+            reasons = [r for r in self.dist.gather(loaded.reason) if r is not None]
+            self._failed[decision.source_step] = reasons[0]
             excluded.add(decision.source_step)
             self.servable.discard(decision.source_step)
         state = _StepState(decision)

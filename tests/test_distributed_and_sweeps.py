@@ -43,16 +43,20 @@ def test_torchrun_two_ranks_shards_commits_and_hits(tmp_path):
     assert log.count("step 4: hit") == 1
 
 
-def test_torchrun_rank_shard_corruption_makes_every_rank_regenerate(tmp_path):
+@pytest.mark.parametrize("cleanup", ["delete", "quarantine"])
+def test_torchrun_rank_shard_corruption_makes_every_rank_regenerate(tmp_path, cleanup):
     launch(tmp_path, TORCHRUN, "first")
     [ns] = (tmp_path / "cache").glob("*/GBS*")
     shard = ns / "2" / "tq_batch_rank1.pt"
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0x01
     shard.write_bytes(bytes(data))
-    launch(tmp_path, TORCHRUN, "again")
+    launch(tmp_path, TORCHRUN, "again", f"skip.rollout_tq.cleanup={cleanup}")
     rows = metrics(tmp_path / "again")
     assert [r["cache"] for r in rows] == ["hit", "miss", "hit", "hit"]
+    # rank 0 set the step aside as cleanup says, though only rank 1's shard was bad
+    kept = list((ns / ".quarantine").glob("2-*/tq_batch_rank1.pt"))
+    assert (kept[0].read_bytes() == bytes(data)) if cleanup == "quarantine" else not kept
     assert training_metrics(rows) == training_metrics(metrics(tmp_path / "first"))
     log = (tmp_path / "again" / "train.log").read_text()
     assert "[rank 1]" in log and "tq_batch_rank1.pt" in log
