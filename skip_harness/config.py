@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
 from .layout import NamespaceKey
@@ -233,9 +234,8 @@ def to_demo_config(cfg: Any) -> DemoConfig:
 def _to_object(schema: type, cfg: Any, prefix: str) -> Any:
     """`cfg` (dict, DictConfig, dataclass instance or None) merged onto `schema` and turned into it.
 
-    OmegaConf's own errors (unknown key, wrong type) become one ConfigError naming the full key."""
-    from omegaconf.errors import OmegaConfBaseException
-
+    OmegaConf's own errors (unknown key, wrong type) become one ConfigError naming the full key; the
+    schemas' own checks already name theirs."""
     try:
         if dataclasses.is_dataclass(cfg) and isinstance(cfg, schema):
             base = OmegaConf.structured(cfg)
@@ -252,10 +252,6 @@ def _to_object(schema: type, cfg: Any, prefix: str) -> Any:
         full = f"{prefix}.{key}" if prefix and key else (prefix or key or "config")
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(full, reason) from None
-    except ConfigError as exc:
-        if prefix and not exc.key.startswith(prefix):
-            raise ConfigError(f"{prefix}.{exc.key.split('.')[-1]}", str(exc).split(": ", 1)[-1]) from None
-        raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(prefix or "config", f"not a mapping of settings: {exc}") from None
     return obj

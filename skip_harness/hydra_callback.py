@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 
 from .callbacks import LoggingCallback
 from .config import check_batch_split, namespace_key_from_config, rollout_tq_from
-from .startup import StartupResult, hand_over, prepare_namespace, withdraw
+from .startup import StartupResult, hand_over, prepare_namespace, take_over
 
 log = logging.getLogger("skip_harness")
 
@@ -68,7 +68,7 @@ class HydraStartupCallback(Callback):
 
     def on_job_end(self, config: Any, **kwargs: Any) -> None:
         result = self._held.pop(id(config), None)
-        if result is not None and withdraw(result.layout) is result:
+        if result is not None and take_over(result.layout) is result:
             result.release()  # nobody took it over (the job stopped before its harness started)
 
 

@@ -265,8 +265,3 @@ def take_over(layout: Layout) -> Optional[StartupResult]:
     """The startup handed over for `layout`, now owned by the caller (it releases the lock); else None."""
     with _HANDED_GUARD:
         return _HANDED.pop(str(layout.root), None)
-
-
-def withdraw(layout: Layout) -> Optional[StartupResult]:
-    """Take back a startup nobody took over (the Hydra callback at job end) — the caller releases it."""
-    return take_over(layout)
