@@ -64,10 +64,7 @@ def _plain_cpu_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
         t = t.as_subclass(torch.Tensor)
     if t.device.type != "cpu":
         t = t.cpu()
-    # A view into a larger storage would write the whole storage: keep just its elements.
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
+    return t  # a view into a larger storage is fine: only its own elements are written
 
 
 def encode(payload: Any) -> Any:
@@ -314,6 +311,19 @@ def save_to(fileobj: BinaryIO, payload: Any) -> int:
     The tensors' bytes are written straight from their memory (no pickling, no copy, no container).
     Returns the bytes written."""
     return tensorfile.write(fileobj, encode(payload))
+
+
+def plan(payload: Any) -> tensorfile.FileImage:
+    """`payload` encoded and laid out as a file image (for `tensorfile.pack_into`); raises what
+    `encode` raises for a payload the cache refuses."""
+    return tensorfile.plan(encode(payload))
+
+
+def load_buffer(buffer: Any, size: int, path: Union[str, os.PathLike]) -> Any:
+    """Decode a current-format file image of `size` bytes held in `buffer`, read from `path` (named in
+    errors); the tensors are views of the buffer's memory. Never runs code, like `load_from`."""
+    with _errors_naming(os.fspath(path)):
+        return decode(tensorfile.read_buffer(buffer, size))
 
 
 def load_from(path: Union[str, os.PathLike], mmap: bool = True) -> Any:

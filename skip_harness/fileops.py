@@ -28,7 +28,7 @@ WRITE_BUFFER_BYTES = 1 << 20
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def fsync_dir(fd: int) -> None:
     os.fsync(fd)
 
 
-def _tmp_name(final_name: str) -> str:
+def tmp_name(final_name: str) -> str:
     return f"{TMP_PREFIX}{final_name}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
@@ -163,7 +163,7 @@ def write_file_at(dir_fd: int, name: str, write: Callable[[Any], None]) -> Tuple
     return StagedFile(dir_fd, name, write).finish()
 
 
-def _drop_cached_pages(fd: int) -> None:
+def drop_cached_pages(fd: int) -> None:
     """Let the kernel drop a durable file's pages from the page cache. A cache file is read in a later run,
     not in this one; and writing into pages the kernel must first find and back costs several times the
     copy itself (measured: 285 ms of kernel time per 112 MiB into fresh pages, 29 ms into reused ones),
@@ -182,9 +182,9 @@ class StagedFile:
     thread. `discard()` removes the temporary file. Any failure removes it too and propagates."""
 
     def __init__(self, dir_fd: int, name: str, write: Callable[[Any], None], drop_cache: bool = False):
-        self.dir_fd, self.name, self.tmp = dir_fd, name, _tmp_name(name)
+        self.dir_fd, self.name, self.tmp = dir_fd, name, tmp_name(name)
         self.drop_cache = drop_cache
-        fd = os.open(self.tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
+        fd = os.open(self.tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
         self._file = None
         try:
             self._file = open(fd, "wb", buffering=WRITE_BUFFER_BYTES, closefd=True)
@@ -202,7 +202,7 @@ class StagedFile:
         try:
             os.fsync(self._file.fileno())
             if self.drop_cache:
-                _drop_cached_pages(self._file.fileno())
+                drop_cached_pages(self._file.fileno())
             self._file.close()
             os.replace(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         except BaseException:

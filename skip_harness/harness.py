@@ -31,6 +31,7 @@ from .prefetch import Prefetcher
 from .startup import StartupResult, start_namespace
 from .stats import HIT, MISS, OFF, REPEAT, RunStats, RunSummary
 from .steps import StepRunner
+from .bufferpool import BufferPool
 from .store import StepStore
 
 _DEFAULT = object()
@@ -218,7 +219,10 @@ class SkipHarness:
             self.callbacks.on_startup(namespace=str(layout.root), startup=run.startup, quiet=run.quiet)
 
     def _build(self, dist: DistContext, layout: Layout, servable: Sequence[int], read_only: bool) -> None:
-        store = StepStore(layout)
+        # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
+        # takes them), and one per pending write plus the one being staged.
+        pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
+        store = StepStore(layout, pool=pool)
         writer = Writer(self.settings.max_pending_writes, background=self.settings.async_write)
         self._coordinator = CommitCoordinator(store, dist, self.fingerprint, writer, self._fault,
                                               report_write=self.callbacks.on_write)
@@ -283,6 +287,7 @@ class SkipHarness:
             if not self._coordinator.close():
                 self._fault(str(self._runner.store.layout.root), "the writer did not finish in time; "
                             "its unfinished steps stay uncommitted")
+            self._runner.store.pool.close()
             self._release_startup()
         summary = self.summary()
         self.callbacks.on_end(summary=summary)

@@ -1,8 +1,8 @@
 """Loading a step to serve, now or one step ahead in the background.
 
 :func:`load_step` verifies this rank's files of a step (sizes and checksums against its commit
-record) and loads its K mini-batches (memory-mapped). :class:`Prefetcher` runs it for the next hit
-step on one reader thread while the trainer trains on the current one — bounded to one step ahead,
+record) and loads its K mini-batches, reading each file once (`StepStore.read_served`).
+:class:`Prefetcher` runs it for the next hit step on one reader thread while the trainer trains on the current one — bounded to one step ahead,
 cancelled at close. It only reads; what it found is reported on the trainer's thread.
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .codec import UnregisteredTypeError
-from .errors import CorruptStepError
 from .store import StepStore
 
 
@@ -45,13 +44,10 @@ def load_step(store: StepStore, step: int, rank: int) -> Loaded:
     """Verify and load this rank's K mini-batches of `step`; never raises for a bad step. A step holding a
     type this process has not registered is not bad: UnregisteredTypeError propagates (a usage error)."""
     t0 = time.perf_counter()
-    status, reason = store.verify_status(step, ranks=[rank])
-    if reason is None:
-        try:
-            batches = store.read_step(step, rank)
-            metas = [store.read_meta(step, i, rank) for i in range(store.layout.K)]
-        except (CorruptStepError, OSError, ValueError) as exc:
-            reason = str(exc)
+    try:
+        status, reason, batches, metas = store.read_served(step, rank)
+    except (OSError, ValueError) as exc:
+        status, reason = "corrupt", str(exc)
     if reason is not None:
         return Loaded(step, seconds=time.perf_counter() - t0, reason=reason)
     return Loaded(step, batches, metas, status == "unverified", time.perf_counter() - t0)

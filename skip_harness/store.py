@@ -22,7 +22,9 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from skip_harness import codec, index
+from skip_harness import codec, index, tensorfile
+from skip_harness.bufferpool import BufferPool, Lease
+from skip_harness.directio import read_into, write_buffer_at
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.fileops import (  # noqa: F401  (re-exported: the store's public names)
     CHUNK_BYTES, MAP_FROM, READ_FLAGS, WRITE_BUFFER_BYTES, HashingWriter, NotARealDirectory, StagedFile,
@@ -47,51 +49,57 @@ def _check_step(step: Any) -> None:
 
 
 class StagedInner:
-    """A payload written to its temporary file by `StepStore.stage_inner`; `complete()` makes it durable
-    and writes its meta.json (returning the two FileEntry), `discard()` abandons it. Exactly one of them,
-    once, from any thread."""
+    """A payload copied into a pool buffer and hashed by `StepStore.stage_inner`; `complete()` writes it
+    durably (O_DIRECT where the file system allows) and writes its meta.json, returning the two
+    FileEntry; `discard()` abandons it. Exactly one of them, once, from any thread."""
 
-    def __init__(self, dir_fd: int, staged: StagedFile, payload_rel: str, meta_rel: str, meta: Dict[str, Any]):
+    def __init__(self, dir_fd: int, lease: Lease, nbytes: int, checksum: str, payload_rel: str, meta_rel: str,
+                 meta: Dict[str, Any], drop_cache: bool):
         self._dir_fd: Optional[int] = dir_fd
-        self._staged = staged
+        self._lease: Optional[Lease] = lease
+        self.checksum = checksum
         self.payload_rel, self.meta_rel = payload_rel, meta_rel
         self._meta = meta
-        self.bytes = staged.bytes
+        self._drop_cache = drop_cache
+        self.bytes = nbytes
 
     def complete(self) -> Tuple[FileEntry, FileEntry]:
-        dir_fd = self._take()
+        dir_fd, lease = self._take()
         try:
-            size, checksum = self._staged.finish()
-            meta_doc = dict(self._meta, bytes=size, checksum=checksum, created=time.time())
+            checksum = self.checksum
+            write_buffer_at(dir_fd, PurePosixPath(self.payload_rel).name, lease, self.bytes, self._drop_cache)
+            lease.release()
+            meta_doc = dict(self._meta, bytes=self.bytes, checksum=checksum, created=time.time())
             meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
             meta_size, meta_checksum = write_file_at(dir_fd, PurePosixPath(self.meta_rel).name,
                                                      lambda f: f.write(meta_bytes))
         finally:
+            lease.release()
             os.close(dir_fd)
-        return FileEntry(self.payload_rel, size, checksum), FileEntry(self.meta_rel, meta_size, meta_checksum)
+        return FileEntry(self.payload_rel, self.bytes, checksum), FileEntry(self.meta_rel, meta_size, meta_checksum)
 
     def discard(self) -> None:
-        dir_fd = self._take()
-        try:
-            self._staged.discard()
-        finally:
-            os.close(dir_fd)
+        dir_fd, lease = self._take()
+        lease.release()
+        os.close(dir_fd)
 
-    def _take(self) -> int:
-        dir_fd, self._dir_fd = self._dir_fd, None
-        if dir_fd is None:
+    def _take(self) -> Tuple[int, Lease]:
+        dir_fd, lease, self._dir_fd, self._lease = self._dir_fd, self._lease, None, None
+        if dir_fd is None or lease is None:
             raise HarnessUsageError(f"{self.payload_rel}: this staged write was already completed or discarded")
-        return dir_fd
+        return dir_fd, lease
 
 
 class StepStore:
     """Atomic, durable writes and verified reads of the steps of one namespace."""
 
-    def __init__(self, layout: Layout, *, drop_written_pages: bool = True):
-        """`drop_written_pages`: once a payload file is durable, let the kernel drop it from the page
-        cache (the next write reuses those pages; a re-read in the same run then comes from the disk)."""
+    def __init__(self, layout: Layout, *, drop_written_pages: bool = True, pool: Optional[BufferPool] = None):
+        """`drop_written_pages`: where a payload is written through the page cache (a file system
+        without O_DIRECT), let the kernel drop its pages once it is durable. `pool`: the buffers
+        payloads are staged in and read into (the harness sizes one for its K; by default a small one)."""
         self.layout = layout
         self.drop_written_pages = drop_written_pages
+        self.pool = pool if pool is not None else BufferPool()
 
     # ---- writing
 
@@ -105,25 +113,31 @@ class StepStore:
 
     def stage_inner(self, step: int, inner_index: int, rank: int, payload: Any,
                     meta: Mapping[str, Any]) -> "StagedInner":
-        """The first half of `write_inner`, for the caller's thread: prepares the step's directories
-        (removing its commit record) and writes the payload's bytes to a temporary file -- the one copy
-        of the payload a write needs, after which the caller may change the payload in place. The
-        returned StagedInner's `complete()` (fsync, rename, meta.json; for a writer thread) or
-        `discard()` must follow. Raises what encoding or writing raises, leaving no temporary file."""
+        """The first half of `write_inner`, for the caller's thread: copies the payload's file image
+        into a pool buffer -- the one copy of the payload a write needs, after which the caller may
+        change the payload in place -- and prepares the step's directories (removing its commit
+        record). The returned StagedInner's `complete()` (write, fsync, rename, meta.json; for a
+        writer thread) or `discard()` must follow. Raises what encoding (CodecError) or preparing
+        the directories raises, leaving nothing behind."""
         _check_position(self.layout, step, inner_index, rank)
         layout = self.layout
         payload_rel = layout.payload_rel(inner_index, rank)
-        dir_fd = _open_inner_for_writing(layout, step, inner_index)
+        image = codec.plan(payload)
+        lease = self.pool.acquire(image.nbytes)
         try:
-            staged = StagedFile(dir_fd, PurePosixPath(payload_rel).name, lambda f: codec.save_to(f, payload),
-                                drop_cache=self.drop_written_pages)
+            tensorfile.pack_into(image, lease.array, self.pool.copier.copy)
+            # Hashed here, while the trainer's cores wait for sample anyway: on the writer thread the
+            # same hash slowed a training step on every core by twice its own time (measured).
+            checksum = checksum_bytes(lease.view(image.nbytes))
+            dir_fd = _open_inner_for_writing(layout, step, inner_index)
         except BaseException:
-            os.close(dir_fd)
+            lease.release()
             raise
         meta_doc = dict(meta)
         meta_doc.update(writer=WRITER_NAME, step=step, inner_index=inner_index, rank=rank, K=layout.K,
                         W=layout.W, payload=payload_rel, format=codec.FORMAT_VERSION)
-        return StagedInner(dir_fd, staged, payload_rel, layout.meta_rel(inner_index, rank), meta_doc)
+        return StagedInner(dir_fd, lease, image.nbytes, checksum, payload_rel, layout.meta_rel(inner_index, rank), meta_doc,
+                           self.drop_written_pages)
 
     def commit(self, step: int, entries: Sequence[FileEntry], fingerprint: Optional[Fingerprint],
                *, gen_s: Optional[float] = None) -> CommitRecord:
@@ -274,24 +288,97 @@ class StepStore:
             r = rank_of.get(entry.rel)
             if wanted is not None and r is not None and r not in wanted:
                 continue
-            try:
-                path = _real_file(self.layout, step, entry.rel)
-                size, digest = checksum_file(path)
-            except CorruptStepError as exc:
-                return str(exc)
-            except OSError as exc:
-                return f"{self.layout.step_dir(step) / entry.rel}: cannot be read: {exc.strerror or exc}"
-            if size != entry.bytes:
-                return f"{path}: {size} bytes, the commit record says {entry.bytes}"
-            if digest != entry.checksum:
-                return f"{path}: checksum {digest} does not match the commit record's {entry.checksum}"
+            reason = self._check_entry(step, entry)
+            if reason is not None:
+                return reason
         return None
+
+    def _check_entry(self, step: int, entry: FileEntry) -> Optional[str]:
+        try:
+            path = _real_file(self.layout, step, entry.rel)
+            size, digest = checksum_file(path)
+        except CorruptStepError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"{self.layout.step_dir(step) / entry.rel}: cannot be read: {exc.strerror or exc}"
+        return _mismatch(path, size, digest, entry)
+
+    def read_served(self, step: int, rank: int) -> Tuple[str, Optional[str], List[Any], List[Dict[str, Any]]]:
+        """This rank's K mini-batches of `step` and their metas for serving, verified in the pass that
+        reads them: (status, reason, batches, metas), reason None when the step can be served. A
+        complete step's payload files are each read once (O_DIRECT into a pool buffer), their size and
+        checksum checked against the commit record, and their tensors are views of that buffer; the
+        files of other ranks are not read (unknown extra files are checked). An unverified (older) step
+        is loaded without checksums. UnregisteredTypeError propagates (not a damaged file)."""
+        status, reason = self.status(step).status, None
+        if status in ("incomplete", "corrupt"):
+            return status, self.verify_status(step, [rank])[1], [], []
+        try:
+            if status == "unverified":
+                return status, None, self.read_step(step, rank), [self.read_meta(step, i, rank)
+                                                                  for i in range(self.layout.K)]
+            record = self.read_commit(step)
+            if record is None:
+                return "corrupt", f"{self.layout.commit_path(step)}: commit record disappeared", [], []
+            mine = {rel for _i, r, prel, mrel in expected_rels(self.layout) if r == rank for rel in (prel, mrel)}
+            others = {rel for _i, r, prel, mrel in expected_rels(self.layout) if r != rank for rel in (prel, mrel)}
+            entries = {e.rel: e for e in record.files}
+            for entry in record.files:
+                if entry.rel not in mine and entry.rel not in others:
+                    reason = self._check_entry(step, entry)
+                    if reason is not None:
+                        return "corrupt", reason, [], []
+            batches, metas = [], []
+            for i in range(self.layout.K):
+                prel, mrel = _payload_rel(self.layout, step, i, rank), _meta_rel(self.layout, step, i, rank)
+                if prel not in entries or mrel not in entries:
+                    return "corrupt", f"{self.layout.commit_path(step)}: lists no entry for {prel if prel not in entries else mrel}", [], []
+                metas.append(self._read_meta_checked(step, entries[mrel]))
+                batches.append(self._read_payload_checked(step, entries[prel]))
+        except CorruptStepError as exc:
+            return "corrupt", str(exc), [], []
+        return status, None, batches, metas
+
+    def _read_meta_checked(self, step: int, entry: FileEntry) -> Dict[str, Any]:
+        path = _real_file(self.layout, step, entry.rel)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        reason = _mismatch(path, len(data), checksum_bytes(data), entry)
+        if reason is not None:
+            raise CorruptStepError(path, _without_path(reason, path))
+        return _parse_meta(path, data)
+
+    def _read_payload_checked(self, step: int, entry: FileEntry) -> Any:
+        path = _real_file(self.layout, step, entry.rel)
+        try:
+            lease, size = read_into(str(path), self.pool)
+        except OSError as exc:
+            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        try:
+            reason = _mismatch(path, size, checksum_bytes(lease.view(size)), entry)
+            if reason is not None:
+                raise CorruptStepError(path, _without_path(reason, path))
+            if not tensorfile.is_current_image(lease.view(size)):
+                return self._load(path)          # the previous format: torch.load(weights_only=True)
+            try:
+                return codec.load_buffer(lease.array, size, path)
+            except codec.UnregisteredTypeError:
+                raise
+            except codec.CodecError as exc:
+                raise CorruptStepError(path, _without_path(str(exc), path)) from None
+        finally:
+            lease.release()
 
     def read_inner(self, step: int, inner_index: int, rank: int) -> Any:
         """Load the payload of (step, inner_index, rank). Reads K = 1 steps stored as {step}/tq_batch.pt
         and as {step}/0/tq_batch.pt. CorruptStepError(path, reason) if it cannot be loaded safely."""
         _check_position(self.layout, step, inner_index, rank)
-        path = _real_file(self.layout, step, _payload_rel(self.layout, step, inner_index, rank))
+        return self._load(_real_file(self.layout, step, _payload_rel(self.layout, step, inner_index, rank)))
+
+    def _load(self, path: Path) -> Any:
         try:
             return codec.load_from(path)
         except codec.UnregisteredTypeError:
@@ -308,13 +395,28 @@ class StepStore:
         path = _real_file(self.layout, step, _meta_rel(self.layout, step, inner_index, rank))
         try:
             with open(path, "rb") as f:
-                doc = json.loads(f.read())
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise CorruptStepError(path, f"meta file cannot be read: {reason}") from None
-        if not isinstance(doc, dict):
-            raise CorruptStepError(path, "meta file is not a JSON object")
-        return doc
+                data = f.read()
+        except OSError as exc:
+            raise CorruptStepError(path, f"meta file cannot be read: {exc.strerror or exc}") from None
+        return _parse_meta(path, data)
+
+
+def _parse_meta(path: Path, data: bytes) -> Dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptStepError(path, f"meta file cannot be read: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CorruptStepError(path, "meta file is not a JSON object")
+    return doc
+
+
+def _mismatch(path: Path, size: int, digest: str, entry: FileEntry) -> Optional[str]:
+    if size != entry.bytes:
+        return f"{path}: {size} bytes, the commit record says {entry.bytes}"
+    if digest != entry.checksum:
+        return f"{path}: checksum {digest} does not match the commit record's {entry.checksum}"
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ This module moves encoded structures (`codec.encode`'s output) to and from files
 from __future__ import annotations
 
 import base64
+import ctypes
 import functools
 import json
 import math
@@ -24,7 +25,8 @@ import os
 import re
 import struct
 from collections import OrderedDict
-from typing import Any, BinaryIO, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Dict, List, Tuple
 
 import torch
 
@@ -117,8 +119,6 @@ def _byte_view(t: torch.Tensor) -> Any:
     u8 = t.reshape(-1).view(torch.uint8)
     if np is not None:
         return memoryview(u8.numpy())
-    import ctypes  # pragma: no cover - numpy ships with torch wheels
-
     return ctypes.string_at(u8.data_ptr(), u8.numel())  # pragma: no cover
 
 
@@ -126,33 +126,70 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def write(fileobj: BinaryIO, structure: Any) -> int:
-    """Write an encoded structure to an open binary file object (anything with write()) in the current
-    format. The tensors' bytes are written straight from their memory (no pickling, no copy, no
-    container). Returns the bytes written."""
+@dataclass
+class FileImage:
+    """An encoded structure laid out as a file: `head` (preamble, header, zero padding up to the data),
+    then each tensor's bytes at its offset in `offsets` (from the start of the file), zeros between;
+    `nbytes` in all."""
+
+    head: bytes
+    tensors: List[torch.Tensor]
+    offsets: List[int]
+    nbytes: int
+
+
+def plan(structure: Any) -> FileImage:
+    """The file image of an encoded structure in the current format (no tensor bytes copied)."""
     tensors: List[torch.Tensor] = []
     tree = _pack(structure, tensors)
-    table, views, offset = [], [], 0
+    table, rel_offsets, offset, end = [], [], 0, 0
     for t in tensors:
-        if not t.is_contiguous():
-            t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         table.append([_dtype_name(t.dtype), list(t.shape), offset, nbytes])
-        views.append((offset, _byte_view(t) if nbytes else b""))
-        offset = _align(offset + nbytes)
+        rel_offsets.append(offset)
+        end = offset + nbytes
+        offset = _align(end)
     header = json.dumps({"format": FORMAT_VERSION, "tensors": table, "tree": tree},
                         ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
     head = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header)) + header
     data_start = _align(len(head))
-    fileobj.write(head + bytes(data_start - len(head)))
-    pos = 0
-    for off, view in views:
+    head += bytes(data_start - len(head))
+    return FileImage(head, tensors, [data_start + o for o in rel_offsets], data_start + end)
+
+
+def write(fileobj: BinaryIO, structure: Any) -> int:
+    """Write an encoded structure to an open binary file object (anything with write()) in the current
+    format, the tensors' bytes straight from their memory. Returns the bytes written."""
+    image = plan(structure)
+    fileobj.write(image.head)
+    pos = len(image.head)
+    for t, off in zip(image.tensors, image.offsets):
         if off > pos:
             fileobj.write(bytes(off - pos))
+        view = _byte_view(t.contiguous())
         if len(view):
             fileobj.write(view)
         pos = off + len(view)
-    return data_start + pos
+    return pos
+
+
+def pack_into(image: FileImage, buffer: Any, copy: Callable[[int, int, int], None]) -> None:
+    """Copy the file image into `buffer` (a writable ctypes array of at least image.nbytes bytes):
+    the one copy of the tensors a write needs. `copy(dst_address, src_address, nbytes)` moves the
+    bytes of contiguous tensors; other tensors are copied by torch."""
+    base = ctypes.addressof(buffer)
+    ctypes.memmove(base, image.head, len(image.head))
+    pos = len(image.head)
+    for t, off in zip(image.tensors, image.offsets):
+        if off > pos:
+            ctypes.memset(base + pos, 0, off - pos)
+        nbytes = t.numel() * t.element_size()
+        if nbytes and t.is_contiguous():
+            copy(base + off, t.data_ptr(), nbytes)
+        elif nbytes:
+            u8 = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=off)
+            u8.view(t.dtype).view(t.shape).copy_(t)
+        pos = off + nbytes
 
 
 def sanitized(exc: BaseException) -> str:
@@ -167,7 +204,11 @@ def sanitized(exc: BaseException) -> str:
 
 
 def _read_header(fd: int, size: int) -> Tuple[Dict[str, Any], int]:
-    head = os.pread(fd, _PREAMBLE.size, 0)
+    return _parse_header(lambda n, off: os.pread(fd, n, off), size)
+
+
+def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[str, Any], int]:
+    head = pread(_PREAMBLE.size, 0)
     if len(head) < _PREAMBLE.size:
         raise CodecError("truncated: no complete header")
     magic, version, _reserved, hlen = _PREAMBLE.unpack(head)
@@ -176,7 +217,7 @@ def _read_header(fd: int, size: int) -> Tuple[Dict[str, Any], int]:
                          + (" (written by a newer skip_harness)" if version > FORMAT_VERSION else ""))
     if hlen > min(size, _MAX_HEADER_BYTES):
         raise CodecError(f"truncated: the header says {hlen} bytes, the file has {size}")
-    raw = os.pread(fd, hlen, _PREAMBLE.size)
+    raw = pread(hlen, _PREAMBLE.size)
     if len(raw) != hlen:
         raise CodecError("truncated header")
     try:
@@ -243,6 +284,18 @@ def read(fd: int, spath: str, mmap: bool) -> Any:
                 raise CodecError("truncated while reading")
             got += n
     return _unpack(doc["tree"], _tensors_from(buf, doc, data_start))
+
+
+def is_current_image(view: memoryview) -> bool:
+    return bytes(view[:len(MAGIC)]) == MAGIC
+
+
+def read_buffer(buffer: Any, size: int) -> Any:
+    """The encoded structure of a current-format file image held in the first `size` bytes of
+    `buffer` (anything torch.frombuffer takes); its tensors are views of that memory."""
+    view = memoryview(buffer).cast("B")[:size]
+    doc, data_start = _parse_header(lambda n, off: bytes(view[off:off + n]), size)
+    return _unpack(doc["tree"], _tensors_from(buffer, doc, data_start))
 
 
 def read_skeleton(fd: int, spath: str) -> Any:

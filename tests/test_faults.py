@@ -120,7 +120,7 @@ class Injector:
         return OSError(self.err, os.strerror(self.err), path)
 
     def install(self, monkeypatch):
-        real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+        real_open, real_fsync, real_replace, real_pwrite = os.open, os.fsync, os.replace, os.pwrite
         injector = self
 
         def joined(name, dir_fd):
@@ -169,7 +169,14 @@ class Injector:
                 return FailingFile(f, _fd_path(file))
             return f
 
+        def fake_pwrite(fd, data, offset):   # payloads: written from a pool buffer (O_DIRECT)
+            path = _fd_path(fd)
+            if injector.call == "write" and injector.matches(path):
+                raise injector.error(path)
+            return real_pwrite(fd, data, offset)
+
         monkeypatch.setattr(os, "open", fake_open)
+        monkeypatch.setattr(os, "pwrite", fake_pwrite)
         monkeypatch.setattr(os, "fsync", fake_fsync)
         monkeypatch.setattr(os, "replace", fake_replace)
         monkeypatch.setattr(fileops, "open", fake_builtin_open, raising=False)

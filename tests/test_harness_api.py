@@ -176,13 +176,13 @@ def test_prefetch_loads_the_next_hit_ahead_and_is_cancelled_at_close(tmp_path, m
     h, _ = run()
     h.close()
     loads = []
-    real = StepStore.read_step
+    real = StepStore.read_served
 
-    def read_step(self, step, rank):
+    def read_served(self, step, rank):
         loads.append((step, threading.current_thread().name))
         return real(self, step, rank)
 
-    monkeypatch.setattr(StepStore, "read_step", read_step)
+    monkeypatch.setattr(StepStore, "read_served", read_served)
     h, t = run()
     assert [s for s, _ in loads] == [1, 2, 3]
     assert all(name.startswith("skip_harness-prefetch") for s, name in loads if s > 1)  # loaded ahead

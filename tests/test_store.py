@@ -402,18 +402,24 @@ def test_process_dying_inside_a_write_leaves_no_partial_final_file(tmp_path, die
     payload = {"x": torch.randn(1 << 16), "step": 1}
 
     def child():
-        orig = store_mod.HashingWriter.write
+        orig, orig_pwrite = store_mod.HashingWriter.write, os.pwrite
 
-        def write(self, data):
+        def write(self, data):  # meta.json (and commit.json) go through HashingWriter
             view = memoryview(data).cast("B")
-            is_meta = self.bytes == 0 and bytes(view[:1]) == b"{"
-            if (die_in == "meta") == is_meta and len(view) > 8:
+            if die_in == "meta" and len(view) > 8:
                 orig(self, view[: len(view) // 2])
                 self.flush()
                 os._exit(17)  # dies with the file half written: no cleanup code runs
             return orig(self, data)
 
+        def pwrite(fd, data, offset):  # payloads are written from a pool buffer
+            view = memoryview(data).cast("B")
+            orig_pwrite(fd, view[: len(view) // 2 // 4096 * 4096], offset)
+            os._exit(17)
+
         store_mod.HashingWriter.write = write
+        if die_in == "payload":
+            os.pwrite = pwrite
         st.write_inner(1, 0, 0, payload, {"note": "x"})
         os._exit(0)
 
@@ -569,7 +575,7 @@ def test_stage_inner_copies_the_payload_once_and_completes_on_another_thread(tmp
     x = torch.arange(10.0)
     staged = [st.stage_inner(1, i, 0, {"x": x, "i": i}, {"gen_s": 0.5}) for i in range(2)]
     x.fill_(-1)                                  # the trainer changes its batch right after sample
-    assert temp_files(st.layout.root) and not st.layout.payload_path(1, 0, 0).exists()
+    assert not temp_files(st.layout.root) and not st.layout.payload_path(1, 0, 0).exists()  # nothing written yet
     results = []
     t = threading.Thread(target=lambda: results.extend(s.complete() for s in staged))
     t.start()
@@ -589,20 +595,78 @@ def test_stage_inner_copies_the_payload_once_and_completes_on_another_thread(tmp
     assert not temp_files(st.layout.root)
 
 
-def test_durable_payloads_leave_the_page_cache_meta_and_commit_stay(tmp_path, monkeypatch):
+def _spy_opens(monkeypatch):
+    opened = []
+    real = os.open
+
+    def spy(path, flags, mode=0o777, *, dir_fd=None):
+        fd = real(path, flags, mode, dir_fd=dir_fd)
+        opened.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), flags))
+        return fd
+
+    monkeypatch.setattr(os, "open", spy)
+    return opened
+
+
+def _kind(name):
+    return name.split(".tmp-")[-1].split(".")[0]
+
+
+def test_payloads_are_written_and_read_past_the_page_cache(tmp_path, monkeypatch):
     st = make(tmp_path, K=2)
+    opened = _spy_opens(monkeypatch)
+    write_step(st, 1)
+    direct = sorted(_kind(n) for n, flags in opened if flags & os.O_DIRECT)
+    assert direct == ["tq_batch", "tq_batch"]                       # payloads only; meta and commit buffered
+    opened.clear()
+    status, reason, batches, metas = st.read_served(1, 0)
+    assert (status, reason, len(batches), len(metas)) == ("complete", None, 2, 2)
+    assert sorted(_kind(n) for n, flags in opened if flags & os.O_DIRECT) == ["tq_batch", "tq_batch"]
+    assert torch.equal(batches[1]["x"], st.read_inner(1, 1, 0)["x"])
+
+
+@pytest.mark.parametrize("refused_at", ["open", "io"])
+def test_without_o_direct_payloads_go_through_the_page_cache_and_leave_it(tmp_path, monkeypatch, refused_at):
+    """A file system that refuses O_DIRECT (EINVAL at open, like tmpfs on older kernels, or at the first
+    read or write): the same files, written and read through the page cache; written pages dropped."""
+    import errno as _errno
+    import fcntl
+
+    st = make(tmp_path, K=2)
+    real_open, real_pwrite, real_preadv = os.open, os.pwrite, os.preadv
+    refused = []
+
+    def no_direct_open(path, flags, mode=0o777, *, dir_fd=None):
+        if refused_at == "open" and flags & os.O_DIRECT:
+            refused.append(path)
+            raise OSError(_errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def checked(real):
+        def io(fd, *args):
+            if refused_at == "io" and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                refused.append(fd)
+                raise OSError(_errno.EINVAL, "Invalid argument")
+            return real(fd, *args)
+        return io
+
     advised = []
-    real = os.posix_fadvise
+    real_advise = os.posix_fadvise
 
     def spy(fd, offset, length, advice):
-        advised.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), advice))
-        return real(fd, offset, length, advice)
+        advised.append((_kind(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))), advice))
+        return real_advise(fd, offset, length, advice)
 
+    monkeypatch.setattr(os, "open", no_direct_open)
+    monkeypatch.setattr(os, "pwrite", checked(real_pwrite))
+    monkeypatch.setattr(os, "preadv", checked(real_preadv))
     monkeypatch.setattr(os, "posix_fadvise", spy)
     write_step(st, 1)
-    names = sorted(name.split(".tmp-")[-1].split(".")[0] for name, _ in advised)
-    assert names == ["tq_batch", "tq_batch"] and {a for _, a in advised} == {os.POSIX_FADV_DONTNEED}
-    assert st.verify_step(1) is None
+    assert len(refused) == 2
+    assert advised == [("tq_batch", os.POSIX_FADV_DONTNEED)] * 2
+    status, reason, batches, _ = st.read_served(1, 0)
+    assert (status, reason) == ("complete", None) and len(refused) == 4
+    assert torch.equal(batches[0]["x"], st.read_inner(1, 0, 0)["x"])
     advised.clear()
     write_step(StepStore(st.layout, drop_written_pages=False), 2)
     assert advised == []

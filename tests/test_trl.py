@@ -231,5 +231,5 @@ def test_attach_refuses_what_it_cannot_cache():
         integration.attach(SimpleNamespace(rollout_func=lambda p, t: {}, args=None))
     with pytest.raises(HarnessUsageError, match="tools"):
         integration.attach(SimpleNamespace(rollout_func=None, tools=[print], args=None))
-    with pytest.raises(HarnessUsageError, match="attach\(\) called twice"):
+    with pytest.raises(HarnessUsageError, match=r"attach\(\) called twice"):
         integration.attach(SimpleNamespace(rollout_func=None, tools=None, _generate_single_turn=print, args=None))
