@@ -2,15 +2,18 @@
 
 A step's commit record is written last, after every rank's payload and meta files are durable;
 rewriting or removing a step unlinks the commit record first. How one file is written, hashed and
-removed lives in `fileops`; the records of a step and how its status is classified, in `stepstatus`
-(both re-exported here).
+removed lives in `fileops` (payloads: `directio`, from `bufferpool` buffers); where a step's files
+are, in `steppaths`; the records of a step and how its status is classified, in `stepstatus`
+(`fileops` and `stepstatus` names re-exported here).
 
 Every operation goes through directory file descriptors opened with O_NOFOLLOW, so a step or inner
 directory that is a symlink is never entered: writing removes the link first, reading raises
-CorruptStepError. Only this module, `fileops`, `stepstatus`, `scan`, `index` and `lock` touch cache files.
+CorruptStepError. Only this module, `fileops`, `directio`, `steppaths`, `stepstatus`, `scan`, `index`
+and `lock` touch cache files.
 
 This module does no logging: it raises or returns, and the harness reports. `StepStore` holds no
-mutable state, so a prefetch thread may read and verify steps while the writer writes others.
+mutable state but its (thread-safe) buffer pool, so a prefetch thread may read and verify steps
+while the writer writes others.
 """
 from __future__ import annotations
 
@@ -33,16 +36,15 @@ from skip_harness.fileops import (  # noqa: F401  (re-exported: the store's publ
 )
 from skip_harness.fingerprint import Fingerprint
 from skip_harness.layout import COMMIT_NAME, Layout
+from skip_harness.steppaths import (
+    check_position, check_step, existing_rel, meta_rel_at, open_inner_for_writing, open_root, open_step,
+    payload_rel_at, real_file, step_dir_name, without_path,
+)
 from skip_harness.stepstatus import (  # noqa: F401  (re-exported: the store's public names)
     COMMIT_FORMAT, STATUSES, WRITER_NAME, CommitRecord, FileEntry, StepReport, classify_step,
     expected_rels, is_safe_rel, parse_commit, required_rels,
 )
 
-
-def _check_step(step: Any) -> None:
-    """Steps are ints >= 0 (the harness turns a trainer's integral step into an int first)."""
-    if type(step) is not int or step < 0:
-        raise HarnessUsageError(f"step must be an int >= 0, got {step!r}")
 
 # --------------------------------------------------------------------------------------------
 # the store
@@ -119,7 +121,7 @@ class StepStore:
         record). The returned StagedInner's `complete()` (write, fsync, rename, meta.json; for a
         writer thread) or `discard()` must follow. Raises what encoding (CodecError) or preparing
         the directories raises, leaving nothing behind."""
-        _check_position(self.layout, step, inner_index, rank)
+        check_position(self.layout, step, inner_index, rank)
         layout = self.layout
         payload_rel = layout.payload_rel(inner_index, rank)
         image = codec.plan(payload)
@@ -129,7 +131,7 @@ class StepStore:
             # Hashed here, while the trainer's cores wait for sample anyway: on the writer thread the
             # same hash slowed a training step on every core by twice its own time (measured).
             checksum = checksum_bytes(lease.view(image.nbytes))
-            dir_fd = _open_inner_for_writing(layout, step, inner_index)
+            dir_fd = open_inner_for_writing(layout, step, inner_index)
         except BaseException:
             lease.release()
             raise
@@ -146,7 +148,7 @@ class StepStore:
         the step's generation seconds, kept for tables. Refuses (raises) when an entry is missing or a
         listed file is not there with its size. Then appends the step to the namespace index (a hint:
         failing to append changes nothing but the next startup's speed)."""
-        _check_step(step)
+        check_step(step)
         layout = self.layout
         by_rel: Dict[str, FileEntry] = {}
         for e in entries:
@@ -162,7 +164,7 @@ class StepStore:
                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             )
         for e in by_rel.values():
-            path = _real_file(self.layout, step, e.rel)
+            path = real_file(self.layout, step, e.rel)
             size = os.lstat(path).st_size
             if size != e.bytes:
                 raise CorruptStepError(path, f"has {size} bytes, the entry to commit says {e.bytes}")
@@ -170,11 +172,11 @@ class StepStore:
                               tuple(sorted(by_rel.values(), key=lambda e: e.rel)), time.time(),
                               None if gen_s is None else float(gen_s))
         data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
-        root_fd = _open_root(self.layout, create=False)
+        root_fd = open_root(self.layout, create=False)
         if root_fd is None:
             raise CorruptStepError(layout.root, "namespace directory does not exist")
         try:
-            step_fd, _ = _open_step(self.layout, root_fd, step, create=False)
+            step_fd, _ = open_step(self.layout, root_fd, step, create=False)
         finally:
             os.close(root_fd)
         try:
@@ -189,11 +191,11 @@ class StepStore:
     def clear_step(self, step: int) -> int:
         """Remove a step so it can be rewritten: commit record first, then everything else; a step
         entry that is a symlink is unlinked, never entered. Returns the bytes freed (0 if absent)."""
-        root_fd = _open_root(self.layout, create=False)
+        root_fd = open_root(self.layout, create=False)
         if root_fd is None:
             return 0
         try:
-            return remove_entry_at(root_fd, _step_name(self.layout, step), self.layout.root)
+            return remove_entry_at(root_fd, step_dir_name(self.layout, step), self.layout.root)
         finally:
             os.close(root_fd)
 
@@ -262,7 +264,7 @@ class StepStore:
             if ranks is not None and r not in ranks:
                 continue
             try:
-                path = _real_file(self.layout, step, _existing_rel(self.layout, step, prel, self.layout.legacy_k1_rel(r)[0]))
+                path = real_file(self.layout, step, existing_rel(self.layout, step, prel, self.layout.legacy_k1_rel(r)[0]))
                 codec.check_file(path)
             except CorruptStepError as exc:
                 return str(exc)
@@ -295,7 +297,7 @@ class StepStore:
 
     def _check_entry(self, step: int, entry: FileEntry) -> Optional[str]:
         try:
-            path = _real_file(self.layout, step, entry.rel)
+            path = real_file(self.layout, step, entry.rel)
             size, digest = checksum_file(path)
         except CorruptStepError as exc:
             return str(exc)
@@ -330,7 +332,7 @@ class StepStore:
                         return "corrupt", reason, [], []
             batches, metas = [], []
             for i in range(self.layout.K):
-                prel, mrel = _payload_rel(self.layout, step, i, rank), _meta_rel(self.layout, step, i, rank)
+                prel, mrel = payload_rel_at(self.layout, step, i, rank), meta_rel_at(self.layout, step, i, rank)
                 if prel not in entries or mrel not in entries:
                     return "corrupt", f"{self.layout.commit_path(step)}: lists no entry for {prel if prel not in entries else mrel}", [], []
                 metas.append(self._read_meta_checked(step, entries[mrel]))
@@ -340,7 +342,7 @@ class StepStore:
         return status, None, batches, metas
 
     def _read_meta_checked(self, step: int, entry: FileEntry) -> Dict[str, Any]:
-        path = _real_file(self.layout, step, entry.rel)
+        path = real_file(self.layout, step, entry.rel)
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -348,11 +350,11 @@ class StepStore:
             raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
         reason = _mismatch(path, len(data), checksum_bytes(data), entry)
         if reason is not None:
-            raise CorruptStepError(path, _without_path(reason, path))
+            raise CorruptStepError(path, without_path(reason, path))
         return _parse_meta(path, data)
 
     def _read_payload_checked(self, step: int, entry: FileEntry) -> Any:
-        path = _real_file(self.layout, step, entry.rel)
+        path = real_file(self.layout, step, entry.rel)
         try:
             lease, size = read_into(str(path), self.pool)
         except OSError as exc:
@@ -360,7 +362,7 @@ class StepStore:
         try:
             reason = _mismatch(path, size, checksum_bytes(lease.view(size)), entry)
             if reason is not None:
-                raise CorruptStepError(path, _without_path(reason, path))
+                raise CorruptStepError(path, without_path(reason, path))
             if not tensorfile.is_current_image(lease.view(size)):
                 return self._load(path)          # the previous format: torch.load(weights_only=True)
             try:
@@ -368,15 +370,15 @@ class StepStore:
             except codec.UnregisteredTypeError:
                 raise
             except codec.CodecError as exc:
-                raise CorruptStepError(path, _without_path(str(exc), path)) from None
+                raise CorruptStepError(path, without_path(str(exc), path)) from None
         finally:
             lease.release()
 
     def read_inner(self, step: int, inner_index: int, rank: int) -> Any:
         """Load the payload of (step, inner_index, rank). Reads K = 1 steps stored as {step}/tq_batch.pt
         and as {step}/0/tq_batch.pt. CorruptStepError(path, reason) if it cannot be loaded safely."""
-        _check_position(self.layout, step, inner_index, rank)
-        return self._load(_real_file(self.layout, step, _payload_rel(self.layout, step, inner_index, rank)))
+        check_position(self.layout, step, inner_index, rank)
+        return self._load(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank)))
 
     def _load(self, path: Path) -> Any:
         try:
@@ -384,15 +386,15 @@ class StepStore:
         except codec.UnregisteredTypeError:
             raise  # not a damaged file: this process has not registered a type the payload holds
         except codec.CodecError as exc:
-            raise CorruptStepError(path, _without_path(str(exc), path)) from None
+            raise CorruptStepError(path, without_path(str(exc), path)) from None
 
     def read_step(self, step: int, rank: int) -> List[Any]:
         """The K mini-batches of this rank in inner order."""
         return [self.read_inner(step, i, rank) for i in range(self.layout.K)]
 
     def read_meta(self, step: int, inner_index: int, rank: int) -> Dict[str, Any]:
-        _check_position(self.layout, step, inner_index, rank)
-        path = _real_file(self.layout, step, _meta_rel(self.layout, step, inner_index, rank))
+        check_position(self.layout, step, inner_index, rank)
+        path = real_file(self.layout, step, meta_rel_at(self.layout, step, inner_index, rank))
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -417,116 +419,3 @@ def _mismatch(path: Path, size: int, digest: str, entry: FileEntry) -> Optional[
     if digest != entry.checksum:
         return f"{path}: checksum {digest} does not match the commit record's {entry.checksum}"
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# positions and paths of a step
-
-
-def _check_position(layout: Layout, step: int, inner_index: int, rank: int) -> None:
-    _check_step(step)
-    if not 0 <= inner_index < layout.K:
-        raise HarnessUsageError(f"inner index {inner_index} is outside 0..{layout.K - 1} (K={layout.K})")
-    if not 0 <= rank < layout.W:
-        raise HarnessUsageError(f"rank {rank} is outside 0..{layout.W - 1} (W={layout.W})")
-
-def _step_name(layout: Layout, step: int) -> str:
-    return layout.step_dir(step).name
-
-def _open_root(layout: Layout, create: bool) -> Optional[int]:
-    root = layout.root
-    if create:
-        os.makedirs(root, exist_ok=True)
-    try:
-        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-
-def _open_step(layout: Layout, root_fd: int, step: int, create: bool) -> Tuple[int, bool]:
-    try:
-        return open_dir_at(_step_name(layout, step), root_fd, create=create)
-    except NotARealDirectory as exc:
-        raise CorruptStepError(layout.step_dir(step), f"step directory {exc.what}") from None
-    except FileNotFoundError:
-        raise CorruptStepError(layout.step_dir(step), "step directory does not exist") from None
-
-def _real_file(layout: Layout, step: int, rel: str) -> Path:
-    """The path of step/rel after checking that no component is a symlink and it is a regular file."""
-    step_dir = layout.step_dir(step)
-    path = step_dir
-    parts = PurePosixPath(rel).parts
-    try:
-        st = os.lstat(step_dir)
-        if not stat.S_ISDIR(st.st_mode):
-            raise CorruptStepError(step_dir, f"step directory {describe_mode(st.st_mode)}")
-        for i, part in enumerate(parts):
-            path = path / part
-            st = os.lstat(path)
-            last = i == len(parts) - 1
-            if not last and not stat.S_ISDIR(st.st_mode):
-                raise CorruptStepError(path, f"inner directory {describe_mode(st.st_mode)}")
-            if last and not stat.S_ISREG(st.st_mode):
-                raise CorruptStepError(path, f"{describe_mode(st.st_mode)}; expected a regular file")
-    except FileNotFoundError:
-        raise CorruptStepError(path, "missing") from None
-    return path
-
-def _existing_rel(layout: Layout, step: int, rel: str, legacy_rel: str) -> str:
-    """`rel`, or for K = 1 the older `0/` form `legacy_rel` when that is what exists."""
-    if layout.K == 1 and not os.path.lexists(layout.step_dir(step) / rel):
-        if os.path.lexists(layout.step_dir(step) / legacy_rel):
-            return legacy_rel
-    return rel
-
-def _payload_rel(layout: Layout, step: int, inner_index: int, rank: int) -> str:
-    return _existing_rel(layout, step, layout.payload_rel(inner_index, rank), layout.legacy_k1_rel(rank)[0])
-
-def _meta_rel(layout: Layout, step: int, inner_index: int, rank: int) -> str:
-    return _existing_rel(layout, step, layout.meta_rel(inner_index, rank), layout.legacy_k1_rel(rank)[1])
-
-
-def _open_inner_for_writing(layout: Layout, step: int, inner_index: int) -> int:
-    """The fd of the directory an inner index's files are written in: the step's directories are
-    created (an entry in their place that is a symlink or a file is removed first, never followed) and
-    the step's commit record is removed (the step is being rewritten)."""
-    step_name = _step_name(layout, step)
-    root_fd = _open_root(layout, create=True)
-    try:
-        try:
-            step_fd, created = open_dir_at(step_name, root_fd, create=True)
-        except NotARealDirectory:
-            remove_entry_at(root_fd, step_name, layout.root)
-            step_fd, created = open_dir_at(step_name, root_fd, create=True)
-        if created:
-            fsync_dir(root_fd)
-    finally:
-        os.close(root_fd)
-    inner_fd = step_fd
-    try:
-        if lstat_at(COMMIT_NAME, step_fd) is not None:
-            os.unlink(COMMIT_NAME, dir_fd=step_fd)
-            fsync_dir(step_fd)
-        inner_rel = layout.inner_rel(inner_index)
-        if str(inner_rel) != ".":
-            inner_name = inner_rel.name
-            try:
-                inner_fd, created = open_dir_at(inner_name, step_fd, create=True)
-            except NotARealDirectory:
-                os.unlink(inner_name, dir_fd=step_fd)
-                inner_fd, created = open_dir_at(inner_name, step_fd, create=True)
-            if created:
-                fsync_dir(step_fd)
-    except BaseException:
-        if inner_fd != step_fd:
-            os.close(inner_fd)
-        os.close(step_fd)
-        raise
-    if inner_fd != step_fd:
-        os.close(step_fd)
-    return inner_fd
-
-
-def _without_path(message: str, path: Path) -> str:
-    """`message` without a leading "{path}: " (a CorruptStepError names the path itself)."""
-    prefix = f"{path}: "
-    return message[len(prefix):] if message.startswith(prefix) else message
