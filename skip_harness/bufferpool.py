@@ -85,7 +85,9 @@ class BufferPool:
     def __init__(self, max_free: int = 2):
         self.max_free = max(0, int(max_free))
         self._free: List[mmap.mmap] = []
-        self._lock = threading.Lock()
+        # Reentrant: a buffer's finalizer may run in a garbage collection triggered while this thread
+        # holds the lock.
+        self._lock = threading.RLock()
         self._closed = False
         self.allocated = 0          # buffers ever allocated (a test and the bench read it)
         self.copier = Copier()

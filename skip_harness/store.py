@@ -356,6 +356,8 @@ class StepStore:
     def _read_payload_checked(self, step: int, entry: FileEntry) -> Any:
         path = real_file(self.layout, step, entry.rel)
         try:
+            if os.lstat(path).st_size != entry.bytes:     # before reading: never a buffer for a wrong size
+                raise CorruptStepError(path, f"{os.lstat(path).st_size} bytes, the commit record says {entry.bytes}")
             lease, size = read_into(str(path), self.pool)
         except OSError as exc:
             raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
