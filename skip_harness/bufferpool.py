@@ -22,13 +22,14 @@ This module allocates and copies memory and touches no file.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import os
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Deque, List, Optional
 
 ALIGN = 4096                    # O_DIRECT alignment of buffer addresses, offsets and lengths
 _GRANULE = 1 << 20              # buffers are sized in whole MiB, so a slightly larger batch reuses one
@@ -85,9 +86,10 @@ class BufferPool:
     def __init__(self, max_free: int = 2):
         self.max_free = max(0, int(max_free))
         self._free: List[mmap.mmap] = []
-        # Reentrant: a buffer's finalizer may run in a garbage collection triggered while this thread
-        # holds the lock.
-        self._lock = threading.RLock()
+        # Buffers given back by finalizers, which run on any thread and even inside a garbage collection
+        # in the middle of `acquire`: they only append here (atomic), the lock holder sorts them in.
+        self._returned: Deque[mmap.mmap] = collections.deque()
+        self._lock = threading.Lock()
         self._closed = False
         self.allocated = 0          # buffers ever allocated (a test and the bench read it)
         self.copier = Copier()
@@ -96,6 +98,7 @@ class BufferPool:
         """A lease on a buffer of at least `nbytes` (rounded up to ALIGN; at least ALIGN)."""
         need = round_up(max(1, nbytes))
         with self._lock:
+            self._take_returned()
             fits = [m for m in self._free if len(m) >= need]
             mm = min(fits, key=len) if fits else None
             if mm is not None:
@@ -109,16 +112,22 @@ class BufferPool:
         return Lease(array, len(mm))
 
     def _give_back(self, mm: mmap.mmap) -> None:
-        with self._lock:
-            if not self._closed:
-                self._free.append(mm)
-                if len(self._free) > self.max_free:
-                    self._free.sort(key=len)
-                    del self._free[0]           # the smallest goes; its memory is unmapped when freed
+        if not self._closed:
+            self._returned.append(mm)
+
+    def _take_returned(self) -> None:
+        """Under the lock: returned buffers become idle ones, the smallest dropped beyond max_free (their
+        memory is unmapped when the last reference goes)."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        if len(self._free) > self.max_free:
+            self._free.sort(key=len)
+            del self._free[:len(self._free) - self.max_free]
 
     @property
     def idle(self) -> int:
         with self._lock:
+            self._take_returned()
             return len(self._free)
 
     def close(self) -> None:
@@ -126,6 +135,7 @@ class BufferPool:
         with self._lock:
             self._closed = True
             self._free.clear()
+            self._returned.clear()
         self.copier.close()
 
 
@@ -152,9 +162,20 @@ class Copier:
         size = -(-nbytes // parts)
         futures = [pool.submit(ctypes.memmove, dst + i * size, src + i * size, min(size, nbytes - i * size))
                    for i in range(1, parts)]
-        ctypes.memmove(dst, src, size)
-        for f in futures:
-            f.result()
+        try:
+            ctypes.memmove(dst, src, size)
+        finally:
+            # Every part must have landed before the caller may release the buffer -- even when this
+            # thread is interrupted (Ctrl-C) while waiting: the helpers hold only its address.
+            interrupted: Optional[BaseException] = None
+            while True:
+                try:
+                    wait(futures)
+                    break
+                except BaseException as exc:
+                    interrupted = exc
+            if interrupted is not None:
+                raise interrupted
 
     def _helpers(self) -> ThreadPoolExecutor:
         with self._lock:

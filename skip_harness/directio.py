@@ -15,12 +15,51 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 from typing import Tuple
 
 from skip_harness.bufferpool import ALIGN, BufferPool, Lease, round_up
 from skip_harness.fileops import CREATE_FLAGS, READ_FLAGS, drop_cached_pages, tmp_name, fsync_dir
 
 _DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class _ForkGuard:
+    """Holds `os.fork` until no direct read or write is in flight. A pool buffer is private memory;
+    on older kernels (before about 5.17) a fork during direct I/O into it copies pages under the
+    transfer, so the parent can read stale bytes (a good step would fail its checksum). I/O calls
+    enter and leave freely in parallel; a fork waits for them to drain (at most one transfer)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            self._active += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()                  # no new transfer starts; held through the fork
+        while self._active:
+            self._cond.wait()
+
+    def after_fork_parent(self) -> None:
+        self._cond.release()
+
+    def after_fork_child(self) -> None:
+        self.__init__()                       # the child has no transfer in flight
+
+
+_FORK_GUARD = _ForkGuard()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_FORK_GUARD.before_fork, after_in_parent=_FORK_GUARD.after_fork_parent,
+                        after_in_child=_FORK_GUARD.after_fork_child)
 
 
 def _open(path: str, flags: int, mode: int = 0o644, dir_fd=None) -> Tuple[int, bool]:
@@ -39,27 +78,28 @@ def _buffered(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_DIRECT)
 
 
-def _pwrite_all(fd: int, view: memoryview, nbytes: int, direct: bool) -> bool:
-    """Write view[:nbytes] at offset 0; with `direct`, whole ALIGN blocks (the caller truncates).
-    Returns whether the bytes went out direct."""
+def _pwrite_all(fd: int, view: memoryview, nbytes: int, direct: bool) -> int:
+    """Write view[:nbytes] at offset 0; with `direct`, whole ALIGN blocks. Returns the extent written
+    (from nbytes up to round_up(nbytes): the caller truncates)."""
     end = round_up(nbytes) if direct else nbytes
     done = 0
     while done < end:
         try:
-            n = os.pwrite(fd, view[done:end], done)
+            with _FORK_GUARD:
+                n = os.pwrite(fd, view[done:end], done)
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
                 raise
             _buffered(fd)
-            direct, end = False, nbytes
+            direct, end = False, max(done, nbytes)
             continue
         if n <= 0:
             raise OSError(errno.EIO, "write made no progress")
         done += n
         if direct and done % ALIGN and done < end:
             _buffered(fd)            # a short direct write: finish through the page cache
-            direct, end = False, nbytes
-    return direct
+            direct, end = False, max(done, nbytes)
+    return done
 
 
 def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cache: bool = True) -> None:
@@ -70,12 +110,11 @@ def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cach
     fd, direct = _open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
     try:
         try:
-            direct = _pwrite_all(fd, lease.view(), nbytes, direct)
-            if direct and nbytes % ALIGN:
-                os.ftruncate(fd, nbytes)
+            if _pwrite_all(fd, lease.view(), nbytes, direct) > nbytes:
+                os.ftruncate(fd, nbytes)          # the padding of the last direct block
             os.fsync(fd)
-            if not direct and drop_cache:
-                drop_cached_pages(fd)
+            if drop_cache:
+                drop_cached_pages(fd)             # a no-op for what went out direct
         finally:
             os.close(fd)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -100,7 +139,8 @@ def read_into(path: str, pool: BufferPool) -> Tuple[Lease, int]:
         got = 0
         while got < size:
             try:
-                n = os.preadv(fd, [view[got:end]], got)
+                with _FORK_GUARD:
+                    n = os.preadv(fd, [view[got:end]], got)
             except OSError as exc:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise

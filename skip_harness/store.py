@@ -312,9 +312,10 @@ class StepStore:
         checksum checked against the commit record, and their tensors are views of that buffer; the
         files of other ranks are not read (unknown extra files are checked). An unverified (older) step
         is loaded without checksums. UnregisteredTypeError propagates (not a damaged file)."""
-        status, reason = self.status(step).status, None
+        report = self.status(step)
+        status, reason = report.status, None
         if status in ("incomplete", "corrupt"):
-            return status, self.verify_status(step, [rank])[1], [], []
+            return status, f"{status}: {report.reason}", [], []
         try:
             if status == "unverified":
                 return status, None, self.read_step(step, rank), [self.read_meta(step, i, rank)

@@ -137,3 +137,120 @@ def test_served_batches_stay_intact_while_held_and_buffers_are_reused_once_dropp
     pool = h._runner.store.pool
     h.close()
     assert trainer.generated == 0 and pool.allocated <= 3
+
+
+# ---------------------------------------------------------------------- found in review
+
+
+def test_an_interrupted_copy_waits_for_its_helpers_before_the_buffer_can_go(monkeypatch):
+    """The helpers hold only the buffer's address: a Ctrl-C while the caller waits must not let the
+    caller release the buffer (and the pool hand it out again) while they still write into it."""
+    import threading
+    import time as _time
+    import types
+
+    from skip_harness import bufferpool
+
+    real_memmove = ctypes.memmove
+
+    def memmove(dst, src, n):
+        if threading.current_thread().name.startswith("skip_harness-copy"):
+            _time.sleep(0.2)
+        return real_memmove(dst, src, n)
+
+    calls = []
+    real_wait = bufferpool.wait
+
+    def wait(fs):
+        calls.append(len(fs))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(fs)
+
+    monkeypatch.setattr(bufferpool, "ctypes", types.SimpleNamespace(memmove=memmove))
+    monkeypatch.setattr(bufferpool, "wait", wait)
+    copier = Copier(threads=2)
+    src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    with pytest.raises(KeyboardInterrupt):
+        copier.copy(dst.data_ptr(), src.data_ptr(), src.numel())
+    assert torch.equal(dst, src)              # every part had landed when the interrupt went up
+    copier.close()
+
+
+def test_a_step_that_changes_status_while_read_is_never_served_empty(tmp_path, monkeypatch):
+    from skip_harness.stepstatus import StepReport
+
+    st = StepStore(Layout(tmp_path / "ns", K=1, W=1))
+    st.commit(1, st.write_inner(1, 0, 0, {"x": torch.ones(3)}, {}), None)
+    real = StepStore.status
+    seen = []
+
+    def status(self, step):
+        seen.append(step)
+        report = real(self, step)
+        # incomplete when first looked at, complete again by any later look
+        if len(seen) == 1:
+            return StepReport(step, report.path, "incomplete", 0, "being rewritten", None, False)
+        return report
+
+    monkeypatch.setattr(StepStore, "status", status)
+    got_status, reason, batches, _ = st.read_served(1, 0)
+    assert got_status == "incomplete" and reason == "incomplete: being rewritten" and batches == []
+
+
+def test_a_short_direct_write_past_the_end_is_truncated_to_the_payload(tmp_path, monkeypatch):
+    from skip_harness import directio
+
+    pool = BufferPool()
+    lease = pool.acquire(5000)
+    lease.view(5000)[:] = bytes(range(256)) * 19 + bytes(136)
+    real = os.pwrite
+
+    def short(fd, data, offset):  # the first direct write reports stopping unaligned, past the payload's end
+        n = real(fd, data, offset)
+        return 5100 if offset == 0 and n == 8192 else n
+
+    monkeypatch.setattr(os, "pwrite", short)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        directio.write_buffer_at(dir_fd, "f.bin", lease, 5000)
+    finally:
+        os.close(dir_fd)
+    assert (tmp_path / "f.bin").read_bytes() == bytes(lease.view(5000))
+
+
+def test_a_fork_waits_for_direct_io_in_flight(tmp_path, monkeypatch):
+    """Pool buffers are private memory: on older kernels a fork during direct I/O into one can leave the
+    parent stale bytes. A fork waits until no transfer is in flight."""
+    import threading
+    import time as _time
+
+    from skip_harness import directio
+
+    pool = BufferPool()
+    lease = pool.acquire(1 << 20)
+    events, real = [], os.pwrite
+    started = threading.Event()
+
+    def slow(fd, data, offset):
+        events.append("io start")
+        started.set()
+        _time.sleep(0.3)
+        n = real(fd, data, offset)
+        events.append("io end")
+        return n
+
+    monkeypatch.setattr(os, "pwrite", slow)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    t = threading.Thread(target=directio.write_buffer_at, args=(dir_fd, "f.bin", lease, 1 << 20))
+    t.start()
+    started.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    events.append("forked")
+    os.waitpid(pid, 0)
+    t.join()
+    os.close(dir_fd)
+    assert events == ["io start", "io end", "forked"]
