@@ -19,7 +19,9 @@ arms alike. The keys of SPEC "Benchmark":
                        SkipHarness that misses every step and writes on its background thread, vs the same
                        step with caching off (per-step medians; every arm open at once, in its own
                        namespace, the arms taking turns step by step). `..._1thread`: the same on one thread.
-- sync_overhead_ratio  the same, writing inside `sample` (async_write=False), as verl does.
+- sync_overhead_ratio  the same, writing inside `sample` (async_write=False), synchronously as verl does;
+                       verl_sync_overhead_ratio: the same step writing as verl's skip does (torch.save
+                       of the batch inside the step, no fsync, no checksum).
                        (`*_cpu_overhead_ratio`: the same ratios of the process's CPU seconds per step, every
                        thread counted -- what a step costs a machine whose cores are all busy, and a figure
                        other jobs sharing the machine cannot move much.)
@@ -454,6 +456,46 @@ class FloorArm:
             raise BenchError(f"floor writes: {self.written} of {steps} were written")
 
 
+class VerlArm:
+    """A miss as verl's rollout skip writes it: `torch.save` of the batch to its file inside the step,
+    synchronously (no fsync, no checksum). Labelled `verl` in the results."""
+
+    def __init__(self, payload: Any, dump_dir: Path):
+        self.mode = "verl"
+        self.dir = dump_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.trainer = SyntheticTrainer(payload)
+        self.times: List[float] = []
+        self.cpu: List[float] = []
+        self.flush_s: List[float] = []
+
+    def step(self, step: int, compute: Compute) -> None:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        batch = self.trainer.sample(step)
+        torch.save(batch, self.dir / f"{step}.pt")
+        touch(batch)
+        compute.run()
+        self.times.append(time.perf_counter() - t0)
+        del batch
+        t1 = time.perf_counter()
+        # Untimed: the dirty pages written back and dropped now, so that the kernel's writeback never
+        # lands in another arm's step.
+        fd = os.open(self.dir / f"{step}.pt", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        self.flush_s.append(time.perf_counter() - t1)
+        self.cpu.append(time.process_time() - c0)
+
+    def close(self, steps: int) -> None:
+        written = len(list(self.dir.glob("*.pt")))
+        if written != steps:
+            raise BenchError(f"verl-style writes: {written} of {steps} were written")
+
+
 class TrainingArm:
     """One arm of the training-step comparison: its own harness, trainer and namespace, open throughout."""
 
@@ -505,8 +547,9 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
     total = 1 + steps * rounds
     if "hit" in modes:  # the cache the hit arm reads: written once, untimed
         run_training_block("async", payload, Compute(8), total, work / "steps_hit", keep=True)
-    arms = {m: FloorArm(payload, work / f"steps_{m}") if m == "floor" else TrainingArm(m, payload, work / f"steps_{m}")
-            for m in modes}
+    special = {"floor": FloorArm, "verl": VerlArm}
+    arms = {m: special.get(m, TrainingArm)(payload, work / f"steps_{m}") if m in special
+            else TrainingArm(m, payload, work / f"steps_{m}") for m in modes}
     try:
         for step in range(1, total + 1):
             order = list(modes) if step % 2 else list(reversed(modes))
@@ -762,9 +805,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         for p in bare.values():
             p.unlink()
 
-        log.info("training steps: caching off / async write / sync write / hit / batch in memory, "
+        log.info("training steps: caching off / async write / sync write / verl-style / floor / hit / batch in memory, "
                  "%d steps x %d rounds, on %d thread(s)", args.steps_per_arm, args.step_rounds, args.compute_threads)
-        modes = ("off", "async", "sync", "floor", "hit", "memory")
+        modes = ("off", "async", "sync", "verl", "floor", "hit", "memory")
         many = _with_threads(args.compute_threads, lambda: bench_steps(
             payload, work, result["bare_save_s"], args.steps_per_arm, args.step_rounds, args.compute_threads, modes))
         result.update({
@@ -772,6 +815,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "step_sync_s": many["sync_s"], "step_hit_s": many["hit_s"], "step_memory_s": many["memory_s"],
             "step_overhead_ratio": many["async_s"] / many["off_s"],
             "sync_overhead_ratio": many["sync_s"] / many["off_s"],
+            "verl_sync_overhead_ratio": many["verl_s"] / many["off_s"], "step_verl_s": many["verl_s"],
             "hit_overhead_ratio": many["hit_s"] / many["memory_s"],
             # CPU seconds of the whole process per step (compute threads, writer, prefetch): what the
             # step costs a machine whose every core is busy, independent of other jobs' load.
@@ -840,8 +884,10 @@ def render_table(r: Dict[str, Any]) -> str:
               f"{r['load_ratio']:.2f}", tgt("load_ratio"))
         + row(f"training step, miss, async ({r['compute_threads']} thr)", f"{r['step_s']:.3f} s",
               f"{r['step_off_s']:.3f} s", f"{r['step_overhead_ratio']:.2f}", tgt("step_overhead_ratio"))
-        + row("training step, miss, sync write (verl)", f"{r['step_sync_s']:.3f} s", f"{r['step_off_s']:.3f} s",
+        + row("training step, miss, async_write=false", f"{r['step_sync_s']:.3f} s", f"{r['step_off_s']:.3f} s",
               f"{r['sync_overhead_ratio']:.2f}")
+        + row("training step, miss, torch.save (verl)", f"{r['step_verl_s']:.3f} s", f"{r['step_off_s']:.3f} s",
+              f"{r['verl_sync_overhead_ratio']:.2f}")
         + row("training step, hit (prefetch) vs in memory", f"{r['step_hit_s']:.3f} s",
               f"{r['step_memory_s']:.3f} s", f"{r['hit_overhead_ratio']:.2f}", tgt("hit_overhead_ratio"))
         + row("peak memory of a load / payload", f"{r['load_peak_mem_ratio']:.2f}",

@@ -24,7 +24,7 @@ SPEC_KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_r
              "load_peak_mem_ratio", "hit_overhead_ratio")
 MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s", "bare_save_s", "load_s",
              "bare_load_s", "step_s", "step_off_s", "step_sync_s", "step_hit_s", "step_memory_s",
-             "step_overhead_ratio_1thread", "sync_overhead_ratio_1thread", "scan_1k_s", "scan_full_1k_s",
+             "step_overhead_ratio_1thread", "sync_overhead_ratio_1thread", "verl_sync_overhead_ratio", "scan_1k_s", "scan_full_1k_s",
              "scan_full_10k_s", "save_mib_s", "save_small_mib_s", "load_mib_s", "load_small_mib_s",
              "floor_write_fsync_s", "floor_memcpy_s", "save_cpu_s", "bare_save_cpu_s", "step_cpu_overhead_ratio",
              "sync_cpu_overhead_ratio", "hit_cpu_overhead_ratio", "floor_cpu_overhead_ratio", "step_floor_ratio", "step_floor_s")
@@ -70,7 +70,7 @@ def test_bench_table_names_every_figure(tmp_path):
     proc = run(["--quick", "--rows", "8", "--repeats", "1", "--scan-steps", "50", "--compute-threads", "1"],
                tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stderr
-    for words in ("save (durable)", "load (+ verify", "training step, miss, async", "sync write (verl)",
+    for words in ("save (durable)", "load (+ verify", "training step, miss, async", "async_write=false", "torch.save (verl)",
                   "hit (prefetch) vs in memory", "peak memory", "startup scan", "floor of a save", "throughput"):
         assert words in proc.stdout, words
     assert "one-thread" not in proc.stdout  # asked for one thread: no second run
