@@ -19,7 +19,7 @@ import threading
 from typing import Tuple
 
 from skip_harness.bufferpool import ALIGN, BufferPool, Lease, round_up
-from skip_harness.fileops import CREATE_FLAGS, READ_FLAGS, drop_cached_pages, tmp_name, fsync_dir
+from skip_harness.fileops import CREATE_FLAGS, READ_FLAGS, drop_cached_pages, fsync_dir, replace_via_temp
 
 _DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -106,9 +106,8 @@ def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cach
     """Atomically and durably create `name` in dir_fd holding the first `nbytes` of the leased buffer
     (which has at least round_up(nbytes) bytes). On failure the temporary file is removed and the
     exception propagates."""
-    tmp = tmp_name(name)
-    fd, direct = _open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
-    try:
+    def fill(tmp: str) -> None:
+        fd, direct = _open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
         try:
             if _pwrite_all(fd, lease.view(), nbytes, direct) > nbytes:
                 os.ftruncate(fd, nbytes)          # the padding of the last direct block
@@ -117,13 +116,8 @@ def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cach
                 drop_cached_pages(fd)             # a no-op for what went out direct
         finally:
             os.close(fd)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
-        raise
+
+    replace_via_temp(dir_fd, name, fill)
     fsync_dir(dir_fd)
 
 

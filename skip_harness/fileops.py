@@ -16,7 +16,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import xxhash
 
@@ -156,11 +156,46 @@ def tmp_name(final_name: str) -> str:
     return f"{TMP_PREFIX}{final_name}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
+def replace_via_temp(dir_fd: int, name: str, fill: Callable[[str], None]) -> None:
+    """Create `name` in dir_fd atomically: `fill(tmp)` creates the temporary file `tmp` there (with
+    CREATE_FLAGS), writes it, makes it durable and closes it; then it is renamed into place. On any
+    failure the temporary file is removed and the exception propagates. The directory fsync is the
+    caller's (whether a failing one matters is the caller's to say)."""
+    tmp = tmp_name(name)
+    try:
+        fill(tmp)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+
+
 def write_file_at(dir_fd: int, name: str, write: Callable[[Any], None]) -> Tuple[int, str]:
     """Atomically and durably create `name` in the directory dir_fd: temp file, `write(fileobj)`,
     flush + fsync, rename into place, fsync the directory. Returns (bytes, xxh3_128 hex).
     On any failure before the rename the temp file is removed and the exception propagates."""
-    return StagedFile(dir_fd, name, write).finish()
+    written: List[Tuple[int, str]] = []
+
+    def fill(tmp: str) -> None:
+        fd = os.open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
+        try:
+            f = open(fd, "wb", buffering=WRITE_BUFFER_BYTES, closefd=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
+            hw = HashingWriter(f)
+            write(hw)
+            f.flush()
+            os.fsync(f.fileno())
+        written.append((hw.bytes, hw.hexdigest()))
+
+    replace_via_temp(dir_fd, name, fill)
+    fsync_dir(dir_fd)
+    return written[0]
 
 
 def drop_cached_pages(fd: int) -> None:
@@ -172,53 +207,6 @@ def drop_cached_pages(fd: int) -> None:
     if advise is not None:
         try:
             advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-
-
-class StagedFile:
-    """A file written under a temporary name in dir_fd (into the page cache: the bytes are copied out of
-    the caller's objects), and made durable and renamed into place by `finish()` -- possibly on another
-    thread. `discard()` removes the temporary file. Any failure removes it too and propagates."""
-
-    def __init__(self, dir_fd: int, name: str, write: Callable[[Any], None], drop_cache: bool = False):
-        self.dir_fd, self.name, self.tmp = dir_fd, name, tmp_name(name)
-        self.drop_cache = drop_cache
-        fd = os.open(self.tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
-        self._file = None
-        try:
-            self._file = open(fd, "wb", buffering=WRITE_BUFFER_BYTES, closefd=True)
-            hw = HashingWriter(self._file)
-            write(hw)
-            self._file.flush()
-        except BaseException:
-            if self._file is None:
-                os.close(fd)
-            self.discard()
-            raise
-        self.bytes, self.checksum = hw.bytes, hw.hexdigest()
-
-    def finish(self) -> Tuple[int, str]:
-        try:
-            os.fsync(self._file.fileno())
-            if self.drop_cache:
-                drop_cached_pages(self._file.fileno())
-            self._file.close()
-            os.replace(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-        except BaseException:
-            self.discard()
-            raise
-        fsync_dir(self.dir_fd)
-        return self.bytes, self.checksum
-
-    def discard(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:
-                pass
-        try:
-            os.unlink(self.tmp, dir_fd=self.dir_fd)
         except OSError:
             pass
 

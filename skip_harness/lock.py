@@ -35,7 +35,8 @@ from typing import Dict, List, Optional
 import filelock
 
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.layout import TMP_PREFIX, Layout
+from skip_harness.fileops import CREATE_FLAGS, replace_via_temp
+from skip_harness.layout import Layout
 
 logger = logging.getLogger("skip_harness.lock")
 
@@ -46,7 +47,6 @@ RUN_MARKER_PREFIX = ".run-marker-"
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -132,9 +132,8 @@ def _write_small_file(dir_path, name: str, data: bytes) -> None:
     durable, renamed into place (a link at `name` is replaced, never followed)."""
     dir_fd = os.open(dir_path, _DIR_FLAGS)
     try:
-        tmp = f"{TMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
-        try:
+        def fill(tmp: str) -> None:
+            fd = os.open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
             try:
                 view = memoryview(data)
                 while view:
@@ -142,13 +141,8 @@ def _write_small_file(dir_path, name: str, data: bytes) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
-            raise
+
+        replace_via_temp(dir_fd, name, fill)
         try:
             os.fsync(dir_fd)
         except OSError:
