@@ -17,20 +17,21 @@ while the writer writes others.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from skip_harness import codec, index, tensorfile
 from skip_harness.bufferpool import BufferPool, Lease
 from skip_harness.directio import read_into, write_buffer_at
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.fileops import (  # noqa: F401  (re-exported: the store's public names)
-    CHUNK_BYTES, MAP_FROM, READ_FLAGS, WRITE_BUFFER_BYTES, HashingWriter, NotARealDirectory, StagedFile,
+    CHUNK_BYTES, MAP_FROM, READ_FLAGS, WRITE_BUFFER_BYTES, HashingWriter, NotARealDirectory,
     checksum_bytes, checksum_fd, checksum_file, describe_mode, fsync_dir, lstat_at, open_dir_at,
     remove_entry_at, tree_bytes, write_file_at,
 )
@@ -68,17 +69,16 @@ class StagedInner:
     def complete(self) -> Tuple[FileEntry, FileEntry]:
         dir_fd, lease = self._take()
         try:
-            checksum = self.checksum
             write_buffer_at(dir_fd, PurePosixPath(self.payload_rel).name, lease, self.bytes, self._drop_cache)
-            lease.release()
-            meta_doc = dict(self._meta, bytes=self.bytes, checksum=checksum, created=time.time())
+            lease.release()                  # the buffer may go round again while meta.json is written
+            meta_doc = dict(self._meta, bytes=self.bytes, checksum=self.checksum, created=time.time())
             meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
             meta_size, meta_checksum = write_file_at(dir_fd, PurePosixPath(self.meta_rel).name,
                                                      lambda f: f.write(meta_bytes))
         finally:
             lease.release()
             os.close(dir_fd)
-        return FileEntry(self.payload_rel, self.bytes, checksum), FileEntry(self.meta_rel, meta_size, meta_checksum)
+        return FileEntry(self.payload_rel, self.bytes, self.checksum), FileEntry(self.meta_rel, meta_size, meta_checksum)
 
     def discard(self) -> None:
         dir_fd, lease = self._take()
@@ -282,10 +282,7 @@ class StepStore:
         if record is None:
             return f"{self.layout.commit_path(step)}: commit record disappeared"
         wanted = None if ranks is None else set(ranks)
-        rank_of: Dict[str, int] = {}
-        for _i, r, prel, mrel in expected_rels(self.layout):
-            rank_of[prel] = r
-            rank_of[mrel] = r
+        rank_of = self._rank_of_rels()
         for entry in record.files:
             r = rank_of.get(entry.rel)
             if wanted is not None and r is not None and r not in wanted:
@@ -294,6 +291,10 @@ class StepStore:
             if reason is not None:
                 return reason
         return None
+
+    def _rank_of_rels(self) -> Dict[str, int]:
+        """The rank each expected payload and meta file belongs to, by its path in the step."""
+        return {rel: r for _i, r, prel, mrel in expected_rels(self.layout) for rel in (prel, mrel)}
 
     def _check_entry(self, step: int, entry: FileEntry) -> Optional[str]:
         try:
@@ -323,11 +324,10 @@ class StepStore:
             record = self.read_commit(step)
             if record is None:
                 return "corrupt", f"{self.layout.commit_path(step)}: commit record disappeared", [], []
-            mine = {rel for _i, r, prel, mrel in expected_rels(self.layout) if r == rank for rel in (prel, mrel)}
-            others = {rel for _i, r, prel, mrel in expected_rels(self.layout) if r != rank for rel in (prel, mrel)}
+            rank_of = self._rank_of_rels()
             entries = {e.rel: e for e in record.files}
             for entry in record.files:
-                if entry.rel not in mine and entry.rel not in others:
+                if entry.rel not in rank_of:          # unknown extra files are checked, as by verify
                     reason = self._check_entry(step, entry)
                     if reason is not None:
                         return "corrupt", reason, [], []
@@ -357,8 +357,9 @@ class StepStore:
     def _read_payload_checked(self, step: int, entry: FileEntry) -> Any:
         path = real_file(self.layout, step, entry.rel)
         try:
-            if os.lstat(path).st_size != entry.bytes:     # before reading: never a buffer for a wrong size
-                raise CorruptStepError(path, f"{os.lstat(path).st_size} bytes, the commit record says {entry.bytes}")
+            size = os.lstat(path).st_size
+            if size != entry.bytes:                  # before reading: never a buffer for a wrong size
+                raise CorruptStepError(path, f"{size} bytes, the commit record says {entry.bytes}")
             lease, size = read_into(str(path), self.pool)
         except OSError as exc:
             raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
@@ -368,12 +369,8 @@ class StepStore:
                 raise CorruptStepError(path, without_path(reason, path))
             if not tensorfile.is_current_image(lease.view(size)):
                 return self._load(path)          # the previous format: torch.load(weights_only=True)
-            try:
+            with _corrupt_on_codec_error(path):
                 return codec.load_buffer(lease.array, size, path)
-            except codec.UnregisteredTypeError:
-                raise
-            except codec.CodecError as exc:
-                raise CorruptStepError(path, without_path(str(exc), path)) from None
         finally:
             lease.release()
 
@@ -384,12 +381,8 @@ class StepStore:
         return self._load(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank)))
 
     def _load(self, path: Path) -> Any:
-        try:
+        with _corrupt_on_codec_error(path):
             return codec.load_from(path)
-        except codec.UnregisteredTypeError:
-            raise  # not a damaged file: this process has not registered a type the payload holds
-        except codec.CodecError as exc:
-            raise CorruptStepError(path, without_path(str(exc), path)) from None
 
     def read_step(self, step: int, rank: int) -> List[Any]:
         """The K mini-batches of this rank in inner order."""
@@ -404,6 +397,18 @@ class StepStore:
         except OSError as exc:
             raise CorruptStepError(path, f"meta file cannot be read: {exc.strerror or exc}") from None
         return _parse_meta(path, data)
+
+
+@contextlib.contextmanager
+def _corrupt_on_codec_error(path: Path) -> Iterator[None]:
+    """A payload that cannot be decoded is a CorruptStepError naming it -- except one holding a type this
+    process has not registered (UnregisteredTypeError propagates: not a damaged file)."""
+    try:
+        yield
+    except codec.UnregisteredTypeError:
+        raise
+    except codec.CodecError as exc:
+        raise CorruptStepError(path, without_path(str(exc), path)) from None
 
 
 def _parse_meta(path: Path, data: bytes) -> Dict[str, Any]:

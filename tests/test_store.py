@@ -276,7 +276,7 @@ def _instrument(monkeypatch, fail_at):
     counter = {"n": 0, "ops": []}
     targets = [
         (os, "fsync"), (os, "replace"), (os, "rename"), (os, "mkdir"), (os, "unlink"),
-        (codec, "save_to"), (store_mod.json, "dumps"), (store_mod, "write_file_at"),
+        (codec, "plan"), (os, "pwrite"), (store_mod.json, "dumps"), (store_mod, "write_file_at"),
     ]
     for mod, name in targets:
         orig = getattr(mod, name)
