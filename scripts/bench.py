@@ -390,19 +390,57 @@ def _with_threads(threads: int, fn: Callable[[], Dict[str, float]]) -> Dict[str,
         torch.set_num_threads(previous)
 
 
-class FloorArm:
+class StepArm:
+    """One arm of the training-step comparison, open throughout. `produce(step)` is the arm's
+    prepare_data + sample (with whatever write it does inside the step), timed together with touching
+    the batch and the compute; `settle(step)` then finishes, untimed, what the step left in flight, so
+    that no arm's write runs into another arm's step. CPU seconds are every thread's, writes included."""
+
+    mode = ""
+
+    def __init__(self) -> None:
+        self.times: List[float] = []
+        self.cpu: List[float] = []
+        self.flush_s: List[float] = []
+
+    def produce(self, step: int) -> Any:
+        raise NotImplementedError
+
+    def settle(self, step: int) -> None:
+        pass
+
+    def step(self, step: int, compute: Compute) -> None:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        batch = self.produce(step)
+        touch(batch)
+        compute.run()
+        self.times.append(time.perf_counter() - t0)
+        del batch
+        t1 = time.perf_counter()
+        self.settle(step)
+        self.flush_s.append(time.perf_counter() - t1)
+        self.cpu.append(time.process_time() - c0)
+
+    def close(self, steps: int) -> None:
+        pass
+
+
+class FloorArm(StepArm):
     """The physical floor of any durable miss, side by side with the harness: each step's batch copied
     once into a reused buffer on the trainer's thread (the copy a write needs before the trainer may
     change its batch, by the same copier the store uses), then written and fsynced on a background
     thread with O_DIRECT, straight from that buffer -- no checksum, no meta.json, no commit record,
     no directory work. Labelled `floor` in the results."""
 
+    mode = "floor"
+
     def __init__(self, payload: Any, dump_dir: Path):
         from concurrent.futures import ThreadPoolExecutor
 
         from skip_harness.bufferpool import BufferPool, round_up
 
-        self.mode = "floor"
+        super().__init__()
         self.dir = dump_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.trainer = SyntheticTrainer(payload)
@@ -412,9 +450,6 @@ class FloorArm:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-floor-writer")
         self.future = None
         self.written = 0
-        self.times: List[float] = []
-        self.cpu: List[float] = []
-        self.flush_s: List[float] = []
 
     def _write(self, lease: Any, step: int) -> None:
         fd = os.open(self.dir / f"{step}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
@@ -428,9 +463,7 @@ class FloorArm:
             lease.release()
         self.written += 1
 
-    def step(self, step: int, compute: Compute) -> None:
-        c0 = time.process_time()
-        t0 = time.perf_counter()
+    def produce(self, step: int) -> Any:
         batch = self.trainer.sample(step)
         lease = self.buffers.acquire(self.nbytes)
         base, off = ctypes.addressof(lease.array), 0
@@ -439,15 +472,10 @@ class FloorArm:
             self.buffers.copier.copy(base + off, t.data_ptr(), n)
             off += n
         self.future = self.pool.submit(self._write, lease, step)
-        del lease
-        touch(batch)
-        compute.run()
-        self.times.append(time.perf_counter() - t0)
-        del batch
-        t1 = time.perf_counter()
+        return batch
+
+    def settle(self, step: int) -> None:
         self.future.result()
-        self.flush_s.append(time.perf_counter() - t1)
-        self.cpu.append(time.process_time() - c0)
 
     def close(self, steps: int) -> None:
         self.pool.shutdown(wait=True)
@@ -456,39 +484,32 @@ class FloorArm:
             raise BenchError(f"floor writes: {self.written} of {steps} were written")
 
 
-class VerlArm:
+class VerlArm(StepArm):
     """A miss as verl's rollout skip writes it: `torch.save` of the batch to its file inside the step,
     synchronously (no fsync, no checksum). Labelled `verl` in the results."""
 
+    mode = "verl"
+
     def __init__(self, payload: Any, dump_dir: Path):
-        self.mode = "verl"
+        super().__init__()
         self.dir = dump_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.trainer = SyntheticTrainer(payload)
-        self.times: List[float] = []
-        self.cpu: List[float] = []
-        self.flush_s: List[float] = []
 
-    def step(self, step: int, compute: Compute) -> None:
-        c0 = time.process_time()
-        t0 = time.perf_counter()
+    def produce(self, step: int) -> Any:
         batch = self.trainer.sample(step)
         torch.save(batch, self.dir / f"{step}.pt")
-        touch(batch)
-        compute.run()
-        self.times.append(time.perf_counter() - t0)
-        del batch
-        t1 = time.perf_counter()
-        # Untimed: the dirty pages written back and dropped now, so that the kernel's writeback never
-        # lands in another arm's step.
+        return batch
+
+    def settle(self, step: int) -> None:
+        # The dirty pages written back and dropped now, so that the kernel's writeback never lands in
+        # another arm's step.
         fd = os.open(self.dir / f"{step}.pt", os.O_RDONLY)
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        self.flush_s.append(time.perf_counter() - t1)
-        self.cpu.append(time.process_time() - c0)
 
     def close(self, steps: int) -> None:
         written = len(list(self.dir.glob("*.pt")))
@@ -496,32 +517,23 @@ class VerlArm:
             raise BenchError(f"verl-style writes: {written} of {steps} were written")
 
 
-class TrainingArm:
-    """One arm of the training-step comparison: its own harness, trainer and namespace, open throughout."""
+class TrainingArm(StepArm):
+    """An arm with its own SkipHarness (or caching off), trainer and namespace."""
 
     def __init__(self, mode: str, payload: Any, dump_dir: Path):
+        super().__init__()
         self.mode = mode
-        self.flush_s: List[float] = []
         self.harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir)
         self.trainer = SyntheticTrainer(payload, in_memory=mode == "memory")
         self.harness.wrap(self.trainer)
         self.harness.start()
-        self.times: List[float] = []
-        self.cpu: List[float] = []
 
-    def step(self, step: int, compute: Compute) -> None:
-        c0 = time.process_time()
-        t0 = time.perf_counter()
+    def produce(self, step: int) -> Any:
         self.trainer.prepare_data(step)
-        batch = self.trainer.sample(step)
-        touch(batch)
-        compute.run()
-        self.times.append(time.perf_counter() - t0)
-        del batch
-        t1 = time.perf_counter()
-        self.harness.flush()  # untimed: this arm's write never runs into another arm's step
-        self.flush_s.append(time.perf_counter() - t1)
-        self.cpu.append(time.process_time() - c0)  # every thread's CPU, the write's included
+        return self.trainer.sample(step)
+
+    def settle(self, step: int) -> None:
+        self.harness.flush()
 
     def close(self, steps: int) -> None:
         summary = self.harness.close()
@@ -548,8 +560,8 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
     if "hit" in modes:  # the cache the hit arm reads: written once, untimed
         run_training_block("async", payload, Compute(8), total, work / "steps_hit", keep=True)
     special = {"floor": FloorArm, "verl": VerlArm}
-    arms = {m: special.get(m, TrainingArm)(payload, work / f"steps_{m}") if m in special
-            else TrainingArm(m, payload, work / f"steps_{m}") for m in modes}
+    arms = {m: special[m](payload, work / f"steps_{m}") if m in special else TrainingArm(m, payload, work / f"steps_{m}")
+            for m in modes}
     try:
         for step in range(1, total + 1):
             order = list(modes) if step % 2 else list(reversed(modes))
