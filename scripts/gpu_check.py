@@ -41,18 +41,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from skip_harness.demo import TINY_OVERRIDES  # noqa: E402
+
 HELD, FAILED, SKIPPED = "held", "FAILED", "skipped"
-TINY = [
-    "trainer.progress=false",
-    "trainer.test_freq=0",
-    "data.train_batch_size=8",
-    "data.max_prompt_length=6",
-    "data.max_response_length=6",
-    "data.val_batch_size=8",
-    "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.model.d_model=32",
-    "actor_rollout_ref.model.n_layers=1",
-]
+TINY = list(TINY_OVERRIDES)
 
 
 class CheckFailed(AssertionError):

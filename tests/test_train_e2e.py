@@ -11,20 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from skip_harness.demo import TINY_OVERRIDES
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
-TINY = [
-    "trainer.progress=false",
-    "trainer.total_training_steps=4",
-    "trainer.test_freq=0",
-    "data.train_batch_size=8",
-    "data.max_prompt_length=6",
-    "data.max_response_length=6",
-    "data.val_batch_size=8",
-    "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.model.d_model=32",
-    "actor_rollout_ref.model.n_layers=1",
-]
+TINY = [*TINY_OVERRIDES, "trainer.total_training_steps=4"]
 MODES = {
     "sync": ["trainer_mode=sync"],
     "colocate_async": ["trainer_mode=colocate_async"],
