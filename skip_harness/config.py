@@ -40,6 +40,11 @@ class OnMismatch(str, Enum):
     regenerate = "regenerate"
 
 
+class Compression(str, Enum):
+    none = "none"
+    zstd = "zstd"
+
+
 @dataclass
 class RolloutTQConfig:
     """`skip.rollout_tq`: the rollout cache."""
@@ -60,6 +65,10 @@ class RolloutTQConfig:
     max_pending_writes: int = 2
     # Load and verify the next step's batches in the background while the trainer trains on this one.
     prefetch: bool = True
+    # How payload bytes are stored: `none` (raw) or `zstd`; integers are narrowed losslessly either way.
+    compression: Compression = Compression.none
+    # zstd level (1..22; negative levels are zstd's fast modes, down to -7).
+    compression_level: int = 3
 
     def __post_init__(self) -> None:
         key = ROLLOUT_TQ_KEY
@@ -71,7 +80,11 @@ class RolloutTQConfig:
             raise ConfigError(f"{key}.lock_timeout", f"must be >= 0 seconds, got {self.lock_timeout}")
         if self.max_pending_writes < 1:
             raise ConfigError(f"{key}.max_pending_writes", f"must be >= 1, got {self.max_pending_writes}")
-        for name, enum in (("action", Action), ("cleanup", Cleanup), ("on_mismatch", OnMismatch)):
+        if not -7 <= self.compression_level <= 22:
+            raise ConfigError(f"{key}.compression_level", f"must be in -7..22 (zstd's levels), got {self.compression_level}")
+        for name, enum in (
+            ("action", Action), ("cleanup", Cleanup), ("on_mismatch", OnMismatch), ("compression", Compression)
+        ):
             value = getattr(self, name)
             if not isinstance(value, enum):
                 try:
@@ -325,8 +338,11 @@ def namespace_key_from_config(cfg: Any) -> NamespaceKey:
         cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
     why = "the rollout cache names its namespace with it"
     K = k_from_config(cfg)
-    gbs = int(select_key(cfg, "data.train_batch_size", why=why))
-    check_batch_split(gbs, K, 1)
+    train_batch_size = int(select_key(cfg, "data.train_batch_size", why=why))
+    check_batch_split(train_batch_size, K, 1)
+    # verl names the namespace by the generation batch when it is set (verl #7051).
+    gen_batch_size = OmegaConf.select(cfg, "data.gen_batch_size", default=None)
+    gbs = int(gen_batch_size) if gen_batch_size is not None else train_batch_size
     return NamespaceKey(
         experiment_name=str(select_key(cfg, "trainer.experiment_name", why=why)),
         project_name=str(select_key(cfg, "trainer.project_name", why=why)),

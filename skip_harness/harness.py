@@ -18,6 +18,7 @@ from .config import (
     check_batch_split,
     namespace_key_from,
     namespace_key_from_config,
+    select_key,
     rollout_tq_from,
     settings_from,
 )
@@ -111,7 +112,7 @@ class SkipHarness:
         a dict, an OmegaConf node or a dataclass. A fingerprint key not in the config is a ConfigError."""
         key = namespace_key_from_config(cfg)
         fingerprint = Fingerprint.from_config(cfg, fingerprint_keys) if fingerprint_keys else None
-        gbs = key.train_batch_size
+        gbs = int(select_key(cfg, "data.train_batch_size", why="each sample takes train_batch_size / (K x W) prompts"))
         return cls(rollout_tq_from(cfg), key, fingerprint=fingerprint, callbacks=callbacks, dist=dist,
                    check_world_size=lambda W: check_batch_split(gbs, key.K, W))
 

@@ -53,7 +53,7 @@ class HydraStartupCallback(Callback):
             if not settings.enable:
                 return
             key = namespace_key_from_config(config)
-            check_batch_split(key.train_batch_size, key.K, int(os.environ.get("WORLD_SIZE", "1")))
+            check_batch_split(int(config.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
             layout = key.with_world_size(int(os.environ.get("WORLD_SIZE", "1"))).layout(settings.resolved_dump_dir())
             result = prepare_namespace(layout, settings, timeout=0.0)
         except Exception as exc:  # the task function repeats the checks and reports properly

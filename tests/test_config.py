@@ -80,3 +80,27 @@ def test_own_trainer_config_can_use_the_rollout_tq_schema(tmp_path):
         assert settings.enable and settings.action.value == "repeat" and settings.cleanup.value == "delete"
         with pytest.raises(ConfigCompositionException, match="skip.rollout_tq.action"):
             compose("config", ["skip.rollout_tq.action=bogus"])
+
+
+def test_namespace_gbs_is_gen_batch_size_when_set():
+    """verl names the namespace GBS{data.gen_batch_size or data.train_batch_size} (verl #7051)."""
+    from skip_harness.config import namespace_key_from_config
+
+    base = {"trainer": {"experiment_name": "e", "project_name": "p", "v1": {"trainer_mode": "sync"}},
+            "data": {"train_batch_size": 8, "max_prompt_length": 4, "max_response_length": 6},
+            "actor_rollout_ref": {"rollout": {"n": 2}}}
+    assert namespace_key_from_config(base).leaf_name == "GBS8_N2_in4_out6"
+    base["data"]["gen_batch_size"] = 24
+    assert namespace_key_from_config(base).leaf_name == "GBS24_N2_in4_out6"
+    base["data"]["gen_batch_size"] = None
+    assert namespace_key_from_config(base).leaf_name == "GBS8_N2_in4_out6"
+
+
+def test_compression_keys_validated():
+    from skip_harness.config import settings_from
+
+    assert settings_from({"compression": "zstd", "compression_level": 5}).compression.value == "zstd"
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.compression"):
+        settings_from({"compression": "gzip"})
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.compression_level"):
+        settings_from({"compression_level": 99})
