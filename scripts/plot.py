@@ -246,7 +246,25 @@ def _clip_outliers(ax, values: Sequence[float]) -> None:
             color="0.35", bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
 
 
-def draw(runs: Sequence[Run], out: Path, title: str) -> None:
+# Figure geometry, in inches: the four panels keep their size; the legend gets rows of its own below them,
+# so the figure grows with the number of runs instead of the legend running off its edges.
+FIG_WIDTH = 13.0
+PANELS_HEIGHT = 8.4
+LEGEND_ROW = 0.27
+LEGEND_PAD = 0.35
+
+
+def _legend_columns(labels: Sequence[str], fontsize: float) -> int:
+    """How many run entries fit side by side in the figure's width (1 to 3), from their longest label."""
+    longest = max(len(label) for label in labels)
+    entry_in = 0.9 + longest * fontsize * 0.62 / 72    # handle + gap + text, characters ~0.62 em wide
+    return max(1, min(3, len(labels), int((FIG_WIDTH - 0.6) // entry_in)))
+
+
+def make_figure(runs: Sequence[Run], title: str):
+    """The figure for `runs`: four panels (seconds per step, cumulative seconds, loss, reward), and below
+    them a legend of the runs (label by mode and K, steps from the cache) and a key to the line and marker
+    styles. Nothing of the legend lies outside the figure, whatever the number of runs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -256,7 +274,13 @@ def draw(runs: Sequence[Run], out: Path, title: str) -> None:
     colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
     longest = max(len(r.rows) for r in runs)
     size = 5 if longest <= 40 else 3 if longest <= 150 else 1.5
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
+    fontsize = 9
+    run_labels = [f"{run.label}: {sum(run.served)}/{len(run.rows)} steps from the cache" for run in runs]
+    ncol = _legend_columns(run_labels, fontsize)
+    run_rows = math.ceil(len(runs) / ncol)
+    legend_h = LEGEND_PAD + (run_rows + 1) * LEGEND_ROW + LEGEND_PAD    # the runs, then one row of style keys
+    fig_h = PANELS_HEIGHT + legend_h
+    fig, axes = plt.subplots(2, 2, figsize=(FIG_WIDTH, fig_h), sharex=True)
     (ax_time, ax_cum), (ax_loss, ax_reward) = axes
     per_step_values: List[float] = []
     # Runs served from the cache are drawn last, so their hollow markers sit on top of the generated
@@ -295,10 +319,9 @@ def draw(runs: Sequence[Run], out: Path, title: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
 
-    handles = [Line2D([], [], color=colors[n % len(colors)], linewidth=2.5,
-                      label=f"{run.label}: {sum(run.served)}/{len(run.rows)} steps from the cache")
-               for n, run in enumerate(runs)]
-    handles += [
+    run_handles = [Line2D([], [], color=colors[n % len(colors)], linewidth=2.5, label=label)
+                   for n, label in enumerate(run_labels)]
+    key_handles = [
         Line2D([], [], color="0.3", linestyle="-", label="generating"),
         Line2D([], [], color="0.3", linestyle="--", label="rest of the step"),
         Line2D([], [], color="0.3", linestyle=":", label="whole steps"),
@@ -306,16 +329,26 @@ def draw(runs: Sequence[Run], out: Path, title: str) -> None:
         Line2D([], [], color="0.3", marker="o", linestyle="none", markerfacecolor="white",
                label="served from the cache"),
     ]
-    ncol = min(len(handles), 4 if len(runs) > 4 else len(handles))
-    fig.suptitle(title, y=0.995)
-    legend = fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.97), ncol=ncol, fontsize=8,
-                        frameon=False)
-    fig.canvas.draw()
-    legend_bottom = legend.get_window_extent().transformed(fig.transFigure.inverted()).y0
-    fig.tight_layout(rect=(0, 0, 1, legend_bottom + 0.02))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    fig.suptitle(title)
+    bottom = legend_h / fig_h                       # the panels sit above the legend's band
+    fig.tight_layout(rect=(0, bottom, 1, 0.985))
+    runs_legend = fig.legend(handles=run_handles, loc="upper center", ncol=ncol, fontsize=fontsize, frameon=False,
+                             bbox_to_anchor=(0.5, (legend_h - LEGEND_PAD * 0.5) / fig_h))
+    fig.legend(handles=key_handles, loc="lower center", ncol=len(key_handles), fontsize=fontsize - 1, frameon=False,
+               bbox_to_anchor=(0.5, LEGEND_PAD * 0.3 / fig_h))
+    fig.add_artist(runs_legend)
+    return fig
+
+
+def draw(runs: Sequence[Run], out: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = make_figure(runs, title)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

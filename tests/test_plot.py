@@ -197,3 +197,57 @@ def test_plot_draws_a_folder_of_symlinked_runs_and_says_what_the_cache_served(tm
     assert_png(out, min_bytes=10_000)
     assert "separate_async K=2 (10 steps, 8 served from the cache)" in proc.stderr
     assert "separate_async K=1 (10 steps, 0 served from the cache)" in proc.stderr
+
+
+def _saved_figures(monkeypatch):
+    """Record every figure plot.py saves (the real savefig still runs)."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    original = Figure.savefig
+
+    def savefig(self, *args, **kwargs):
+        saved.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+@pytest.mark.parametrize("n_runs", [1, 3, 6])
+def test_plot_legend_lies_inside_the_figure_and_off_the_panels(tmp_path, monkeypatch, n_runs):
+    """Issue 15 item 7: with three runs the legend was wider than the figure (a run's label and the key
+    for hollow markers cut off). Every legend entry, with the longest labels plot.py makes (mode, K, seed,
+    the run's directory), must lie inside the saved figure and not over a panel."""
+    pytest.importorskip("matplotlib")
+    plot = load_script("plot")
+    for n in range(n_runs):
+        cache = ["hit"] * 20 if n % 2 else ["miss"] * 20
+        run_dir = write_run(tmp_path / "runs" / ("rerun" if n % 2 else "first") / f"{n // 2}_separate_async_K{n}",
+                            cache, K=[1, 2, 4][n // 2 % 3])
+        cfg = run_dir / ".hydra" / "config.yaml"
+        cfg.write_text(cfg.read_text().replace("seed: 0", f"seed: {n // 2}"))
+    runs = plot.find_runs(tmp_path / "runs")
+    assert len(runs) == n_runs
+    saved = _saved_figures(monkeypatch)
+    plot.draw(runs, tmp_path / "p.png", "a title")
+    (fig,) = saved
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)   # plot.py closed the figure after saving it; lay it out again
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    figure_box = fig.bbox
+    panels = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    assert len(fig.legends) >= 1
+    texts = []
+    for legend in fig.legends:
+        box = legend.get_window_extent(renderer)
+        assert box.x0 >= figure_box.x0 - 1 and box.x1 <= figure_box.x1 + 1, (box, figure_box)
+        assert box.y0 >= figure_box.y0 - 1 and box.y1 <= figure_box.y1 + 1, (box, figure_box)
+        for panel in panels:
+            assert not box.overlaps(panel), (box, panel)
+        texts += [t.get_text() for t in legend.get_texts()]
+    for run in runs:
+        assert any(t.startswith(run.label + ":") for t in texts), (run.label, texts)
+    assert "served from the cache" in texts
