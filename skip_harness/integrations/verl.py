@@ -1,0 +1,222 @@
+"""skip_harness inside verl's own V1 trainer, on with one line::
+
+    VERL_USE_EXTERNAL_MODULES=skip_harness.integrations.verl python -m verl.trainer.main_ppo \\
+        skip.rollout_tq.enable=true skip.rollout_tq.steps='[1,2,3]' +skip_harness.cleanup=quarantine ...
+
+verl imports every module named in ``VERL_USE_EXTERNAL_MODULES`` in every process (``verl/__init__.py``);
+importing this one registers :class:`HarnessRolloutTqSkip` as verl's ``rollout_tq`` skip class
+(``verl.utils.skip.base_skip.register_skip``), so verl's own ``SkipManager.init`` builds it and verl's
+own decorators call it -- ``PPOTrainer._add_batch_to_generate`` (``annotate_tq(phase="submit")``) and
+``ReplayBuffer.sample`` / ``ReplayBufferAsync.sample`` (``phase="sample"``). verl is not patched.
+
+What it does in verl's calls
+    submit (``maybe_load_and_inject``): the step is decided once (hit, repeat or miss, after the
+    harness's startup: lock, scan, cleanup, fingerprint check). A hit puts cached mini-batch 0 into
+    TransferQueue for this step's fresh prompt uids and tells verl not to dispatch the rollout; a miss
+    lets verl dispatch it. sample (``should_save`` / ``prepare_data``): on a miss, the i-th sampled
+    mini-batch is read from TransferQueue and handed to the harness as inner index i (counted from the
+    calls); on a hit, after the i-th sample the (i+1)-th cached mini-batch is put into TransferQueue for
+    the next call. Validation (partition ``val``) is never cached.
+
+Roles
+    ``rollout_tq`` (V1) is replaced. ``rollout`` (V0 ``AgentLoopManager.generate_sequences``, a
+    ``DataProto`` saved as ``{step}/gen_batch.dp`` with pickle) and ``async_rollout`` (the fully async
+    rollouter, whose "step" is a per-sample feed index, with no step or K to key by) stay verl's own
+    classes: verl's own tests pin their on-disk format (``gen_batch.dp``) and call them several times per
+    step, which the harness's (step, inner index) contract refuses. Enabling either with this module
+    loaded logs a WARNING saying verl's own class runs it.
+
+Lifecycle
+    verl's trainer has no end-of-run hook for skip classes: a step's files are committed in the
+    background while the next step generates, the last step (``trainer.total_training_steps``) is
+    flushed before its last ``sample`` returns, and the harness is closed at process exit or when verl
+    builds a new one (``SkipManager.init`` again). :func:`close_all` closes it explicitly.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from verl.utils.skip import rollout_skip as _verl_rollout_skip  # noqa: F401 - verl's classes register first
+from verl.utils.skip.base_skip import SKIP_REGISTRY, BaseSkip, SkipAction, register_skip
+
+from ..errors import HarnessUsageError
+from ..stats import HIT, MISS, REPEAT
+from . import verl_config, verl_tq
+
+log = logging.getLogger("skip_harness")
+
+ROLE = "rollout_tq"
+
+_live: "weakref.WeakSet[HarnessRolloutTqSkip]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+class _Generation:
+    """What the harness wraps: verl's two phases as plain methods, so the harness counts and caches them.
+
+    ``prepare_data(step)`` returns whether the rollout must be dispatched (the harness calls it with
+    ``dispatch=False`` on a hit). ``sample(step, batch)`` reads the mini-batch verl sampled from
+    TransferQueue (a miss); on a hit the harness returns cached mini-batch i instead and never calls it.
+    """
+
+    def prepare_data(self, step: int, dispatch: bool = True) -> bool:
+        return bool(dispatch)
+
+    def sample(self, step: int, batch: Any = None) -> Dict[str, Any]:
+        if batch is None:
+            raise HarnessUsageError(f"step {step}: skip_harness was asked to generate a mini-batch it can only "
+                                    "read after verl's sampler ran (a hit whose cache could not be served?)")
+        return verl_tq.read_minibatch(batch, step)
+
+
+@dataclass
+class _Step:
+    uids: List[str]
+    serving: bool
+    source_step: int
+    sampled: int = 0
+    injected: int = 0
+    trajectories: List[int] = field(default_factory=list)
+
+
+@register_skip(ROLE)
+class HarnessRolloutTqSkip(BaseSkip):
+    """verl's ``skip.rollout_tq`` backed by a :class:`skip_harness.SkipHarness`.
+
+    verl's four keys keep their meaning (``enable``, ``dump_dir``, ``steps``: verl's list of steps to
+    cache, ``action``: cache or repeat); skip_harness's other settings come from the top-level
+    ``skip_harness`` node (:mod:`skip_harness.integrations.verl_config`). Same namespace directory as
+    verl's (``{dump_dir}/{exp}_{proj}/GBS{gbs}_N{n}_in{p}_out{r}``, plus ``_K{K}_W1`` when K > 1).
+    """
+
+    support_actions = [SkipAction.CACHE, SkipAction.REPEAT]
+    support_online_step = False
+
+    def __init__(self, local_config: Any, global_config: Any):
+        super().__init__(local_config, global_config)
+        self.harness = None
+        self.plan: Optional[verl_config.VerlPlan] = None
+        self._steps: Dict[int, _Step] = {}
+        for role in ("rollout", "async_rollout"):
+            if verl_config.role_enabled(global_config, role):
+                log.warning("skip.%s is enabled: skip_harness.integrations.verl handles skip.rollout_tq (the V1 "
+                            "TransferQueue trainer) only; verl's own %s class runs skip.%s (its pickled "
+                            "{step}/gen_batch.dp files, no lock, no cleanup, no verification)",
+                            role, SKIP_REGISTRY[role].__name__, role)
+        if not self.enable:
+            return
+        from ..harness import SkipHarness
+
+        self.plan = verl_config.plan_of(local_config, global_config)
+        if self.plan.all_steps:
+            self.steps = verl_config.EVERY_STEP
+        self._generation = _Generation()
+        harness = SkipHarness.create(self.plan.settings, namespace=self.plan.namespace,
+                                     fingerprint=self.plan.fingerprint)
+        harness.wrap(self._generation, sample="sample", prepare_data="prepare_data", dispatch_kwarg="dispatch")
+        self.harness = harness
+        with _live_lock:
+            for other in list(_live):
+                other.close()
+            _live.add(self)
+        log.info("skip_harness serves verl's skip.rollout_tq: %s", verl_config.describe(self.plan, self.steps))
+
+    # ---------------------------------------------------------------- verl's calls (annotate_tq)
+    def maybe_load_and_inject(self, step: int, new_prompt_uids: Sequence[str], partition_id: str = "train") -> bool:
+        """phase="submit": decide the step; on a hit put mini-batch 0 into TransferQueue and return True
+        (verl then dispatches nothing); on a miss return False (verl dispatches the rollout)."""
+        if self.harness is None or partition_id != verl_tq.PARTITION:
+            return False
+        step = int(step)
+        if step in self._steps:
+            raise HarnessUsageError(f"step {step}: verl submitted a training batch twice for one step")
+        self._generation.prepare_data(step)
+        outcome = self.harness.outcome(step)
+        uids = [str(u) for u in new_prompt_uids]
+        if len(uids) != self.plan.train_batch_size:
+            raise HarnessUsageError(f"step {step}: verl submitted {len(uids)} prompts, data.train_batch_size is "
+                                    f"{self.plan.train_batch_size}")
+        serving = outcome in (HIT, REPEAT)
+        self._steps[step] = _Step(uids, serving, step)
+        self._forget_before(step)
+        if serving:
+            self._inject_next(step)
+        return serving
+
+    def should_save(self, step: int, partition_id: str = "train") -> bool:
+        """phase="sample", after verl's sampler ran: True on a miss (verl then calls prepare_data); on a hit
+        the next cached mini-batch goes into TransferQueue for the next sample call."""
+        if self.harness is None or partition_id != verl_tq.PARTITION:
+            return False  # validation is never cached
+        state = self._steps.get(int(step))
+        if state is None:
+            return False
+        if not state.serving:
+            return self.harness.outcome(int(step)) == MISS
+        state.sampled += 1
+        if state.sampled < self.plan.K:
+            self._inject_next(int(step))
+        return False
+
+    def prepare_data(self, step: int, batch: Any = None, global_steps: Any = None, *args: Any, **kwargs: Any) -> None:
+        """phase="sample" on a miss: hand the sampled mini-batch to the harness as the next inner index."""
+        if self.harness is None:
+            return
+        step = int(step)
+        state = self._steps.get(step)
+        self._generation.sample(step, batch)
+        if state is not None:
+            state.sampled += 1
+            if state.sampled == self.plan.K and step == self.plan.total_training_steps:
+                self.harness.flush()  # the last step: durable before verl's trainer may end the process
+
+    def meet_precondition(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        """Whether `step` is (or would be) served from the cache, once decided."""
+        return self.harness is not None and self.harness.outcome(int(step)) in (HIT, REPEAT)
+
+    def has_v1_cache(self, step: int) -> bool:
+        return self.meet_precondition(step)
+
+    # ---------------------------------------------------------------- internals
+    def _inject_next(self, step: int) -> None:
+        state = self._steps[step]
+        inner = state.injected
+        P = self.plan.prompts_per_sample
+        payload = self._generation.sample(step)
+        rewrite = self.harness.outcome(step) == REPEAT
+        n = verl_tq.inject(payload, state.uids[inner * P:(inner + 1) * P], step, rewrite_steps=rewrite)
+        state.injected += 1
+        state.trajectories.append(n)
+
+    def _forget_before(self, step: int) -> None:
+        for old in [s for s in self._steps if s < step - 1]:
+            del self._steps[old]
+
+    # ---------------------------------------------------------------- lifecycle
+    def summary(self) -> Any:
+        return None if self.harness is None else self.harness.summary()
+
+    def close(self) -> Any:
+        """Finish writes and commits, log the summary, release the namespace lock (idempotent)."""
+        if self.harness is None:
+            return None
+        return self.harness.close()
+
+
+def close_all() -> None:
+    """Close every live harness this module built (also run at process exit)."""
+    with _live_lock:
+        live = list(_live)
+    for skip in live:
+        try:
+            skip.close()
+        except Exception:  # noqa: BLE001 - at exit: report, never raise
+            log.exception("skip_harness: closing the verl rollout cache failed")
+
+
+atexit.register(close_all)
