@@ -35,38 +35,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 log = logging.getLogger("trl_demo")
 
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789+=? "
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 TIMING_SUFFIXES = ("_runtime", "_per_second", "step_time")
 
 
 # --------------------------------------------------------------------------- local assets
 def build_assets(model_dir: Path, seed: int = 0) -> Path:
     """Save a tiny Llama and a character tokenizer into `model_dir` (once)."""
-    if (model_dir / "config.json").exists():
-        return model_dir
-    import torch
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from skip_harness.demo.tiny_llama import save_tiny_llama
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    return model_dir
+    return Path(save_tiny_llama(model_dir, seed=seed))
 
 
 def prompts(n: int, changed: Optional[int] = None) -> List[str]:

@@ -1,35 +1,106 @@
-"""The README's promises: its examples run as written, and .ci/run runs its test command."""
+"""The README's promises: every example marked `# readme-example: NAME` runs exactly as written -- the
+block's text saved to a file in a folder outside the clone and run with `python` in a subprocess, as
+often as the README says -- and prints what the README says it prints; .ci/run runs the README's test
+command."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+TAG = re.compile(r"^# readme-example: ([\w-]+)$", re.M)
+# The tagged examples this file checks, with the file name the README tells the reader to save each as
+# (a new tagged example needs a check here: see the first test).
+CHECKED = {"plain-dict": "plain_dict.py", "trl": "grpo_cached.py"}
+# TRL's log-history keys that measure time: the only ones that may differ between a record and a replay.
+TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
-def example(tag: str) -> str:
+def examples() -> Dict[str, str]:
+    found: Dict[str, str] = {}
     for block in re.findall(r"```python\n(.*?)```", README, flags=re.S):
-        if f"# readme-example: {tag}" in block:
-            return block
-    raise AssertionError(f"no README example tagged {tag}")
+        for name in TAG.findall(block):
+            assert name not in found, f"two README examples are tagged {name}"
+            found[name] = block
+    return found
+
+
+def run_example(name: str, tmp_path: Path, times: int, timeout: float = 300) -> List[subprocess.CompletedProcess]:
+    """Save the example as written into a folder outside the clone and run it `times` times there, with
+    the cache root in tmp_path (the examples use the default root: $SKIP_HARNESS_DUMP_DIR)."""
+    folder = tmp_path / "my_project"
+    folder.mkdir(exist_ok=True)
+    assert ROOT not in folder.resolve().parents
+    script = folder / CHECKED[name]
+    script.write_text(examples()[name])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SKIP_HARNESS_DUMP_DIR")}
+    env["SKIP_HARNESS_DUMP_DIR"] = str(tmp_path / "cache")
+    procs = []
+    for _ in range(times):
+        proc = subprocess.run([sys.executable, script.name], cwd=folder, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, f"{name}, run {len(procs) + 1}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        procs.append(proc)
+    return procs
+
+
+def test_every_tagged_readme_example_is_checked_here():
+    assert set(examples()) == set(CHECKED)
+    prose = " ".join(README.split())
+    for file_name in CHECKED.values():   # the README says what to call the file and to run it twice
+        assert f"Save this as `{file_name}` and run `python {file_name}` twice" in prose, file_name
 
 
 def test_plain_dict_example_runs_as_written_and_hits_on_the_second_run(tmp_path):
-    code = example("plain-dict").replace("/tmp/skip_harness_example", str(tmp_path / "cache"))
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    first = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    again = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert first.returncode == 0 and again.returncode == 0, first.stderr + again.stderr
-    assert [l.split()[1] for l in first.stdout.splitlines()[:3]] == ["miss"] * 3
-    assert [l.split()[1] for l in again.stdout.splitlines()[:3]] == ["hit"] * 3
-    assert "hits=3" in again.stdout
+    first, again = run_example("plain-dict", tmp_path, times=2)
+    assert [line.split() for line in first.stdout.splitlines()[:3]] == [
+        [str(s), "miss", "(8,", "16)"] for s in (1, 2, 3)], first.stdout
+    assert [line.split() for line in again.stdout.splitlines()[:3]] == [
+        [str(s), "hit", "(8,", "16)"] for s in (1, 2, 3)], again.stdout
+    assert "misses=3" in first.stdout and "hits=3" in again.stdout, first.stdout + again.stdout
+    # the example says where its cache went: under the default root, named by experiment and project
+    where = [line for line in first.stdout.splitlines() if line.startswith("cache:")]
+    assert where and where[0].split(maxsplit=1)[1].startswith(str(tmp_path / "cache" / "my_run_demo")), first.stdout
+
+
+def test_an_example_saved_beside_a_clone_named_skip_harness_fails_as_the_readme_says(tmp_path):
+    """The README warns that a script saved in the folder holding the clone imports the clone's folder
+    instead of the package; the message it quotes must be the one Python gives."""
+    quoted = "ImportError: cannot import name 'SkipHarness' from 'skip_harness' (unknown location)"
+    assert quoted in README
+    (tmp_path / "my_project" / "skip_harness" / "skip_harness").mkdir(parents=True)  # a clone, named as the repo
+    with pytest.raises(AssertionError) as failed:
+        run_example("plain-dict", tmp_path, times=1)
+    assert quoted in str(failed.value)
+
+
+def _without_timing(stdout: str) -> List[dict]:
+    """TRL's printed log entries (one dict a line), less the keys that measure time."""
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith("{'") and line.endswith("}"):
+            entry = json.loads(line.replace("'", '"'))
+            out.append({k: v for k, v in entry.items() if k not in TIMING})
+    return out
+
+
+@pytest.mark.slow
+def test_trl_example_runs_as_written_and_replays(tmp_path):
+    pytest.importorskip("trl")
+    first, again = run_example("trl", tmp_path, times=2, timeout=600)
+    assert "misses=4" in first.stdout and "hits=4" in again.stdout, first.stdout + again.stdout
+    record, replay = _without_timing(first.stdout), _without_timing(again.stdout)
+    assert len(record) == 5, first.stdout          # four steps, then train()'s totals
+    assert record == replay                        # "its log history is the same, bit for bit"
+    assert (tmp_path / "my_project" / "tiny_llama" / "config.json").exists()
 
 
 def test_ci_runs_the_readmes_test_command():
@@ -37,21 +108,7 @@ def test_ci_runs_the_readmes_test_command():
     assert len(commands) == 2, commands  # one runs the main job, one passes the tests
     run_cmd, test_cmd = commands
     assert run_cmd.endswith("python scripts/train.py")
-    test_part = test_cmd.split("&&")[-1].strip()
-    assert test_part in (ROOT / ".ci" / "run").read_text()
-
-
-@pytest.mark.slow
-def test_trl_example_runs_as_written_and_replays(tmp_path):
-    demo = subprocess.run([sys.executable, str(ROOT / "scripts" / "trl_demo.py"), "--workdir", str(tmp_path / "demo")],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert demo.returncode == 0, demo.stdout + demo.stderr
-    code = (example("trl").replace("/tmp/trl_demo/model", str(tmp_path / "demo" / "model"))
-            .replace("/tmp/rollouts", str(tmp_path / "rollouts")).replace("/tmp/grpo_out", str(tmp_path / "out")))
-    script = tmp_path / "grpo_cached.py"
-    script.write_text(code)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    first = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    again = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert first.returncode == 0 and again.returncode == 0, first.stderr[-3000:] + again.stderr[-3000:]
-    assert "misses=4" in first.stdout and "hits=4" in again.stdout, first.stdout + again.stdout
+    assert test_cmd == "pip install torch==2.13.0 -e '.[dev,verl]' && python -m pytest -q"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "torch==2.13.0 -e '.[dev,verl]'" in ci
+    assert "python -m pytest -q" in ci
