@@ -14,6 +14,10 @@ else is written as a *tagged dict* ``{TAG: kind, ...}``:
                   nested lists, one level per batch dimension)
     "ndarray"     a NumPy array: numeric ones as a CPU tensor in ``data``; others as ``items`` + ``shape``
     "npscalar"    a NumPy scalar: ``dtype`` and ``value``
+    "jagged"      a nested tensor of layout torch.jagged: its dense components ``values``, ``offsets`` and
+                  ``lengths`` (None unless set), ``ragged_idx``, ``min_seqlen`` / ``max_seqlen`` (None
+                  unless cached) and ``device``
+    "nested"      a nested tensor of layout torch.strided: ``items`` (its components) and ``device``
     "dict"        a user dict that itself holds the key TAG (escaped): ``keys``, ``values``
     "object"      a registered dataclass or namedtuple: ``type`` (its registered name), ``fields``, ``values``
 
@@ -74,6 +78,8 @@ def encode(payload: Any) -> Any:
 
 
 def _encode(obj: Any, where: str, active: set) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.is_nested:
+        return _encode_nested(obj, where)
     if isinstance(obj, torch.Tensor):
         dev = origin_device(obj)
         data = _plain_cpu_tensor(obj, where)
@@ -129,6 +135,38 @@ def _encode(obj: Any, where: str, active: set) -> Any:
     finally:
         active.discard(oid)
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
+
+
+def _encode_nested(nt: torch.Tensor, where: str) -> Dict[str, Any]:
+    """A nested tensor as its dense components (no pickle): jagged ones as values / offsets / lengths,
+    strided ones as the list of their components; each component a plain CPU tensor."""
+    dev = origin_device(nt)
+    nt = nt.detach()
+    if nt.layout == torch.jagged:
+        lengths = nt.lengths()
+        return {TAG: "jagged", "device": str(dev),
+                "values": _plain_cpu_tensor(nt.values(), where + ".values()"),
+                "offsets": _plain_cpu_tensor(nt.offsets(), where + ".offsets()"),
+                "lengths": None if lengths is None else _plain_cpu_tensor(lengths, where + ".lengths()"),
+                "ragged_idx": int(nt._ragged_idx),
+                "min_seqlen": _cached_seqlen(nt, "_min_seqlen"), "max_seqlen": _cached_seqlen(nt, "_max_seqlen")}
+    if nt.layout == torch.strided:
+        return {TAG: "nested", "device": str(dev),
+                "items": [_plain_cpu_tensor(c, f"{where}[{i}]") for i, c in enumerate(nt.unbind())]}
+    raise CodecError(f"{where}: unsupported nested tensor layout {nt.layout}")
+
+
+def _cached_seqlen(nt: torch.Tensor, attr: str) -> Any:
+    """A jagged tensor's cached min / max sequence length as an int, None when not cached (reading the
+    attribute never computes it: that would be a device sync)."""
+    try:
+        value = getattr(nt, attr + "_tensor", None)
+    except Exception:  # pragma: no cover - a torch without the cache
+        return None
+    if value is None:
+        return None
+    from torch.nested._internal.nested_tensor import _load_val_from_tensor
+    return int(_load_val_from_tensor(value))
 
 
 def _encode_non_tensor(obj: Any, where: str, active: set) -> Any:
@@ -224,6 +262,8 @@ def _decode_tagged(kind: str, obj: Dict[str, Any], where: str, check_only: bool 
             return data.to(device)
         logger.debug("%s: device %s is not available here; left on CPU", where, device)
         return data
+    if kind in ("jagged", "nested"):
+        return _decode_nested(kind, obj, where, check_only)
     if kind == "dict":
         keys, values = obj["keys"], obj["values"]
         out = OrderedDict() if obj.get("ordered") else {}
@@ -267,6 +307,54 @@ def _decode_tagged(kind: str, obj: Dict[str, Any], where: str, check_only: bool 
         value = np.dtype(obj["dtype"]).type(obj["value"])
         return None if check_only else value
     raise CodecError(f"{where}: unknown record kind {kind!r}")
+
+
+def _decode_nested(kind: str, obj: Dict[str, Any], where: str, check_only: bool) -> Any:
+    device = obj["device"]
+    if not isinstance(device, str):
+        raise CodecError(f"{where}: malformed {kind} record")
+    if kind == "nested":
+        items = obj["items"]
+        if type(items) is not list or not items or not all(isinstance(c, torch.Tensor) for c in items):
+            raise CodecError(f"{where}: malformed nested record")
+        if check_only:
+            return None
+        target = device if device_available(device) else "cpu"
+        return torch.nested.as_nested_tensor([c.to(target) for c in items], layout=torch.strided)
+    values, offsets, lengths, ragged_idx = obj["values"], obj["offsets"], obj["lengths"], obj["ragged_idx"]
+    seqlens = (obj["min_seqlen"], obj["max_seqlen"])
+    if (not isinstance(values, torch.Tensor) or not isinstance(offsets, torch.Tensor)
+            or not (lengths is None or isinstance(lengths, torch.Tensor)) or type(ragged_idx) is not int
+            or not all(s is None or type(s) is int for s in seqlens)):
+        raise CodecError(f"{where}: malformed jagged record")
+    if check_only:   # the tensors are placeholders here: their shapes are checked when loaded
+        return None
+    if not _jagged_indices_valid(values, offsets, lengths, ragged_idx):
+        raise CodecError(f"{where}: malformed jagged record (offsets, lengths or ragged dimension do not fit "
+                         "its values)")
+    if device_available(device) and device != "cpu":
+        values, offsets = values.to(device), offsets.to(device)
+        lengths = None if lengths is None else lengths.to(device)
+    try:
+        return torch.nested.nested_tensor_from_jagged(values, offsets, lengths, jagged_dim=ragged_idx,
+                                                      min_seqlen=seqlens[0], max_seqlen=seqlens[1])
+    except Exception as exc:
+        raise CodecError(f"{where}: malformed jagged record: {exc}") from None
+
+
+def _jagged_indices_valid(values: torch.Tensor, offsets: torch.Tensor, lengths: Any, ragged_idx: int) -> bool:
+    """Whether every row a jagged record's offsets (and lengths) name lies within its values (a file is
+    untrusted input: a row outside them must not become a view of other memory)."""
+    if not 1 <= ragged_idx <= values.dim() or offsets.dim() != 1 or offsets.numel() < 1 \
+            or offsets.dtype != torch.int64:
+        return False
+    size = values.shape[ragged_idx - 1]
+    if lengths is None:
+        return bool(offsets[0] >= 0) and bool(offsets[-1] <= size) and bool((offsets.diff() >= 0).all())
+    if lengths.dim() != 1 or lengths.dtype != torch.int64 or lengths.numel() != offsets.numel() - 1:
+        return False
+    starts = offsets[:-1]
+    return bool((starts >= 0).all()) and bool((lengths >= 0).all()) and bool((starts + lengths <= size).all())
 
 
 def _decode_non_tensor(kind: str, obj: Dict[str, Any], where: str, check_only: bool) -> Any:

@@ -30,6 +30,7 @@ import torch
 from skip_harness import scan as _scan
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.layout import Layout
+from skip_harness.payload_kinds import is_non_tensor_data, is_non_tensor_stack
 from skip_harness.store import StepStore
 
 try:
@@ -90,6 +91,8 @@ def _is_td(obj: Any) -> bool:
 
 def _children(obj: Any) -> Optional[List[Tuple[str, Any]]]:
     """(key, value) pairs of a container that becomes several columns; None for a leaf."""
+    if is_non_tensor_stack(obj) or is_non_tensor_data(obj):
+        return None
     if _is_td(obj):
         return [(str(k), obj.get(k)) for k in obj.keys()]
     if isinstance(obj, dict):
@@ -104,6 +107,10 @@ def _children(obj: Any) -> Optional[List[Tuple[str, Any]]]:
 
 
 def _leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    if is_non_tensor_stack(obj):       # one value per row (verl's chat messages, uids): a list column
+        obj = obj.tolist()
+    elif is_non_tensor_data(obj):      # one value for the whole batch
+        obj = obj.data
     kids = _children(obj)
     if kids is None:
         yield (prefix or "value"), obj
@@ -165,7 +172,7 @@ def _plain(value: Any) -> Any:
     """A value pyarrow and json can hold: tensors as lists, numpy scalars as numbers, dicts and other
     containers as JSON text, bytes kept as bytes (Parquet) ."""
     if isinstance(value, torch.Tensor):
-        return _tensor_for_arrow(value).tolist()
+        return _tensor_list(value)
     if np is not None and isinstance(value, np.ndarray):
         return value.tolist()
     if np is not None and isinstance(value, np.generic):
@@ -179,7 +186,7 @@ def _plain(value: Any) -> Any:
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return _tensor_for_arrow(value).tolist()
+        return _tensor_list(value)
     if np is not None and isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
     if _is_td(value):
@@ -195,6 +202,13 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _tensor_list(t: torch.Tensor) -> Any:
+    """A tensor as nested lists; a nested (jagged) tensor as one list per row."""
+    if t.is_nested:
+        return [_tensor_for_arrow(row).tolist() for row in t.unbind(0)]
+    return _tensor_for_arrow(t).tolist()
+
+
 def _tensor_for_arrow(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu()
     if t.dtype in (torch.bfloat16,) or (t.is_floating_point() and t.element_size() == 1):
@@ -206,6 +220,8 @@ def _tensor_for_arrow(t: torch.Tensor) -> torch.Tensor:
 
 def _arrow_rows(value: Any) -> pa.Array:
     """One Arrow value per row of a per-row column."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return pa.array(_tensor_list(value))
     if isinstance(value, torch.Tensor):
         arr = _tensor_for_arrow(value).numpy()
     elif np is not None and isinstance(value, np.ndarray):
@@ -292,7 +308,7 @@ def _jsonl_rows(meta_cols: Dict[str, Any], n: int, cols: Dict[str, _Column]) -> 
     for name, col in cols.items():
         if col.per_row:
             v = col.value
-            values[name] = _tensor_for_arrow(v).tolist() if isinstance(v, torch.Tensor) else \
+            values[name] = _tensor_list(v) if isinstance(v, torch.Tensor) else \
                 (v.tolist() if np is not None and isinstance(v, np.ndarray) else [_jsonable(x) for x in v])
         else:
             values[name] = _jsonable(col.value)

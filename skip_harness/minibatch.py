@@ -23,6 +23,12 @@ def snapshot(payload: Any) -> Any:
 
 
 def _snapshot(obj: Any, where: str) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.is_nested:
+        dev = origin_device(obj)
+        clone = obj.detach().to("cpu", copy=True) if obj.device.type != "cpu" else obj.detach().clone()
+        if dev.type != "cpu":
+            setattr(clone, ORIGIN_ATTR, str(dev))
+        return clone
     if isinstance(obj, torch.Tensor):
         src = obj.detach()
         dev = origin_device(obj)
@@ -84,6 +90,13 @@ def _merge(items: List[Any], where: str) -> Any:
     first = items[0]
     if len(items) == 1:
         return first
+    if isinstance(first, torch.Tensor) and first.is_nested:
+        if not all(isinstance(x, torch.Tensor) and x.is_nested for x in items):
+            raise CodecError(f"{where}: cannot merge a nested tensor with {_type_names(items)}")
+        try:
+            return cat_nested(items)
+        except Exception as exc:
+            raise CodecError(f"{where}: cannot concatenate nested tensors: {exc}") from exc
     if isinstance(first, torch.Tensor):
         if not all(isinstance(x, torch.Tensor) for x in items):
             raise CodecError(f"{where}: cannot merge a tensor with {_type_names(items)}")
@@ -95,6 +108,9 @@ def _merge(items: List[Any], where: str) -> Any:
             raise CodecError(f"{where}: cannot concatenate tensors: {exc}") from exc
     if is_tensordict(first) or is_non_tensor_data(first):
         try:
+            nested = _nested_keys(first)
+            if nested:
+                return _cat_tensordicts_with_nested(items, nested)
             return torch.cat(items, dim=0)
         except Exception as exc:
             raise CodecError(f"{where}: cannot concatenate TensorDicts: {exc}") from exc
@@ -132,6 +148,45 @@ def _merge(items: List[Any], where: str) -> Any:
         merged = [_merge([c[j] for c in columns], f"{where}.{n}") for j, n in enumerate(names)]
         return construct(t, names, merged, where)
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
+
+
+def cat_nested(items: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Nested tensors concatenated along dim 0 (torch.cat does not support it): jagged ones as one
+    jagged tensor of every row, with the first one's ragged dimension; strided ones from their
+    components."""
+    first = items[0]
+    if first.layout == torch.jagged:
+        ragged = first._ragged_idx
+        if any(x.layout != torch.jagged or x._ragged_idx != ragged for x in items):
+            raise CodecError("jagged tensors with different layouts or ragged dimensions")
+        rows = [r for x in items for r in x.unbind(0)]
+        values = torch.cat(rows, dim=ragged - 1)
+        lengths = torch.tensor([r.shape[ragged - 1] for r in rows], dtype=torch.int64, device=values.device)
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64, device=values.device)
+        torch.cumsum(lengths, dim=0, out=offsets[1:])
+        return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged)
+    return torch.nested.as_nested_tensor([r for x in items for r in x.unbind(0)], layout=first.layout)
+
+
+def _nested_keys(td: Any) -> List[Any]:
+    """The keys (nested keys as tuples) of a TensorDict's nested-tensor leaves."""
+    if not is_tensordict(td):
+        return []
+    return [k for k, v in td.items(include_nested=True, leaves_only=True)
+            if isinstance(v, torch.Tensor) and v.is_nested]
+
+
+def _cat_tensordicts_with_nested(items: List[Any], nested: List[Any]) -> Any:
+    """torch.cat of TensorDicts holding nested tensors: the rest by torch.cat, the nested leaves by
+    `cat_nested`."""
+    for x in items[1:]:
+        if set(_nested_keys(x)) != set(nested):
+            raise CodecError(f"mini-batches have different nested-tensor keys: {sorted(map(str, nested))} "
+                             f"vs {sorted(map(str, _nested_keys(x)))}")
+    out = torch.cat([x.exclude(*nested) for x in items], dim=0)
+    for k in nested:
+        out.set(k, cat_nested([x.get(k) for x in items]))
+    return out
 
 
 def _same_scalar(a: Any, b: Any) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -53,6 +55,29 @@ class UnregisteredTypeError(CodecError):
 _registry_lock = threading.Lock()
 _by_name: Dict[str, type] = {}
 _by_class: Dict[type, str] = {}
+
+
+# Kinds registered on first use, by their qualified name, without importing their package before a
+# payload holds one or a file names one: verl V0's DataProto (its TensorDict `batch`, its
+# `non_tensor_batch` of NumPy object arrays -- each element through the codec's own encoding --, its
+# `meta_info` dict), available when verl is importable.
+LAZY_KINDS: Dict[str, Tuple[str, str]] = {"verl.protocol.DataProto": ("verl.protocol", "DataProto")}
+
+
+def _lazy_class(name: str, *, import_it: bool) -> Optional[type]:
+    """The class of a lazily registered kind: from the already imported module, or (`import_it`)
+    importing it; None when it is not a lazy kind or its package is not there."""
+    spec = LAZY_KINDS.get(name)
+    if spec is None:
+        return None
+    module = sys.modules.get(spec[0])
+    if module is None and import_it:
+        try:
+            module = importlib.import_module(spec[0])
+        except Exception:
+            return None
+    cls = getattr(module, spec[1], None) if module is not None else None
+    return cls if isinstance(cls, type) else None
 
 
 def _is_namedtuple_class(cls: type) -> bool:
@@ -110,6 +135,9 @@ def registered_or_refuse(obj: Any, where: str) -> Optional[str]:
     if not (_is_namedtuple_class(t) or (dataclasses.is_dataclass(t) and not isinstance(obj, type))):
         return None
     name = _by_class.get(t)
+    if name is None and _lazy_class(_qualified(t), import_it=False) is t:
+        name = _qualified(t)
+        register_type(t, name)
     if name is None:
         kind = "namedtuple" if _is_namedtuple_class(t) else "dataclass"
         raise UnregisteredTypeError(
@@ -129,6 +157,12 @@ def fields_of(obj: Any) -> Tuple[List[str], List[Any]]:
 
 def rebuild(name: str, names: Sequence[str], values: Sequence[Any], where: str) -> Any:
     cls = _by_name.get(name)
+    if cls is None and name in LAZY_KINDS:
+        cls = _lazy_class(name, import_it=True)
+        if cls is None:
+            raise UnregisteredTypeError(f"{where}: holds a {name}, but {LAZY_KINDS[name][0]} is not importable "
+                                        "here (install the [verl] extra to load it)")
+        register_type(cls, name)
     if cls is None:
         short = name.rsplit(".", 1)[-1]
         raise UnregisteredTypeError(

@@ -307,8 +307,25 @@ def read_skeleton(fd: int, spath: str) -> Any:
     return _unpack(doc["tree"], [torch.empty(0)] * len(doc["tensors"]))
 
 
+NOT_A_PAYLOAD = "not a skip_harness or torch payload file"
+_TORCH_MAGICS = (b"PK\x03\x04", b"\x80")   # torch.save's zip archive; its legacy format (a pickle)
+
+
+def looks_like_torch_file(spath: str) -> bool:
+    """Whether the file starts as a torch.save file does (a zip archive, or the legacy pickle format)."""
+    try:
+        with open(spath, "rb") as f:
+            start = f.read(4)
+    except OSError:
+        return True   # let torch.load report it
+    return any(start.startswith(m) for m in _TORCH_MAGICS)
+
+
 def torch_load(spath: str, mmap: bool) -> Any:
-    """torch.load(weights_only=True) of a file in the previous format; CodecError (no path) on failure."""
+    """torch.load(weights_only=True) of a file in the previous format; CodecError (no path) on failure,
+    NOT_A_PAYLOAD for a file that is neither format (random bytes, a text file)."""
+    if not looks_like_torch_file(spath):
+        raise CodecError(NOT_A_PAYLOAD)
     try:
         try:
             return torch.load(spath, weights_only=True, mmap=mmap, map_location="cpu")

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from skip_harness import codec
+from skip_harness.payload_kinds import is_non_tensor_data, is_non_tensor_stack
 from skip_harness import scan as _scan
 from skip_harness.errors import CodecError, CorruptStepError
 from skip_harness.layout import META_NAME, PAYLOAD_NAME, Layout, parse_namespace_leaf, parse_step_name
@@ -139,6 +140,10 @@ def _is_td(obj: Any) -> bool:
 def describe(obj: Any, path: str = "") -> Iterator[Tuple[str, str, str, str, int, str]]:
     """(key path, type, shape, dtype, bytes, value) rows, depth first; containers before their items."""
     name = path or "(payload)"
+    if isinstance(obj, torch.Tensor) and obj.is_nested:
+        yield name, f"NestedTensor({str(obj.layout).replace('torch.', '')})", _nested_shape(obj), \
+            str(obj.dtype).replace("torch.", ""), _nested_bytes(obj), ""
+        return
     if isinstance(obj, torch.Tensor):
         value = repr(obj.item()) if obj.dim() == 0 else ""
         yield name, "Tensor", _shape(obj.shape), str(obj.dtype).replace("torch.", ""), \
@@ -146,6 +151,13 @@ def describe(obj: Any, path: str = "") -> Iterator[Tuple[str, str, str, str, int
         return
     if np is not None and isinstance(obj, np.ndarray):
         yield name, "ndarray", _shape(obj.shape), str(obj.dtype), int(obj.nbytes), ""
+        return
+    if is_non_tensor_stack(obj):
+        values = obj.tolist()
+        yield name, "NonTensorStack", _shape(obj.batch_size), "", _scalar_bytes(values), _short(values)
+        return
+    if is_non_tensor_data(obj):
+        yield name, type(obj).__name__, _shape(obj.batch_size), "", _scalar_bytes(obj.data), _short(obj.data)
         return
     kids: Optional[List[Tuple[str, Any]]] = None
     kind = type(obj).__name__
@@ -199,6 +211,24 @@ def _container(v: Any) -> bool:
         dataclasses.is_dataclass(v) and not isinstance(v, type)) or (np is not None and isinstance(v, np.ndarray))
 
 
+def _nested_shape(t: torch.Tensor) -> str:
+    """A nested tensor's shape, its ragged dimension as min..max of the rows' lengths."""
+    rows = t.unbind(0)
+    dims = []
+    for d in range(1, t.dim()):
+        sizes = {int(r.shape[d - 1]) for r in rows}
+        dims.append(str(min(sizes)) if len(sizes) == 1 else f"{min(sizes)}..{max(sizes)}")
+    return "(" + ", ".join([str(int(t.size(0)))] + dims) + ("," if t.dim() == 1 else "") + ")"
+
+
+def _nested_bytes(t: torch.Tensor) -> int:
+    if t.layout == torch.jagged:
+        parts = [t.values(), t.offsets()] + ([t.lengths()] if t.lengths() is not None else [])
+    else:
+        parts = list(t.unbind(0))
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
 def _shape(shape) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
@@ -218,6 +248,10 @@ def _short(v: Any, limit: int = _VALUE_CHARS) -> str:
 
 def head_values(obj: Any, n: int, path: str = "") -> Iterator[Tuple[str, str]]:
     """(key path, first n entries) of every leaf along the mini-batch's first dimension."""
+    if isinstance(obj, torch.Tensor) and obj.is_nested:
+        rows = [r.detach().cpu() for r in obj.unbind(0)[:n]]
+        yield path or "(payload)", _short([(r.float() if r.dtype == torch.bfloat16 else r).tolist() for r in rows], 2000)
+        return
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu()
         t = t.float() if t.dtype == torch.bfloat16 else t
@@ -225,6 +259,12 @@ def head_values(obj: Any, n: int, path: str = "") -> Iterator[Tuple[str, str]]:
         return
     if np is not None and isinstance(obj, np.ndarray):
         yield path or "(payload)", _short(obj.tolist() if obj.ndim == 0 else obj[:n].tolist(), 2000)
+        return
+    if is_non_tensor_stack(obj):
+        yield path or "(payload)", _short(obj.tolist()[:n], 2000)
+        return
+    if is_non_tensor_data(obj):
+        yield path or "(payload)", _short(obj.data, 2000)
         return
     if _is_td(obj):
         items = [(str(k), obj.get(k)) for k in obj.keys()]
