@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from skip_harness.config import k_for, register_configs
 from skip_harness.demo.run import train
 from skip_harness.errors import SkipHarnessError
-from skip_harness.hydra_callback import record_job_failure
+from skip_harness.hydra_callback import config_composed, record_job_failure
 
 log = logging.getLogger("skip_harness")
 _STARTED = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -68,5 +68,17 @@ def main(cfg: DictConfig) -> float:
     return float(result.metrics[-1]["reward_mean"]) if result.metrics else float("nan")
 
 
+def run() -> None:
+    """`main` with one exit status for every config error: Hydra exits 1 for a command line or config
+    it cannot compose (an unknown key, a bad override), before any job starts; our own config errors
+    exit 2 (as a bad command line does), so Hydra's are made 2 as well. A job that fails keeps 1."""
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code == 1 and not config_composed():
+            raise SystemExit(2) from None
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -7,7 +7,9 @@ turned into these dataclasses (`__post_init__`) and raise :class:`ConfigError` n
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -214,10 +216,9 @@ class DemoConfig:
         check_batch_split(self.data.train_batch_size, self.K, world_size)
 
 
-# The config keys that shape the demo's rollouts apart from the learned weights.
+# The config keys that shape the demo's rollouts apart from the learned weights, in every mode.
 DEMO_FINGERPRINT_KEYS = (
     "trainer.v1.trainer_mode",
-    "trainer.v1.separate_async.parameter_sync_step",
     "seed",
     "data.train_batch_size",
     "data.max_prompt_length",
@@ -228,6 +229,13 @@ DEMO_FINGERPRINT_KEYS = (
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.temperature",
 )
+# ...and in separate_async, where it is K (sync and colocate_async never read it).
+SEPARATE_ASYNC_FINGERPRINT_KEYS = ("trainer.v1.separate_async.parameter_sync_step",)
+
+
+def demo_fingerprint_keys(mode: str) -> tuple:
+    """The demo's fingerprint keys in trainer mode `mode`: what shapes its rollouts in that mode."""
+    return DEMO_FINGERPRINT_KEYS + (SEPARATE_ASYNC_FINGERPRINT_KEYS if mode == "separate_async" else ())
 
 
 def register_configs() -> None:
@@ -247,8 +255,12 @@ def to_demo_config(cfg: Any) -> DemoConfig:
 def _to_object(schema: type, cfg: Any, prefix: str) -> Any:
     """`cfg` (dict, DictConfig, dataclass instance or None) merged onto `schema` and turned into it.
 
-    OmegaConf's own errors (unknown key, wrong type) become one ConfigError naming the full key; the
-    schemas' own checks already name theirs."""
+    A key the schema does not have is a ConfigError naming it, with the closest known key (a typed
+    node lets Hydra's `+key=value` add keys that OmegaConf would otherwise drop without a word).
+    OmegaConf's own errors (wrong type) become one ConfigError naming the full key; the schemas' own
+    checks already name theirs."""
+    if cfg is not None and not dataclasses.is_dataclass(cfg):
+        check_known_keys(schema, cfg, prefix)
     try:
         if dataclasses.is_dataclass(cfg) and isinstance(cfg, schema):
             base = OmegaConf.structured(cfg)
@@ -268,6 +280,34 @@ def _to_object(schema: type, cfg: Any, prefix: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise ConfigError(prefix or "config", f"not a mapping of settings: {exc}") from None
     return obj
+
+
+def _fields_of(schema: type) -> dict:
+    """{field name: its type} of a dataclass schema (the annotations resolved)."""
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints.get(f.name) for f in dataclasses.fields(schema)}
+
+
+def check_known_keys(schema: type, cfg: Any, prefix: str = "") -> None:
+    """ConfigError for the first key of `cfg` (a mapping) that `schema` (a dataclass) does not have,
+    nested schemas included: `skip.rollout_tq.actoin: unknown key; did you mean `action`?`."""
+    if isinstance(cfg, DictConfig):
+        items = [(str(k), cfg._get_node(k)) for k in cfg.keys()]
+    elif isinstance(cfg, dict):
+        items = [(str(k), v) for k, v in cfg.items()]
+    else:
+        return  # not a mapping: the merge reports it
+    fields = _fields_of(schema)
+    for name, value in items:
+        full = f"{prefix}.{name}" if prefix else name
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
+            hint = f"did you mean `{close[0]}`?" if close else f"expected one of {', '.join(fields)}"
+            where = f"`{prefix}`" if prefix else "the config"
+            raise ConfigError(full, f"unknown key (not in {where}); {hint}")
+        kind = fields[name]
+        if dataclasses.is_dataclass(kind) and isinstance(value, (dict, DictConfig)):
+            check_known_keys(kind, value, full)
 
 
 def settings_from(obj: Any) -> RolloutTQConfig:

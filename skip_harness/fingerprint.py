@@ -67,14 +67,19 @@ class Fingerprint:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def differing_keys(self, other: "Fingerprint") -> List[str]:
-        keys = set(self.values) | set(other.values)
-        return sorted(k for k in keys if self.values.get(k) != other.values.get(k))
+        """This fingerprint's keys whose value `other` (a cache's) does not have. A key only `other`
+        holds is not compared: this run's generator says it does not shape its rollouts (a cache
+        written when the demo's sync mode still recorded parameter_sync_step stays valid); a key only
+        this one holds is (the cache cannot show it had the same value)."""
+        return sorted(k for k in self.values if self.values.get(k, _MISSING) != other.values.get(k, _MISSING))
 
     def describe_difference(self, other: "Fingerprint") -> str:
         parts = []
         for k in self.differing_keys(other):
-            parts.append(f"{k}: cache has {other.values.get(k)!r}, this run has {self.values.get(k)!r}")
+            cached = repr(other.values[k]) if k in other.values else "no value for it"
+            parts.append(f"{k}: cache has {cached}, this run has {self.values.get(k)!r}")
         return "; ".join(parts)
 
     def matches(self, other: Optional["Fingerprint"]) -> bool:
+        """Whether a cache's fingerprint `other` (None: recorded none) agrees on every key of this one."""
         return other is None or not self.differing_keys(other)

@@ -1,9 +1,11 @@
 """Hydra callbacks: the startup before the task function, and a sweep that survives a failed job.
 
 :class:`HydraStartupCallback` validates the whole config (the schema, every cross-field check and the
-trainer's own, through ``validate``), then takes the namespace lock, scans and cleans in
-``on_job_start`` and hands the result to the harness of the job (:func:`startup.hand_over`). An
-exception in a Hydra callback only becomes a warning, so it never raises: a bad config or a held lock
+trainer's own, through ``validate``) in ``on_run_start``, before Hydra makes the run directory: a
+config error stops a single run there with one message and exit status 2, and nothing is created
+(no ``outputs/...`` folder, nothing in the cache). In ``on_job_start`` it takes the namespace lock,
+scans and cleans, and hands the result to the harness of the job (:func:`startup.hand_over`). Any other
+exception in a Hydra callback only becomes a warning, so ``on_job_start`` never raises: a held lock
 is left to the task function, which stops with one clear message — before anything touched the disk.
 
 :class:`SweepReport` ends a multirun: a job that stopped on its own cause (a held lock, a fingerprint
@@ -12,23 +14,38 @@ still ran; at the end the sweep names every failed job and exits non-zero.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
 from .callbacks import LoggingCallback
 from .config import check_batch_split, namespace_key_from_config, rollout_tq_from
+from .errors import ConfigError
 from .startup import StartupResult, hand_over, prepare_namespace, take_over
 
 log = logging.getLogger("skip_harness")
 
 FAILURE_FILE = "job_failed.json"
+
+# Set once Hydra composed the config and started a run or a sweep in this process (see `config_composed`).
+_COMPOSED = threading.Event()
+
+
+def config_composed() -> bool:
+    """Whether Hydra got as far as starting a run or a sweep in this process. When it exits 1 before
+    that, its error was in the command line or the config it composed (an unknown key, a bad override):
+    a config error, which `scripts/train.py` turns into exit status 2 like its own config errors."""
+    return _COMPOSED.is_set()
 
 
 def _import(path: str) -> Callable[[Any], Any]:
@@ -42,6 +59,27 @@ class HydraStartupCallback(Callback):
     def __init__(self, validate: Optional[str] = None) -> None:
         self._validate = validate
         self._held: Dict[int, StartupResult] = {}
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        """A single run: the config checked before Hydra makes the run directory. A ConfigError ends the
+        process here (exit 2, nothing created); anything else is left to the task function."""
+        _COMPOSED.set()
+        if not self._validate:
+            return
+        task = _task_config(config)
+        if task is None:
+            return
+        try:
+            _import(self._validate)(task)
+        except ConfigError as exc:
+            log.error("%s (nothing was created: no run directory, nothing in the cache)", exc)
+            sys.stderr.flush()
+            raise SystemExit(2)  # not an Exception: Hydra would turn it into a warning
+        except Exception as exc:  # noqa: BLE001 - the task function repeats the check and reports it
+            log.debug("skip_harness config check deferred to the task function: %s", exc)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        _COMPOSED.set()  # each job's config is checked by its task function (the sweep goes on)
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         if int(os.environ.get("RANK", "0")) != 0:
@@ -70,6 +108,20 @@ class HydraStartupCallback(Callback):
         result = self._held.pop(id(config), None)
         if result is not None and take_over(result.layout) is result:
             result.release()  # nobody took it over (the job stopped before its harness started)
+
+
+def _task_config(config: Any) -> Optional[DictConfig]:
+    """The task function's config (without the `hydra` node), resolved; None when it cannot be resolved
+    yet (an interpolation that needs the job's runtime, such as ${hydra:runtime.output_dir})."""
+    try:
+        task = copy.deepcopy(config)
+        with read_write(task), open_dict(task):
+            task.pop("hydra", None)
+        OmegaConf.to_container(task, resolve=True)
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:
+        log.debug("skip_harness config check deferred to the task function: %s", exc)
+        return None
+    return task
 
 
 def record_job_failure(exc: BaseException) -> bool:

@@ -1,9 +1,10 @@
 """Schemas and cross-field checks: every error names its key."""
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from skip_harness.config import DemoConfig, RolloutTQConfig, check_batch_split, namespace_key_from_config, to_demo_config
 from skip_harness.errors import ConfigError
@@ -104,3 +105,84 @@ def test_compression_keys_validated():
         settings_from({"compression": "gzip"})
     with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.compression_level"):
         settings_from({"compression_level": 99})
+
+
+# ---------------------------------------------------------------- unknown keys (issue 15, item 1)
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from skip_harness.config import register_configs
+
+    register_configs()
+    for name, fn in (("skip_harness_run_id", lambda: "x"), ("skip_harness_k", lambda mode, k: 1)):
+        OmegaConf.register_new_resolver(name, fn, replace=True)
+    GlobalHydra.instance().clear()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        return compose("config", list(overrides))
+
+
+@pytest.mark.parametrize(
+    "override, key, hint",
+    [
+        ("+skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin", "did you mean `action`?"),
+        ("+trainer.v1.separate_async.paramter_sync_step=2", "trainer.v1.separate_async.paramter_sync_step",
+         "did you mean `parameter_sync_step`?"),
+        ("+sed=1", "sed", "did you mean `seed`?"),
+    ],
+)
+def test_a_key_hydra_adds_with_plus_is_refused_with_the_closest_name(override, key, hint):
+    cfg = _compose(override)  # Hydra's own advice for an unknown key: `+key=value`, which it accepts
+    with pytest.raises(ConfigError) as err:
+        to_demo_config(cfg)
+    assert err.value.key == key and hint in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"actoin": "cache"}, OmegaConf.create({"enable": True, "actoin": "cache"})],
+)
+def test_unknown_settings_of_the_harness_are_refused_with_the_closest_name(tmp_path, settings):
+    from skip_harness import SkipHarness
+
+    with pytest.raises(ConfigError) as err:
+        SkipHarness.create(settings, namespace={"experiment_name": "e", "project_name": "p", "K": 1})
+    assert err.value.key == "skip.rollout_tq.actoin" and "did you mean `action`?" in str(err.value)
+    cfg = OmegaConf.structured(DemoConfig)
+    with open_dict(cfg.skip.rollout_tq):
+        cfg.skip.rollout_tq.actoin = "cache"  # a typed node with an extra key, as `+key=` leaves it
+    with pytest.raises(ConfigError) as err:
+        SkipHarness.from_config(cfg)
+    assert err.value.key == "skip.rollout_tq.actoin" and "did you mean `action`?" in str(err.value)
+
+
+# ---------------------------------------------------------------- fingerprint per mode (issue 15, item 2)
+def test_parameter_sync_step_is_in_the_fingerprint_only_in_separate_async():
+    from skip_harness.config import demo_fingerprint_keys
+    from skip_harness.fingerprint import Fingerprint
+
+    key = "trainer.v1.separate_async.parameter_sync_step"
+    for mode in ("sync", "colocate_async"):
+        a = Fingerprint.from_config(demo(f"trainer.v1.trainer_mode={mode}", f"{key}=4"), demo_fingerprint_keys(mode))
+        b = Fingerprint.from_config(demo(f"trainer.v1.trainer_mode={mode}", f"{key}=2"), demo_fingerprint_keys(mode))
+        assert key not in a.values and a.matches(b)
+    sep = demo_fingerprint_keys("separate_async")
+    a = Fingerprint.from_config(demo("trainer.v1.trainer_mode=separate_async", f"{key}=4"), sep)
+    b = Fingerprint.from_config(demo("trainer.v1.trainer_mode=separate_async", f"{key}=2"), sep)
+    assert not a.matches(b) and a.differing_keys(b) == [key]
+
+
+def test_a_cache_whose_fingerprint_held_more_keys_still_matches_when_the_values_agree():
+    from skip_harness.config import demo_fingerprint_keys
+    from skip_harness.fingerprint import Fingerprint
+
+    key = "trainer.v1.separate_async.parameter_sync_step"
+    now = Fingerprint.from_config(demo(f"{key}=2"), demo_fingerprint_keys("sync"))
+    # what the previous version recorded in sync mode: every key, parameter_sync_step included
+    old = Fingerprint.from_values({**now.values, key: 4})
+    assert now.matches(old)
+    assert not now.matches(Fingerprint.from_values({**old.values, "seed": 7}))  # the others still count
+    # a key this run records that the cache lacks is a difference (the cache cannot show it agreed)
+    fewer = Fingerprint.from_values({k: v for k, v in now.values.items() if k != "seed"})
+    assert not now.matches(fewer) and "seed: cache has no value for it" in now.describe_difference(fewer)

@@ -1,5 +1,6 @@
 """The whole config is checked before the disk: every bad value, with the Hydra startup callback on,
-stops the run with one message naming the key — and nothing in the cache is created or removed."""
+stops the run with one message naming the key and exit status 2 — and nothing is created or removed:
+no run directory, nothing in the cache."""
 from __future__ import annotations
 
 import os
@@ -66,3 +67,31 @@ def test_every_bad_value_stops_before_the_disk(tmp_path):
         assert key in text, (overrides, text)
         assert "Traceback" not in text, (overrides, text)
         assert tree(cache) == before, (overrides, tree(cache))
+        assert proc.returncode == 2, (overrides, text)
+        assert not (tmp_path / f"run{BAD.index((overrides, key))}").exists(), (overrides, "a run directory was made")
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        # Hydra's advice for an unknown key is `+key=value`; following it must not run with the key ignored
+        ("+skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin: unknown key"),
+        ("skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin"),  # Hydra's own refusal (it exits 1)
+        ("+trainer.total_trainig_steps=3", "did you mean `total_training_steps`?"),
+    ],
+)
+def test_an_unknown_key_stops_with_exit_2_and_creates_nothing(tmp_path, override, says):
+    env = {**os.environ, "SKIP_HARNESS_DUMP_DIR": str(tmp_path / "cache")}
+    env.pop("HYDRA_FULL_ERROR", None)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, str(TRAIN), "trainer.progress=false", "data.train_batch_size=8", override],
+                          cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    assert says in text and "Traceback" not in text, text
+    if override.startswith("+skip"):
+        assert "did you mean `action`?" in text, text
+    assert list(work.iterdir()) == [], "the run left files (an outputs/ folder?)"
+    assert not (tmp_path / "cache").exists()

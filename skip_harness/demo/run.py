@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from ..config import DEMO_FINGERPRINT_KEYS, DemoConfig, to_demo_config
+from ..config import DemoConfig, demo_fingerprint_keys, to_demo_config
 from ..dist import DistContext
 from ..harness import SkipHarness
 
@@ -69,7 +69,7 @@ def validate(cfg: Any) -> DemoConfig:
     world size's batch split and the harness's own settings. Raises ConfigError naming the key."""
     demo = to_demo_config(cfg)
     demo.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
-    SkipHarness.from_config(OmegaConf.structured(demo), fingerprint_keys=DEMO_FINGERPRINT_KEYS)
+    SkipHarness.from_config(OmegaConf.structured(demo), fingerprint_keys=demo_fingerprint_keys(demo.trainer.v1.trainer_mode))
     return demo
 
 
@@ -89,7 +89,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
     torch.set_num_threads(threads)
     demo.check_world_size(dist.world_size)
     out_dir = _run_dir(run_dir)
-    harness = SkipHarness.from_config(OmegaConf.structured(demo), fingerprint_keys=DEMO_FINGERPRINT_KEYS, dist=dist)
+    harness = SkipHarness.from_config(OmegaConf.structured(demo), dist=dist,
+                                     fingerprint_keys=demo_fingerprint_keys(demo.trainer.v1.trainer_mode))
     harness.start()  # lock, scan, cleanup, fingerprint check: before any work
 
     trainer = DemoTrainer(demo_settings(demo), accelerator)
