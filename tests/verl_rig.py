@@ -67,14 +67,24 @@ def compose(dump_dir: str, *, K: int = 1, action: str = "cache", steps: Sequence
         return hydra_compose(config_name="ppo_trainer", overrides=list(overrides))
 
 
-def start(cfg: Any) -> None:
-    """Ray on 127.0.0.1 and TransferQueue with one storage unit (once per process)."""
+RAY_ADDRESS_ENV = "SKIP_HARNESS_TEST_RAY_ADDRESS"
+
+
+def start(cfg: Any) -> str:
+    """Ray on 127.0.0.1 and TransferQueue with one storage unit (once per process); with
+    $SKIP_HARNESS_TEST_RAY_ADDRESS, attach to that cluster and its TransferQueue instead. Returns the
+    cluster's address."""
     import ray
     import transfer_queue as tq
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        address = os.environ.get(RAY_ADDRESS_ENV)
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     tq.init(cfg.transfer_queue)
+    return ray.get_runtime_context().gcs_address
 
 
 def clear_queue() -> None:
