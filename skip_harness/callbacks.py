@@ -98,18 +98,25 @@ class LoggingCallback(HarnessCallback):
         self.rank = rank
         self.world_size = world_size
         self.log = logger or log
+        self.namespace: Optional[str] = None  # named again in the summary line
 
     def _info(self, msg: str, *args: Any) -> None:
         if self.rank == 0:
             self.log.info(msg, *args)
 
     def on_startup(self, *, namespace: str, startup: Any, **kwargs: Any) -> None:
-        if kwargs.get("quiet", False):
+        self.namespace = namespace
+        if kwargs.get("quiet", False) or self.rank != 0 or startup is None:
             return
-        note = getattr(startup.report, "index_note", None)
-        if note:
-            self._info("rollout cache %s: %s", namespace, note)
-        self._info("%s", startup.describe())
+        report = startup.report
+        note = getattr(report, "index_note", None)
+        if note:  # a brand-new namespace has no index yet: nothing is wrong, nothing to say
+            (self.log.info if report.steps else self.log.debug)("rollout cache %s: %s", namespace, note)
+        if getattr(startup, "read_only", False) and not any(s.servable for s in report.steps):
+            self.log.warning("rollout cache %s is read-only (%s) and holds no complete step: nothing will be "
+                             "cached, every step is generated", namespace, startup.read_only_reason)
+            return
+        self.log.info("%s", startup.describe())
 
     def on_step_end(self, *, record: StepRecord, **kwargs: Any) -> None:
         self._info("%s", describe_step(record))
@@ -119,7 +126,7 @@ class LoggingCallback(HarnessCallback):
         self.log.warning("%s%s: %s", prefix, path, reason)
 
     def on_end(self, *, summary: RunSummary, **kwargs: Any) -> None:
-        self._info("%s", describe_summary(summary))
+        self._info("%s", describe_summary(summary, self.namespace, self.world_size))
 
 
 def describe_step(r: StepRecord) -> str:
@@ -136,15 +143,23 @@ def describe_step(r: StepRecord) -> str:
     return f"step {r.step}: uncached ({r.reason})" if r.reason else f"step {r.step}: uncached"
 
 
-def describe_summary(s: RunSummary) -> str:
-    """The summary line; its counts are the sums of the per-step lines."""
+def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size: int = 1) -> str:
+    """The summary line; its counts are the sums of the per-step lines. Bytes are the steps' sizes on
+    disk (every rank's files and the commit record, as `skip-harness ls` shows them); `namespace`, the
+    cache's directory, ends the line."""
     line = (
-        f"rollout cache summary: {s.steps} steps: {s.hits} hits, {s.repeats} repeats, {s.misses} misses "
-        f"({s.committed} committed, {s.uncommitted} not"
+        f"rollout cache summary: {s.steps} {_plural(s.steps, 'step')}: {s.hits} hits, {s.repeats} repeats, "
+        f"{s.misses} misses ({s.committed} committed, {s.uncommitted} not"
     )
     if s.uncommitted_reasons:
         line += ": " + ", ".join(f"{n} {why}" for why, n in s.uncommitted_reasons.items())
-    return line + (
-        f"), {s.off} uncached; read {human_bytes(s.bytes_read)}, wrote {human_bytes(s.bytes_written)}; "
+    ranks = f" (all {world_size} ranks' files)" if world_size > 1 else ""
+    line += (
+        f"), {s.off} uncached; read {human_bytes(s.bytes_read)}, wrote {human_bytes(s.bytes_written)}{ranks}; "
         f"generation {s.gen_s_spent:.1f}s spent, {s.gen_s_saved:.1f}s saved; loading {s.load_s:.1f}s"
     )
+    return line + (f"; cache in {namespace}" if namespace else "")
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else word + "s"

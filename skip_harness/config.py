@@ -345,7 +345,10 @@ _MISSING = object()
 
 
 def select_key(cfg: Any, key: str, *, why: str) -> Any:
-    """The value at dotted `key`; ConfigError naming it when it is absent (`why` says who needs it)."""
+    """The value at dotted `key` of `cfg` (an OmegaConf node, a dict or a dataclass); ConfigError naming
+    it when it is absent (`why` says who needs it)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
     value = OmegaConf.select(cfg, key, default=_MISSING)
     if value is _MISSING or value is None:
         raise ConfigError(key, f"missing; {why}")

@@ -264,7 +264,7 @@ class CommitCoordinator:
             elif exc is None and inner not in p.reported:
                 p.reported.add(inner)
                 entries, seconds = fut.result()
-                self._written(step=p.step, inner_index=inner, rank=self.dist.rank, bytes=entries[0].bytes, seconds=seconds)
+                self._written(step=p.step, inner_index=inner, rank=self.dist.rank, bytes=sum(e.bytes for e in entries), seconds=seconds)
         return True
 
     def _set_failed(self, p: _Pending, reason: str, path: str) -> None:
@@ -278,11 +278,12 @@ class CommitCoordinator:
 
     @staticmethod
     def _bytes(p: _Pending) -> int:
-        """Payload bytes this rank wrote for the step (what a read of it counts, too)."""
+        """Bytes this rank wrote for the step: its mini-batches' files, payload and meta.json (the
+        harness counts a committed step by its size on disk, as `skip-harness ls` does)."""
         total = 0
         for fut in p.writes.values():
             if fut.done() and fut.exception() is None:
-                total += fut.result()[0][0].bytes
+                total += sum(e.bytes for e in fut.result()[0])
         return total
 
     def close(self, timeout: Optional[float] = 600.0) -> bool:

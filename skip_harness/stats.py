@@ -28,7 +28,10 @@ READ_ONLY = "read-only cache"
 class StepRecord:
     """What happened in one step, as its per-step log line reports it.
 
-    bytes: payload bytes of this rank written (miss) or read (hit, repeat), counted the same way.
+    bytes: for a hit, a repeat and a committed miss, the step's size on disk -- every rank's payload
+        and meta.json files and the commit record, the size `skip-harness ls` shows; for a miss not
+        committed, what this rank generated (the files it wrote; in a read-only cache, the bytes its
+        mini-batches would have taken).
     gen_s: seconds spent generating (misses only); load_s: seconds to verify and load (hits, repeats).
     saved_s: generation seconds the served batches cost when they were recorded.
     committed: for a miss, whether the step was committed; reason says why not.

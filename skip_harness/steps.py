@@ -7,11 +7,12 @@ Inner indices are counted from the calls the trainer makes, never guessed from t
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from . import rng
+from . import codec, rng
 from .callbacks import CallbackDispatcher
 from .config import Action, Cleanup, RolloutTQConfig
 from .coordinator import CommitCoordinator, Finished
@@ -33,6 +34,7 @@ class _StepState:
     batches: List[Any] = field(default_factory=list)
     regenerated: bool = False
     finished: bool = False
+    unwritten: int = 0  # a read-only cache: bytes generated that would have been written
 
 
 class StepRunner:
@@ -185,7 +187,7 @@ class StepRunner:
         self.callbacks.on_serve(step=step, inner_index=inner, source_step=state.decision.source_step,
                                 bytes=int(meta.get("bytes", 0) or 0), seconds=0.0)
         if state.sampled == self.K:
-            self._finish(step, _served_record(step, state, self.K))
+            self._finish(step, _served_record(step, state, self.K, self._step_bytes(state.decision.source_step)))
         return batch
 
     def _inputs_match(self, state: _StepState, inner: int, args: tuple, kwargs: dict) -> bool:
@@ -223,7 +225,7 @@ class StepRunner:
         self._stash(step, inner, out, meta)
         if state.sampled == self.K:
             if self.read_only:
-                self._finish(step, _miss_record(step, state, self.K, Finished(step, False, READ_ONLY, 0)))
+                self._finish(step, _miss_record(step, state, self.K, Finished(step, False, READ_ONLY, state.unwritten)))
             else:
                 self.coordinator.sampled_all(step, self._epoch, state.gen_s)
                 self._collect(self.coordinator.poll(self._epoch))
@@ -234,10 +236,16 @@ class StepRunner:
         file before this returns, so later in-place changes by the trainer never reach the cache)."""
         if not self.read_only:
             self.coordinator.write(step, inner, out, meta)
+            return
+        try:  # nothing is written, but the step's line still counts what was generated
+            self._states[step].unwritten += codec.plan(out).nbytes
+        except Exception:  # noqa: BLE001 - a payload the codec refuses: it would not have been written either
+            pass
 
     def _collect(self, finished: List[Finished]) -> None:
         for done in finished:
             if done.committed:
+                done = dataclasses.replace(done, bytes=self._step_bytes(done.step))
                 self.servable.add(done.step)
                 self.callbacks.on_commit(step=done.step, bytes=done.bytes)
             self._finish(done.step, _miss_record(done.step, self._states[done.step], self.K, done))
@@ -251,7 +259,7 @@ class StepRunner:
                 continue  # decided by prepare_data, not sampled yet (colocate_async dispatches ahead)
             if state.decision.kind == MISS:
                 if self.read_only:
-                    done = Finished(step, False, READ_ONLY, 0)
+                    done = Finished(step, False, READ_ONLY, state.unwritten)
                 else:
                     done = self.coordinator.abandon(step, state.sampled)
                     self._fault(str(self.store.layout.step_dir(step)),
@@ -259,7 +267,7 @@ class StepRunner:
                                 "(its files are incomplete and are cleaned at the next startup)")
                 self._finish(step, _miss_record(step, state, self.K, done))
             elif state.decision.serves_cache:
-                self._finish(step, _served_record(step, state, self.K))
+                self._finish(step, _served_record(step, state, self.K, self._step_bytes(state.decision.source_step)))
 
     # ------------------------------------------------------------------ reporting
     def _finish(self, step: int, record: StepRecord) -> None:
@@ -273,6 +281,14 @@ class StepRunner:
             rec = self._records.pop(self._order.pop(0))
             self.stats.add(rec)
             self.callbacks.on_step_end(record=rec)
+
+    def _step_bytes(self, step: int) -> int:
+        """A committed step's size on disk: every rank's files and its commit record, the size
+        `skip-harness ls` shows for it (per-step lines and the summary count steps this way)."""
+        try:
+            return self.store.status(step).bytes
+        except OSError:
+            return 0
 
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)
@@ -291,12 +307,12 @@ class StepRunner:
         self._end_short_steps()
 
 
-def _served_record(step: int, state: _StepState, K: int) -> StepRecord:
+def _served_record(step: int, state: _StepState, K: int, nbytes: int) -> StepRecord:
     loaded = state.loaded
     served = loaded.metas[: state.sampled]
     return StepRecord(
         step, state.decision.kind, K, state.decision.source_step,
-        bytes=sum(int(m.get("bytes", 0) or 0) for m in served), load_s=loaded.seconds,
+        bytes=nbytes, load_s=loaded.seconds,
         saved_s=sum(float(m.get("gen_s", 0.0) or 0.0) for m in served), unverified=loaded.unverified,
     )
 

@@ -99,3 +99,26 @@ def test_bytes_are_counted_alike_on_write_and_read_and_a_hit_spends_no_generatio
     assert s2.hits == 2 and s2.gen_s_spent == 0.0 and s2.load_s > 0
     assert abs(s2.gen_s_saved - s1.gen_s_spent) < 1e-5  # recorded generation time, rounded to 1 us per batch
     assert all("loaded" in l for l in steps)
+
+
+def test_a_steps_logged_bytes_are_the_size_ls_shows_for_it(tmp_path, caplog, capsys):
+    """Per-step lines and the summary count a step as `skip-harness ls` does: its files on disk, payloads,
+    meta.json files and the commit record (they used to count payloads only: 824.6 vs 825.7 KiB)."""
+    import json
+
+    from skip_harness.callbacks import describe_step
+    from skip_harness.cli import main as cli
+
+    run(tmp_path, {1: 2, 2: 2}, caplog)
+    written = {r.step: r.bytes for r in run.records}
+    first_lines = [describe_step(r) for r in run.records]
+    run(tmp_path, {1: 2, 2: 2}, caplog)
+    read = {r.step: r.bytes for r in run.records}
+    capsys.readouterr()
+    assert cli(["ls", str(tmp_path / "c"), "--json"]) == 0
+    (ns,) = json.loads(capsys.readouterr().out)["namespaces"]
+    on_disk = {s["step"]: s["bytes"] for s in ns["steps"]}
+    assert written == read == on_disk, (written, read, on_disk)
+    from skip_harness.units import human_bytes
+
+    assert all(f"generated {human_bytes(on_disk[r.step])} " in line for r, line in zip(run.records, first_lines))

@@ -78,3 +78,15 @@ def test_a_step_failing_its_checksum_is_handled_as_cleanup_says(tmp_path, caplog
     assert len(quarantined) == (1 if cleanup == "quarantine" else 0)
     if quarantined:
         assert (quarantined[0] / "tq_batch.pt").read_bytes() == bytes(data)  # kept as it was found
+
+
+def test_an_empty_read_only_cache_warns_once_and_counts_what_was_generated(read_only_view, caplog):
+    _rw, ro = read_only_view
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        h, t, s = run(ro, [1, 2, 3])
+    assert [h.outcome(i) for i in (1, 2, 3)] == ["miss"] * 3 and s.uncommitted_reasons == {"read-only cache": 3}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "read-only" in warnings[0] and "nothing will be cached" in warnings[0], warnings
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(steps) == 3 and not any("generated 0 B" in line for line in steps), steps
+    assert s.bytes_written >= 3 * 64 * 4  # at least the tensors' bytes of the three steps generated

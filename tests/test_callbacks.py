@@ -102,3 +102,30 @@ def test_hydra_callback_does_nothing_on_other_ranks(tmp_path, monkeypatch):
     cfg = compose_demo(tmp_path)
     HydraStartupCallback().on_job_start(config=cfg, task_function=None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_new_namespace_says_nothing_of_its_index_and_the_summary_says_where_the_cache_is(tmp_path, caplog):
+    import torch
+
+    from skip_harness.callbacks import describe_summary
+
+    class Loop:
+        def prepare_data(self, step, *, dispatch=True):
+            pass
+
+        def sample(self, step):
+            return {"x": torch.arange(8) + step}
+
+    t = Loop()
+    h = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path)},
+                           namespace={"experiment_name": "e", "project_name": "p", "K": 1})
+    h.wrap(t)
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        t.prepare_data(1)
+        t.sample(1)
+        summary = h.close()
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert not any("index" in line for line in info), info  # "index missing; rebuilt" sounded like damage
+    (line,) = [m for m in info if m.startswith("rollout cache summary")]
+    assert line.startswith("rollout cache summary: 1 step: ") and line.endswith(f"; cache in {h.layout.root}"), line
+    assert "all 2 ranks' files" in describe_summary(summary, str(h.layout.root), world_size=2)
