@@ -271,7 +271,12 @@ def make_figure(runs: Sequence[Run], title: str):
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    # One color per configuration (mode, K, seed): a rerun served from the cache shares its first run's
+    # color, its hollow markers on the first run's filled ones.
+    keys = [(r.mode, r.K, r.seed) if r.mode is not None else ("", None, n) for n, r in enumerate(runs)]
+    distinct = list(dict.fromkeys(keys))
+    colors = plt.get_cmap("tab10" if len(distinct) <= 10 else "tab20").colors
+    color_of = [colors[distinct.index(k) % len(colors)] for k in keys]
     longest = max(len(r.rows) for r in runs)
     size = 5 if longest <= 40 else 3 if longest <= 150 else 1.5
     fontsize = 9
@@ -288,7 +293,7 @@ def make_figure(runs: Sequence[Run], title: str):
     order = sorted(range(len(runs)), key=lambda n: sum(runs[n].served))
     for n in order:
         run = runs[n]
-        c = colors[n % len(colors)]
+        c = color_of[n]
         x, served = run.steps, run.served
         gen, rest = run.series("gen_s"), run.rest_s
         per_step_values += gen + rest
@@ -319,8 +324,10 @@ def make_figure(runs: Sequence[Run], title: str):
         ax.grid(True, alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
 
-    run_handles = [Line2D([], [], color=colors[n % len(colors)], linewidth=2.5, label=label)
-                   for n, label in enumerate(run_labels)]
+    # a run's legend marker is hollow when most of its steps came from the cache
+    run_handles = [Line2D([], [], color=color_of[n], linewidth=2.5, marker="o", markersize=6, label=label,
+                          markerfacecolor="white" if 2 * sum(run.served) > len(run.rows) else color_of[n])
+                   for n, (run, label) in enumerate(zip(runs, run_labels))]
     key_handles = [
         Line2D([], [], color="0.3", linestyle="-", label="generating"),
         Line2D([], [], color="0.3", linestyle="--", label="rest of the step"),
