@@ -1,25 +1,29 @@
 """Convert a rollout cache that verl wrote into committed skip_harness steps.
 
-verl (`verl/utils/skip/rollout_skip.py`, `skip.rollout_tq`) writes, per step,
+verl (`verl/utils/skip/rollout_skip.py`) writes, per step, in
+`{dump_dir}/{exp}_{proj}/GBS{g}_N{n}_in{p}_out{r}/`:
 
-    {exp}_{proj}/GBS{g}_N{n}_in{p}_out{r}/{step}/tq_batch.pt        (before verl #7032)
-    {exp}_{proj}/GBS{g}_N{n}_in{p}_out{r}/{step}/{i}/tq_batch.pt    (since)
+    {step}/tq_batch.pt        skip.rollout_tq, K = 1, verl main between #6897 and #7032 (verl's docs)
+    {step}/0/tq_batch.pt      skip.rollout_tq, K = 1, verl 0.9.0 / 0.9.1
+    {step}/{i}/tq_batch.pt    skip.rollout_tq, K = parameter_sync_step > 1 (i = 0..K-1)
+    {step}/gen_batch.dp       skip.rollout (V0 agent loop): a pickled DataProto
 
-each next to a `meta.json` `{"global_steps": ..., "num_trajectories": ...}`. The payload is a
-`torch.save`d dict `{"tensordict": TensorDict, "tags": [...], "keys": [...], "global_steps": int}`:
-a pickle, so loading it can run code stored in the file. This module is the only place in
-skip_harness that loads a file with `torch.load(weights_only=False)`, and only when the caller says
-it trusts the files (`trust=True`, the CLI's `--trust`).
+each next to a `meta.json`. A V1 payload is a `torch.save`d dict `{"tensordict": TensorDict (jagged
+nested tensors, NonTensorStack fields), "tags": [...], "keys": [...], "global_steps": int}`: a pickle, as
+is `gen_batch.dp`, so loading either can run code stored in the file. This module is the only place in
+skip_harness that unpickles, and only when the caller says it trusts the files (`trust=True`, `--trust`).
 
-Non-tensor entries of verl's TensorDict (strings and other Python values, as NonTensorData or
-NonTensorStack) are moved to `payload["non_tensor"]` as plain per-trajectory lists; everything else
-is written as verl saved it.
+A V1 payload is stored as it is (the codec keeps jagged tensors and non-tensor fields without pickle):
+the same mini-batch the verl plug-in (`skip_harness.integrations.verl`) records, so it serves the
+imported steps. A V0 `DataProto` is stored as the codec's registered DataProto kind.
 
 K is not in verl's key: it is the number of inner directories of the namespace's complete steps (1 for
-the older flat form). Steps are written with `StepStore.write_inner` + `commit` (fingerprint None: a
-verl cache records no generator fingerprint) into the matching namespace, which carries `_K{K}_W1`
-when K > 1. Incomplete verl steps (a missing payload or meta, fewer inner directories than K, a meta
-that does not parse, a trajectory count that disagrees with the payload) are skipped and reported.
+the flat forms). Steps are written with `StepStore.write_inner` + `commit` (fingerprint None: a verl
+cache records no generator fingerprint, and such steps serve any run) into the matching namespace,
+which carries `_K{K}_W1` when K > 1. A verl step that cannot be converted (a missing payload or meta,
+fewer inner directories than K, a meta that does not parse, a trajectory count that disagrees with the
+payload, a payload that does not load or encode) is reported as failed with its reason; steps already
+servable in the target are kept as they are.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from skip_harness.store import StepStore
 logger = logging.getLogger("skip_harness.verl_import")
 
 VERL_PAYLOAD = "tq_batch.pt"
+VERL_V0_PAYLOAD = "gen_batch.dp"
 VERL_META = "meta.json"
 _VERL_LEAF_RE = re.compile(r"^GBS(\d+)_N(\d+)_in(\d+)_out(\d+)$")
 _INNER_RE = re.compile(r"^(0|[1-9][0-9]*)$")
@@ -50,7 +55,8 @@ _INNER_RE = re.compile(r"^(0|[1-9][0-9]*)$")
 TRUST_WARNING = ("import-verl: loading verl's payloads with torch.load(weights_only=False) because --trust was "
                  "given: unpickling runs code stored in the files, so only import caches that you or your own "
                  "runs wrote")
-UNTRUSTED_MESSAGE = ("import-verl: verl's tq_batch.pt files are pickles (a torch.save'd TensorDict), and loading "
+UNTRUSTED_MESSAGE = ("import-verl: verl's tq_batch.pt and gen_batch.dp files are pickles (a torch.save'd TensorDict, "
+                     "a pickled DataProto), and loading "
                      "them can run code stored in them, which skip_harness never does unless told to; pass --trust "
                      "if you or your own runs wrote {path} (--dry-run lists what would be converted without loading)")
 
@@ -64,6 +70,7 @@ class VerlStep:
     step: int
     path: Path
     files: Tuple[Tuple[int, Path, Path], ...]    # (inner index, payload, meta)
+    kind: str = "v1"                             # "v1": tq_batch.pt; "v0": gen_batch.dp (DataProto)
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,8 @@ class VerlNamespace:
 @dataclass
 class ImportResult:
     converted: List[Tuple[Path, int, int]] = field(default_factory=list)     # (target namespace, step, trajectories)
-    skipped: List[Tuple[Path, int, str]] = field(default_factory=list)       # (verl step dir, step, reason)
+    failed: List[Tuple[Path, int, str]] = field(default_factory=list)        # (verl step dir, step, why not converted)
+    kept: List[Tuple[Path, int, str]] = field(default_factory=list)          # (verl step dir, step, already servable)
     refused: List[Tuple[Path, str]] = field(default_factory=list)            # (target namespace, holder): locked
 
 
@@ -131,9 +139,9 @@ def _read_meta(path: Path) -> Dict[str, Any]:
     return doc
 
 
-def _pair_problem(d: Path) -> Optional[str]:
-    if not _real_file(d / VERL_PAYLOAD):
-        return f"{d / VERL_PAYLOAD} is missing or empty"
+def _pair_problem(d: Path, payload: str = VERL_PAYLOAD) -> Optional[str]:
+    if not _real_file(d / payload):
+        return f"{d / payload} is missing or empty"
     if not _real_file(d / VERL_META):
         return f"{d / VERL_META} is missing"
     try:
@@ -165,6 +173,15 @@ def scan_verl_namespaces(ns_dir: Path) -> List[VerlNamespace]:
         if step is None:
             continue
         inners = sorted(int(c.name) for c in _real_subdirs(d) if _INNER_RE.match(c.name))
+        if os.path.lexists(d / VERL_V0_PAYLOAD):
+            problem = _pair_problem(d, VERL_V0_PAYLOAD)
+            if problem is None and (os.path.lexists(d / VERL_PAYLOAD) or inners):
+                problem = f"{d} holds both verl V0 ({VERL_V0_PAYLOAD}) and V1 ({VERL_PAYLOAD}) payloads"
+            if problem is None:
+                flat.append(VerlStep(step, d, ((0, d / VERL_V0_PAYLOAD, d / VERL_META),), kind="v0"))
+            else:
+                skipped_flat.append((step, problem))
+            continue
         if os.path.lexists(d / VERL_PAYLOAD) or not inners:
             problem = _pair_problem(d)
             if problem is None:
@@ -202,36 +219,22 @@ def scan_verl_namespaces(ns_dir: Path) -> List[VerlNamespace]:
 
 
 def load_trusted(path: Path) -> Any:
-    """The one `torch.load(weights_only=False)` in skip_harness: for verl payloads the caller trusts."""
+    """The one unpickling in skip_harness: verl's payloads, only when the caller trusts them.
+    `tq_batch.pt` with `torch.load(weights_only=False)`; `gen_batch.dp` as verl's
+    `DataProto.load_from_disk` reads it (a plain pickle)."""
+    if Path(path).name == VERL_V0_PAYLOAD:
+        import pickle
+
+        with open(path, "rb") as f:
+            return pickle.load(f)  # noqa: S301 - only with --trust; verl's DataProto.load_from_disk
     return torch.load(path, weights_only=False, map_location="cpu")  # noqa: S614 - only with --trust
 
 
-def _split_non_tensor(payload: Dict[str, Any]) -> Dict[str, Any]:
-    """verl's TensorDict may hold non-tensor entries (NonTensorData / NonTensorStack: prompt strings,
-    uids). They are moved out, as plain per-trajectory lists, to `payload["non_tensor"]` keyed by their
-    ('.'-joined) key, so that no value is lost on the way through the codec; tensors stay where they are."""
-    td = payload.get("tensordict")
-    try:
-        from tensordict import TensorDictBase, is_non_tensor
-    except ImportError:  # pragma: no cover - the payload could not have been unpickled without it
-        return payload
-    if not isinstance(td, TensorDictBase):
-        return payload
-    keys = [k for k in td.keys(include_nested=True) if is_non_tensor(td.get(k))]
-    if not keys:
-        return payload
-    td = td.clone()
-    non_tensor = {}
-    for k in keys:
-        non_tensor[".".join(k) if isinstance(k, tuple) else k] = td.get(k).tolist()
-        del td[k]
-    out = dict(payload)
-    out["tensordict"] = td
-    out["non_tensor"] = non_tensor
-    return out
-
-
-def _check_payload(obj: Any, meta: Dict[str, Any], path: Path) -> Optional[str]:
+def _check_payload(obj: Any, meta: Dict[str, Any], path: Path, kind: str = "v1") -> Optional[str]:
+    if kind == "v0":
+        if type(obj).__name__ != "DataProto" or not hasattr(obj, "non_tensor_batch"):
+            return f"{path}: not a verl DataProto (skip.rollout's gen_batch.dp), but a {type(obj).__name__}"
+        return None
     if not isinstance(obj, dict) or "tensordict" not in obj:
         return f"{path}: not a verl rollout_tq payload (a dict with 'tensordict', 'tags', 'keys', 'global_steps')"
     want = meta.get("num_trajectories")
@@ -252,16 +255,16 @@ def import_verl(source: Path, dump_dir: Path, *, trust: bool, dry_run: bool = Fa
     namespaces = [v for ns in find_verl_namespaces(source) for v in scan_verl_namespaces(ns)]
     if not namespaces:
         raise VerlImportError(f"{source}: no verl cache found (expected {{exp}}_{{proj}}/GBS{{g}}_N{{n}}_in{{p}}_out"
-                              f"{{r}}/{{step}}/tq_batch.pt, or .../{{step}}/{{i}}/tq_batch.pt)")
+                              f"{{r}}/{{step}}/tq_batch.pt, .../{{step}}/{{i}}/tq_batch.pt or .../{{step}}/gen_batch.dp)")
     if trust and not dry_run:
         logger.warning(TRUST_WARNING)
     result = ImportResult()
     for vns in namespaces:
         for step, why in vns.skipped:
-            result.skipped.append((vns.path / str(step), step, f"incomplete verl step: {why}"))
+            result.failed.append((vns.path / str(step), step, f"incomplete verl step: {why}"))
         if vns.key is None:
             for s in vns.steps:
-                result.skipped.append((s.path, s.step, f"{vns.path.parent.name!r} is not '{{experiment}}_{{project}}'"))
+                result.failed.append((s.path, s.step, f"{vns.path.parent.name!r} is not '{{experiment}}_{{project}}'"))
             continue
         layout = vns.key.layout(dump_dir)
         if _same_dir(layout.root, vns.path):
@@ -301,8 +304,8 @@ def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result:
             try:
                 have = existing.get(vstep.step)
                 if have is not None and have.servable:
-                    result.skipped.append((vstep.path, vstep.step,
-                                           f"already in {layout.root} ({have.status}); left as it is"))
+                    result.kept.append((vstep.path, vstep.step,
+                                        f"already in {layout.root} ({have.status}); left as it is"))
                     continue
                 if dry_run:
                     result.converted.append((layout.root, vstep.step, _count_from_metas(vstep)))
@@ -340,18 +343,27 @@ def _convert_step(store: StepStore, vstep: VerlStep, existing: Optional[_scan.St
                 obj = load_trusted(payload_path)
             except Exception as exc:
                 raise VerlImportError(f"{payload_path}: cannot be loaded: {type(exc).__name__}: {exc}") from None
-            problem = _check_payload(obj, meta, payload_path)
+            problem = _check_payload(obj, meta, payload_path, vstep.kind)
             if problem is not None:
                 raise VerlImportError(problem)
-            obj = _split_non_tensor(obj)
-            keys = obj.get("keys")
-            trajectories += len(keys) if isinstance(keys, (list, tuple)) else 0
+            trajectories += _trajectories(obj)
             entries += store.write_inner(vstep.step, inner, 0, obj,
-                                         {"source": "verl", "verl_meta": meta, "verl_payload": str(payload_path)})
+                                         {"source": "verl" if vstep.kind == "v1" else "verl-v0",
+                                          "verl_meta": meta, "verl_payload": str(payload_path)})
             del obj
         store.commit(vstep.step, entries, None)
     except (SkipHarnessError, OSError, ValueError) as exc:
         store.clear_step(vstep.step)   # nothing half-converted stays behind
-        result.skipped.append((vstep.path, vstep.step, str(exc)))
+        result.failed.append((vstep.path, vstep.step, str(exc)))
         return
     result.converted.append((layout.root, vstep.step, trajectories))
+
+
+def _trajectories(obj: Any) -> int:
+    if isinstance(obj, dict):
+        keys = obj.get("keys")
+        return len(keys) if isinstance(keys, (list, tuple)) else 0
+    try:
+        return len(obj)   # a DataProto: its batch size
+    except TypeError:
+        return 0

@@ -77,11 +77,13 @@ def assert_same(loaded, saved):
     td, want = loaded["tensordict"], saved["tensordict"]
     assert isinstance(td, TensorDict) and td.batch_size == want.batch_size
     tensors = [k for k in want.keys() if k != "raw_prompt"]
-    assert sorted(td.keys()) == sorted(tensors)
+    assert sorted(td.keys()) == sorted(want.keys())
     for k in tensors:
         assert td[k].dtype == want[k].dtype and torch.equal(td[k], want[k]), k
-    # the non-tensor entry survives as a plain list
-    assert loaded["non_tensor"] == {"raw_prompt": want.get("raw_prompt").tolist()}
+    # the non-tensor entry stays in the TensorDict, as verl stored it (no pickle)
+    assert isinstance(td.get("raw_prompt"), tensordict.NonTensorStack)
+    assert td.get("raw_prompt").tolist() == want.get("raw_prompt").tolist()
+    assert "non_tensor" not in loaded
 
 
 def test_without_trust_it_refuses_and_says_why(verl_cache, tmp_path, capsys):
@@ -100,7 +102,8 @@ def test_dry_run_lists_without_loading(verl_cache, tmp_path, capsys, monkeypatch
     monkeypatch.setattr(verl_import, "load_trusted", lambda path: pytest.fail(f"loaded {path} in a dry run"))
     code, out, err = run(capsys, "import-verl", str(root), str(tmp_path / "dump"), "--dry-run", "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["dry_run"] is True
+    assert code == 1 and doc["dry_run"] is True          # two verl steps would fail: incomplete
+    assert sorted(d["step"] for d in doc["failed"]) == [3, 3]
     assert sorted((d["namespace"].split("/")[-1], d["step"]) for d in doc["converted"]) == [
         ("GBS4_N2_in7_out4", 1), ("GBS4_N2_in7_out4", 2), ("GBS8_N2_in7_out4_K2_W1", 1), ("GBS8_N2_in7_out4_K2_W1", 2)]
     assert not (tmp_path / "dump").exists()
@@ -110,11 +113,11 @@ def test_converts_both_layouts_into_committed_steps(verl_cache, tmp_path, capsys
     root, payloads = verl_cache
     dump = tmp_path / "dump"
     code, out, err = run(capsys, "import-verl", str(root), str(dump), "--trust")
-    assert code == 0, err
+    assert code == 1, err                                           # two verl steps could not be converted
     assert "weights_only=False" in err and "--trust" in err          # it says what trusting means
-    assert "converted 4 steps, skipped 2" in out
-    skipped = [r for r in out.splitlines() if "incomplete verl step" in r]
-    assert len(skipped) == 2
+    assert "converted 4 steps, kept 0, failed 2" in out
+    failed = [r for r in err.splitlines() if "was not converted" in r and "incomplete verl step" in r]
+    assert len(failed) == 2 and all("error: step 3 (" in line for line in failed), err
     flat = StepStore(NamespaceKey("exp", "proj", 4, 2, 7, 4).layout(dump))
     k2 = StepStore(NamespaceKey("my_exp", "proj", 8, 2, 7, 4, K=2).layout(dump))
     assert k2.layout.root.name == "GBS8_N2_in7_out4_K2_W1" and k2.layout.root.parent.name == "my_exp_proj"
@@ -130,7 +133,8 @@ def test_converts_both_layouts_into_committed_steps(verl_cache, tmp_path, capsys
     assert run(capsys, "verify", str(dump))[0] == 0
     code, out, _ = run(capsys, "import-verl", str(root), str(dump), "--trust", "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["converted"] == [] and sum("already in" in s["reason"] for s in doc["skipped"]) == 4
+    assert code == 1 and doc["converted"] == [] and sum("already in" in s["reason"] for s in doc["kept"]) == 4
+    assert len(doc["failed"]) == 2
 
 
 def test_the_original_verl_files_are_refused_by_safe_loading(verl_cache, capsys):
@@ -150,8 +154,8 @@ def test_a_payload_that_disagrees_with_its_meta_is_skipped_and_nothing_half_writ
     dump = tmp_path / "dump"
     code, out, _ = run(capsys, "import-verl", str(root / "exp_proj"), str(dump), "--trust", "--json")
     doc = json.loads(out)
-    assert code == 0 and [d["step"] for d in doc["converted"]] == [1]
-    assert any("says 99" in s["reason"] for s in doc["skipped"])
+    assert code == 1 and [d["step"] for d in doc["converted"]] == [1]
+    assert any("says 99" in s["reason"] and s["step"] == 2 for s in doc["failed"])
     flat = NamespaceKey("exp", "proj", 4, 2, 7, 4).layout(dump)
     assert [s.step for s in scan_namespace(flat).steps] == [1]
 

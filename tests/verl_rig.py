@@ -264,9 +264,10 @@ def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validat
                 result.validation.append(validate(trainer, replay, rollout, step))
     finally:
         result.rollout_calls = rollout.calls
-        if skip.harness is not None:
-            result.outcomes = {s: skip.harness.outcome(s) for s in steps}
-        result.summary = skip.close()
+        harness = getattr(skip, "harness", None)   # None: verl's own class, or caching off
+        if harness is not None:
+            result.outcomes = {s: harness.outcome(s) for s in steps}
+            result.summary = skip.close()
         clear_queue()
     return result
 

@@ -8,7 +8,8 @@
     skip-harness export DUMP_DIR -o OUT [--format parquet|jsonl] [--namespace NS ...] [--steps 1,3,5-9]
     skip-harness import-verl VERL_DUMP_DIR DUMP_DIR --trust [--dry-run] [--json]
 
-Exit codes: 0 fine; 1 a corrupt step (verify, show, export) or a failed removal (clean); 2 bad usage,
+Exit codes: 0 fine; 1 a corrupt step (verify, show, export), a failed removal (clean) or a verl step that
+could not be converted (import-verl); 2 bad usage,
 a path that is not there, or import-verl without --trust; 3 a namespace was locked by a running job
 (clean, import-verl; other namespaces are still handled). DUMP_DIR may be the cache root, one
 `{experiment}_{project}` directory, or one namespace directory. Tables go to stdout; progress bars go

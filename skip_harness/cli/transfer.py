@@ -103,11 +103,14 @@ def cmd_import_verl(source: Path, dump_dir: Path, trust: bool, dry_run: bool, as
             bar.finish()
     for target, why in result.refused:
         logger.error("refusing to import into %s: %s", target, why)
+    for path, step, reason in result.failed:
+        logger.error("step %d (%s) was not converted: %s", step, path, reason)
     verb = "would convert" if dry_run else "converted"
     if as_json:
         emit_json({"dry_run": dry_run,
                    "converted": [{"namespace": str(t), "step": s, "trajectories": n} for t, s, n in result.converted],
-                   "skipped": [{"path": str(p), "step": s, "reason": r} for p, s, r in result.skipped],
+                   "failed": [{"path": str(p), "step": s, "reason": r} for p, s, r in result.failed],
+                   "kept": [{"path": str(p), "step": s, "reason": r} for p, s, r in result.kept],
                    "refused": [{"namespace": str(t), "reason": r} for t, r in result.refused]})
     else:
         console = stdout_console()
@@ -122,13 +125,17 @@ def cmd_import_verl(source: Path, dump_dir: Path, trust: bool, dry_run: bool, as
         for target, (steps, traj) in by_ns.items():
             t.add_row(short_path(Layout(target), dump_dir), str(steps), str(traj))
         console.print(t)
-        if result.skipped:
-            s = Table(title="skipped", title_justify="left")
-            s.add_column("verl step", overflow="fold")
-            s.add_column("reason", overflow="fold")
-            for path, _step, reason in result.skipped:
-                s.add_row(escape(str(path)), escape(reason))
-            console.print(s)
-        console.print(f"{verb} {len(result.converted)} steps, skipped {len(result.skipped)}"
+        for title, rows in (("not converted", result.failed), ("kept (already in DUMP_DIR)", result.kept)):
+            if rows:
+                s = Table(title=title, title_justify="left")
+                s.add_column("step", justify="right")
+                s.add_column("verl step", overflow="fold")
+                s.add_column("reason", overflow="fold")
+                for path, step, reason in rows:
+                    s.add_row(str(step), escape(str(path)), escape(reason))
+                console.print(s)
+        console.print(f"{verb} {len(result.converted)} steps, kept {len(result.kept)}, failed {len(result.failed)}"
                       + (f", refused {len(result.refused)} namespaces" if result.refused else ""))
-    return EXIT_LOCKED if result.refused else EXIT_OK
+    if result.refused:
+        return EXIT_LOCKED
+    return EXIT_CORRUPT if result.failed else EXIT_OK
