@@ -132,7 +132,7 @@ class TrainerConfig:
     experiment_name: str = "${trainer.v1.trainer_mode}_seed${seed}"
     total_training_steps: int = 20
     test_freq: int = 5
-    progress: bool = True
+    progress: bool = True  # a progress bar on stderr, drawn only when stderr is a terminal
     # torch intra-op threads; null: the machine's cores / processes per machine. Fixed so a run gives
     # the same bits under any launcher (Hydra's joblib workers would otherwise run with one thread).
     torch_threads: Optional[int] = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -98,8 +99,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
     total = demo.trainer.total_training_steps
     say = log.info if dist.is_main else log.debug
     say(
-        "training %d steps: mode=%s K=%d W=%d, %d torch threads, run dir %s, rollout cache %s",
-        total, demo.trainer.v1.trainer_mode, demo.K, dist.world_size, threads, out_dir,
+        "training %d step%s: mode=%s K=%d W=%d, %d torch threads, run dir %s, rollout cache %s",
+        total, "" if total == 1 else "s", demo.trainer.v1.trainer_mode, demo.K, dist.world_size, threads, out_dir,
         harness.layout.root if harness.enabled else "off",
     )
 
@@ -109,7 +110,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
     if dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         metrics_file = open(out_dir / "metrics.jsonl", "w")
-        if demo.trainer.progress:
+        if demo.trainer.progress and sys.stderr.isatty():  # never `\r` frames into a log file or a pipe
             from tqdm import tqdm
 
             bar = tqdm(total=total, desc=f"{demo.trainer.v1.trainer_mode} K={demo.K}", unit="step", dynamic_ncols=True)
