@@ -36,6 +36,23 @@ arms alike. The keys of SPEC "Benchmark":
 - load_peak_mem_ratio  peak RSS growth of verify + read_inner + touching every tensor, in a fresh process
                        after a warm-up load, over the payload's tensor bytes.
 
+Footprint and compression (issue 14; `skip.rollout_tq.compression=zstd`: integers narrowed losslessly, then
+zstd at `compression_level` 3, on the writer thread):
+
+- disk_ratio           bytes stored with narrowing + zstd over verl's torch.save of the same dense batch
+                       (target <= 0.35); disk_ratio_narrow: narrowing alone. The same for a jagged batch as
+                       verl's V1 trainer saves it ({"tensordict", "tags", "keys", "global_steps"}, jagged
+                       nested tensors and NonTensorStack fields: disk_ratio_jagged, disk_ratio_jagged_narrow)
+                       and for an MoE batch carrying routed experts (int16 [tokens, 48 layers, top-8 of 128]:
+                       disk_ratio_moe, disk_ratio_moe_narrow).
+- step_overhead_ratio_zstd / hit_overhead_ratio_zstd
+                       step_overhead_ratio and hit_overhead_ratio with compression on (targets unchanged);
+                       save_zstd_mib_s / load_zstd_mib_s: durable save and verified load of the batch with
+                       compression on, in MiB of the batch's tensors per second.
+
+The token ids are Zipf-like over a 151,936-token vocabulary (rank k drawn with probability ~ 1/k, ranks
+mapped to ids by a fixed permutation): uniformly random ids are not what models emit and compress like noise.
+
 Also: save/load throughput at two payload sizes (MiB/s), the writer thread's CPU seconds per save, and the
 physical floor of a save on this machine (a bare write + fsync of the same bytes, and a memcpy of them).
 
@@ -64,7 +81,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from skip_harness import index
+from skip_harness import codec, index
 from skip_harness import store as store_mod
 from skip_harness.harness import SkipHarness
 from skip_harness.layout import COMMIT_NAME, Layout
@@ -78,6 +95,11 @@ PROMPT_LEN = 1024
 RESPONSE_LEN = 3072
 VOCAB = 151_936
 SCAN_K = 4
+MOE_LAYERS, MOE_TOPK, MOE_EXPERTS = 48, 8, 128
+MOE_ROW_DIVISOR = 64          # the MoE batch has rows / 64 trajectories (its routed experts are 384 int16 a token)
+ZSTD_LEVEL = 3
+ZSTD = codec.stored_form("zstd", ZSTD_LEVEL)
+NARROW = codec.StoredForm(narrow=True)
 COMPUTE_FACTOR = 4.0          # the synthetic step computes this many bare durable saves long
 SCAN_BUILD_FORMAT = 2         # bump when the cached scan namespace's construction changes
 
@@ -100,7 +122,7 @@ def make_payload(rows: int, seed: int = 0, prompt_len: int = PROMPT_LEN, respons
     prompt_mask = torch.arange(P).flip(0).unsqueeze(0) < prompt_len_t
     response_mask = torch.arange(R).unsqueeze(0) < response_len_t
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
-    input_ids = torch.randint(0, VOCAB, (B, P + R), generator=g) * attention_mask
+    input_ids = zipf_token_ids((B, P + R), g) * attention_mask
     rmask = response_mask.float()
     old_log_probs = -torch.rand(B, R, generator=g) * 6 * rmask
     scores = torch.rand(B, generator=g)
@@ -118,6 +140,93 @@ def make_payload(rows: int, seed: int = 0, prompt_len: int = PROMPT_LEN, respons
         "data_source": ["bench/sort_digits" if i % 2 else "bench/gsm8k" for i in range(B)],
         "global_steps": 1,
     }
+
+
+def zipf_token_ids(shape: Tuple[int, ...], g: torch.Generator, vocab: int = VOCAB) -> torch.Tensor:
+    """Token ids drawn Zipf-like (rank k with probability ~ 1/k) over `vocab`, ranks mapped to ids by a
+    fixed permutation (frequent tokens are not all small ids), as int64 like a tokenizer's output."""
+    ranks = torch.pow(float(vocab), torch.rand(shape, generator=g, dtype=torch.float64)).long().clamp_(1, vocab) - 1
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(151_936))
+    return perm[ranks]
+
+
+def make_jagged_payload(rows: int, seed: int = 0, prompt_len: int = PROMPT_LEN, response_len: int = RESPONSE_LEN
+                        ) -> Dict[str, Any]:
+    """The same trajectories as verl's V1 trainer saves a mini-batch: {"tensordict", "tags", "keys",
+    "global_steps"}, the tensordict built by verl's own list_of_dict_to_tensordict when verl is installed
+    (else the same layout by hand): jagged prompts / responses / input_ids / response_mask / log-probs,
+    chat messages and uids as NonTensorStack."""
+    from tensordict import NonTensorStack, TensorDict
+
+    dense = make_payload(rows, seed, prompt_len, response_len)
+    P = prompt_len
+    plen = dense["attention_mask"][:, :P].sum(1).tolist()
+    rlen = dense["response_length"].tolist()
+    trajectories = []
+    for i in range(len(plen)):
+        prompt = dense["input_ids"][i, P - plen[i]:P].clone()
+        response = dense["input_ids"][i, P:P + rlen[i]].clone()
+        trajectories.append({
+            "prompts": prompt, "responses": response, "input_ids": torch.cat([prompt, response]),
+            "response_mask": torch.ones(rlen[i], dtype=torch.int64),
+            "rollout_log_probs": dense["old_log_probs"][i, :rlen[i]].clone(),
+            "rewards": dense["scores"][i].clone(),
+            "messages": [{"role": "user", "content": f"question {i // 8} of the bench"}],
+            "uid": dense["uid"][i],
+        })
+    try:
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+        td = list_of_dict_to_tensordict(trajectories)
+    except ImportError:
+        keys = [k for k in trajectories[0] if isinstance(trajectories[0][k], torch.Tensor)]
+        data = {k: (torch.stack([t[k] for t in trajectories]) if trajectories[0][k].dim() == 0 else
+                    torch.nested.as_nested_tensor([t[k] for t in trajectories], layout=torch.jagged)) for k in keys}
+        data.update({k: NonTensorStack(*[t[k] for t in trajectories]) for k in ("messages", "uid")})
+        td = TensorDict(data, batch_size=[len(trajectories)])
+    return {"tensordict": td, "tags": [{"status": "ready"} for _ in trajectories],
+            "keys": [f"{seed}_{i}" for i in range(len(trajectories))], "global_steps": seed}
+
+
+def make_moe_payload(rows: int, seed: int = 0) -> Dict[str, Any]:
+    """The dense batch with the routers' choices of an MoE model, as verl replays them: routed_experts,
+    int16 [rows, tokens, 48 layers, top-8 of 128 experts], each layer's router skewed towards some
+    experts, zero on padding."""
+    batch = make_payload(rows, seed)
+    B, T = batch["input_ids"].shape
+    g = torch.Generator().manual_seed(seed + 7)
+    experts = torch.empty(B * T, MOE_LAYERS, MOE_TOPK, dtype=torch.int16)
+    for layer in range(MOE_LAYERS):
+        bias = torch.randn(MOE_EXPERTS, generator=g) * 0.25      # this layer's favoured experts
+        for start in range(0, B * T, 1 << 16):
+            n = min(1 << 16, B * T - start)
+            scores = torch.rand(n, MOE_EXPERTS, generator=g).add_(bias)
+            experts[start:start + n, layer] = torch.topk(scores, MOE_TOPK, dim=1).indices.to(torch.int16)
+    experts = experts.view(B, T, MOE_LAYERS, MOE_TOPK) * batch["attention_mask"].view(B, T, 1, 1).to(torch.int16)
+    batch["routed_experts"] = experts
+    return batch
+
+
+def stored_bytes(payload: Any, form: Optional[codec.StoredForm], path: Path) -> int:
+    with open(path, "wb") as f:
+        n = codec.save_to(f, payload, form)
+    path.unlink()
+    return n
+
+
+def torch_save_bytes(payload: Any, path: Path) -> int:
+    torch.save(payload, path)
+    n = path.stat().st_size
+    path.unlink()
+    return n
+
+
+def disk_ratios(payload: Any, work: Path) -> Dict[str, float]:
+    """Bytes stored narrowed + zstd ("zstd") and narrowed alone ("narrow") over verl's torch.save of the
+    same batch (tests/test_compression.py checks the store writes the same ratio)."""
+    work.mkdir(parents=True, exist_ok=True)
+    verl = torch_save_bytes(payload, work / "verl.pt")
+    return {"zstd": stored_bytes(payload, ZSTD, work / "z.bin") / verl,
+            "narrow": stored_bytes(payload, NARROW, work / "n.bin") / verl, "verl_bytes": verl}
 
 
 def iter_tensors(obj: Any):
@@ -242,6 +351,51 @@ def bench_save(payload: Any, work: Path, repeats: int, floors: bool = True) -> D
     return out
 
 
+def bench_zstd(payload: Any, work: Path, repeats: int) -> Dict[str, float]:
+    """Durable save and verified load of the batch with compression on (StepStore as the harness makes it
+    with compression=zstd), and the writer-thread work alone: narrowing + compressing the batch, and
+    decompressing it, on one thread."""
+    from skip_harness import tensorfile
+
+    store = StepStore(Layout(work / "zstd_ns", K=1, W=1), form=ZSTD)
+    nbytes = tensor_bytes(payload)
+    saves, loads = [], []
+    for _ in range(repeats + 1):
+        store.clear_step(1)
+        t0 = time.perf_counter()
+        entries = store.write_inner(1, 0, 0, payload, {"bench": "zstd"})
+        saves.append(time.perf_counter() - t0)
+        store.commit(1, entries, None)
+        t0 = time.perf_counter()
+        status, reason, batches, _metas = store.read_served(1, 0)
+        touch(batches)
+        loads.append(time.perf_counter() - t0)
+        if reason is not None:
+            raise BenchError(f"a compressed step does not verify: {reason}")
+        del batches
+    stored = entries[0].bytes
+    store.clear_step(1)
+    structure, names = codec.encode_named(payload)
+    image = tensorfile.plan(structure, names)
+    tensors = [t.contiguous() for t in image.tensors]
+    compress, decompress = [], []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        form_image = tensorfile.stored_image(image, tensors, ZSTD)
+        compress.append(time.thread_time() - t0)
+        lease = store.pool.acquire(form_image.nbytes)
+        tensorfile.fill_stored(form_image, lease.array)
+        t0 = time.perf_counter()
+        tensorfile.read_buffer(lease.array, form_image.nbytes)
+        decompress.append(time.perf_counter() - t0)
+        lease.release()
+    out = {"save_zstd_s": median(saves[1:]), "load_zstd_s": median(loads[1:]), "zstd_stored_bytes": stored,
+           "zstd_compress_cpu_s": median(compress), "zstd_decompress_s": median(decompress)}
+    out["save_zstd_mib_s"] = nbytes / MiB / out["save_zstd_s"]
+    out["load_zstd_mib_s"] = nbytes / MiB / out["load_zstd_s"]
+    return out
+
+
 def write_committed_step(store: StepStore, step: int, payload: Any) -> Path:
     entries = store.write_inner(step, 0, 0, payload, {"bench": "load"})
     store.commit(step, entries, None)
@@ -338,18 +492,23 @@ class Compute:
 NAMESPACE = {"experiment_name": "bench", "project_name": "skip_harness", "n": 1}
 
 
-def make_harness(mode: str, dump_dir: Path) -> SkipHarness:
+def make_harness(mode: str, dump_dir: Path, compression: str = "none") -> SkipHarness:
     settings = {"enable": mode != "off", "dump_dir": str(dump_dir), "async_write": mode != "sync",
-                "prefetch": True}
+                "prefetch": True, "compression": compression, "compression_level": ZSTD_LEVEL}
     return SkipHarness.create(settings=settings, namespace=NAMESPACE)
 
 
+def _split_mode(mode: str) -> Tuple[str, str]:
+    """'async_zstd' -> ('async', 'zstd'): an arm's caching mode and its compression."""
+    return (mode[:-5], "zstd") if mode.endswith("_zstd") else (mode, "none")
+
+
 def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, dump_dir: Path,
-                       keep: bool = False) -> Tuple[List[float], float]:
+                       keep: bool = False, compression: str = "none") -> Tuple[List[float], float]:
     """`steps` training steps in `dump_dir` with caching `mode`: 'off', 'async', 'sync' (misses in a fresh
     namespace), 'hit' (every step served from the cache a block before wrote) or 'memory' (caching off,
     the batch already in memory). Returns (seconds of each step, seconds until the block was durable)."""
-    harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir)
+    harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir, compression)
     trainer = SyntheticTrainer(payload, in_memory=mode == "memory")
     harness.wrap(trainer)
     harness.start()
@@ -522,8 +681,11 @@ class TrainingArm(StepArm):
 
     def __init__(self, mode: str, payload: Any, dump_dir: Path):
         super().__init__()
+        self.label = mode
+        mode, compression = _split_mode(mode)
         self.mode = mode
-        self.harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir)
+        self.harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir,
+                                    compression)
         self.trainer = SyntheticTrainer(payload, in_memory=mode == "memory")
         self.harness.wrap(self.trainer)
         self.harness.start()
@@ -557,8 +719,10 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
     log.info("synthetic step on %d thread(s): %d matmuls, %.3f s of compute (%.1fx a bare durable save of %.3f s)",
              threads, compute.iters, compute_s, compute_s / bare_save_s, bare_save_s)
     total = 1 + steps * rounds
-    if "hit" in modes:  # the cache the hit arm reads: written once, untimed
-        run_training_block("async", payload, Compute(8), total, work / "steps_hit", keep=True)
+    for hit in ("hit", "hit_zstd"):  # the caches the hit arms read: written once, untimed
+        if hit in modes:
+            run_training_block("async", payload, Compute(8), total, work / f"steps_{hit}", keep=True,
+                               compression=_split_mode(hit)[1])
     special = {"floor": FloorArm, "verl": VerlArm}
     arms = {m: special[m](payload, work / f"steps_{m}") if m in special else TrainingArm(m, payload, work / f"steps_{m}")
             for m in modes}
@@ -817,9 +981,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         for p in bare.values():
             p.unlink()
 
+        log.info("footprint: narrowed + zstd and narrowed alone vs verl's torch.save (dense, jagged, MoE)")
+        for tag, batch in (("", payload), ("_jagged", make_jagged_payload(args.rows, seed=4)),
+                           ("_moe", make_moe_payload(max(1, args.rows // MOE_ROW_DIVISOR), seed=5))):
+            ratios = disk_ratios(batch, work / "footprint")
+            result.update({f"disk_ratio{tag}": ratios["zstd"], f"disk_ratio{tag}_narrow": ratios["narrow"],
+                           f"verl_bytes{tag}": ratios["verl_bytes"]})
+            del batch
+        log.info("compressed save and load, %d repeats", args.repeats)
+        result.update(bench_zstd(payload, work, args.repeats))
+
         log.info("training steps: caching off / async write / sync write / verl-style / floor / hit / batch in memory, "
-                 "%d steps x %d rounds, on %d thread(s)", args.steps_per_arm, args.step_rounds, args.compute_threads)
-        modes = ("off", "async", "sync", "verl", "floor", "hit", "memory")
+                 "and async / hit with compression=zstd, %d steps x %d rounds, on %d thread(s)",
+                 args.steps_per_arm, args.step_rounds, args.compute_threads)
+        modes = ("off", "async", "sync", "verl", "floor", "hit", "memory", "async_zstd", "hit_zstd")
         many = _with_threads(args.compute_threads, lambda: bench_steps(
             payload, work, result["bare_save_s"], args.steps_per_arm, args.step_rounds, args.compute_threads, modes))
         result.update({
@@ -841,7 +1016,22 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             # and a bare O_DIRECT write + fsync of its bytes in the background.
             "step_floor_s": many["floor_s"], "step_floor_ratio": many["floor_s"] / many["off_s"],
             "floor_cpu_overhead_ratio": many["floor_cpu_s"] / many["off_cpu_s"],
+            # compression=zstd: the same step and hit, the writer narrowing and compressing each batch
+            "step_zstd_s": many["async_zstd_s"], "step_hit_zstd_s": many["hit_zstd_s"],
+            "step_overhead_ratio_zstd": many["async_zstd_s"] / many["off_s"],
+            "hit_overhead_ratio_zstd": many["hit_zstd_s"] / many["memory_s"],
+            "step_cpu_overhead_ratio_zstd": many["async_zstd_cpu_s"] / many["off_cpu_s"],
+            "hit_cpu_overhead_ratio_zstd": many["hit_zstd_cpu_s"] / many["memory_cpu_s"],
+            "step_flush_zstd_s": many["async_zstd_flush_s"],
         })
+        # Floors beside the zstd targets: the uncompressed figure measured side by side, plus the
+        # compression's (decompression's) own seconds on one thread spread over the machine's cores --
+        # what no scheduling of that work can avoid while the step keeps every core busy.
+        cores = max(1, min(args.compute_threads, os.cpu_count() or 1))
+        result["step_overhead_ratio_zstd_floor"] = (
+            result["step_floor_ratio"] + result["zstd_compress_cpu_s"] / cores / result["step_off_s"])
+        result["hit_overhead_ratio_zstd_floor"] = (
+            1.0 + result["zstd_decompress_s"] / cores / result["step_memory_s"])
         if args.compute_threads != 1:
             log.info("training steps again with a one-thread compute step")
             one = _with_threads(1, lambda: bench_steps(payload, work, result["bare_save_s"], args.steps_per_arm,
@@ -872,9 +1062,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio", "hit_overhead_ratio",
-        "scan_10k_s", "load_peak_mem_ratio")
+        "scan_10k_s", "load_peak_mem_ratio", "disk_ratio", "disk_ratio_narrow", "step_overhead_ratio_zstd",
+        "hit_overhead_ratio_zstd")
 TARGETS = {"save_ratio": 1.05, "load_ratio": 0.6, "step_overhead_ratio": 1.05, "hit_overhead_ratio": 1.05,
-           "scan_10k_s": 0.25, "load_peak_mem_ratio": 1.1}
+           "scan_10k_s": 0.25, "load_peak_mem_ratio": 1.1, "disk_ratio": 0.35, "step_overhead_ratio_zstd": 1.05,
+           "hit_overhead_ratio_zstd": 1.05}
 
 
 def render_table(r: Dict[str, Any]) -> str:
@@ -902,6 +1094,17 @@ def render_table(r: Dict[str, Any]) -> str:
               f"{r['verl_sync_overhead_ratio']:.2f}")
         + row("training step, hit (prefetch) vs in memory", f"{r['step_hit_s']:.3f} s",
               f"{r['step_memory_s']:.3f} s", f"{r['hit_overhead_ratio']:.2f}", tgt("hit_overhead_ratio"))
+        + row("training step, miss, async, zstd", f"{r['step_zstd_s']:.3f} s", f"{r['step_off_s']:.3f} s",
+              f"{r['step_overhead_ratio_zstd']:.2f}", tgt("step_overhead_ratio_zstd"))
+        + row("training step, hit, zstd vs in memory", f"{r['step_hit_zstd_s']:.3f} s", f"{r['step_memory_s']:.3f} s",
+              f"{r['hit_overhead_ratio_zstd']:.2f}", tgt("hit_overhead_ratio_zstd"))
+        + row("disk: narrow + zstd / verl torch.save", f"{r['zstd_stored_bytes'] / MiB:.1f} MiB",
+              f"{r['verl_bytes'] / MiB:.1f} MiB", f"{r['disk_ratio']:.3f}", tgt("disk_ratio"))
+        + row("disk: narrowed alone / verl torch.save", "", "", f"{r['disk_ratio_narrow']:.3f}")
+        + row("disk, jagged (verl V1): zstd / narrow", "", f"{r['verl_bytes_jagged'] / MiB:.1f} MiB",
+              f"{r['disk_ratio_jagged']:.3f}", f"{r['disk_ratio_jagged_narrow']:.3f}")
+        + row("disk, MoE routed experts: zstd / narrow", "", f"{r['verl_bytes_moe'] / MiB:.1f} MiB",
+              f"{r['disk_ratio_moe']:.3f}", f"{r['disk_ratio_moe_narrow']:.3f}")
         + row("peak memory of a load / payload", f"{r['load_peak_mem_ratio']:.2f}",
               f"{r['bare_load_peak_mem_ratio']:.2f}", "", tgt("load_peak_mem_ratio"))
         + row("startup scan, 10,000 steps x K=4", f"{r['scan_10k_s']:.3f} s", f"{r['scan_full_10k_s']:.3f} s",
@@ -921,6 +1124,11 @@ def render_table(r: Dict[str, Any]) -> str:
           f"{r['save_floor_ratio']:.2f}), memcpy {r['floor_memcpy_s']:.3f} s; writer CPU per save "
           f"{r['save_cpu_s']:.3f} s vs torch.save {r['bare_save_cpu_s']:.3f} s\n"
         + f"synthetic step computes {r['step_compute_s']:.3f} s; xxh3_128 {r['xxh3_gbps']:.1f} GB/s in memory\n"
+        + f"zstd (level {ZSTD_LEVEL}): save {r['save_zstd_mib_s']:.0f} MiB/s, load {r['load_zstd_mib_s']:.0f} MiB/s (of the "
+          f"batch's tensors); narrow + compress {r['zstd_compress_cpu_s']:.3f} CPU s, decompress {r['zstd_decompress_s']:.3f} s "
+          f"a batch; floors beside the targets: miss {r['step_overhead_ratio_zstd_floor']:.2f}, hit "
+          f"{r['hit_overhead_ratio_zstd_floor']:.2f}; CPU per step: miss {r['step_cpu_overhead_ratio_zstd']:.2f}, hit "
+          f"{r['hit_cpu_overhead_ratio_zstd']:.2f} x the uncached step's\n"
     )
     return out
 

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import os
 from collections import OrderedDict
-from typing import Any, BinaryIO, Dict, Iterator, Union
+from typing import Any, BinaryIO, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -50,7 +50,7 @@ from skip_harness.payload_kinds import (
 from skip_harness.payload_kinds import (  # noqa: F401  (re-exported: codec API)
     ORIGIN_ATTR, register_type, registered_name, unregister_type,
 )
-from skip_harness.tensorfile import FORMAT_VERSION, MAGIC  # noqa: F401  (re-exported)
+from skip_harness.tensorfile import FORMAT_VERSION, MAGIC, StoredForm  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("skip_harness.codec")
 
@@ -74,15 +74,34 @@ def _plain_cpu_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
 def encode(payload: Any) -> Any:
     """A structure of tensors, plain containers and scalars that `torch.save` can write and
     `torch.load(weights_only=True)` can read. Raises CodecError naming the type and the position."""
-    return _encode(payload, "payload", set())
+    return _encode(payload, "payload", _Walk())
+
+
+class _Walk(set):
+    """The ids of the containers being encoded (to refuse cycles), and the field each stored tensor
+    holds (id(tensor) -> position, e.g. ``payload['batch']['responses'].values``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: Dict[int, str] = {}
+
+    def tensor(self, t: torch.Tensor, where: str) -> torch.Tensor:
+        self.names[id(t)] = where
+        return t
+
+
+def encode_named(payload: Any) -> Tuple[Any, Dict[int, str]]:
+    """`encode`, with the field each of the structure's tensors holds (id(tensor) -> position)."""
+    walk = _Walk()
+    return _encode(payload, "payload", walk), walk.names
 
 
 def _encode(obj: Any, where: str, active: set) -> Any:
     if isinstance(obj, torch.Tensor) and obj.is_nested:
-        return _encode_nested(obj, where)
+        return _encode_nested(obj, where, active)
     if isinstance(obj, torch.Tensor):
         dev = origin_device(obj)
-        data = _plain_cpu_tensor(obj, where)
+        data = active.tensor(_plain_cpu_tensor(obj, where), where)
         if dev.type == "cpu":
             return data
         return {TAG: "tensor", "device": str(dev), "data": data}
@@ -137,7 +156,7 @@ def _encode(obj: Any, where: str, active: set) -> Any:
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
 
 
-def _encode_nested(nt: torch.Tensor, where: str) -> Dict[str, Any]:
+def _encode_nested(nt: torch.Tensor, where: str, walk: _Walk) -> Dict[str, Any]:
     """A nested tensor as its dense components (no pickle): jagged ones as values / offsets / lengths,
     strided ones as the list of their components; each component a plain CPU tensor."""
     dev = origin_device(nt)
@@ -145,14 +164,16 @@ def _encode_nested(nt: torch.Tensor, where: str) -> Dict[str, Any]:
     if nt.layout == torch.jagged:
         lengths = nt.lengths()
         return {TAG: "jagged", "device": str(dev),
-                "values": _plain_cpu_tensor(nt.values(), where + ".values()"),
-                "offsets": _plain_cpu_tensor(nt.offsets(), where + ".offsets()"),
-                "lengths": None if lengths is None else _plain_cpu_tensor(lengths, where + ".lengths()"),
+                "values": walk.tensor(_plain_cpu_tensor(nt.values(), where + ".values()"), where + ".values()"),
+                "offsets": walk.tensor(_plain_cpu_tensor(nt.offsets(), where + ".offsets()"), where + ".offsets()"),
+                "lengths": None if lengths is None else walk.tensor(_plain_cpu_tensor(lengths, where + ".lengths()"),
+                                                                    where + ".lengths()"),
                 "ragged_idx": int(nt._ragged_idx),
                 "min_seqlen": _cached_seqlen(nt, "_min_seqlen"), "max_seqlen": _cached_seqlen(nt, "_max_seqlen")}
     if nt.layout == torch.strided:
         return {TAG: "nested", "device": str(dev),
-                "items": [_plain_cpu_tensor(c, f"{where}[{i}]") for i, c in enumerate(nt.unbind())]}
+                "items": [walk.tensor(_plain_cpu_tensor(c, f"{where}[{i}]"), f"{where}[{i}]")
+                          for i, c in enumerate(nt.unbind())]}
     raise CodecError(f"{where}: unsupported nested tensor layout {nt.layout}")
 
 
@@ -201,7 +222,7 @@ def _encode_ndarray(arr: Any, where: str, active: set) -> Any:
         except TypeError:  # a dtype torch has no tensor for (e.g. float128)
             data = None
         if data is not None:
-            return {TAG: "ndarray", "dtype": arr.dtype.str, "data": data}
+            return {TAG: "ndarray", "dtype": arr.dtype.str, "data": active.tensor(data, where)}
     if arr.dtype.kind in "OUS":
         items = [_encode(v, f"{where}[{i}]", active) for i, v in enumerate(arr.ravel().tolist())]
         return {TAG: "ndarray", "dtype": arr.dtype.str if arr.dtype.kind != "O" else "O",
@@ -394,17 +415,31 @@ def _decode_non_tensor(kind: str, obj: Dict[str, Any], where: str, check_only: b
     return out
 
 
-def save_to(fileobj: BinaryIO, payload: Any) -> int:
+def save_to(fileobj: BinaryIO, payload: Any, form: Optional[StoredForm] = None) -> int:
     """Write `payload` to an open binary file object (anything with write()) in the current format.
-    The tensors' bytes are written straight from their memory (no pickling, no copy, no container).
-    Returns the bytes written."""
-    return tensorfile.write(fileobj, encode(payload))
+    The tensors' bytes are written straight from their memory (no pickling, no copy, no container),
+    or narrowed and compressed as `form` says. Returns the bytes written."""
+    structure, names = encode_named(payload)
+    return tensorfile.write(fileobj, structure, names, form)
 
 
 def plan(payload: Any) -> tensorfile.FileImage:
-    """`payload` encoded and laid out as a file image (for `tensorfile.pack_into`); raises what
-    `encode` raises for a payload the cache refuses."""
-    return tensorfile.plan(encode(payload))
+    """`payload` encoded and laid out as a file image at full width (for `tensorfile.pack_into`, then
+    `tensorfile.stored_image` for a compressed form); raises what `encode` raises for a payload the
+    cache refuses."""
+    structure, names = encode_named(payload)
+    return tensorfile.plan(structure, names)
+
+
+def stored_form(compression: str, level: int = 3) -> StoredForm:
+    """The StoredForm of a `compression` setting: `none` stores tensors raw at full width (the fastest
+    write: the staged copy goes to disk as it is); `zstd` narrows integers and compresses at `level`."""
+    name = getattr(compression, "value", compression)
+    if name == "none":
+        return StoredForm(narrow=False)
+    if name == "zstd":
+        return StoredForm(narrow=True, zstd_level=int(level))
+    raise CodecError(f"unknown compression {name!r} (none or zstd)")
 
 
 def load_buffer(buffer: Any, size: int, path: Union[str, os.PathLike]) -> Any:
@@ -424,6 +459,19 @@ def load_from(path: Union[str, os.PathLike], mmap: bool = True) -> Any:
     try:
         with _errors_naming(spath):
             return decode(tensorfile.read(fd, spath, mmap))
+    finally:
+        os.close(fd)
+
+
+def stored_fields(path: Union[str, os.PathLike]) -> "list[tensorfile.StoredField]":
+    """How each tensor of a payload file is stored -- field, dtype, stored dtype, compression, bytes at
+    full width and as stored -- from its header alone ([] for a torch.save file). CodecError naming the
+    file when the header is damaged."""
+    spath = os.fspath(path)
+    fd = tensorfile.open_nofollow(spath)
+    try:
+        with _errors_naming(spath):
+            return tensorfile.stored_fields(fd)
     finally:
         os.close(fd)
 

@@ -223,7 +223,8 @@ class SkipHarness:
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
-        store = StepStore(layout, pool=pool)
+        store = StepStore(layout, pool=pool,
+                          form=codec.stored_form(self.settings.compression, self.settings.compression_level))
         writer = Writer(self.settings.max_pending_writes, background=self.settings.async_write)
         self._coordinator = CommitCoordinator(store, dist, self.fingerprint, writer, self._fault,
                                               report_write=self.callbacks.on_write)

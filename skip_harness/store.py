@@ -52,12 +52,15 @@ from skip_harness.stepstatus import (  # noqa: F401  (re-exported: the store's p
 
 
 class StagedInner:
-    """A payload copied into a pool buffer and hashed by `StepStore.stage_inner`; `complete()` writes it
-    durably (O_DIRECT where the file system allows) and writes its meta.json, returning the two
-    FileEntry; `discard()` abandons it. Exactly one of them, once, from any thread."""
+    """A payload copied into a pool buffer (and hashed, when stored as it is) by `StepStore.stage_inner`;
+    `complete()` -- for a compressed form, first narrows and compresses the staged copy into a second
+    buffer and hashes that -- writes it durably (O_DIRECT where the file system allows) and writes its
+    meta.json, returning the two FileEntry; `discard()` abandons it. Exactly one of them, once, from any
+    thread."""
 
-    def __init__(self, dir_fd: int, lease: Lease, nbytes: int, checksum: str, payload_rel: str, meta_rel: str,
-                 meta: Dict[str, Any], drop_cache: bool):
+    def __init__(self, dir_fd: int, lease: Lease, nbytes: int, checksum: Optional[str], payload_rel: str,
+                 meta_rel: str, meta: Dict[str, Any], drop_cache: bool,
+                 transform: Optional[Tuple[tensorfile.FileImage, tensorfile.StoredForm, BufferPool]] = None):
         self._dir_fd: Optional[int] = dir_fd
         self._lease: Optional[Lease] = lease
         self.checksum = checksum
@@ -65,10 +68,30 @@ class StagedInner:
         self._meta = meta
         self._drop_cache = drop_cache
         self.bytes = nbytes
+        self._transform = transform
+
+    def _stored(self, lease: Lease) -> Lease:
+        """The staged full-width copy narrowed and compressed into a new buffer (the writer thread's
+        work: the trainer's thread only copied it); sets bytes and checksum to the stored file's."""
+        image, form, pool = self._transform
+        self._transform = None
+        stored = tensorfile.stored_image(image, tensorfile.staged_tensors(image, lease.array), form)
+        out = pool.acquire(stored.nbytes)
+        try:
+            tensorfile.fill_stored(stored, out.array)
+            self.bytes = stored.nbytes
+            self.checksum = checksum_bytes(out.view(stored.nbytes))
+        except BaseException:
+            out.release()
+            raise
+        lease.release()
+        return out
 
     def complete(self) -> Tuple[FileEntry, FileEntry]:
         dir_fd, lease = self._take()
         try:
+            if self._transform is not None:
+                lease = self._stored(lease)
             write_buffer_at(dir_fd, PurePosixPath(self.payload_rel).name, lease, self.bytes, self._drop_cache)
             lease.release()                  # the buffer may go round again while meta.json is written
             meta_doc = dict(self._meta, bytes=self.bytes, checksum=self.checksum, created=time.time())
@@ -95,13 +118,17 @@ class StagedInner:
 class StepStore:
     """Atomic, durable writes and verified reads of the steps of one namespace."""
 
-    def __init__(self, layout: Layout, *, drop_written_pages: bool = True, pool: Optional[BufferPool] = None):
+    def __init__(self, layout: Layout, *, drop_written_pages: bool = True, pool: Optional[BufferPool] = None,
+                 form: Optional[tensorfile.StoredForm] = None):
         """`drop_written_pages`: where a payload is written through the page cache (a file system
         without O_DIRECT), let the kernel drop its pages once it is durable. `pool`: the buffers
-        payloads are staged in and read into (the harness sizes one for its K; by default a small one)."""
+        payloads are staged in and read into (the harness sizes one for its K; by default a small one).
+        `form`: how payloads are written (`codec.stored_form(compression, level)`; by default raw, at
+        full width); files of every form are read."""
         self.layout = layout
         self.drop_written_pages = drop_written_pages
         self.pool = pool if pool is not None else BufferPool()
+        self.form = form if form is not None else tensorfile.StoredForm(narrow=False)
 
     # ---- writing
 
@@ -126,20 +153,24 @@ class StepStore:
         payload_rel = layout.payload_rel(inner_index, rank)
         image = codec.plan(payload)
         lease = self.pool.acquire(image.nbytes)
+        transform = (tensorfile.shapes_only(image), self.form, self.pool) if self.form.transforms else None
         try:
             tensorfile.pack_into(image, lease.array, self.pool.copier.copy)
             # Hashed here, while the trainer's cores wait for sample anyway: on the writer thread the
-            # same hash slowed a training step on every core by twice its own time (measured).
-            checksum = checksum_bytes(lease.view(image.nbytes))
+            # same hash slowed a training step on every core by twice its own time (measured). A
+            # compressed form is hashed on the writer thread, after compressing (the stored bytes).
+            checksum = None if transform else checksum_bytes(lease.view(image.nbytes))
             dir_fd = open_inner_for_writing(layout, step, inner_index)
         except BaseException:
             lease.release()
             raise
         meta_doc = dict(meta)
         meta_doc.update(writer=WRITER_NAME, step=step, inner_index=inner_index, rank=rank, K=layout.K,
-                        W=layout.W, payload=payload_rel, format=codec.FORMAT_VERSION)
+                        W=layout.W, payload=payload_rel, format=codec.FORMAT_VERSION,
+                        compression="zstd" if self.form.zstd_level is not None else "none",
+                        logical_bytes=image.nbytes)
         return StagedInner(dir_fd, lease, image.nbytes, checksum, payload_rel, layout.meta_rel(inner_index, rank), meta_doc,
-                           self.drop_written_pages)
+                           self.drop_written_pages, transform)
 
     def commit(self, step: int, entries: Sequence[FileEntry], fingerprint: Optional[Fingerprint],
                *, gen_s: Optional[float] = None) -> CommitRecord:

@@ -1,14 +1,20 @@
-"""The cache's payload file format (FORMAT_VERSION 2): the encoded structure as a small JSON header
-followed by the raw bytes of every tensor.
+"""The cache's payload file format (FORMAT_VERSION 3): the encoded structure as a small JSON header
+followed by the stored bytes of every tensor.
 
     MAGIC (8 bytes) | u32 format version | u32 0 | u64 header length | header (UTF-8 JSON) | pad |
     tensor bytes, each at a 64-byte aligned offset
 
-The header holds ``format``, ``tensors`` (one ``[dtype, shape, offset, nbytes]`` per tensor) and ``tree``
+The header holds ``format``, ``tensors`` (one ``[dtype, shape, offset, nbytes]`` per tensor, or
+``[dtype, shape, offset, nbytes, how]`` where ``how`` says how it is stored: ``name`` (the field, for
+messages and `show`), ``as`` (a narrower integer dtype holding every value: lossless narrowing) and
+``zstd`` (``[[stored, raw], ...]``: the bytes as consecutive zstd frames, one per chunk, so a load
+decompresses chunks in parallel and a damaged chunk names its field); ``nbytes`` is always the stored
+length, so a checksum over the file covers what is stored and needs no decompression) and ``tree``
 (the encoded structure: JSON scalars and lists as themselves, every other value a one-key object, e.g.
 ``{"T": 3}`` for tensor 3, ``{"d": [[key, value], ...]}`` for a dict). Reading parses JSON and maps the
 file: there is no unpickling at all. Files of the previous version (``torch.save`` of the encoded
-structure, and older caches' ``torch.save`` files) are still read, with ``torch.load(weights_only=True)``.
+structure, and older caches' ``torch.save`` files) are still read, with ``torch.load(weights_only=True)``;
+format 2 (no ``how``) is read as it was written.
 
 This module moves encoded structures (`codec.encode`'s output) to and from files; errors are
 `CodecError`s without the path, which `codec` adds once.
@@ -16,6 +22,8 @@ This module moves encoded structures (`codec.encode`'s output) to and from files
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import dataclasses
 import ctypes
 import functools
 import json
@@ -25,15 +33,16 @@ import os
 import re
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import zstandard
 
 from skip_harness.errors import CodecError
 from skip_harness.payload_kinds import np
 
-FORMAT_VERSION = 2            # 1: torch.save of the encoded structure (read, never written any more)
+FORMAT_VERSION = 3            # 1: torch.save of the encoded structure; 2: no `how` (both read, never written)
 MAGIC = b"\x89SKH\r\n\x1a\n"
 _PREAMBLE = struct.Struct("<8sIIQ")   # magic, format version, reserved, header length
 _ALIGN = 64
@@ -136,16 +145,40 @@ class FileImage:
     tensors: List[torch.Tensor]
     offsets: List[int]
     nbytes: int
+    tree: Any = None
+    names: List[Optional[str]] = field(default_factory=list)
 
 
-def plan(structure: Any) -> FileImage:
-    """The file image of an encoded structure in the current format (no tensor bytes copied)."""
+def plan(structure: Any, names: Optional[Dict[int, str]] = None) -> FileImage:
+    """The file image of an encoded structure in the current format (no tensor bytes copied), every
+    tensor at full width. `names`: id(tensor) -> the field it holds (recorded for messages and `show`)."""
     tensors: List[torch.Tensor] = []
     tree = _pack(structure, tensors)
+    tensor_names = [None if names is None else names.get(id(t)) for t in tensors]
+    entries = [(_dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), _how(n, None, None))
+               for t, n in zip(tensors, tensor_names)]
+    head, offsets, nbytes = _layout(tree, entries)
+    return FileImage(head, tensors, offsets, nbytes, tree, tensor_names)
+
+
+def _how(name: Optional[str], stored_dtype: Optional[str], chunks: Optional[list]) -> Optional[Dict[str, Any]]:
+    how: Dict[str, Any] = {}
+    if name is not None:
+        how["name"] = name
+    if stored_dtype is not None:
+        how["as"] = stored_dtype
+    if chunks is not None:
+        how["zstd"] = chunks
+    return how or None
+
+
+def _layout(tree: Any, entries: Sequence[Tuple[str, List[int], int, Optional[Dict[str, Any]]]]
+            ) -> Tuple[bytes, List[int], int]:
+    """(head, absolute offset of each tensor's stored bytes, file size) for entries (dtype, shape,
+    stored nbytes, how)."""
     table, rel_offsets, offset, end = [], [], 0, 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        table.append([_dtype_name(t.dtype), list(t.shape), offset, nbytes])
+    for dtype, shape, nbytes, how in entries:
+        table.append([dtype, shape, offset, nbytes] + ([how] if how else []))
         rel_offsets.append(offset)
         end = offset + nbytes
         offset = _align(end)
@@ -154,13 +187,153 @@ def plan(structure: Any) -> FileImage:
     head = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header)) + header
     data_start = _align(len(head))
     head += bytes(data_start - len(head))
-    return FileImage(head, tensors, [data_start + o for o in rel_offsets], data_start + end)
+    return head, [data_start + o for o in rel_offsets], data_start + end
 
 
-def write(fileobj: BinaryIO, structure: Any) -> int:
+# --------------------------------------------------------------------------------------------
+# stored forms: lossless narrowing and zstd
+
+
+@dataclass(frozen=True)
+class StoredForm:
+    """How tensors are stored: `narrow` integer tensors into the narrowest dtype their min / max allow;
+    `zstd_level` (None: no compression) compresses every tensor in chunks of `chunk_bytes`."""
+
+    narrow: bool = True
+    zstd_level: Optional[int] = None
+    chunk_bytes: int = 1 << 22
+
+    @property
+    def transforms(self) -> bool:
+        return self.narrow or self.zstd_level is not None
+
+
+@dataclass
+class StoredImage:
+    """A file image whose tensors are stored in a `StoredForm`: `head`, then (offset, bytes-like or
+    contiguous tensor) pieces; `nbytes` in all; `logical_nbytes`, the same file at full width."""
+
+    head: bytes
+    pieces: List[Tuple[int, Any]]
+    nbytes: int
+    logical_nbytes: int
+
+
+# Narrower integer dtypes a tensor may be stored in, narrowest first (torch's other unsigned types
+# lack operators; they are only ever sources).
+_NARROW_TO = (torch.uint8, torch.int8, torch.int16, torch.int32)
+_INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                         torch.uint16, torch.uint32, torch.uint64})
+
+
+def narrowest_dtype(t: torch.Tensor) -> torch.dtype:
+    """The narrowest dtype holding every value of the integer tensor `t` exactly (its own if none)."""
+    if t.dtype not in _INT_DTYPES or t.numel() == 0:
+        return t.dtype
+    try:
+        lo, hi = (int(v) for v in torch.aminmax(t))
+    except (RuntimeError, NotImplementedError):   # unsigned dtypes without the kernel
+        arr = t.numpy()
+        lo, hi = int(arr.min()), int(arr.max())
+    for cand in _NARROW_TO:
+        if cand.itemsize >= t.dtype.itemsize:
+            break
+        info = torch.iinfo(cand)
+        if info.min <= lo and hi <= info.max:
+            return cand
+    return t.dtype
+
+
+def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: StoredForm) -> StoredImage:
+    """`image` with its tensors (contiguous CPU tensors holding `image.tensors`' values: the staged copy,
+    or the tensors themselves) narrowed and compressed as `form` says. Runs on a writer thread."""
+    cctx = zstandard.ZstdCompressor(level=form.zstd_level, write_checksum=True) if form.zstd_level is not None else None
+    entries, data = [], []
+    for t, name in zip(tensors, image.names or [None] * len(tensors)):
+        dtype = t.dtype
+        stored_dtype = narrowest_dtype(t) if form.narrow else dtype
+        stored = t if stored_dtype == dtype else t.to(stored_dtype)
+        raw: Any = stored.reshape(-1).view(torch.uint8)          # contiguous: the staged copy's layout
+        chunks = None
+        if cctx is not None and raw.numel():
+            step, view, n = form.chunk_bytes, _byte_view(raw), raw.numel()
+            frames = [cctx.compress(view[i:i + step]) for i in range(0, n, step)]
+            if sum(len(f) for f in frames) < n:       # else stored raw: noise does not compress
+                chunks = [[len(f), min(step, n - i)] for f, i in zip(frames, range(0, n, step))]
+                raw = frames
+        nbytes = sum(len(f) for f in raw) if chunks is not None else raw.numel()
+        entries.append((_dtype_name(dtype), list(t.shape), nbytes,
+                        _how(name, None if stored_dtype == dtype else _dtype_name(stored_dtype), chunks)))
+        data.append(raw)
+    head, offsets, nbytes = _layout(image.tree, entries)
+    pieces: List[Tuple[int, Any]] = []
+    for off, raw in zip(offsets, data):
+        if isinstance(raw, list):
+            for frame in raw:
+                pieces.append((off, frame))
+                off += len(frame)
+        elif raw.numel():
+            pieces.append((off, raw))
+    return StoredImage(head, pieces, nbytes, image.nbytes)
+
+
+def fill_stored(stored: StoredImage, buffer: Any) -> None:
+    """Copy a stored image into `buffer` (a writable ctypes array of at least stored.nbytes bytes)."""
+    base = ctypes.addressof(buffer)
+    ctypes.memmove(base, stored.head, len(stored.head))
+    pos = len(stored.head)
+    for off, piece in stored.pieces:
+        if off > pos:
+            ctypes.memset(base + pos, 0, off - pos)
+        if isinstance(piece, torch.Tensor):
+            ctypes.memmove(base + off, piece.data_ptr(), piece.numel())
+            pos = off + piece.numel()
+        else:
+            ctypes.memmove(base + off, piece, len(piece))
+            pos = off + len(piece)
+    if stored.nbytes > pos:
+        ctypes.memset(base + pos, 0, stored.nbytes - pos)
+
+
+def shapes_only(image: FileImage) -> FileImage:
+    """`image` holding no payload tensor (meta tensors of their shapes and dtypes in their place), so a
+    staged write does not keep the trainer's tensors alive."""
+    return dataclasses.replace(image, tensors=[torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                               for t in image.tensors])
+
+
+def staged_tensors(image: FileImage, buffer: Any) -> List[torch.Tensor]:
+    """The tensors of `image` as views of the full-width copy `pack_into` made in `buffer`."""
+    out = []
+    for t, off in zip(image.tensors, image.offsets):
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            out.append(torch.empty(t.shape, dtype=t.dtype))
+            continue
+        u8 = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=off)
+        out.append(u8.view(t.dtype).view(t.shape))
+    return out
+
+
+def write(fileobj: BinaryIO, structure: Any, names: Optional[Dict[int, str]] = None,
+          form: Optional[StoredForm] = None) -> int:
     """Write an encoded structure to an open binary file object (anything with write()) in the current
-    format, the tensors' bytes straight from their memory. Returns the bytes written."""
-    image = plan(structure)
+    format, the tensors' bytes straight from their memory (or as `form` stores them). Returns the bytes
+    written."""
+    image = plan(structure, names)
+    if form is not None and form.transforms:
+        stored = stored_image(image, [t.contiguous() for t in image.tensors], form)
+        fileobj.write(stored.head)
+        pos = len(stored.head)
+        for off, piece in stored.pieces:
+            if off > pos:
+                fileobj.write(bytes(off - pos))
+            mv = _byte_view(piece) if isinstance(piece, torch.Tensor) else piece
+            fileobj.write(mv)
+            pos = off + len(mv)
+        if stored.nbytes > pos:
+            fileobj.write(bytes(stored.nbytes - pos))
+        return stored.nbytes
     fileobj.write(image.head)
     pos = len(image.head)
     for t, off in zip(image.tensors, image.offsets):
@@ -212,7 +385,7 @@ def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[s
     if len(head) < _PREAMBLE.size:
         raise CodecError("truncated: no complete header")
     magic, version, _reserved, hlen = _PREAMBLE.unpack(head)
-    if version > FORMAT_VERSION or version < 2:
+    if version > FORMAT_VERSION or version < 2:  # 2 and 3 share the layout; 3 adds `how`
         raise CodecError(f"format version {version}; this skip_harness reads versions up to {FORMAT_VERSION}"
                          + (" (written by a newer skip_harness)" if version > FORMAT_VERSION else ""))
     if hlen > min(size, _MAX_HEADER_BYTES):
@@ -230,12 +403,13 @@ def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[s
     data_start = _align(_PREAMBLE.size + hlen)
     end = data_start
     for entry in doc["tensors"]:
-        if (type(entry) is not list or len(entry) != 4 or type(entry[0]) is not str or type(entry[1]) is not list
+        if (type(entry) is not list or len(entry) not in ((4, 5) if version >= 3 else (4,))
+                or type(entry[0]) is not str or type(entry[1]) is not list
                 or not all(type(s) is int and s >= 0 for s in entry[1])
                 or type(entry[2]) is not int or type(entry[3]) is not int or entry[2] < 0):
             raise CodecError(f"malformed tensor entry {str(entry)[:80]}")
         dtype = _dtype_from_name(entry[0])
-        if entry[3] != math.prod(entry[1]) * dtype.itemsize or entry[2] % _ALIGN:
+        if entry[2] % _ALIGN or not _stored_size_valid(dtype, entry):
             raise CodecError(f"malformed tensor entry {str(entry)[:80]}")
         end = max(end, data_start + entry[2] + entry[3])
     if end > size:
@@ -243,20 +417,112 @@ def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[s
     return doc, data_start
 
 
+_HOW_KEYS = frozenset({"name", "as", "zstd"})
+
+
+def _stored_size_valid(dtype: torch.dtype, entry: list) -> bool:
+    """Whether a tensor entry's stored size agrees with its shape, dtype and `how`."""
+    numel = math.prod(entry[1])
+    how = entry[4] if len(entry) > 4 else None
+    if how is None:
+        return entry[3] == numel * dtype.itemsize
+    if type(how) is not dict or not how or not set(how) <= _HOW_KEYS:
+        return False
+    if "name" in how and type(how["name"]) is not str:
+        return False
+    stored_dtype = dtype
+    if "as" in how:
+        if type(how["as"]) is not str:
+            return False
+        stored_dtype = _dtype_from_name(how["as"])
+        if stored_dtype not in _NARROW_TO or dtype not in _INT_DTYPES or stored_dtype.itemsize >= dtype.itemsize:
+            return False
+    raw = numel * stored_dtype.itemsize
+    chunks = how.get("zstd")
+    if chunks is None:
+        return entry[3] == raw
+    if type(chunks) is not list or not chunks or not all(
+            type(c) is list and len(c) == 2 and all(type(x) is int and x > 0 for x in c) for c in chunks):
+        return False
+    return sum(c[0] for c in chunks) == entry[3] and sum(c[1] for c in chunks) == raw
+
+
 def is_current_format(fd: int) -> bool:
     return os.pread(fd, len(MAGIC), 0) == MAGIC
 
 
 def _tensors_from(buf: Any, doc: Dict[str, Any], data_start: int) -> List[torch.Tensor]:
-    out = []
-    for name, shape, off, nbytes in doc["tensors"]:
+    """The tensors of a parsed header: stored raw ones as views of `buf`; narrowed ones widened back to
+    their dtype; compressed ones decompressed (chunks in parallel) into new memory."""
+    out: List[torch.Tensor] = []
+    jobs: List[Tuple[str, torch.Tensor, int, list]] = []
+    widen: List[Tuple[int, torch.dtype]] = []
+    for i, entry in enumerate(doc["tensors"]):
+        name, shape, off, nbytes = entry[:4]
+        how = entry[4] if len(entry) > 4 else {}
         dtype = _dtype_from_name(name)
-        if nbytes == 0:
-            out.append(torch.empty(shape, dtype=dtype))
-            continue
-        u8 = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + off)
-        out.append(u8.view(dtype).reshape(shape))
+        stored_dtype = _dtype_from_name(how["as"]) if "as" in how else dtype
+        if stored_dtype != dtype:
+            widen.append((i, dtype))
+        if "zstd" in how:
+            target = torch.empty(shape, dtype=stored_dtype)
+            jobs.append((how.get("name") or f"tensor {i}", target, data_start + off, how["zstd"]))
+            out.append(target)
+        elif nbytes == 0:
+            out.append(torch.empty(shape, dtype=stored_dtype))
+        else:
+            u8 = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + off)
+            out.append(u8.view(stored_dtype).reshape(shape))
+    if jobs:
+        _decompress_all(memoryview(buf).cast("B"), jobs)
+    for i, dtype in widen:
+        out[i] = out[i].to(dtype)
     return out
+
+
+_pool_lock = __import__("threading").Lock()
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_PARALLEL_FROM = 1 << 23          # decompress in parallel once a file holds this many raw bytes
+
+
+def _decompress_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                          thread_name_prefix="skip_harness-zstd")
+        return _pool
+
+
+def _decompress_all(view: memoryview, jobs: List[Tuple[str, torch.Tensor, int, list]]) -> None:
+    """Decompress every chunk of `jobs` ((field, target tensor, file offset, chunks)) into its target;
+    CodecError naming the field and chunk of the first damaged one."""
+    tasks = []
+    for field_name, target, pos, chunks in jobs:
+        base, at = target.data_ptr(), 0
+        for j, (stored, raw) in enumerate(chunks):
+            tasks.append((field_name, j, len(chunks), view[pos:pos + stored], base + at, raw))
+            pos, at = pos + stored, at + raw
+    total = sum(t[5] for t in tasks)
+    if len(tasks) > 1 and total >= _PARALLEL_FROM:
+        errors = list(_decompress_pool().map(_decompress_one, tasks))
+    else:
+        errors = [_decompress_one(t) for t in tasks]
+    for err in errors:
+        if err is not None:
+            raise CodecError(err)
+
+
+def _decompress_one(task: Tuple[str, int, int, memoryview, int, int]) -> Optional[str]:
+    field_name, j, n, frame, dst, raw = task
+    try:
+        data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=raw)
+    except zstandard.ZstdError as exc:
+        return f"{field_name}: zstd chunk {j + 1} of {n} cannot be decompressed ({exc})"
+    if len(data) != raw:
+        return f"{field_name}: zstd chunk {j + 1} of {n} holds {len(data)} bytes, the header says {raw}"
+    ctypes.memmove(dst, data, raw)
+    return None
 
 
 def open_nofollow(spath: str) -> int:
@@ -296,6 +562,34 @@ def read_buffer(buffer: Any, size: int) -> Any:
     view = memoryview(buffer).cast("B")[:size]
     doc, data_start = _parse_header(lambda n, off: bytes(view[off:off + n]), size)
     return _unpack(doc["tree"], _tensors_from(buffer, doc, data_start))
+
+
+@dataclass(frozen=True)
+class StoredField:
+    """How one tensor of a file is stored (from its header alone): the field it holds, its dtype, the
+    dtype it is stored in, `zstd` or `none`, and its bytes at full width and as stored."""
+
+    name: str
+    dtype: str
+    stored_dtype: str
+    compression: str
+    logical_bytes: int
+    stored_bytes: int
+
+
+def stored_fields(fd: int) -> List[StoredField]:
+    """How each tensor of the open current-format file `fd` is stored (its header only; [] for a file in
+    the previous format)."""
+    if not is_current_format(fd):
+        return []
+    doc, _data_start = _read_header(fd, os.fstat(fd).st_size)
+    out = []
+    for i, entry in enumerate(doc["tensors"]):
+        how = entry[4] if len(entry) > 4 else {}
+        dtype = _dtype_from_name(entry[0])
+        out.append(StoredField(how.get("name", f"tensor {i}"), entry[0], how.get("as", entry[0]),
+                               "zstd" if "zstd" in how else "none", math.prod(entry[1]) * dtype.itemsize, entry[3]))
+    return out
 
 
 def read_skeleton(fd: int, spath: str) -> Any:

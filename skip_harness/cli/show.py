@@ -284,6 +284,28 @@ def head_values(obj: Any, n: int, path: str = "") -> Iterator[Tuple[str, str]]:
         yield from head_values(v, n, f"{path}.{k}" if path else k)
 
 
+def _ratio(f: Any) -> Optional[float]:
+    return round(f.stored_bytes / f.logical_bytes, 4) if f.logical_bytes else None
+
+
+def _stored_table(stored: List[Any]) -> Table:
+    """How each stored tensor is held on disk: its dtype and the narrower one it is stored in, the
+    compression, and stored over full-width bytes."""
+    logical, on_disk = sum(f.logical_bytes for f in stored), sum(f.stored_bytes for f in stored)
+    t = Table(title=f"stored: {human_bytes(on_disk)} of {human_bytes(logical)} at full width"
+                    + (f" ({on_disk / logical:.3f})" if logical else ""), title_justify="left")
+    for col, justify in (("field", "left"), ("dtype", "left"), ("stored as", "left"), ("compression", "left"),
+                         ("bytes", "right"), ("stored", "right"), ("ratio", "right")):
+        t.add_column(col, justify=justify, overflow="fold")
+    for f in stored[:_MAX_ROWS]:
+        ratio = _ratio(f)
+        t.add_row(escape(f.name), f.dtype, f.stored_dtype, f.compression, human_bytes(f.logical_bytes),
+                  human_bytes(f.stored_bytes), "" if ratio is None else f"{ratio:.3f}")
+    if len(stored) > _MAX_ROWS:
+        t.add_row(f"... {len(stored) - _MAX_ROWS} more", "", "", "", "", "", "")
+    return t
+
+
 def _meta_text(meta: Dict[str, Any]) -> str:
     shown = dict(meta)
     if isinstance(shown.get("rng"), dict):
@@ -355,13 +377,15 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
             reason += f" ({VERL_HINT})"
         raise CliError(f"{reason}", EXIT_CORRUPT) from None
     rows = list(describe(payload))
+    stored = codec.stored_fields(target.payload)
     if as_json:
         doc = {"file": str(target.payload), "namespace": None if target.layout is None else str(target.layout.root),
                "step": target.step, "inner_index": target.inner, "rank": target.rank,
                "status": None if status is None else status.status,
                "fingerprint": None if record is None or record.fingerprint is None else record.fingerprint.to_json(),
                "meta": meta, "structure": [dict(zip(("key", "type", "shape", "dtype", "bytes", "value"), r))
-                                           for r in rows]}
+                                           for r in rows],
+               "stored": [dict(vars(f), ratio=_ratio(f)) for f in stored]}
         if head:
             doc["head"] = dict(head_values(payload, head))
         sys_out = json.dumps(doc, indent=1, default=str)
@@ -378,6 +402,8 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
     if len(rows) > _MAX_ROWS:
         t.add_row(f"... {len(rows) - _MAX_ROWS} more", "", "", "", "", "")
     console.print(t)
+    if stored:
+        console.print(_stored_table(stored))
     if meta:
         console.print("meta", style="bold")
         console.out(_meta_text(meta), highlight=False)

@@ -1,0 +1,290 @@
+"""Smaller caches, losslessly (issue 14): integer tensors narrowed to the narrowest dtype their values
+allow and zstd per chunk (`skip.rollout_tq.compression=zstd`), loaded back as exactly the tensors given;
+checksums over the stored bytes, so `verify` finds a flipped byte without decompressing; a damaged
+chunk is a corrupt step naming its field, never a crash; files of format 2 still load."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import subprocess_env
+from skip_harness import SkipHarness, codec, tensorfile
+from skip_harness.errors import CodecError
+from skip_harness.layout import Layout, NamespaceKey
+from skip_harness.store import StepStore, checksum_file
+
+ROOT = Path(__file__).resolve().parents[1]
+ZSTD = codec.stored_form("zstd", 3)
+NARROW = codec.StoredForm(narrow=True)
+INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
+              torch.uint64, torch.bool]
+
+
+def load_bench():
+    name = "_skip_harness_script_bench"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def edge_cases(dtype: torch.dtype) -> dict:
+    """Edge values of `dtype`: its min and max, negatives, a narrowable range, empty, non-contiguous, 0-dim."""
+    if dtype == torch.bool:
+        base = torch.tensor([True, False, True, True, False, False])
+        return {"values": base, "empty": torch.empty(0, 3, dtype=dtype), "noncontig": base.view(2, 3).t(),
+                "zerodim": torch.tensor(True)}
+    npd = {torch.uint16: np.uint16, torch.uint32: np.uint32, torch.uint64: np.uint64}.get(dtype)
+    info = np.iinfo(npd) if npd is not None else torch.iinfo(dtype)
+
+    def t(values):
+        return torch.from_numpy(np.array(values, dtype=npd)) if npd is not None else torch.tensor(values, dtype=dtype)
+
+    signed = info.min < 0
+    cases = {
+        "min_max": t([int(info.min), int(info.max), 0]),
+        "small": t([0, 1, 7, 100, 3] * 4),                                 # fits uint8
+        "empty": torch.empty(0, 4, dtype=dtype),
+        "noncontig": t(list(range(24))).view(4, 6).t()[::2],
+        "zerodim": t(5).reshape(()),
+    }
+    if dtype.itemsize > 1:
+        cases["one_past_uint8"] = t([0, 256])                             # int16
+    if signed:
+        cases["negative"] = t([-1, -128, 127, 0])                          # fits int8
+    if signed and dtype.itemsize > 2:
+        cases["just_below_int16"] = t([-32769, 5])                         # int32
+    return cases
+
+
+def saved_and_loaded(tmp_path: Path, payload: dict, form) -> tuple:
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, payload, form)
+    return codec.load_from(path), {f.name: f for f in codec.stored_fields(path)}
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and np.array_equal(a.contiguous().numpy(), b.contiguous().numpy()))
+
+
+@pytest.mark.parametrize("form", [NARROW, ZSTD], ids=["narrow", "narrow+zstd"])
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_every_integer_dtype_round_trips_exactly(tmp_path, dtype, form):
+    cases = edge_cases(dtype)
+    out, stored = saved_and_loaded(tmp_path, cases, form)
+    for name, want in cases.items():
+        got = out[name]
+        assert type(got) is torch.Tensor and same(want, got), (name, want, got)
+    # ... and narrowed where the values allow: the stored dtype is the narrowest that holds them
+    as_stored = {n: stored[f"payload[{n!r}]"].stored_dtype for n in cases}
+    own = str(dtype).replace("torch.", "")
+    if dtype.itemsize > 1:
+        assert as_stored["small"] == as_stored["noncontig"] == as_stored["zerodim"] == "uint8"
+        assert as_stored["one_past_uint8"] == ("int16" if dtype.itemsize > 2 else own)
+        if "negative" in cases:
+            assert as_stored["negative"] == "int8"
+        if "just_below_int16" in cases:
+            assert as_stored["just_below_int16"] == ("int32" if dtype.itemsize > 4 else own)
+    if "min_max" in cases:
+        assert as_stored["min_max"] == own                                   # the full range: not narrowed
+    assert as_stored["empty"] == own
+
+
+def test_narrowing_is_decided_per_tensor_from_min_and_max():
+    assert tensorfile.narrowest_dtype(torch.tensor([0, 255])) == torch.uint8
+    assert tensorfile.narrowest_dtype(torch.tensor([-1, 127])) == torch.int8
+    assert tensorfile.narrowest_dtype(torch.tensor([-1, 128])) == torch.int16
+    assert tensorfile.narrowest_dtype(torch.tensor([0, 65535])) == torch.int32          # uint16 is not a target
+    assert tensorfile.narrowest_dtype(torch.tensor([0, 151_935])) == torch.int32        # token ids
+    assert tensorfile.narrowest_dtype(torch.tensor([-(2 ** 31) - 1, 0])) == torch.int64
+    assert tensorfile.narrowest_dtype(torch.tensor([1.5, 2.0])) == torch.float32
+    assert tensorfile.narrowest_dtype(torch.tensor([3], dtype=torch.int16)) == torch.uint8
+
+
+def test_floats_and_nested_and_non_tensor_fields_keep_their_values(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    nt = torch.nested.as_nested_tensor([torch.arange(5), torch.arange(300, 302)], layout=torch.jagged)
+    payload = {"lp": torch.randn(64, 32, generator=g), "bf": torch.randn(16, generator=g).to(torch.bfloat16),
+               "nt": nt, "ids": torch.randint(0, 151_936, (8, 64), generator=g), "text": ["a", "b"],
+               "big": torch.zeros(3 << 20, dtype=torch.int64)}                 # several chunks
+    out, stored = saved_and_loaded(tmp_path, payload, ZSTD)
+    assert same(payload["lp"], out["lp"]) and torch.equal(payload["bf"], out["bf"]) and out["bf"].dtype == torch.bfloat16
+    assert torch.equal(out["nt"].values(), nt.values()) and torch.equal(out["nt"].offsets(), nt.offsets())
+    assert out["nt"].values().dtype == torch.int64 and same(payload["ids"], out["ids"]) and out["text"] == ["a", "b"]
+    assert same(payload["big"], out["big"])
+    assert stored["payload['ids']"].stored_dtype == "int32" and stored["payload['nt'].values()"].stored_dtype == "int16"
+    assert stored["payload['big']"].compression == "zstd" and stored["payload['big']"].stored_bytes < 4096
+
+
+def test_store_files_are_smaller_by_the_ratio_the_bench_reports(tmp_path):
+    bench = load_bench()
+    payload = bench.make_payload(32, seed=2)
+    ratios = bench.disk_ratios(payload, tmp_path / "bench")
+    sizes = {}
+    for name in ("none", "zstd"):
+        store = StepStore(Layout(tmp_path / name, K=1, W=1), form=codec.stored_form(name, 3))
+        entries = store.write_inner(1, 0, 0, payload, {})
+        store.commit(1, entries, None)
+        sizes[name] = entries[0].bytes
+        [back] = store.read_step(1, 0)
+        assert all(same(payload[k], back[k]) for k in payload if isinstance(payload[k], torch.Tensor))
+        meta = store.read_meta(1, 0, 0)
+        assert meta["compression"] == name and meta["logical_bytes"] == sizes["none"]
+    # the store writes what the bench measures (same data, same form) ...
+    assert sizes["zstd"] / ratios["verl_bytes"] == pytest.approx(ratios["zstd"], rel=0.02)
+    # ... which is a fraction of the file at full width
+    assert sizes["zstd"] / sizes["none"] == pytest.approx(ratios["zstd"] * ratios["verl_bytes"] / sizes["none"], rel=0.02)
+    assert sizes["zstd"] < 0.35 * sizes["none"]
+
+
+# --------------------------------------------------------------------------------------------
+# damage
+
+
+def _zstd_store(tmp_path: Path, steps=(1,)) -> StepStore:
+    bench = load_bench()
+    store = StepStore(NamespaceKey("zstd", "proj", 8, 1, 2, 2).layout(tmp_path / "dump"), form=ZSTD)
+    for step in steps:
+        store.commit(step, store.write_inner(step, 0, 0, bench.make_payload(8, seed=step), {}), None)
+    return store
+
+
+def _chunk_offset(path: Path, field: str) -> int:
+    """The file offset of the middle of `field`'s first compressed chunk."""
+    data = path.read_bytes()
+    hlen = struct.unpack_from("<Q", data, 16)[0]
+    doc = json.loads(data[24:24 + hlen])
+    start = -(-(24 + hlen) // 64) * 64
+    for entry in doc["tensors"]:
+        if len(entry) > 4 and entry[4].get("name") == field:
+            assert "zstd" in entry[4], entry
+            return start + entry[2] + entry[4]["zstd"][0][0] // 2
+    raise AssertionError(f"{field} not in {path}")
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_chunk_is_found_by_verify_without_decompressing(tmp_path, monkeypatch):
+    store = _zstd_store(tmp_path)
+    path = store.layout.payload_path(1, 0, 0)
+    flip(path, _chunk_offset(path, "payload['input_ids']"))
+    calls = []
+    monkeypatch.setattr(tensorfile, "_decompress_one", lambda task: calls.append(task))
+    reason = store.verify(1)
+    assert reason is not None and str(path) in reason and "checksum" in reason
+    assert calls == []                                   # the checksum alone found it
+    monkeypatch.undo()
+    proc = subprocess.run([sys.executable, "-m", "skip_harness.cli", "verify", str(store.layout.root)],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.returncode != 0 and "checksum" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_damaged_chunk_is_a_corrupt_step_naming_its_field(tmp_path):
+    store = _zstd_store(tmp_path)
+    path = store.layout.payload_path(1, 0, 0)
+    flip(path, _chunk_offset(path, "payload['input_ids']"))
+    with pytest.raises(CodecError, match=r"payload\['input_ids'\]: zstd chunk 1 of 1"):
+        codec.load_from(path)
+    # the same damage behind a matching checksum (a bit flipped before it was hashed): never a crash
+    commit = store.layout.commit_path(1)
+    doc = json.loads(commit.read_text())
+    size, digest = checksum_file(path)
+    for entry in doc["files"]:
+        if entry["rel"] == store.layout.payload_rel(0, 0):
+            entry["checksum"] = digest
+    commit.write_text(json.dumps(doc))
+    status, reason, batches, _ = store.read_served(1, 0)
+    assert status == "corrupt" and batches == [] and "payload['input_ids']: zstd chunk" in reason and str(path) in reason
+
+
+class Trainer:
+    def __init__(self):
+        self.generated = []
+
+    def prepare_data(self, step, dispatch=True):
+        pass
+
+    def sample(self, step):
+        self.generated.append(step)
+        return load_bench().make_payload(4, seed=step)
+
+
+def run_harness(dump: Path, steps: int = 3):
+    harness = SkipHarness.create(settings={"enable": True, "dump_dir": str(dump), "compression": "zstd"},
+                                 namespace={"experiment_name": "zstd", "project_name": "p"})
+    trainer = Trainer()
+    harness.wrap(trainer, sample="sample")
+    served = {}
+    try:
+        for step in range(1, steps + 1):
+            trainer.prepare_data(step)
+            served[step] = trainer.sample(step)
+        layout = harness.layout
+    finally:
+        harness.close()
+    return trainer, layout, served
+
+
+def test_a_run_finds_a_flipped_byte_cleans_the_step_and_regenerates_it(tmp_path):
+    first, layout, batches = run_harness(tmp_path / "dump")
+    assert first.generated == [1, 2, 3]
+    payload = layout.payload_path(2, 0, 0)
+    assert codec.stored_fields(payload)[0].compression == "zstd"
+    flip(payload, _chunk_offset(payload, "payload['input_ids']"))
+    again, _, served = run_harness(tmp_path / "dump")
+    assert again.generated == [2]                        # 1 and 3 served; 2 cleaned and generated again
+    for step in (1, 3):
+        assert all(same(batches[step][k], served[step][k]) for k in batches[step] if isinstance(batches[step][k], torch.Tensor))
+    assert StepStore(layout).verify(2) is None           # rewritten whole
+
+
+def test_format_2_files_still_load(tmp_path):
+    payload = {"x": torch.arange(10), "s": ["a", {"b": (1.5, b"z")}], "f": torch.randn(3)}
+    path = tmp_path / "v2.pt"
+    with open(path, "wb") as f:
+        tensorfile.write(f, codec.encode(payload))          # no names, no forms: a format-2 layout ...
+    data = bytearray(path.read_bytes())
+    hlen = struct.unpack_from("<Q", data, 16)[0]
+    header = bytes(data[24:24 + hlen])
+    assert b'"format":3' in header and len(json.loads(header)["tensors"][0]) == 4
+    struct.pack_into("<I", data, 8, 2)                      # ... marked as format 2
+    data[24:24 + hlen] = header.replace(b'"format":3', b'"format":2')
+    path.write_bytes(bytes(data))
+    out = codec.load_from(path)
+    assert torch.equal(out["x"], payload["x"]) and out["s"] == payload["s"] and torch.equal(out["f"], payload["f"])
+    codec.check_file(path)
+    # a format-2 header cannot carry a stored form
+    assert codec.stored_fields(path)[0].compression == "none"
+
+
+@pytest.mark.slow
+def test_demo_with_compression_zstd_reruns_from_the_cache_identically(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train_e2e import metrics, train, training_metrics
+
+    train(tmp_path, "skip.rollout_tq.compression=zstd", run="first")
+    train(tmp_path, "skip.rollout_tq.compression=zstd", run="again")
+    first, again = metrics(tmp_path / "first"), metrics(tmp_path / "again")
+    assert [r["cache"] for r in first] == ["miss"] * 4 and [r["cache"] for r in again] == ["hit"] * 4
+    assert training_metrics(first) == training_metrics(again)
+    payloads = sorted((tmp_path / "cache").rglob("tq_batch.pt"))
+    assert payloads and all(any(f.compression == "zstd" for f in codec.stored_fields(p)) for p in payloads)
+    # the same cache read by a run with compression off: files of any form are served
+    train(tmp_path, run="plain")
+    assert [r["cache"] for r in metrics(tmp_path / "plain")] == ["hit"] * 4
