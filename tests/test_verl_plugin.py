@@ -141,3 +141,20 @@ def test_a_run_killed_after_inner_0_never_serves_a_mix(cluster, tmp_path, caplog
     replay = rig.run_steps(cfg, buffer="async", salt=4, steps=(1,))
     assert replay.outcomes == {1: "hit"} and replay.train_generations == 0
     assert [rig.comparable(s) for s in replay.sampled] == [rig.comparable(s) for s in rerun.sampled]
+
+
+def test_a_changed_sampling_key_stops_the_replay_a_training_key_does_not(cluster, tmp_path):
+    from skip_harness.errors import FingerprintMismatchError
+
+    rig.run_steps(rig.compose(str(tmp_path), steps=(1,)), buffer="sync", salt=1, steps=(1,))
+    lr = rig.run_steps(rig.compose(str(tmp_path), steps=(1,), extra=["actor_rollout_ref.actor.optim.lr=0.5"]),
+                       buffer="sync", salt=2, steps=(1,))
+    assert lr.outcomes == {1: "hit"} and lr.train_generations == 0
+
+    hotter = rig.compose(str(tmp_path), steps=(1,), extra=["actor_rollout_ref.rollout.temperature=0.5"])
+    with pytest.raises(FingerprintMismatchError, match="actor_rollout_ref.rollout.temperature"):
+        rig.run_steps(hotter, buffer="sync", salt=3, steps=(1,))
+    regenerate = rig.compose(str(tmp_path), steps=(1,), extra=["actor_rollout_ref.rollout.temperature=0.5",
+                                                               "+skip_harness.on_mismatch=regenerate"])
+    again = rig.run_steps(regenerate, buffer="sync", salt=3, steps=(1,))
+    assert again.outcomes == {1: "miss"} and again.train_generations == 1
