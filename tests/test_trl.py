@@ -233,3 +233,29 @@ def test_attach_refuses_what_it_cannot_cache():
         integration.attach(SimpleNamespace(rollout_func=None, tools=[print], args=None))
     with pytest.raises(HarnessUsageError, match=r"attach\(\) called twice"):
         integration.attach(SimpleNamespace(rollout_func=None, tools=None, _generate_single_turn=print, args=None))
+
+
+def test_tiny_llama_is_saved_once_from_its_seed_and_leaves_the_callers_random_stream_alone(tmp_path):
+    """skip_harness.demo.tiny_llama (the README's TRL example and trl_demo build their model with it):
+    the same seed gives the same weights, a second call keeps the saved model, and the caller's global
+    torch random stream is where it was (an example that seeds, then builds the model, samples as if the
+    model had not been built)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from skip_harness.demo.tiny_llama import save_tiny_llama
+
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    first = save_tiny_llama(tmp_path / "a")
+    assert torch.equal(torch.rand(4), expected)
+    second = save_tiny_llama(tmp_path / "b")
+    assert first == str(tmp_path / "a") and second == str(tmp_path / "b")
+    a, b = (AutoModelForCausalLM.from_pretrained(p) for p in (first, second))
+    assert a.config.num_hidden_layers == 2 and a.config.hidden_size == 64
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    mtime = (tmp_path / "a" / "config.json").stat().st_mtime_ns
+    assert save_tiny_llama(tmp_path / "a", seed=1) == first           # already there: kept as it is
+    assert (tmp_path / "a" / "config.json").stat().st_mtime_ns == mtime
+    tokenizer = AutoTokenizer.from_pretrained(first)
+    assert tokenizer.decode(tokenizer("1+2=")["input_ids"], skip_special_tokens=True) == "1+2="
