@@ -269,6 +269,13 @@ class SkipHarness:
             for step in self._coordinator.pending_steps:
                 self._coordinator.wait_local(step)
 
+    def commit_finished(self) -> None:
+        """One process (W = 1): wait until every step whose K mini-batches were all sampled is committed
+        (its commit record durable and its step reported), for a trainer that may end the process right
+        after (no close()). With W > 1 steps are committed at the ranks' next common decision point."""
+        if self._runner is not None:
+            self._runner.settle()
+
     def summary(self) -> RunSummary:
         """The run's counts so far (this rank's records)."""
         return (self._runner.stats if self._runner is not None else RunStats()).summary()

@@ -300,6 +300,11 @@ class StepRunner:
     def flush_local(self, step: int) -> Optional[str]:
         return self.coordinator.wait_local(step)
 
+    def settle(self) -> None:
+        """W = 1: wait until every fully sampled miss step is durable and committed, and report it."""
+        if self.dist.world_size == 1:
+            self._collect(self.coordinator.poll(self._epoch, wait=True))
+
     def finish(self) -> None:
         """At close: every remaining step finished and reported (a collective with W > 1)."""
         self._end_short_steps()

@@ -42,7 +42,15 @@ def cluster(tmp_path_factory):
 
 def _record_and_replay(dump_dir: Path, *, K: int, buffer: str, steps=(1, 2), validate_at=(2,)):
     cfg = rig.compose(str(dump_dir), K=K, steps=steps)
-    first = rig.run_steps(cfg, buffer=buffer, salt=1, steps=steps, validate_at=validate_at)
+    durable = []
+
+    def after_sample(skip, step, inner):
+        # the last listed step is committed before verl's sample returns (verl may end the process next)
+        if step == max(steps) and inner == K - 1:
+            durable.append(any(dump_dir.glob(f"*/*/{step}/commit.json")))
+
+    first = rig.run_steps(cfg, buffer=buffer, salt=1, steps=steps, validate_at=validate_at, after_sample=after_sample)
+    assert durable == [True], "the last step was not durable when its last sample returned"
     second = rig.run_steps(cfg, buffer=buffer, salt=2, steps=steps, validate_at=validate_at)
     return cfg, first, second
 

@@ -28,9 +28,10 @@ Roles
 
 Lifecycle
     verl's trainer has no end-of-run hook for skip classes: a step's files are committed in the
-    background while the next step generates, the last step (``trainer.total_training_steps``) is
-    flushed before its last ``sample`` returns, and the harness is closed at process exit or when verl
-    builds a new one (``SkipManager.init`` again). :func:`close_all` closes it explicitly.
+    background while the next step generates; the run's last step (verl's total training steps) and the
+    last step of ``skip.rollout_tq.steps`` are made durable before their last ``sample`` returns; the
+    harness is closed at process exit or when verl builds a new one (``SkipManager.init`` again).
+    :func:`close_all` closes it explicitly.
 """
 from __future__ import annotations
 
@@ -172,8 +173,8 @@ class HarnessRolloutTqSkip(BaseSkip):
         self._generation.sample(step, batch)
         if state is not None:
             state.sampled += 1
-            if state.sampled == self.plan.K and step == self.plan.total_training_steps:
-                self.harness.flush()  # the last step: durable before verl's trainer may end the process
+            if state.sampled == self.plan.K and self._is_last(step):
+                self.harness.commit_finished()  # committed before verl's trainer may end the process
 
     def meet_precondition(self, step: int, *args: Any, **kwargs: Any) -> bool:
         """Whether `step` is (or would be) served from the cache, once decided."""
@@ -192,6 +193,11 @@ class HarnessRolloutTqSkip(BaseSkip):
         n = verl_tq.inject(payload, state.uids[inner * P:(inner + 1) * P], step, rewrite_steps=rewrite)
         state.injected += 1
         state.trajectories.append(n)
+
+    def _is_last(self, step: int) -> bool:
+        """The run's last step, or the last step verl's list asks to cache."""
+        listed = None if self.plan.all_steps else [int(s) for s in self.steps]
+        return step == self.plan.total_training_steps or (bool(listed) and step >= max(listed))
 
     def _forget_before(self, step: int) -> None:
         for old in [s for s in self._steps if s < step - 1]:

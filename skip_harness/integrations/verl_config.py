@@ -210,6 +210,11 @@ def plan_of(local_config: Any, cfg: Any) -> VerlPlan:
         "K": K,
     }
     total = _select(cfg, "trainer.total_training_steps", default=None)
+    if not isinstance(total, int) or isinstance(total, bool):
+        # verl's trainer computes it (steps per epoch x epochs) and writes it, times K, into the
+        # optimizer's config before fit() builds the skip classes
+        optim = _select(cfg, "actor_rollout_ref.actor.optim.total_training_steps", default=None)
+        total = optim // K if isinstance(optim, int) and not isinstance(optim, bool) and optim > 0 else None
     return VerlPlan(
         settings=settings,
         namespace=namespace,
