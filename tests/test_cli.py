@@ -8,11 +8,15 @@ import sys
 import pytest
 import torch
 
+import os
+import re
+
 from conftest import subprocess_env, write_legacy, write_step
 from skip_harness.cli import main
 from skip_harness.layout import NamespaceKey
 from skip_harness.scan import scan_namespace
 from skip_harness.store import StepStore
+from skip_harness.units import human_bytes
 
 
 @pytest.fixture
@@ -130,8 +134,10 @@ def test_clean_dry_run_touches_nothing(cache, capsys):
     plan_bytes = sum(s.bytes for s in scan_namespace(a.layout).steps if s.status in ("incomplete", "corrupt"))
     code, out, _ = run(capsys, "clean", str(dump), "--dry-run")
     assert code == 0
-    assert f"would remove 2 steps, {plan_bytes} bytes" in out
-    assert "would remove 0 steps, 0 bytes" in out
+    assert f"would remove 2 steps, {human_bytes(plan_bytes)}; frees {human_bytes(plan_bytes)}" in out
+    assert "would remove 0 steps, 0 B" in out
+    assert f"in all: would remove 2 steps in 2 namespaces, {human_bytes(plan_bytes)}" in out
+    assert not re.search(r"\d bytes", out)   # sizes are human-readable; exact bytes only in --json
     assert sorted(str(p) for p in dump.rglob("*")) == before
 
 
@@ -139,7 +145,7 @@ def test_clean_removes_incomplete_and_corrupt_steps(cache, capsys):
     dump, a, b = cache
     plan_bytes = sum(s.bytes for s in scan_namespace(a.layout).steps if s.status in ("incomplete", "corrupt"))
     code, out, _ = run(capsys, "clean", str(dump))
-    assert code == 0 and f"freed {plan_bytes} bytes" in out
+    assert code == 0 and f"freed {human_bytes(plan_bytes)}" in out
     assert {s.step: s.status for s in scan_namespace(a.layout).steps} == {1: "complete", 2: "unverified"}
     assert len(scan_namespace(b.layout).steps) == 2
     assert not a.layout.lock_holder_path.exists()   # the lock was taken and given back
@@ -188,7 +194,8 @@ def test_console_entry_point_in_a_subprocess(cache, tmp_path):
 
 def test_empty_dump_dir(tmp_path, capsys):
     code, out, _ = run(capsys, "ls", str(tmp_path), "--json")
-    assert code == 0 and json.loads(out) == {"namespaces": []}
+    doc = json.loads(out)
+    assert code == 0 and doc["namespaces"] == [] and doc["total_bytes"] == 0
     code, out, _ = run(capsys, "ls", str(tmp_path))
     assert code == 0 and "no skip_harness namespaces" in out
 
@@ -234,7 +241,7 @@ def test_verify_reports_a_payload_safe_loading_refuses_and_clean_removes_it(cach
     assert "weights_only=False" not in step2["reason"]
     assert not marker.exists()
     code, out, err = run(capsys, "clean", str(dump / "expB_proj"))
-    assert code == 0 and "removed 1 steps" in out and "corrupt step 2" in err
+    assert code == 0 and "removed 1 step," in out and "corrupt step 2" in err
     assert [s.step for s in scan_namespace(b.layout).steps] == [1]
     assert run(capsys, "verify", str(dump / "expB_proj"))[0] == 0
     assert not marker.exists()
@@ -305,3 +312,49 @@ def test_ls_on_a_narrow_console_prints_a_block_per_namespace(cache, capsys, monk
     assert max(len(line) for line in out.splitlines()) <= 80
     monkeypatch.setenv("COLUMNS", "200")
     assert "┃" in run(capsys, "ls", str(dump))[1]
+
+
+# ---------------------------------------------------------------- issue 15: items 4 and 8
+def test_ls_without_a_dump_dir_lists_where_runs_write_and_says_so(cache, capsys, monkeypatch, tmp_path):
+    dump, a, b = cache
+    monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", str(dump))
+    code, out, err = run(capsys, "ls")
+    assert code == 0 and f"skip_harness cache {dump} ($SKIP_HARNESS_DUMP_DIR)" in out, err
+    assert {r[0] for r in table_rows(out)} >= {"expA_proj/GBS8_N2_in4_out4_K2_W1", "expB_proj/GBS8_N2_in4_out4"}
+    assert run(capsys, "verify")[0] == 1 and run(capsys, "clean", "--dry-run")[0] == 0  # A has a corrupt step
+    # nothing set: the per-user default (as a run would use); not there yet is not an error
+    monkeypatch.delenv("SKIP_HARNESS_DUMP_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    from skip_harness.config import RolloutTQConfig
+
+    default = RolloutTQConfig().resolved_dump_dir()
+    assert str(default).startswith(str(tmp_path / "xdg"))
+    code, out, err = run(capsys, "ls")
+    assert code == 0 and f"no skip_harness cache at {default} yet" in out and "per-user default" in out
+    assert json.loads(run(capsys, "ls", "--json")[1]) == {"dump_dir": str(default), "namespaces": []}
+
+
+def test_ls_gives_a_grand_total_a_last_read_column_and_sorts(cache, capsys):
+    dump, a, b = cache
+    total = sum(s.bytes for lay in (a.layout, b.layout) for s in scan_namespace(lay).steps)
+    code, out, _ = run(capsys, "ls", str(dump))
+    assert code == 0 and f"2 namespaces, 6 steps, {human_bytes(total)} in all" in out
+    rows = table_rows(out)
+    assert [r[0] for r in rows] == ["expA_proj/GBS8_N2_in4_out4_K2_W1", "expB_proj/GBS8_N2_in4_out4"]
+    assert rows[0][12] == "-" and rows[1][12] == "-"   # never read since written
+    # step 2 of B read later than it was written (what a hit does to its payload's access time)
+    payload = b.layout.payload_path(2, 0, 0)
+    st = os.stat(payload)
+    os.utime(payload, (st.st_mtime + 60, st.st_mtime))
+    doc = json.loads(run(capsys, "ls", str(dump), "--json", "--sort", "accessed")[1])
+    assert [ns["path"] for ns in doc["namespaces"]] == [str(b.layout.root), str(a.layout.root)]
+    assert doc["namespaces"][0]["accessed"] == st.st_mtime + 60 and doc["namespaces"][1]["accessed"] is None
+    assert doc["total_bytes"] == total
+    out = run(capsys, "ls", str(dump), "--sort", "accessed")[1]
+    assert [r[0] for r in table_rows(out)][0] == "expB_proj/GBS8_N2_in4_out4" and "ago" in table_rows(out)[0][12]
+    sizes = {ns["path"]: ns["total_bytes"] for ns in doc["namespaces"]}
+    doc = json.loads(run(capsys, "ls", str(dump), "--json", "--sort", "size")[1])
+    assert [ns["total_bytes"] for ns in doc["namespaces"]] == sorted(sizes.values(), reverse=True)
+    with pytest.raises(SystemExit) as exc:
+        main(["ls", str(dump), "--sort", "bogus"])
+    assert exc.value.code == 2

@@ -1,18 +1,19 @@
 """`skip-harness`: look at, tidy, export and import rollout caches from the command line.
 
-    skip-harness ls DUMP_DIR [--steps] [--json]
-    skip-harness verify DUMP_DIR [--steps] [--json]
-    skip-harness clean DUMP_DIR [--dry-run] [--quarantine] [--keep-last N] [--older-than AGE]
+    skip-harness ls [DUMP_DIR] [--steps] [--sort name|size|written|accessed] [--json]
+    skip-harness verify [DUMP_DIR] [--steps] [--json]
+    skip-harness clean [DUMP_DIR] [--dry-run] [--quarantine] [--keep-last N] [--older-than AGE]
                        [--max-size SIZE] [--pin STEP ...] [--json]
     skip-harness show PATH [STEP [INNER]] [--rank R] [--head N] [--json]
-    skip-harness export DUMP_DIR -o OUT [--format parquet|jsonl] [--namespace NS ...] [--steps 1,3,5-9]
-    skip-harness import-verl VERL_DUMP_DIR DUMP_DIR --trust [--dry-run] [--json]
+    skip-harness export [DUMP_DIR] -o OUT [--format parquet|jsonl] [--namespace NS ...] [--steps 1,3,5-9]
+    skip-harness import-verl VERL_DUMP_DIR [DUMP_DIR] --trust [--dry-run] [--json]
 
 Exit codes: 0 fine; 1 a corrupt step (verify, show, export), a failed removal (clean) or a verl step that
 could not be converted (import-verl); 2 bad usage,
 a path that is not there, or import-verl without --trust; 3 a namespace was locked by a running job
 (clean, import-verl; other namespaces are still handled). DUMP_DIR may be the cache root, one
-`{experiment}_{project}` directory, or one namespace directory. Tables go to stdout; progress bars go
+`{experiment}_{project}` directory, or one namespace directory; without it, the directory runs write to
+($SKIP_HARNESS_DUMP_DIR, else the per-user cache directory), named in the output. Tables go to stdout; progress bars go
 to stderr when it is a terminal (plain log lines otherwise); errors are one line on stderr.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Optional, Sequence
 from skip_harness import retention as _retention
 from skip_harness.errors import SkipHarnessError
 
-from ._common import EXIT_USAGE, CliError, namespaces_under, require_dir, stdout_console
+from ._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, default_dump_dir, emit_json, namespaces_under, require_dir,
+                      stdout_console)
 
 __all__ = ["main", "build_parser"]
 
@@ -73,22 +75,33 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+_DUMP_DIR_HELP = ("the cache root, one {experiment}_{project} directory or one namespace; default: where runs "
+                  "write ($SKIP_HARNESS_DUMP_DIR, else the per-user cache directory)")
+
+
+def _dump_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dump_dir", metavar="DUMP_DIR", nargs="?", default=None, help=_DUMP_DIR_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="skip-harness", description="Inspect, tidy, export and import skip_harness rollout caches.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     ls = sub.add_parser("ls", help="namespaces and steps: status, sizes, ages, fingerprint, generation time")
-    ls.add_argument("dump_dir", metavar="DUMP_DIR")
+    _dump_dir(ls)
     ls.add_argument("--steps", action="store_true", help="a table of every step too")
+    ls.add_argument("--sort", choices=SORT_KEYS, default="name",
+                    help="namespaces by name (default), size (largest first), last written or last read "
+                         "(most recent first)")
     ls.add_argument("--json", action="store_true", help="print one JSON document")
 
     ve = sub.add_parser("verify", help="check every step: commit record, sizes, checksums, safe load")
-    ve.add_argument("dump_dir", metavar="DUMP_DIR")
+    _dump_dir(ve)
     ve.add_argument("--steps", action="store_true", help="a table of every step, not only the failing ones")
     ve.add_argument("--json", action="store_true", help="print one JSON document")
 
     cl = sub.add_parser("clean", help="remove (or quarantine) incomplete and corrupt steps; retention rules")
-    cl.add_argument("dump_dir", metavar="DUMP_DIR")
+    _dump_dir(cl)
     cl.add_argument("--dry-run", action="store_true", help="show what would go and the bytes freed; change nothing")
     cl.add_argument("--quarantine", action="store_true", help="move steps under {namespace}/.quarantine/")
     cl.add_argument("--keep-last", type=_int_at_least(0, "--keep-last"), metavar="N",
@@ -113,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--json", action="store_true", help="print one JSON document")
 
     ex = sub.add_parser("export", help="every complete step as rows: Parquet or JSON lines")
-    ex.add_argument("dump_dir", metavar="DUMP_DIR")
+    _dump_dir(ex)
     ex.add_argument("-o", "--output", required=True, metavar="OUT", help="the file to write")
     ex.add_argument("--format", choices=("parquet", "jsonl"), help="default: from OUT's suffix, else parquet")
     ex.add_argument("--namespace", action="append", default=[], metavar="NS",
@@ -123,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     iv = sub.add_parser("import-verl", help="convert a cache verl wrote into committed skip_harness steps")
     iv.add_argument("verl_dump_dir", metavar="VERL_DUMP_DIR")
-    iv.add_argument("dump_dir", metavar="DUMP_DIR")
+    _dump_dir(iv)
     iv.add_argument("--trust", action="store_true",
                     help="load verl's pickled payloads (torch.load(weights_only=False): runs code from the files)")
     iv.add_argument("--dry-run", action="store_true", help="list what would be converted; loads nothing")
@@ -178,20 +191,32 @@ def _run(args: argparse.Namespace) -> int:
         from .show import cmd_show
 
         return cmd_show(Path(args.path), args.step, args.inner, args.rank, args.head, args.json)
+    where = ""
+    if args.dump_dir is None:   # where runs write
+        dump_dir, where = default_dump_dir()
+    else:
+        dump_dir = Path(args.dump_dir)
     if args.command == "import-verl":
         from .transfer import cmd_import_verl
 
         require_dir(Path(args.verl_dump_dir))
-        return cmd_import_verl(Path(args.verl_dump_dir), Path(args.dump_dir), args.trust, args.dry_run, args.json)
-    dump_dir = require_dir(Path(args.dump_dir))
-    layouts = namespaces_under(dump_dir)
+        return cmd_import_verl(Path(args.verl_dump_dir), dump_dir, args.trust, args.dry_run, args.json)
     as_json = getattr(args, "json", False)
+    if where and not dump_dir.exists() and args.command != "export":
+        # nothing was cached yet where runs write: nothing to list, verify or clean
+        if as_json:
+            emit_json({"dump_dir": str(dump_dir), "namespaces": []})
+        else:
+            stdout_console().print(f"no skip_harness cache at {dump_dir} yet ({where})")
+        return EXIT_OK
+    dump_dir = require_dir(dump_dir)
+    layouts = namespaces_under(dump_dir)
     if not layouts and not as_json and args.command != "export":
-        stdout_console().print(f"no skip_harness namespaces under {dump_dir}")
+        stdout_console().print(f"no skip_harness namespaces under {dump_dir}{f' ({where})' if where else ''}")
     if args.command == "ls":
         from .listing import cmd_ls
 
-        return cmd_ls(layouts, dump_dir, as_json, args.steps)
+        return cmd_ls(layouts, dump_dir, as_json, args.steps, args.sort, where)
     if args.command == "verify":
         from .listing import cmd_verify
 

@@ -23,6 +23,7 @@ from skip_harness.units import human_bytes
 logger = logging.getLogger("skip_harness.cli")
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
+SORT_KEYS = ("name", "size", "written", "accessed")   # `skip-harness ls --sort`
 _PLAIN_WIDTH = 200   # columns for tables when stdout is not a terminal (a pipe, a file, a test)
 
 
@@ -68,7 +69,7 @@ class Progress_:
         if self._progress is not None:
             self._task = self._progress.add_task(what, total=total)
         else:
-            logger.info("%s: %d steps", what, total)
+            logger.info("%s: %d step%s", what, total, "" if total == 1 else "s")
 
     def advance(self, n: int = 1) -> None:
         if self._progress is not None and self._task is not None:
@@ -142,6 +143,35 @@ def step_written(store: StepStore, report: _scan.StepReport) -> Optional[float]:
         return os.lstat(report.path).st_mtime if report.exists else None
     except OSError:
         return None
+
+
+def step_accessed(store: StepStore, report: _scan.StepReport) -> Optional[float]:
+    """When the step was last read: the newest access time of its payload files (a hit reads them; `ls`
+    and the startup scan never do; `verify` and `clean` do). The file system decides how exact that is:
+    with `relatime` (Linux's default) a read is recorded when it is the first since the step was
+    written or a day after the last recorded one; on a `noatime` mount nothing is recorded.
+    None when no payload was read since it was written (its access time is not after its write)."""
+    if not report.exists:
+        return None
+    times = []
+    for _i, _r, payload_rel, _m in store.layout.expected_rels():
+        try:
+            st = os.lstat(report.path / payload_rel)
+        except OSError:
+            continue
+        if st.st_atime > st.st_mtime:
+            times.append(st.st_atime)
+    return max(times) if times else None
+
+
+def default_dump_dir() -> Tuple[Path, str]:
+    """Where runs write when nothing names another place, and how that was decided (for the user)."""
+    from skip_harness.config import DUMP_DIR_ENV, RolloutTQConfig
+
+    path = RolloutTQConfig().resolved_dump_dir()
+    if os.environ.get(DUMP_DIR_ENV):
+        return path, f"${DUMP_DIR_ENV}"
+    return path, f"the per-user default; ${DUMP_DIR_ENV} is not set"
 
 
 def step_metas(store: StepStore, step: int) -> List[Dict[str, Any]]:

@@ -86,18 +86,43 @@ def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> _scan
 
 
 def _plan_table(ns: _Namespace, plan: _scan.CleanupPlan, base: Path, verb: str) -> Table:
+    """One row per reason: the steps it takes (as ranges), how many, their size."""
     t = Table(title=f"{short_path(ns.layout, base)}  (K={ns.layout.K} W={ns.layout.W}): {verb}",
               title_justify="left")
-    t.add_column("step", justify="right")
+    t.add_column("steps", overflow="fold")
+    t.add_column("count", justify="right")
     t.add_column("why")
     t.add_column("size", justify="right")
     t.add_column("reason", overflow="fold")
+    groups: Dict[Tuple[str, str], List[_scan.CleanupItem]] = {}
     for i in plan.items:
-        t.add_row(str(i.step), i.status, human_bytes(i.bytes), escape(i.reason))
+        groups.setdefault((i.status, i.reason), []).append(i)
+    for (status, reason), items in groups.items():
+        t.add_row(step_ranges([i.step for i in items]), str(len(items)), status,
+                  human_bytes(sum(i.bytes for i in items)), escape(reason))
     if plan.leftovers:
-        t.add_row("-", "leftover", human_bytes(sum(x.bytes for x in plan.leftovers)),
-                  f"{len(plan.leftovers)} .trash-/.tmp- entries left by an interrupted run")
+        t.add_row("-", str(len(plan.leftovers)), "leftover", human_bytes(sum(x.bytes for x in plan.leftovers)),
+                  ".trash-/.tmp- entries left by an interrupted run")
     return t
+
+
+def step_ranges(steps: Sequence[int]) -> str:
+    """[1, 2, 3, 5, 7, 8] -> '1-3, 5, 7-8'."""
+    out: List[str] = []
+    ordered = sorted(set(steps))
+    start = prev = None
+    for s in ordered + [None]:
+        if s is not None and prev is not None and s == prev + 1:
+            prev = s
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = s
+    return ", ".join(out)
+
+
+def n_steps(n: int) -> str:
+    return f"{n} step{'' if n == 1 else 's'}"
 
 
 def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: bool, as_json: bool,
@@ -108,6 +133,7 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
     docs: List[Dict[str, Any]] = []
     spaces = [_take(layout, dry_run) for layout in layouts]
     console = stdout_console()
+    totals = _Totals()
     try:
         with progress() as bar:
             for ns in spaces:
@@ -151,9 +177,10 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
                 else:
                     console.print(f"{short_path(ns.layout, base)}: nothing to {verb}")
             if dry_run:
+                totals.add(len(plan.items), plan.bytes, plan.expected_freed_bytes)
                 if not as_json:
-                    console.print(f"  would {verb} {len(plan.items)} steps, {plan.bytes} bytes "
-                                  f"({human_bytes(plan.bytes)}); frees {human_bytes(plan.expected_freed_bytes)}")
+                    console.print(f"  would {verb} {n_steps(len(plan.items))}, {human_bytes(plan.bytes)}; "
+                                  f"frees {human_bytes(plan.expected_freed_bytes)}")
                 continue
             result = plan.execute()
             doc["freed_bytes"] = result.freed_bytes
@@ -163,13 +190,14 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
                 if item.status == "corrupt":
                     logger.warning("%s: corrupt step %d %s: %s", ns.layout.root, item.step,
                                    "quarantined" if quarantine else "removed", item.reason)
+            totals.add(len(result.items), result.moved_bytes if quarantine else result.freed_bytes,
+                       result.freed_bytes)
             if not as_json and (plan.items or plan.leftovers):
                 if quarantine:
-                    console.print(f"  quarantined {len(result.items)} steps, {result.moved_bytes} bytes, "
-                                  f"under {ns.layout.quarantine_dir}; freed {result.freed_bytes} bytes")
+                    console.print(f"  quarantined {n_steps(len(result.items))}, {human_bytes(result.moved_bytes)}, "
+                                  f"under {ns.layout.quarantine_dir}; freed {human_bytes(result.freed_bytes)}")
                 else:
-                    console.print(f"  removed {len(result.items)} steps, freed {result.freed_bytes} bytes "
-                                  f"({human_bytes(result.freed_bytes)})")
+                    console.print(f"  removed {n_steps(len(result.items))}, freed {human_bytes(result.freed_bytes)}")
             for e in result.errors:
                 logger.error("%s", e)
             if result.errors and code == EXIT_OK:
@@ -184,5 +212,26 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
             logger.warning("the steps left hold %s, over --max-size %s: pinned steps and locked namespaces "
                            "are never removed", human_bytes(left), human_bytes(rules.max_size_bytes))
     if as_json:
-        emit_json({"namespaces": docs})
+        emit_json({"namespaces": docs, "total": {"steps": totals.steps, "bytes": totals.bytes,
+                                                 "freed_bytes": totals.freed}})
+    elif totals.namespaces > 1:
+        done = ("would " + verb) if dry_run else ("quarantined" if quarantine else "removed")
+        console.print(f"in all: {done} {n_steps(totals.steps)} in {totals.namespaces} namespaces, "
+                      f"{human_bytes(totals.bytes)}; {'frees' if dry_run else 'freed'} {human_bytes(totals.freed)}")
     return code
+
+
+@dataclass
+class _Totals:
+    """The grand total over the namespaces handled (the last line, or `total` in --json)."""
+
+    namespaces: int = 0
+    steps: int = 0
+    bytes: int = 0
+    freed: int = 0
+
+    def add(self, steps: int, nbytes: int, freed: int) -> None:
+        self.namespaces += 1
+        self.steps += steps
+        self.bytes += nbytes
+        self.freed += freed

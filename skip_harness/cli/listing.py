@@ -15,6 +15,7 @@ from skip_harness.layout import Layout
 from skip_harness.store import StepStore
 
 from ._common import (
+    SORT_KEYS,
     EXIT_CORRUPT,
     EXIT_OK,
     emit_json,
@@ -26,6 +27,7 @@ from ._common import (
     progress,
     short_path,
     stdout_console,
+    step_accessed,
     step_gen_s,
     step_written,
 )
@@ -37,6 +39,7 @@ class StepRow:
     report: _scan.StepReport
     written: Optional[float]
     gen_s: Optional[float]
+    accessed: Optional[float] = None   # last read (the commit record's access time; see step_accessed)
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,32 @@ class NamespaceView:
         known = [r.gen_s for r in self.rows if r.report.servable and r.gen_s is not None]
         return sum(known) if known else None
 
+    @property
+    def accessed(self) -> Optional[float]:
+        times = [r.accessed for r in self.rows if r.accessed is not None]
+        return max(times) if times else None
+
 
 def view(layout: Layout, steps: Sequence[_scan.StepReport]) -> NamespaceView:
     store = StepStore(layout)
-    return NamespaceView(layout, [StepRow(s, step_written(store, s), step_gen_s(store, s)) for s in steps])
+    return NamespaceView(layout, [StepRow(s, step_written(store, s), step_gen_s(store, s), step_accessed(store, s))
+                                  for s in steps])
+
+
+def sort_views(views: Sequence[NamespaceView], key: str, base: Path) -> List[NamespaceView]:
+    """`name`: by path; `size`: largest first; `written`, `accessed`: most recent first (never: last)."""
+    if key == "size":
+        return sorted(views, key=lambda v: -v.bytes)
+    if key in ("written", "accessed"):
+        return sorted(views, key=lambda v: -(getattr(v, key) or float("-inf")))
+    return sorted(views, key=lambda v: short_path(v.layout, base))
+
+
+def grand_total(views: Sequence[NamespaceView]) -> str:
+    """'3 namespaces, 42 steps, 35.2 MiB in all' (the line under the namespace table)."""
+    n, steps = len(views), sum(len(v.rows) for v in views)
+    return (f"{n} namespace{'' if n == 1 else 's'}, {steps} step{'' if steps == 1 else 's'}, "
+            f"{human_bytes(sum(v.bytes for v in views))} in all")
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,14 +107,14 @@ def _step_json(row: StepRow) -> Dict[str, Any]:
     s = row.report
     return {"step": s.step, "status": s.status, "bytes": s.bytes, "reason": s.reason,
             "fingerprint": None if s.fingerprint is None else s.fingerprint.digest,
-            "written": row.written, "gen_s": row.gen_s}
+            "written": row.written, "gen_s": row.gen_s, "accessed": row.accessed}
 
 
 def namespace_json(v: NamespaceView) -> Dict[str, Any]:
     mode, seed = mode_and_seed([s for s in v.steps if s.servable])
     return {"path": str(v.layout.root), "K": v.layout.K, "W": v.layout.W, "steps": [_step_json(r) for r in v.rows],
             "counts": v.counts(), "total_bytes": v.bytes, "written": v.written, "gen_s": v.gen_s,
-            "mode": mode, "seed": seed}
+            "accessed": v.accessed, "mode": mode, "seed": seed}
 
 
 def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> Table:
@@ -105,13 +130,14 @@ def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> T
     t.add_column("size", justify="right")
     t.add_column("last written")
     t.add_column("gen stored", justify="right")
+    t.add_column("last read")
     for v in views:
         counts = v.counts()
         mode, seed = mode_and_seed([s for s in v.steps if s.servable])
         t.add_row(escape(short_path(v.layout, base)), str(v.layout.K), str(v.layout.W), escape(fmt_value(mode)),
                   escape(fmt_value(seed)),
                   *[_count(status, counts[status]) for status in _scan.STATUSES],
-                  human_bytes(v.bytes), fmt_ago(v.written, now), fmt_seconds(v.gen_s))
+                  human_bytes(v.bytes), fmt_ago(v.written, now), fmt_seconds(v.gen_s), fmt_ago(v.accessed, now))
     return t
 
 
@@ -133,6 +159,7 @@ def namespace_blocks(views: Sequence[NamespaceView], base: Path, title: str) -> 
         t.add_row("size", human_bytes(v.bytes))
         t.add_row("last written", fmt_ago(v.written, now))
         t.add_row("gen stored", fmt_seconds(v.gen_s))
+        t.add_row("last read", fmt_ago(v.accessed, now))
     return t
 
 
@@ -158,6 +185,7 @@ def steps_table(v: NamespaceView, base: Path, only: Optional[Sequence[str]] = No
     t.add_column("size", justify="right")
     t.add_column("written")
     t.add_column("gen", justify="right")
+    t.add_column("last read")
     t.add_column("fingerprint")
     t.add_column("reason", overflow="fold")
     for r in v.rows:
@@ -166,7 +194,7 @@ def steps_table(v: NamespaceView, base: Path, only: Optional[Sequence[str]] = No
             continue
         style = _STATUS_STYLE.get(s.status, "")
         t.add_row(str(s.step), f"[{style}]{s.status}[/]" if style else s.status, human_bytes(s.bytes),
-                  _stamp(r.written), fmt_seconds(r.gen_s),
+                  _stamp(r.written), fmt_seconds(r.gen_s), _stamp(r.accessed),
                   "-" if s.fingerprint is None else s.fingerprint.digest, escape(s.reason or ""))
     return t
 
@@ -179,6 +207,8 @@ def _print_views(views: Sequence[NamespaceView], base: Path, title: str, steps: 
     if wanted > console.width:   # the table would fold every column: a block per namespace instead
         table = namespace_blocks(views, base, title)
     console.print(table)
+    if len(views) > 1:
+        console.print(grand_total(views))
     for v in views:
         if steps or (only is not None and any(s.status in only for s in v.steps)):
             console.print(steps_table(v, base, None if steps else only))
@@ -188,12 +218,15 @@ def _print_views(views: Sequence[NamespaceView], base: Path, title: str, steps: 
 # commands
 
 
-def cmd_ls(layouts: List[Layout], base: Path, as_json: bool, steps: bool) -> int:
-    views = [view(lay, _scan.scan_namespace(lay).steps) for lay in layouts]
+def cmd_ls(layouts: List[Layout], base: Path, as_json: bool, steps: bool, sort: str = "name",
+           where: str = "") -> int:
+    """`where`: how the directory was chosen, when the user did not name it (said in the title)."""
+    views = sort_views([view(lay, _scan.scan_namespace(lay).steps) for lay in layouts], sort, base)
     if as_json:
-        emit_json({"namespaces": [namespace_json(v) for v in views]})
+        emit_json({"dump_dir": str(base), "namespaces": [namespace_json(v) for v in views],
+                   "total_bytes": sum(v.bytes for v in views)})
     elif views:
-        _print_views(views, base, f"skip_harness cache {base}", steps)
+        _print_views(views, base, f"skip_harness cache {base}{f' ({where})' if where else ''}", steps)
     return EXIT_OK
 
 
