@@ -166,3 +166,24 @@ def test_a_changed_sampling_key_stops_the_replay_a_training_key_does_not(cluster
                                                                "+skip_harness.on_mismatch=regenerate"])
     again = rig.run_steps(regenerate, buffer="sync", salt=3, steps=(1,))
     assert again.outcomes == {1: "miss"} and again.train_generations == 1
+
+
+def test_the_config_file_route_loads_the_plugin_in_rays_workers(cluster):
+    """verl passes ray_kwargs.ray_init.runtime_env to ray.init, so the one line can live in a config file:
+    ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES`` -- every Ray worker that imports
+    verl (the TaskRunner that runs fit(), where SkipManager.init builds the skip classes) loads the plug-in."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def rollout_tq_class_in_a_worker() -> str:
+        import verl  # noqa: F401 - verl/__init__.py imports VERL_USE_EXTERNAL_MODULES
+        from verl.utils.skip.base_skip import SKIP_REGISTRY
+
+        cls = SKIP_REGISTRY["rollout_tq"]
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN}
+    got = ray.get(rollout_tq_class_in_a_worker.options(runtime_env={"env_vars": env}).remote(), timeout=180)
+    assert got == f"{PLUGIN}.HarnessRolloutTqSkip"
+    plain = ray.get(rollout_tq_class_in_a_worker.remote(), timeout=180)
+    assert plain == "verl.utils.skip.rollout_skip.RolloutTqSkip"   # without it, verl's own class
