@@ -442,11 +442,13 @@ def stored_form(compression: str, level: int = 3) -> StoredForm:
     raise CodecError(f"unknown compression {name!r} (none or zstd)")
 
 
-def load_buffer(buffer: Any, size: int, path: Union[str, os.PathLike]) -> Any:
+def load_buffer(buffer: Any, size: int, path: Union[str, os.PathLike],
+                alloc: Optional[Any] = None) -> Any:
     """Decode a current-format file image of `size` bytes held in `buffer`, read from `path` (named in
-    errors); the tensors are views of the buffer's memory. Never runs code, like `load_from`."""
+    errors); the tensors are views of the buffer's memory, those stored narrowed or compressed views of
+    `alloc(nbytes)` (a writable buffer) when given. Never runs code, like `load_from`."""
     with _errors_naming(os.fspath(path)):
-        return decode(tensorfile.read_buffer(buffer, size))
+        return decode(tensorfile.read_buffer(buffer, size, alloc))
 
 
 def load_from(path: Union[str, os.PathLike], mmap: bool = True) -> Any:

@@ -400,8 +400,18 @@ class StepStore:
                 raise CorruptStepError(path, without_path(reason, path))
             if not tensorfile.is_current_image(lease.view(size)):
                 return self._load(path)          # the previous format: torch.load(weights_only=True)
-            with _corrupt_on_codec_error(path):
-                return codec.load_buffer(lease.array, size, path)
+            widened: List[Lease] = []
+
+            def alloc(nbytes: int) -> Any:          # narrowed / compressed tensors: rebuilt in a pool buffer
+                widened.append(self.pool.acquire(nbytes))
+                return widened[-1].array
+
+            try:
+                with _corrupt_on_codec_error(path):
+                    return codec.load_buffer(lease.array, size, path, alloc)
+            finally:
+                for extra in widened:
+                    extra.release()              # the tensors keep their buffer until they are gone
         finally:
             lease.release()
 

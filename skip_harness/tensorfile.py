@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
+import threading
 import ctypes
 import functools
 import json
@@ -252,15 +253,15 @@ def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: Stored
     for t, name in zip(tensors, image.names or [None] * len(tensors)):
         dtype = t.dtype
         stored_dtype = narrowest_dtype(t) if form.narrow else dtype
-        stored = t if stored_dtype == dtype else t.to(stored_dtype)
-        raw: Any = stored.reshape(-1).view(torch.uint8)          # contiguous: the staged copy's layout
         chunks = None
-        if cctx is not None and raw.numel():
-            step, view, n = form.chunk_bytes, _byte_view(raw), raw.numel()
-            frames = [cctx.compress(view[i:i + step]) for i in range(0, n, step)]
-            if sum(len(f) for f in frames) < n:       # else stored raw: noise does not compress
-                chunks = [[len(f), min(step, n - i)] for f, i in zip(frames, range(0, n, step))]
-                raw = frames
+        if cctx is not None and t.numel():
+            frames, chunks = _compress_chunks(cctx, t.reshape(-1), stored_dtype, form.chunk_bytes)
+            raw: Any = frames
+            if sum(len(f) for f in frames) >= sum(c[1] for c in chunks):   # noise does not compress: raw
+                chunks = None
+        if chunks is None:
+            stored = t if stored_dtype == dtype else t.to(stored_dtype)
+            raw = stored.reshape(-1).view(torch.uint8)          # contiguous: the staged copy's layout
         nbytes = sum(len(f) for f in raw) if chunks is not None else raw.numel()
         entries.append((_dtype_name(dtype), list(t.shape), nbytes,
                         _how(name, None if stored_dtype == dtype else _dtype_name(stored_dtype), chunks)))
@@ -275,6 +276,28 @@ def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: Stored
         elif raw.numel():
             pieces.append((off, raw))
     return StoredImage(head, pieces, nbytes, image.nbytes)
+
+
+def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, chunk_bytes: int
+                     ) -> Tuple[List[bytes], List[List[int]]]:
+    """zstd frames of `flat` stored as `stored_dtype`, `chunk_bytes` of stored bytes each; each chunk is
+    narrowed into this thread's scratch first (no full-size temporary)."""
+    per = max(1, chunk_bytes // stored_dtype.itemsize)
+    frames, chunks = [], []
+    for a in range(0, flat.numel(), per):
+        part = flat[a:a + per]
+        if stored_dtype != flat.dtype:
+            need = part.numel() * stored_dtype.itemsize
+            scratch = getattr(_scratch, "wbuf", None)
+            if scratch is None or len(scratch) < need:
+                scratch = _scratch.wbuf = bytearray(max(need, chunk_bytes))
+            narrow = torch.frombuffer(scratch, dtype=stored_dtype, count=part.numel())
+            narrow.copy_(part)
+            part = narrow
+        view = _byte_view(part)
+        frames.append(cctx.compress(view))
+        chunks.append([len(frames[-1]), len(view)])
+    return frames, chunks
 
 
 def fill_stored(stored: StoredImage, buffer: Any) -> None:
@@ -444,44 +467,72 @@ def _stored_size_valid(dtype: torch.dtype, entry: list) -> bool:
     if type(chunks) is not list or not chunks or not all(
             type(c) is list and len(c) == 2 and all(type(x) is int and x > 0 for x in c) for c in chunks):
         return False
-    return sum(c[0] for c in chunks) == entry[3] and sum(c[1] for c in chunks) == raw
+    return (sum(c[0] for c in chunks) == entry[3] and sum(c[1] for c in chunks) == raw
+            and all(c[1] % stored_dtype.itemsize == 0 for c in chunks))
 
 
 def is_current_format(fd: int) -> bool:
     return os.pread(fd, len(MAGIC), 0) == MAGIC
 
 
-def _tensors_from(buf: Any, doc: Dict[str, Any], data_start: int) -> List[torch.Tensor]:
-    """The tensors of a parsed header: stored raw ones as views of `buf`; narrowed ones widened back to
-    their dtype; compressed ones decompressed (chunks in parallel) into new memory."""
-    out: List[torch.Tensor] = []
-    jobs: List[Tuple[str, torch.Tensor, int, list]] = []
-    widen: List[Tuple[int, torch.dtype]] = []
+def _tensors_from(buf: Any, doc: Dict[str, Any], data_start: int, out: Any = None) -> List[torch.Tensor]:
+    """The tensors of a parsed header: stored raw ones as views of `buf`; narrowed or compressed ones
+    rebuilt at full width -- in `out` (a writable buffer of at least `logical_nbytes(doc)` bytes, e.g. a
+    pool buffer whose pages are already there) when given, else in new memory --, chunks in parallel."""
+    result: List[torch.Tensor] = []
+    tasks: List[Tuple[Any, ...]] = []
+    out_pos = 0
     for i, entry in enumerate(doc["tensors"]):
         name, shape, off, nbytes = entry[:4]
         how = entry[4] if len(entry) > 4 else {}
         dtype = _dtype_from_name(name)
         stored_dtype = _dtype_from_name(how["as"]) if "as" in how else dtype
-        if stored_dtype != dtype:
-            widen.append((i, dtype))
-        if "zstd" in how:
-            target = torch.empty(shape, dtype=stored_dtype)
-            jobs.append((how.get("name") or f"tensor {i}", target, data_start + off, how["zstd"]))
-            out.append(target)
-        elif nbytes == 0:
-            out.append(torch.empty(shape, dtype=stored_dtype))
+        if "zstd" not in how and stored_dtype == dtype:
+            if nbytes == 0:
+                result.append(torch.empty(shape, dtype=dtype))
+            else:
+                u8 = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + off)
+                result.append(u8.view(dtype).reshape(shape))
+            continue
+        numel = math.prod(shape)
+        if out is not None and numel:
+            target = torch.frombuffer(out, dtype=dtype, count=numel, offset=out_pos).reshape(shape)
+            out_pos = _align(out_pos + numel * dtype.itemsize)
         else:
+            target = torch.empty(shape, dtype=dtype)
+        result.append(target)
+        if numel == 0:
+            continue
+        flat, field_name = target.view(-1), how.get("name") or f"tensor {i}"
+        if "zstd" not in how:                       # narrowed, stored raw
             u8 = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + off)
-            out.append(u8.view(stored_dtype).reshape(shape))
-    if jobs:
-        _decompress_all(memoryview(buf).cast("B"), jobs)
-    for i, dtype in widen:
-        out[i] = out[i].to(dtype)
-    return out
+            flat.copy_(u8.view(stored_dtype))
+            continue
+        pos, first = data_start + off, 0
+        chunks = how["zstd"]
+        for j, (stored, raw) in enumerate(chunks):
+            count = raw // stored_dtype.itemsize
+            tasks.append((field_name, j, len(chunks), pos, stored, flat[first:first + count], stored_dtype))
+            pos, first = pos + stored, first + count
+    if tasks:
+        _decompress_all(memoryview(buf).cast("B"), tasks)
+    return result
 
 
-_pool_lock = __import__("threading").Lock()
+def logical_nbytes(doc: Dict[str, Any]) -> int:
+    """Bytes the narrowed or compressed tensors of a parsed header take at full width (64-byte aligned
+    each): the size of the `out` buffer `_tensors_from` fills."""
+    total = 0
+    for entry in doc["tensors"]:
+        how = entry[4] if len(entry) > 4 else {}
+        if "zstd" in how or "as" in how:
+            total = _align(total + math.prod(entry[1]) * _dtype_from_name(entry[0]).itemsize)
+    return total
+
+
+_pool_lock = threading.Lock()
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_scratch = threading.local()
 _PARALLEL_FROM = 1 << 23          # decompress in parallel once a file holds this many raw bytes
 
 
@@ -494,34 +545,45 @@ def _decompress_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-def _decompress_all(view: memoryview, jobs: List[Tuple[str, torch.Tensor, int, list]]) -> None:
-    """Decompress every chunk of `jobs` ((field, target tensor, file offset, chunks)) into its target;
-    CodecError naming the field and chunk of the first damaged one."""
-    tasks = []
-    for field_name, target, pos, chunks in jobs:
-        base, at = target.data_ptr(), 0
-        for j, (stored, raw) in enumerate(chunks):
-            tasks.append((field_name, j, len(chunks), view[pos:pos + stored], base + at, raw))
-            pos, at = pos + stored, at + raw
-    total = sum(t[5] for t in tasks)
+def _decompress_all(view: memoryview, tasks: List[Tuple[Any, ...]]) -> None:
+    """Decompress every chunk of `tasks` ((field, chunk index, chunks, file offset, stored bytes, the
+    slice of the full-width tensor it fills, the dtype it was stored in)) into its slice; CodecError
+    naming the field and chunk of the first damaged one."""
+    total = sum(t[5].numel() for t in tasks)
     if len(tasks) > 1 and total >= _PARALLEL_FROM:
-        errors = list(_decompress_pool().map(_decompress_one, tasks))
+        errors = list(_decompress_pool().map(lambda t: _decompress_one(view, t), tasks))
     else:
-        errors = [_decompress_one(t) for t in tasks]
+        errors = [_decompress_one(view, t) for t in tasks]
     for err in errors:
         if err is not None:
             raise CodecError(err)
 
 
-def _decompress_one(task: Tuple[str, int, int, memoryview, int, int]) -> Optional[str]:
-    field_name, j, n, frame, dst, raw = task
+def _decompress_one(view: memoryview, task: Tuple[Any, ...]) -> Optional[str]:
+    field_name, j, n, pos, stored, dst, stored_dtype = task
+    raw = dst.numel() * stored_dtype.itemsize
+    if stored_dtype == dst.dtype:                   # straight into the tensor's memory
+        into = memoryview(dst.view(torch.uint8).numpy())
+    else:                                           # into this thread's scratch, then widened
+        scratch = getattr(_scratch, "buf", None)
+        if scratch is None or len(scratch) < raw:
+            scratch = _scratch.buf = bytearray(max(raw, 1 << 22))
+        into = memoryview(scratch)[:raw]
     try:
-        data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=raw)
+        reader = zstandard.ZstdDecompressor().stream_reader(view[pos:pos + stored], read_across_frames=False)
+        got = 0
+        while got < raw:
+            k = reader.readinto(into[got:])
+            if k == 0:
+                break
+            got += k
+        extra = reader.read(1)
     except zstandard.ZstdError as exc:
         return f"{field_name}: zstd chunk {j + 1} of {n} cannot be decompressed ({exc})"
-    if len(data) != raw:
-        return f"{field_name}: zstd chunk {j + 1} of {n} holds {len(data)} bytes, the header says {raw}"
-    ctypes.memmove(dst, data, raw)
+    if got != raw or extra:
+        return f"{field_name}: zstd chunk {j + 1} of {n} does not hold the {raw} bytes its header says"
+    if stored_dtype != dst.dtype:
+        dst.copy_(torch.frombuffer(scratch, dtype=stored_dtype, count=dst.numel()))
     return None
 
 
@@ -556,12 +618,16 @@ def is_current_image(view: memoryview) -> bool:
     return bytes(view[:len(MAGIC)]) == MAGIC
 
 
-def read_buffer(buffer: Any, size: int) -> Any:
+def read_buffer(buffer: Any, size: int, alloc: Optional[Callable[[int], Any]] = None) -> Any:
     """The encoded structure of a current-format file image held in the first `size` bytes of
-    `buffer` (anything torch.frombuffer takes); its tensors are views of that memory."""
+    `buffer` (anything torch.frombuffer takes); its tensors are views of that memory -- those stored
+    narrowed or compressed are rebuilt in `alloc(nbytes)` (a writable buffer, e.g. from a pool) when
+    given, else in new memory."""
     view = memoryview(buffer).cast("B")[:size]
     doc, data_start = _parse_header(lambda n, off: bytes(view[off:off + n]), size)
-    return _unpack(doc["tree"], _tensors_from(buffer, doc, data_start))
+    need = logical_nbytes(doc)
+    out = alloc(need) if alloc is not None and need else None
+    return _unpack(doc["tree"], _tensors_from(buffer, doc, data_start, out))
 
 
 @dataclass(frozen=True)

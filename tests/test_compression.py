@@ -185,7 +185,7 @@ def test_a_flipped_byte_in_a_chunk_is_found_by_verify_without_decompressing(tmp_
     path = store.layout.payload_path(1, 0, 0)
     flip(path, _chunk_offset(path, "payload['input_ids']"))
     calls = []
-    monkeypatch.setattr(tensorfile, "_decompress_one", lambda task: calls.append(task))
+    monkeypatch.setattr(tensorfile, "_decompress_one", lambda view, task: calls.append(task))
     reason = store.verify(1)
     assert reason is not None and str(path) in reason and "checksum" in reason
     assert calls == []                                   # the checksum alone found it
