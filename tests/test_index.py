@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import subprocess_env, write_legacy, write_step
+from conftest import write_legacy, write_step
 from skip_harness import index
 from skip_harness.fingerprint import Fingerprint
 from skip_harness.layout import NamespaceKey
@@ -191,18 +190,21 @@ def test_index_backed_scan_agrees_with_the_full_scan_on_every_status(tmp_path, a
     assert [s.gen_s for s in full.steps if s.step == 20] == [2.0]
 
 
-def test_cli_ls_and_verify_agree_with_the_full_scan(tmp_path):
+def test_cli_ls_and_verify_agree_with_the_full_scan(tmp_path, capsys):
+    from skip_harness.cli import main
+
     st = make(tmp_path, K=2)
     _every_status_behind_the_index(st, tmp_path)
     age(st)
     _hand_edits(st, tmp_path)
     full = {s.step: s.status for s in scan_namespace(st.layout, use_index=False).steps}
     dump = tmp_path / "cache"
-    for cmd in ("ls", "verify"):
-        proc = subprocess.run([sys.executable, "-c", "import sys; from skip_harness.cli import main; sys.exit(main())",
-                               cmd, str(dump), "--json"], env=subprocess_env(), capture_output=True, text=True)
-        assert proc.returncode in (0, 1), proc.stderr
-        (ns,) = json.loads(proc.stdout)["namespaces"]
+    for cmd in ("ls", "verify"):   # in this process (the console entry point runs in a subprocess in test_cli)
+        capsys.readouterr()
+        code = main([cmd, str(dump), "--json"])
+        out, err = capsys.readouterr()
+        assert code in (0, 1), err
+        (ns,) = json.loads(out)["namespaces"]
         got = {s["step"]: s["status"] for s in ns["steps"]}
         assert got == full, cmd
 

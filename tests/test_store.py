@@ -363,6 +363,7 @@ KILL_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess (imports torch): seconds, more on a busy machine
 def test_killed_writer_leaves_only_complete_or_incomplete_steps(tmp_path):
     root = tmp_path / "ns"
     for delay in (0.1, 0.35):
@@ -542,6 +543,7 @@ def test_store_does_no_logging(tmp_path, caplog):
         assert "import logging" not in open(module.__file__).read(), module.__name__
 
 
+@pytest.mark.slow  # a subprocess (imports torch): seconds, more on a busy machine
 def test_store_never_imports_scan(tmp_path):
     code = textwrap.dedent(f"""
         import sys
