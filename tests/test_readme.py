@@ -112,3 +112,28 @@ def test_ci_runs_the_readmes_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "torch==2.13.0 -e '.[dev,verl]'" in ci
     assert "python -m pytest -q" in ci
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link in README.md and docs/*.md names a file that is there (and a heading that is
+    there, for `file.md#anchor`): the README sends readers to docs/ for what moved out of it."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    checked = 0
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{page.relative_to(ROOT)} links to {target}: no such file"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)
+                assert anchor in {_slug(h) for h in headings}, f"{page.relative_to(ROOT)}: no heading #{anchor} in {path}"
+            checked += 1
+    assert checked >= 8
