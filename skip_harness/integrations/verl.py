@@ -42,8 +42,16 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from verl.utils.skip import rollout_skip as _verl_rollout_skip  # noqa: F401 - verl's classes register first
-from verl.utils.skip.base_skip import SKIP_REGISTRY, BaseSkip, SkipAction, register_skip
+try:
+    from verl.utils.skip import rollout_skip as _verl_rollout_skip  # noqa: F401 - verl's classes register first
+    from verl.utils.skip.base_skip import SKIP_REGISTRY, BaseSkip, SkipAction, register_skip
+    from verl.utils.skip.skip_manager import SkipManager as _SkipManager
+except ImportError as _exc:  # pragma: no cover - depends on the installed verl
+    raise ImportError(f"skip_harness.integrations.verl needs verl 0.9.x with its V1 skip manager "
+                      f"(pip install 'skip_harness[verl]'): {_exc}") from _exc
+if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY:  # pragma: no cover
+    raise ImportError("skip_harness.integrations.verl needs verl 0.9.x: this verl has no skip.rollout_tq "
+                      "(SkipManager.annotate_tq, verl #6897); pip install 'skip_harness[verl]'")
 
 from ..errors import HarnessUsageError
 from ..stats import HIT, MISS, REPEAT
