@@ -21,7 +21,12 @@ from skip_harness.store import StepStore
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "scripts" / "bench.py"
 SPEC_KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio", "scan_10k_s",
-             "load_peak_mem_ratio", "hit_overhead_ratio")
+             "load_peak_mem_ratio", "hit_overhead_ratio", "disk_ratio", "disk_ratio_narrow",
+             "step_overhead_ratio_zstd", "hit_overhead_ratio_zstd")
+ZSTD_KEYS = ("disk_ratio_jagged", "disk_ratio_jagged_narrow", "disk_ratio_moe", "disk_ratio_moe_narrow", "verl_bytes",
+             "verl_bytes_jagged", "verl_bytes_moe", "save_zstd_mib_s", "load_zstd_mib_s", "zstd_stored_bytes",
+             "zstd_compress_cpu_s", "zstd_decompress_s", "step_overhead_ratio_zstd_floor",
+             "hit_overhead_ratio_zstd_floor", "step_cpu_overhead_ratio_zstd", "hit_cpu_overhead_ratio_zstd")
 MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s", "bare_save_s", "load_s",
              "bare_load_s", "step_s", "step_off_s", "step_sync_s", "step_hit_s", "step_memory_s",
              "step_overhead_ratio_1thread", "sync_overhead_ratio_1thread", "verl_sync_overhead_ratio", "scan_1k_s", "scan_full_1k_s",
@@ -53,11 +58,14 @@ def test_bench_quick_json_has_every_spec_key(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     doc = json.loads(proc.stdout)  # stdout is exactly one JSON document (progress goes to stderr)
-    for key in SPEC_KEYS + MORE_KEYS:
+    for key in SPEC_KEYS + MORE_KEYS + ZSTD_KEYS:
         value = doc.get(key)
         assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
         assert math.isfinite(value) and value > 0, (key, value)
     assert doc["quick"] is True and doc["scan_10k_extrapolated"] is True
+    # narrowing + zstd stores less than narrowing alone, which stores less than torch.save, for each variant
+    for tag in ("", "_jagged", "_moe"):
+        assert 0 < doc[f"disk_ratio{tag}"] < doc[f"disk_ratio{tag}_narrow"] < 1, tag
     assert doc["payload_tokens"] == 4096 and doc["small_payload_bytes"] < doc["payload_bytes"]
     # Only the scan namespace is kept in a user's work dir, for the next run to reuse -- with its index.
     assert sorted(p.name for p in work.iterdir()) == ["scan_1000x4"]
@@ -71,7 +79,9 @@ def test_bench_table_names_every_figure(tmp_path):
                tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stderr
     for words in ("save (durable)", "load (+ verify", "training step, miss, async", "async_write=false", "torch.save (verl)",
-                  "hit (prefetch) vs in memory", "peak memory", "startup scan", "floor of a save", "throughput"):
+                  "hit (prefetch) vs in memory", "peak memory", "startup scan", "floor of a save", "throughput",
+                  "miss, async, zstd", "hit, zstd", "narrow + zstd / verl torch.save", "jagged (verl V1)",
+                  "MoE routed experts", "floors beside the targets"):
         assert words in proc.stdout, words
     assert "one-thread" not in proc.stdout  # asked for one thread: no second run
 
@@ -116,6 +126,28 @@ def test_bench_payload_has_the_shape_of_a_rollout_batch():
     copy = bench.fresh_copy(p)
     assert copy["input_ids"].data_ptr() != p["input_ids"].data_ptr()
     assert bench.touch(copy) == bench.touch(p)
+
+
+def test_bench_variants_are_verl_like_and_their_ratios_are_what_the_codec_stores(tmp_path):
+    bench = load_bench()
+    p = bench.make_payload(8)
+    ids = p["input_ids"][p["attention_mask"].bool()]
+    # Zipf-like token ids: a few ids are most of the tokens (uniform ids would put ~1/151936 on each)
+    counts = torch.bincount(ids, minlength=bench.VOCAB).sort(descending=True).values
+    assert counts[:100].sum() > 0.3 * ids.numel() and ids.max() < bench.VOCAB
+    jag = bench.make_jagged_payload(8)
+    assert set(jag) == {"tensordict", "tags", "keys", "global_steps"}
+    td = jag["tensordict"]
+    assert all(td.get(k).layout == torch.jagged for k in ("prompts", "responses", "input_ids", "response_mask"))
+    assert type(td.get("messages")).__name__ == "NonTensorStack"
+    assert [r.numel() for r in td.get("responses").unbind(0)] == p["response_length"].tolist()
+    moe = bench.make_moe_payload(1)
+    re = moe["routed_experts"]
+    assert re.dtype == torch.int16 and re.shape == (1, 4096, 48, 8) and int(re.max()) < 128
+    live = re[0][moe["attention_mask"][0].bool()]
+    assert all(len(set(row.tolist())) == 8 for row in live[:50].reshape(-1, 8))     # 8 distinct experts a token
+    r = bench.disk_ratios(p, tmp_path)
+    assert 0 < r["zstd"] < r["narrow"] < 1
 
 
 def test_bench_training_blocks_hit_from_the_cache_they_wrote(tmp_path):
