@@ -87,8 +87,8 @@ def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> _scan
 
 def _plan_table(ns: _Namespace, plan: _scan.CleanupPlan, base: Path, verb: str) -> Table:
     """One row per reason: the steps it takes (as ranges), how many, their size."""
-    t = Table(title=f"{short_path(ns.layout, base)}  (K={ns.layout.K} W={ns.layout.W}): {verb}",
-              title_justify="left")
+    title = f"{short_path(ns.layout, base)}  (K={ns.layout.K} W={ns.layout.W}): {verb}"
+    t = Table(title=escape(title), title_justify="left", min_width=len(title))   # the title on one line
     t.add_column("steps", overflow="fold")
     t.add_column("count", justify="right")
     t.add_column("why")
