@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from skip_harness.config import k_for, register_configs
 from skip_harness.demo.run import train
 from skip_harness.errors import SkipHarnessError
-from skip_harness.hydra_callback import config_composed, record_job_failure
+from skip_harness.hydra_callback import config_composed, note_config_composed, record_job_failure
 
 log = logging.getLogger("skip_harness")
 _STARTED = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -57,6 +57,7 @@ def _shut_down_process_group() -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
+    note_config_composed()
     try:
         result = train(cfg)
     except SkipHarnessError as exc:

@@ -41,6 +41,11 @@ FAILURE_FILE = "job_failed.json"
 _COMPOSED = threading.Event()
 
 
+def note_config_composed() -> None:
+    """Called by a task function (a config reached it), for apps whose config has no HydraStartupCallback."""
+    _COMPOSED.set()
+
+
 def config_composed() -> bool:
     """Whether Hydra got as far as starting a run or a sweep in this process. When it exits 1 before
     that, its error was in the command line or the config it composed (an unknown key, a bad override):
