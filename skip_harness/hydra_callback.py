@@ -89,14 +89,17 @@ class HydraStartupCallback(Callback):
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         if int(os.environ.get("RANK", "0")) != 0:
             return
+        task = _task_config(config)   # what the task function gets: no `hydra` node
+        if task is None:
+            return
         try:
             if self._validate:
-                _import(self._validate)(config)
-            settings = rollout_tq_from(config)
+                _import(self._validate)(task)
+            settings = rollout_tq_from(task)
             if not settings.enable:
                 return
-            key = namespace_key_from_config(config)
-            check_batch_split(int(config.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
+            key = namespace_key_from_config(task)
+            check_batch_split(int(task.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
             layout = key.with_world_size(int(os.environ.get("WORLD_SIZE", "1"))).layout(settings.resolved_dump_dir())
             result = prepare_namespace(layout, settings, timeout=0.0)
         except Exception as exc:  # the task function repeats the checks and reports properly

@@ -129,3 +129,25 @@ def test_a_new_namespace_says_nothing_of_its_index_and_the_summary_says_where_th
     (line,) = [m for m in info if m.startswith("rollout cache summary")]
     assert line.startswith("rollout cache summary: 1 step: ") and line.endswith(f"; cache in {h.layout.root}"), line
     assert "all 2 ranks' files" in describe_summary(summary, str(h.layout.root), world_size=2)
+
+
+def test_hydra_callback_does_the_startup_with_the_config_hydra_passes_it(tmp_path):
+    """Hydra hands callbacks the whole config, its `hydra` node included: not an unknown key."""
+    from hydra.core.hydra_config import HydraConfig
+
+    register_configs()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", [f"skip.rollout_tq.dump_dir={tmp_path}", "data.train_batch_size=8"],
+                      return_hydra_config=True)
+    assert "hydra" in cfg
+    HydraConfig.instance().set_config(cfg)
+    try:
+        cb = HydraStartupCallback(validate="skip_harness.demo.run.validate")
+        cb.on_run_start(config=cfg)   # a valid config: no exit
+        cb.on_job_start(config=cfg, task_function=None)
+        layout = namespace_key_from_config(to_demo_config({k: v for k, v in cfg.items() if k != "hydra"})).layout(tmp_path)
+        assert f"pid {os.getpid()}" in (probe(layout) or "")   # the callback holds the namespace
+        cb.on_job_end(config=cfg)
+        assert probe(layout) is None
+    finally:
+        HydraConfig.instance().cfg = None
