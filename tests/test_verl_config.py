@@ -90,3 +90,19 @@ def test_enabling_verls_other_roles_says_who_runs_them(tmp_path, caplog):
     text = caplog.text
     assert "skip.rollout is enabled" in text and "RolloutSkip" in text
     assert "skip.async_rollout is enabled" in text and "AsyncRolloutSkip" in text
+
+
+def test_its_info_lines_show_under_verls_warning_root_logger(tmp_path):
+    import logging
+
+    logger = logging.getLogger("skip_harness")
+    saved = logger.level
+    logger.setLevel(logging.NOTSET)
+    try:
+        init(rig.compose(str(tmp_path)))
+        assert logger.getEffectiveLevel() == logging.INFO
+        logger.setLevel(logging.ERROR)                     # a level the user chose is kept
+        init(rig.compose(str(tmp_path)))
+        assert logger.level == logging.ERROR
+    finally:
+        logger.setLevel(saved)

@@ -119,6 +119,10 @@ class HarnessRolloutTqSkip(BaseSkip):
                             role, SKIP_REGISTRY[role].__name__, role)
         if not self.enable:
             return
+        if log.level == logging.NOTSET:
+            # verl configures the root logger at WARNING when imported: keep the per-step lines and the
+            # startup and summary lines visible unless the user set a level for `skip_harness`
+            log.setLevel(logging.INFO)
         from ..harness import SkipHarness
 
         self.plan = verl_config.plan_of(local_config, global_config)
