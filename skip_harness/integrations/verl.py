@@ -148,13 +148,12 @@ class HarnessRolloutTqSkip(BaseSkip):
         step = int(step)
         if step in self._steps:
             raise HarnessUsageError(f"step {step}: verl submitted a training batch twice for one step")
-        self._generation.prepare_data(step)
-        outcome = self.harness.outcome(step)
         uids = [str(u) for u in new_prompt_uids]
         if len(uids) != self.plan.train_batch_size:
             raise HarnessUsageError(f"step {step}: verl submitted {len(uids)} prompts, data.train_batch_size is "
                                     f"{self.plan.train_batch_size}")
-        serving = outcome in (HIT, REPEAT)
+        self._generation.prepare_data(step)   # the harness decides the step (and starts on the first one)
+        serving = self.harness.outcome(step) in (HIT, REPEAT)
         self._steps[step] = _Step(uids, serving, step)
         self._forget_before(step)
         if serving:
