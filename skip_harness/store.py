@@ -429,6 +429,21 @@ class StepStore:
         """The K mini-batches of this rank in inner order."""
         return [self.read_inner(step, i, rank) for i in range(self.layout.K)]
 
+    def logical_bytes(self, step: int, stored_bytes: int) -> int:
+        """The step's bytes at full width: `stored_bytes` (what its files take on disk) with each
+        payload's stored size replaced by the full-width size its meta.json records (written with
+        compression=zstd); a payload whose meta records none counts as stored. Reads K x W metas."""
+        total = stored_bytes
+        for i, r, _p, _m in expected_rels(self.layout):
+            try:
+                meta = self.read_meta(step, i, r)
+            except (CorruptStepError, OSError):
+                continue
+            logical, stored = meta.get("logical_bytes"), meta.get("bytes")
+            if type(logical) is int and type(stored) is int and logical >= 0 and stored >= 0:
+                total += logical - stored
+        return total
+
     def read_meta(self, step: int, inner_index: int, rank: int) -> Dict[str, Any]:
         check_position(self.layout, step, inner_index, rank)
         path = real_file(self.layout, step, meta_rel_at(self.layout, step, inner_index, rank))

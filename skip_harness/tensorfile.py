@@ -292,7 +292,9 @@ def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, c
             if scratch is None or len(scratch) < need:
                 scratch = _scratch.wbuf = bytearray(max(need, chunk_bytes))
             narrow = torch.frombuffer(scratch, dtype=stored_dtype, count=part.numel())
-            narrow.copy_(part)
+            # NumPy: on this thread alone (torch would fan out over the intra-op threads the trainer's
+            # own computation uses)
+            np.copyto(narrow.numpy(), part.numpy(), casting="unsafe")
             part = narrow
         view = _byte_view(part)
         frames.append(cctx.compress(view))
@@ -582,8 +584,8 @@ def _decompress_one(view: memoryview, task: Tuple[Any, ...]) -> Optional[str]:
         return f"{field_name}: zstd chunk {j + 1} of {n} cannot be decompressed ({exc})"
     if got != raw or extra:
         return f"{field_name}: zstd chunk {j + 1} of {n} does not hold the {raw} bytes its header says"
-    if stored_dtype != dst.dtype:
-        dst.copy_(torch.frombuffer(scratch, dtype=stored_dtype, count=dst.numel()))
+    if stored_dtype != dst.dtype:            # widened with NumPy: this thread only
+        np.copyto(dst.numpy(), torch.frombuffer(scratch, dtype=stored_dtype, count=dst.numel()).numpy())
     return None
 
 
