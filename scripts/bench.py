@@ -37,7 +37,7 @@ arms alike. The keys of SPEC "Benchmark":
                        after a warm-up load, over the payload's tensor bytes.
 
 Footprint and compression (issue 14; `skip.rollout_tq.compression=zstd`: integers narrowed losslessly, then
-zstd at `compression_level` 3, on the writer thread):
+zstd at the default `compression_level`, on the writer thread):
 
 - disk_ratio           bytes stored with narrowing + zstd over verl's torch.save of the same dense batch
                        (target <= 0.35); disk_ratio_narrow: narrowing alone. The same for a jagged batch as
@@ -82,6 +82,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from skip_harness import codec, index
+from skip_harness.config import RolloutTQConfig
 from skip_harness import store as store_mod
 from skip_harness.harness import SkipHarness
 from skip_harness.layout import COMMIT_NAME, Layout
@@ -97,7 +98,7 @@ VOCAB = 151_936
 SCAN_K = 4
 MOE_LAYERS, MOE_TOPK, MOE_EXPERTS = 48, 8, 128
 MOE_ROW_DIVISOR = 64          # the MoE batch has rows / 64 trajectories (its routed experts are 384 int16 a token)
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = RolloutTQConfig.compression_level      # the default level a run with compression=zstd uses
 ZSTD = codec.stored_form("zstd", ZSTD_LEVEL)
 NARROW = codec.StoredForm(narrow=True)
 COMPUTE_FACTOR = 4.0          # the synthetic step computes this many bare durable saves long

@@ -67,10 +67,10 @@ class RolloutTQConfig:
     max_pending_writes: int = 2
     # Load and verify the next step's batches in the background while the trainer trains on this one.
     prefetch: bool = True
-    # How payload bytes are stored: `none` (raw) or `zstd`; integers are narrowed losslessly either way.
+    # How payload bytes are stored: `none` (raw, full width) or `zstd` (integers narrowed losslessly, then zstd).
     compression: Compression = Compression.none
-    # zstd level (1..22; negative levels are zstd's fast modes, down to -7).
-    compression_level: int = 3
+    # zstd level (1..22; negative levels are zstd's fast modes, down to -7); 1: the bench's choice.
+    compression_level: int = 1
 
     def __post_init__(self) -> None:
         key = ROLLOUT_TQ_KEY

@@ -134,7 +134,7 @@ def test_store_files_are_smaller_by_the_ratio_the_bench_reports(tmp_path):
     ratios = bench.disk_ratios(payload, tmp_path / "bench")
     sizes = {}
     for name in ("none", "zstd"):
-        store = StepStore(Layout(tmp_path / name, K=1, W=1), form=codec.stored_form(name, 3))
+        store = StepStore(Layout(tmp_path / name, K=1, W=1), form=codec.stored_form(name, bench.ZSTD_LEVEL))
         entries = store.write_inner(1, 0, 0, payload, {})
         store.commit(1, entries, None)
         sizes[name] = entries[0].bytes
