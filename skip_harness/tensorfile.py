@@ -538,12 +538,18 @@ _scratch = threading.local()
 _PARALLEL_FROM = 1 << 23          # decompress in parallel once a file holds this many raw bytes
 
 
+_pool_pid = 0
+
+
 def _decompress_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
+    """The threads chunks are decompressed on (started on first use; again in a forked child, whose
+    copy of the parent's pool has no threads)."""
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None:
+        if _pool is None or _pool_pid != os.getpid():
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
                                                           thread_name_prefix="skip_harness-zstd")
+            _pool_pid = os.getpid()
         return _pool
 
 
@@ -551,7 +557,7 @@ def _decompress_all(view: memoryview, tasks: List[Tuple[Any, ...]]) -> None:
     """Decompress every chunk of `tasks` ((field, chunk index, chunks, file offset, stored bytes, the
     slice of the full-width tensor it fills, the dtype it was stored in)) into its slice; CodecError
     naming the field and chunk of the first damaged one."""
-    total = sum(t[5].numel() for t in tasks)
+    total = sum(t[5].numel() * t[6].itemsize for t in tasks)      # raw bytes
     if len(tasks) > 1 and total >= _PARALLEL_FROM:
         errors = list(_decompress_pool().map(lambda t: _decompress_one(view, t), tasks))
     else:

@@ -288,3 +288,39 @@ def test_demo_with_compression_zstd_reruns_from_the_cache_identically(tmp_path):
     # the same cache read by a run with compression off: files of any form are served
     train(tmp_path, run="plain")
     assert [r["cache"] for r in metrics(tmp_path / "plain")] == ["hit"] * 4
+
+
+def test_a_forked_child_decompresses_in_parallel_too(tmp_path):
+    import os
+    payload = {"ids": torch.arange(3 << 20) % 1000, "f": torch.zeros(3 << 20)}
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, payload, ZSTD)
+    calls = []
+    real = tensorfile._decompress_pool
+    tensorfile._decompress_pool = lambda: calls.append(1) or real()
+    try:
+        assert same(codec.load_from(path)["ids"], payload["ids"])    # the parent's pool started
+    finally:
+        tensorfile._decompress_pool = real
+    assert calls, "not decompressed in parallel"
+    pid = os.fork()
+    if pid == 0:                                                       # pragma: no cover - the child
+        ok = False
+        try:
+            ok = same(codec.load_from(path)["ids"], payload["ids"])
+        finally:
+            os._exit(0 if ok else 1)
+    import signal
+    import time
+    deadline = time.monotonic() + 20
+    while True:                                   # a child whose pool has no threads would hang: bounded
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung decompressing (its copy of the pool has no threads)")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
