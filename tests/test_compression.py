@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -15,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import subprocess_env
 from skip_harness import SkipHarness, codec, tensorfile
 from skip_harness.errors import CodecError
 from skip_harness.layout import Layout, NamespaceKey
@@ -24,6 +24,14 @@ from skip_harness.store import StepStore, checksum_file
 ROOT = Path(__file__).resolve().parents[1]
 ZSTD = codec.stored_form("zstd", 3)
 NARROW = codec.StoredForm(narrow=True)
+def subprocess_env() -> dict:
+    """This environment, with the checkout first on the path (as tests/conftest.py's helper; not
+    imported from there: another conftest module of the suite may take the name)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
 INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
               torch.uint64, torch.bool]
 
@@ -291,7 +299,7 @@ def test_demo_with_compression_zstd_reruns_from_the_cache_identically(tmp_path):
 
 
 def test_a_forked_child_decompresses_in_parallel_too(tmp_path):
-    import os
+
     payload = {"ids": torch.arange(3 << 20) % 1000, "f": torch.zeros(3 << 20)}
     path = tmp_path / "big.pt"
     with open(path, "wb") as f:

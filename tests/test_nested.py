@@ -5,14 +5,15 @@ DataProto -- stored without pickle and served back equal: through a file, the st
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import subprocess_env
 from skip_harness import codec
 from skip_harness.cli import main
 from skip_harness.errors import CodecError
@@ -20,6 +21,14 @@ from skip_harness.layout import NamespaceKey
 from skip_harness.store import StepStore
 
 tensordict = pytest.importorskip("tensordict")
+
+
+def subprocess_env() -> dict:
+    """This environment, with the checkout first on the path (as tests/conftest.py's helper; not
+    imported from there: another conftest module of the suite may take the name)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
 
 JAGGED = ("prompts", "responses", "input_ids", "response_mask")
 
