@@ -186,8 +186,11 @@ def _cached_seqlen(nt: torch.Tensor, attr: str) -> Any:
         return None
     if value is None:
         return None
-    from torch.nested._internal.nested_tensor import _load_val_from_tensor
-    return int(_load_val_from_tensor(value))
+    try:
+        from torch.nested._internal.nested_tensor import _load_val_from_tensor
+        return int(_load_val_from_tensor(value))
+    except Exception:  # pragma: no cover - a torch that keeps it otherwise: recomputed when needed
+        return None
 
 
 def _encode_non_tensor(obj: Any, where: str, active: set) -> Any:
