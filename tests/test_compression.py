@@ -332,3 +332,20 @@ def test_a_forked_child_decompresses_in_parallel_too(tmp_path):
             raise AssertionError("the forked child hung decompressing (its copy of the pool has no threads)")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_show_gives_each_fields_stored_dtype_and_ratio(tmp_path, capsys):
+    from skip_harness.cli import main
+    store = _zstd_store(tmp_path)
+    code = main(["show", str(store.layout.root), "1", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    stored = {f["name"]: f for f in json.loads(out)["stored"]}
+    ids = stored["payload['input_ids']"]
+    assert ids["dtype"] == "int64" and ids["stored_dtype"] == "int32" and ids["compression"] == "zstd"
+    assert ids["logical_bytes"] == 8 * 8 * 4096 and 0 < ids["ratio"] < 0.5
+    assert stored["payload['attention_mask']"]["stored_dtype"] == "uint8"
+    assert sum(f["stored_bytes"] for f in stored.values()) < sum(f["logical_bytes"] for f in stored.values())
+    code = main(["show", str(store.layout.root), "1"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "stored as" in out and "int32" in out and "zstd" in out
