@@ -53,7 +53,9 @@ def verl_rows(n: int, seed: int) -> list:
 
 def verl_batch(n: int = 5, seed: int = 0):
     verl_td = pytest.importorskip("verl.utils.tensordict_utils")
-    return verl_td.list_of_dict_to_tensordict(verl_rows(n, seed))
+    td = verl_td.list_of_dict_to_tensordict(verl_rows(n, seed))
+    verl_td.assign_non_tensor(td, temperature=1.0, sampling={"top_p": 0.9, "n": n})   # NonTensorData
+    return td
 
 
 def v1_payload(n: int = 5, seed: int = 0) -> dict:
@@ -82,6 +84,8 @@ def assert_td_equal(a, b) -> None:
             assert_nested_equal(x, y)
         elif isinstance(x, torch.Tensor):
             assert type(y) is torch.Tensor and x.dtype == y.dtype and torch.equal(x, y)
+        elif type(x).__name__ == "NonTensorData":
+            assert type(y) is type(x) and y.data == x.data
         else:
             assert type(y) is type(x) and y.tolist() == x.tolist()
 
