@@ -1,0 +1,19 @@
+"""Object storage for the cache (`dump_dir: s3://bucket/prefix`, `gs://`, `az://`, `memory://`),
+on obstore (extra `[s3]`): the client built from the URL and the standard environment, the error
+kinds, the lease that locks a namespace, and a namespace's objects. obstore is imported only when
+an object-store URL is used."""
+from skip_harness.objstore.client import ObjectClient, aws_config, is_object_url, join_url
+from skip_harness.objstore.errors import (
+    ObjectAccessDenied,
+    ObjectCorrupt,
+    ObjectMissing,
+    ObjectRaceLost,
+    ObjectStoreConfigError,
+    ObjectStoreError,
+    ObjectStoreForkError,
+    ObjectStoreUnavailable,
+)
+
+__all__ = ["ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectCorrupt",
+           "ObjectMissing", "ObjectRaceLost", "ObjectStoreConfigError", "ObjectStoreError",
+           "ObjectStoreForkError", "ObjectStoreUnavailable"]

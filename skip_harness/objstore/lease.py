@@ -1,0 +1,208 @@
+"""The namespace lock on an object store: a lease object.
+
+There is no flock on S3 and nothing the server releases when a process dies, so one run holds the
+namespace by a small JSON object at `{namespace}/.lock` (holder, host, pid, since, ttl_s,
+expires_at), with conditional writes deciding every race:
+
+- acquire: create it with a create-only put (`If-None-Match: *`). If it exists and has not expired,
+  the namespace is held: refuse naming holder, host, pid and since (after waiting `timeout`
+  seconds, as `skip.rollout_tq.lock_timeout` asks). If it has expired (its run was killed and
+  stopped renewing), take it over with an If-Match put on the ETag read; losing that race is a
+  refusal too.
+- renew: a thread rewrites it every ttl/3 with If-Match on our last ETag. A mismatch means another
+  run took it over (this run was stalled past its expiry): `lost` is set and the run must stop
+  writing. A transient failure is a warning and the next renewal tries again.
+- release: a conditional put of an already-expired record (obstore has no conditional delete), so a
+  run that lost its lease never removes its successor's.
+
+A credential that may only read cannot create the lease: `ObjectAccessDenied`, which the caller
+turns into "serve complete steps, write nothing".
+
+Expiry compares wall clocks of different hosts: a lease counts as expired only `skew_s` seconds
+after its `expires_at`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from skip_harness.errors import LockHeldError
+from skip_harness.objstore.client import ObjectClient
+from skip_harness.objstore.errors import ObjectMissing, ObjectRaceLost, ObjectStoreError, ObjectStoreUnavailable
+
+logger = logging.getLogger("skip_harness.objstore")
+
+LEASE_KEY = ".lock"
+DEFAULT_TTL_S = 30.0
+DEFAULT_SKEW_S = 2.0
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    holder: str
+    host: str
+    pid: int
+    since: float
+    ttl_s: float
+    expires_at: float
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Optional["LeaseRecord"]:
+        try:
+            doc = json.loads(bytes(data))
+            return cls(str(doc["holder"]), str(doc["host"]), int(doc["pid"]), float(doc["since"]),
+                       float(doc["ttl_s"]), float(doc["expires_at"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
+        return f"{self.holder} (pid {self.pid} on host {self.host} since {when})"
+
+
+class LeaseLost(ObjectStoreError):
+    """Another run took the lease over: this run must stop writing."""
+
+
+class Lease:
+    """One run's hold on a namespace URL. `acquire(timeout)`, then `release()` (or a `with`)."""
+
+    def __init__(self, client: ObjectClient, *, key: str = LEASE_KEY, ttl_s: float = DEFAULT_TTL_S,
+                 skew_s: float = DEFAULT_SKEW_S, holder: Optional[str] = None):
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl must be > 0 s, got {ttl_s}")
+        self.client, self.key, self.ttl_s, self.skew_s = client, key, float(ttl_s), float(skew_s)
+        self.holder = holder or f"run-{uuid.uuid4().hex[:12]}"
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.since = 0.0
+        self.etag: Optional[str] = None
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._mutex = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.client.key_url(self.key)
+
+    @property
+    def held(self) -> bool:
+        return self.etag is not None and not self.lost.is_set()
+
+    def _record(self, expires_at: float) -> bytes:
+        return LeaseRecord(self.holder, self.host, self.pid, self.since, self.ttl_s, expires_at).to_bytes()
+
+    def read(self) -> "tuple[Optional[LeaseRecord], Optional[str]]":
+        """(the current record, its ETag), (None, None) when there is none."""
+        try:
+            data, meta = self.client.get(self.key)
+        except ObjectMissing:
+            return None, None
+        return LeaseRecord.parse(data), meta.get("e_tag")
+
+    def try_acquire(self) -> Optional[LeaseRecord]:
+        """Take the lease if it is free or expired: None on success, else the record in the way."""
+        self.since = time.time()
+        try:
+            self.etag = self.client.put(self.key, self._record(self.since + self.ttl_s), mode="create")
+            return None
+        except ObjectRaceLost:
+            pass
+        current, seen = self.read()
+        if seen is None:      # released and removed between our two calls: try again next round
+            return LeaseRecord("(released just now)", "?", 0, time.time(), 0.0, time.time() + 1)
+        if current is not None and current.expires_at + self.skew_s > time.time():
+            return current
+        try:
+            self.etag = self.client.put(self.key, self._record(self.since + self.ttl_s), mode={"e_tag": seen})
+        except (ObjectRaceLost, ObjectMissing):
+            return current or LeaseRecord("(another run taking it over)", "?", 0, time.time(), 0.0, time.time() + 1)
+        if current is not None and current.expires_at > 0:
+            logger.warning("%s: took over the expired lease of %s", self.url, current.describe())
+        return None
+
+    def acquire(self, timeout: float = 0.0) -> "Lease":
+        """Hold the lease, waiting up to `timeout` seconds (negative: forever) for another run's to
+        end or expire; then LockHeldError naming the holder."""
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        while True:
+            blocker = self.try_acquire()
+            if blocker is None:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                waited = "did not wait" if timeout == 0 else f"waited {timeout:g} s"
+                expires = max(0.0, blocker.expires_at + self.skew_s - time.time())
+                raise LockHeldError(
+                    f"{self.url}: the namespace is locked by {blocker.describe()}; its lease expires "
+                    f"in {expires:.0f} s unless renewed ({waited}; skip.rollout_tq.lock_timeout sets "
+                    "how long to wait)")
+            time.sleep(min(1.0, self.ttl_s / 3, left if left is not None else 1.0))
+        self.lost.clear()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew_loop, name="skip-harness-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def renew(self) -> None:
+        """Extend the lease by ttl; LeaseLost when another run took it over."""
+        with self._mutex:
+            if self.etag is None:
+                raise LeaseLost(self.url, "not held")
+            try:
+                self.etag = self.client.put(self.key, self._record(time.time() + self.ttl_s),
+                                            mode={"e_tag": self.etag})
+            except (ObjectRaceLost, ObjectMissing):
+                self.lost.set()
+                current, _ = self.read()
+                who = current.describe() if current else "nobody"
+                raise LeaseLost(self.url, f"the lease was taken over (now held by {who}): this run "
+                                          "stalled past its expiry and must stop writing") from None
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.renew()
+            except LeaseLost as exc:
+                logger.warning("%s", exc)
+                return
+            except ObjectStoreUnavailable as exc:
+                logger.warning("%s: lease not renewed, trying again in %.0f s (%s)",
+                               self.url, self.ttl_s / 3, exc.reason)
+            except Exception as exc:  # a bug: say so, keep the thread's death visible
+                logger.warning("%s: lease renewal failed: %s", self.url, exc)
+
+    def release(self) -> None:
+        """Give the lease up (an expired record, written only if it is still ours)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.client.timeout_s + 5)
+        self._thread = None
+        with self._mutex:
+            if self.etag is None:
+                return
+            try:
+                self.client.put(self.key, self._record(0.0), mode={"e_tag": self.etag})
+            except (ObjectRaceLost, ObjectMissing):
+                pass                     # not ours any more: leave the new holder's alone
+            except ObjectStoreError as exc:
+                logger.warning("%s: lease not released (%s); it expires in %.0f s", self.url, exc.reason, self.ttl_s)
+            self.etag = None
+
+    def __enter__(self) -> "Lease":
+        if self.etag is None:
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
