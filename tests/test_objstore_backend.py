@@ -1,0 +1,107 @@
+"""A namespace's objects on a real S3 server: payloads size-checked, the commit record last and
+create-only, one listing grouped by step in numeric order, verified reads, removal commit-first,
+set-aside under .quarantine/, a read-only credential that serves and writes nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import xxhash
+
+from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
+from skip_harness.objstore.backend import COMMIT_NAME, ObjectNamespace, list_namespaces
+from skip_harness.objstore.errors import ObjectAccessDenied, ObjectCorrupt, ObjectRaceLost
+
+
+def put_step(ns, step, commit=True, n=2):
+    files = []
+    for i in range(n):
+        data = bytes([step % 256, i]) * 5000
+        rel = f"{i}/tq_batch.pt"
+        assert ns.write(step, rel, memoryview(data)) == len(data)
+        files.append({"rel": rel, "bytes": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)})
+    if commit:
+        ns.commit(step, json.dumps({"files": files}).encode())
+    return files
+
+
+@pytest.fixture(params=["s3", "memory"])
+def ns(request, s3_bucket):
+    if request.param == "s3":
+        return ObjectNamespace(f"s3://{s3_bucket}/cache/exp_proj/GBS8_N2_in16_out32_K2")
+    return ObjectNamespace(f"memory://t-{s3_bucket}/cache/exp_proj/GBS8_N2_in16_out32_K2")
+
+
+def test_write_commit_list_read(ns):
+    for step in (10, 2, 1):
+        put_step(ns, step, commit=step != 2)
+    steps = ns.list_steps()
+    assert [s.step for s in steps] == [1, 2, 10]                       # numeric, not byte order
+    assert [s.committed for s in steps] == [True, False, True]         # 2: payloads, no record
+    assert set(steps[0].sizes) == {"0/tq_batch.pt", "1/tq_batch.pt", COMMIT_NAME}
+    assert all(steps[0].stamps.values())                                # ETags as change stamps
+    assert ns.step_numbers() == [1, 2, 10]
+    with pytest.raises(ObjectRaceLost):
+        ns.commit(1, b"{}")                                             # committed steps are immutable
+    rec = json.loads(ns.read_commit(10))["files"][1]
+    out = bytearray(rec["bytes"] + 7)
+    ns.read_verified(10, rec["rel"], rec["bytes"], rec["xxh3_128"], out)
+    assert bytes(out[:rec["bytes"]]) == bytes([10, 1]) * 5000
+    assert bytes(ns.read_verified(10, rec["rel"], rec["bytes"], rec["xxh3_128"])) == bytes([10, 1]) * 5000
+    assert ns.read_commit(2) is None
+
+
+def test_damaged_payload_fails_verified_read(ns):
+    rec = put_step(ns, 3)[0]
+    ns.client.put(f"3/{rec['rel']}", b"\x00" * rec["bytes"])            # same size, other bytes
+    with pytest.raises(ObjectCorrupt, match="checksum"):
+        ns.read_verified(3, rec["rel"], rec["bytes"], rec["xxh3_128"])
+    ns.client.put(f"3/{rec['rel']}", b"\x00" * 10)
+    with pytest.raises(ObjectCorrupt, match="commit record says"):
+        ns.read_verified(3, rec["rel"], rec["bytes"], rec["xxh3_128"])
+
+
+def test_remove_deletes_the_commit_record_first(ns):
+    put_step(ns, 4)
+    order = []
+    real = ns.client.delete
+    ns.client.delete = lambda keys: (order.append(list(keys)), real(keys))[1]
+    removed = ns.remove_step(4)
+    assert order[0] == ["4/commit.json"] and "4/commit.json" not in order[1]
+    assert removed > 20000 and ns.list_steps() == []
+
+
+def test_set_aside_copies_under_quarantine_then_removes(ns):
+    put_step(ns, 5, commit=False)
+    put_step(ns, 6)
+    where = ns.set_aside(5, "incomplete")
+    assert where.startswith(ns.url + "/.quarantine/5-incomplete-")
+    keys = [m["path"] for m in ns.objects()]
+    assert [s.step for s in ns.list_steps()] == [6]
+    rest = where[len(ns.url) + 1:]
+    assert sorted(k for k in keys if k.startswith(".quarantine/")) == [f"{rest}/0/tq_batch.pt", f"{rest}/1/tq_batch.pt"]
+
+
+def test_list_namespaces(s3_bucket):
+    for leaf in ("exp_proj/GBS8_N2_in16_out32", "exp_proj/GBS8_N2_in16_out32_K4", "other_p/GBS1_N1_in1_out1"):
+        put_step(ObjectNamespace(f"s3://{s3_bucket}/root/{leaf}"), 1)
+    assert list_namespaces(f"s3://{s3_bucket}/root") == [
+        f"s3://{s3_bucket}/root/exp_proj/GBS8_N2_in16_out32", f"s3://{s3_bucket}/root/exp_proj/GBS8_N2_in16_out32_K4",
+        f"s3://{s3_bucket}/root/other_p/GBS1_N1_in1_out1"]
+
+
+def test_read_only_credential_serves_and_writes_nothing(s3_server, s3_bucket, monkeypatch):
+    url = f"s3://{s3_bucket}/cache/exp_proj/GBS8_N2_in16_out32_K2"
+    rec = put_step(ObjectNamespace(url), 7)[0]
+    before = s3_server.keys(s3_bucket)
+    for k, v in s3_server.env("reader").items():
+        monkeypatch.setenv(k, v)
+    ro = ObjectNamespace(url)
+    assert ro.acquire() is None and ro.read_only
+    assert [s.step for s in ro.list_steps()] == [7]
+    assert bytes(ro.read_verified(7, rec["rel"], rec["bytes"], rec["xxh3_128"])) == bytes([7, 0]) * 5000
+    for attempt in (lambda: ro.write(8, "0/tq_batch.pt", b"x"), lambda: ro.commit(8, b"{}"),
+                    lambda: ro.remove_step(7), lambda: ro.set_aside(7, "corrupt")):
+        with pytest.raises(ObjectAccessDenied, match="read-only"):
+            attempt()
+    assert s3_server.keys(s3_bucket) == before

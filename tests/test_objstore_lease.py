@@ -1,0 +1,115 @@
+"""The namespace lease on a real S3 server: held -> refused naming the holder; expired -> taken over;
+renewed on its thread; released; a stale holder's renewal fails and its release leaves the new
+holder's lease alone; lock_timeout waits; a read-only credential gets no lease and writes nothing."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
+from skip_harness.errors import LockHeldError
+from skip_harness.objstore.backend import ObjectNamespace
+from skip_harness.objstore.client import ObjectClient
+from skip_harness.objstore.lease import LEASE_KEY, Lease, LeaseLost
+
+
+@pytest.fixture
+def client(s3_bucket):
+    return ObjectClient(f"s3://{s3_bucket}/exp_proj/GBS8_N2_in16_out32")
+
+
+def lease(client, holder, ttl_s=30.0):
+    return Lease(client, ttl_s=ttl_s, skew_s=0.0, holder=holder)
+
+
+def test_held_lease_refuses_naming_holder_host_pid_since(client):
+    a = lease(client, "run-A").acquire()
+    try:
+        with pytest.raises(LockHeldError) as info:
+            lease(client, "run-B").acquire()
+        msg = str(info.value)
+        assert "run-A" in msg and f"pid {os.getpid()}" in msg and socket.gethostname() in msg
+        assert "since 20" in msg and "skip.rollout_tq.lock_timeout" in msg and client.url in msg
+        rec, _ = a.read()
+        assert (rec.holder, rec.pid, rec.host) == ("run-A", os.getpid(), socket.gethostname())
+    finally:
+        a.release()
+
+
+def test_release_frees_it_at_once(client, caplog):
+    a = lease(client, "run-A").acquire()
+    a.release()
+    rec, _ = a.read()
+    assert rec.expires_at == 0.0
+    caplog.set_level(logging.WARNING)
+    b = lease(client, "run-B").acquire()
+    assert b.read()[0].holder == "run-B" and "took over" not in caplog.text
+    b.release()
+
+
+@pytest.mark.slow
+def test_expired_lease_is_taken_over_and_the_stale_holder_stops(client, caplog):
+    a = lease(client, "run-A", ttl_s=1.5)
+    a.acquire()
+    a._stop.set()                      # run A stalls: no more renewals (a kill -9 does the same)
+    time.sleep(2.0)
+    caplog.set_level(logging.WARNING)
+    b = lease(client, "run-B", ttl_s=30).acquire()
+    try:
+        assert "took over the expired lease of run-A" in caplog.text
+        with pytest.raises(LeaseLost, match="taken over"):
+            a.renew()
+        assert a.lost.is_set() and not a.held
+        a.release()                    # must not remove or expire B's lease
+        rec, _ = b.read()
+        assert rec.holder == "run-B" and rec.expires_at > time.time() + 20
+        with pytest.raises(LockHeldError, match="run-B"):
+            lease(client, "run-C").acquire()
+    finally:
+        b.release()
+
+
+@pytest.mark.slow
+def test_renewed_while_held(client):
+    a = lease(client, "run-A", ttl_s=1.5).acquire()
+    try:
+        first_etag, first = a.etag, a.read()[0].expires_at
+        time.sleep(2.5)               # longer than the ttl: only renewals keep it
+        rec, etag = a.read()
+        assert rec.holder == "run-A" and rec.expires_at > first and etag == a.etag != first_etag
+        with pytest.raises(LockHeldError):
+            lease(client, "run-B").acquire()
+    finally:
+        a.release()
+
+
+@pytest.mark.slow
+def test_lock_timeout_waits_for_the_holder(client):
+    a = lease(client, "run-A").acquire()
+    threading.Timer(1.5, a.release).start()
+    t0 = time.monotonic()
+    b = lease(client, "run-B").acquire(timeout=20)
+    assert 1.0 < time.monotonic() - t0 < 20 and b.read()[0].holder == "run-B"
+    b.release()
+    c = lease(client, "run-C").acquire()
+    t0 = time.monotonic()
+    with pytest.raises(LockHeldError, match="waited 1 s"):
+        lease(client, "run-D").acquire(timeout=1)
+    assert time.monotonic() - t0 >= 1.0
+    c.release()
+
+
+def test_read_only_credential_gets_no_lease_and_writes_nothing(s3_server, s3_bucket, monkeypatch):
+    url = f"s3://{s3_bucket}/ro/ns"
+    before = s3_server.keys(s3_bucket)
+    for k, v in s3_server.env("reader").items():
+        monkeypatch.setenv(k, v)
+    ns = ObjectNamespace(url)
+    assert ns.acquire() is None and ns.read_only
+    assert s3_server.keys(s3_bucket) == before
+    assert LEASE_KEY not in [m["path"] for m in ObjectClient(url).list()]
