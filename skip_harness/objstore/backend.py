@@ -145,16 +145,34 @@ class ObjectNamespace:
         (a writable buffer of at least `size` bytes) they are copied into it and `out` is returned;
         else the obstore.Bytes itself (zero-copy) is."""
         key = self.step_key(step, rel)
-        data = self.client.get(key)[0]
-        view = memoryview(data)
-        if view.nbytes != size:
-            raise ObjectCorrupt(self.key_url(key), f"{view.nbytes} bytes, the commit record says {size}")
-        got = xxhash.xxh3_128_hexdigest(view)
-        if got != xxh3_128:
-            raise ObjectCorrupt(self.key_url(key), f"checksum {got} differs from the commit record's {xxh3_128}")
         if out is None:
+            data = self.client.get(key)[0]
+            view = memoryview(data)
+            if view.nbytes != size:
+                raise ObjectCorrupt(self.key_url(key), f"{view.nbytes} bytes, the commit record says {size}")
+            got = xxhash.xxh3_128_hexdigest(view)
+            if got != xxh3_128:
+                raise ObjectCorrupt(self.key_url(key), f"checksum {got} differs from the commit record's {xxh3_128}")
             return data
-        memoryview(out).cast("B")[:size] = view
+        # streamed: each chunk is hashed and copied while the next one arrives
+        meta, chunks = self.client.stream(key)
+        if int(meta["size"]) != size:
+            raise ObjectCorrupt(self.key_url(key), f"{meta['size']} bytes, the commit record says {size}")
+        dst = memoryview(out).cast("B")
+        if dst.nbytes < size:
+            raise ValueError(f"read_verified: buffer of {dst.nbytes} bytes for {size}")
+        h, pos = xxhash.xxh3_128(), 0
+        for chunk in chunks:
+            mv = memoryview(chunk)
+            if pos + mv.nbytes > size:
+                raise ObjectCorrupt(self.key_url(key), f"more than the {size} bytes the commit record says")
+            dst[pos:pos + mv.nbytes] = mv
+            h.update(mv)
+            pos += mv.nbytes
+        if pos != size:
+            raise ObjectCorrupt(self.key_url(key), f"{pos} bytes, the commit record says {size}")
+        if h.hexdigest() != xxh3_128:
+            raise ObjectCorrupt(self.key_url(key), f"checksum {h.hexdigest()} differs from the commit record's {xxh3_128}")
         return out
 
     # ------------------------------------------------------------------------------ removal

@@ -259,6 +259,21 @@ class ObjectClient:
             return res.bytes(), res.meta
         return self._call(key, fetch)
 
+    def stream(self, key: str, chunk_bytes: int = 8 << 20) -> "tuple[Dict[str, Any], Iterator[Any]]":
+        """(meta, the object's bytes in chunks of about `chunk_bytes`): the caller works on each
+        chunk while the next one arrives."""
+        import obstore as obs
+        res = self._call(key, obs.get, self.store, key)
+        chunks = res.stream(min_chunk_size=chunk_bytes)
+
+        def each() -> Iterator[Any]:
+            while True:
+                try:
+                    yield self._call(key, next, chunks)
+                except StopIteration:
+                    return
+        return res.meta, each()
+
     def head(self, key: str) -> Dict[str, Any]:
         import obstore as obs
         return self._call(key, obs.head, self.store, key)

@@ -1,0 +1,151 @@
+"""Object-store rows of the benchmark, against a moto S3 server this script starts on 127.0.0.1.
+
+    python scripts/bench_s3.py [--json] [--quick] [--rows N] [--repeats R]
+
+`bench_s3(rows, repeats)` returns (JSON keys):
+- `s3_save_ratio`: our save of the realistic mini-batch (codec file image packed into one buffer,
+  xxh3-128, put, size check by HEAD, then a create-only commit record) over a bare obstore put of
+  the same bytes with the same put parameters;
+- `s3_load_ratio`: our verified load (commit record read, object get, size and xxh3-128 checked,
+  copied once into a writable buffer, decoded into tensors) over a bare obstore get of the same
+  bytes;
+the arms interleaved round by round (A B, B A, ...) because moto, pure Python, sets the speed and
+that speed moves with the machine's load. Target: both <= 1.1. `scripts/bench.py` calls it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def _interleave(arms: Dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> Dict[str, List[float]]:
+    names = list(arms)
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        for name in (names if r % 2 == 0 else reversed(names)):
+            t0 = time.perf_counter()
+            arms[name]()
+            dt = time.perf_counter() - t0
+            if r >= warmup:
+                times[name].append(dt)
+    return times
+
+
+def _median(xs: List[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def bench_s3(rows: int = 1024, repeats: int = 5, work: Path | None = None) -> Dict[str, float]:
+    """The object-store ratios (see the module doc) on a fresh moto server, stopped at the end."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "tests"))
+    import obstore as obs
+    import xxhash
+    from bench import make_payload
+    from s3server import start_server
+
+    from skip_harness.objstore import client as client_mod
+    from skip_harness.objstore.backend import ObjectNamespace
+    from skip_harness.objstore.payloads import StoredObject, encode, read_payload, write_payload
+
+    work = Path(work or tempfile.mkdtemp(prefix="bench-s3-"))
+    server = start_server(work, auth=False)
+    saved_env = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        bucket = server.create_bucket("bench-s3")
+        ns = ObjectNamespace(f"s3://{bucket}/exp_proj/GBS{rows}_N1_in1024_out3072")
+        store = ns.client.store
+        payload = make_payload(rows)
+        image = encode(payload)
+        nbytes = len(image)
+        multipart = nbytes > client_mod.MULTIPART_FROM
+        counter = iter(range(10**9))
+
+        def ours_save():
+            step = next(counter) + 1
+            obj = write_payload(ns, step, "tq_batch.pt", payload)
+            ns.commit(step, json.dumps({"files": [obj.__dict__]}).encode())
+
+        def bare_put():
+            obs.put(store, f"bare/{next(counter)}", memoryview(image), use_multipart=multipart,
+                    chunk_size=client_mod.PART_SIZE)
+
+        def clear():  # keep moto's memory bounded: drop what the save arms wrote
+            keys = [m["path"] for m in ns.client.list(None)]
+            if keys:
+                ns.client.delete(keys)
+
+        save_times: Dict[str, List[float]] = {"ours": [], "bare": []}
+        for r in range(repeats + 1):
+            t = _interleave({"ours": ours_save, "bare": bare_put} if r % 2 == 0 else
+                            {"bare": bare_put, "ours": ours_save}, 1, warmup=0)
+            if r:
+                for k in t:
+                    save_times[k] += t[k]
+            clear()
+
+        obs.put(store, "bare/load", memoryview(image), use_multipart=multipart, chunk_size=client_mod.PART_SIZE)
+        obj = write_payload(ns, 1, "tq_batch.pt", payload)
+        ns.commit(1, json.dumps({"files": [obj.__dict__]}).encode())
+        out = bytearray(obj.nbytes)
+
+        def ours_load():
+            rec = json.loads(ns.read_commit(1))["files"][0]
+            read_payload(ns, 1, StoredObject(**rec), out)
+
+        def bare_get():
+            obs.get(store, "bare/load").bytes()
+
+        load_times = _interleave({"ours": ours_load, "bare": bare_get}, repeats)
+        res = {
+            "s3_payload_mib": nbytes / MiB,
+            "s3_save_s": _median(save_times["ours"]), "s3_bare_put_s": _median(save_times["bare"]),
+            "s3_load_s": _median(load_times["ours"]), "s3_bare_get_s": _median(load_times["bare"]),
+        }
+        res["s3_save_ratio"] = res["s3_save_s"] / res["s3_bare_put_s"]
+        res["s3_load_ratio"] = res["s3_load_s"] / res["s3_bare_get_s"]
+        assert xxhash.xxh3_128_hexdigest(bytes(obs.get(store, "bare/load").bytes())) == obj.xxh3_128
+        return res
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="64 trajectories, 3 repeats")
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    rows, repeats = (64, 3) if args.quick else (args.rows, args.repeats)
+    res = bench_s3(rows, repeats)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        for k, v in res.items():
+            print(f"{k:>20} {v:10.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
