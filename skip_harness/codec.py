@@ -503,5 +503,7 @@ def _errors_naming(spath: str) -> Iterator[None]:
         raise UnregisteredTypeError(f"{spath}: {exc}") from None
     except CodecError as exc:
         raise CodecError(f"{spath}: {exc}") from None
-    except (OSError, ValueError, RecursionError, RuntimeError) as exc:
+    except (OSError, ValueError, RecursionError, RuntimeError, MemoryError) as exc:
+        # (MemoryError: a damaged header asking for more memory than there is, e.g. a compressed
+        # tensor's full-width size)
         raise CodecError(f"{spath}: cannot be loaded: {tensorfile.sanitized(exc)}") from None

@@ -443,6 +443,7 @@ def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[s
 
 
 _HOW_KEYS = frozenset({"name", "as", "zstd"})
+_MAX_CHUNK_RAW = 1 << 30          # a chunk holds at most this many bytes decompressed (writers use 4 MiB)
 
 
 def _stored_size_valid(dtype: torch.dtype, entry: list) -> bool:
@@ -467,7 +468,8 @@ def _stored_size_valid(dtype: torch.dtype, entry: list) -> bool:
     if chunks is None:
         return entry[3] == raw
     if type(chunks) is not list or not chunks or not all(
-            type(c) is list and len(c) == 2 and all(type(x) is int and x > 0 for x in c) for c in chunks):
+            type(c) is list and len(c) == 2 and all(type(x) is int and x > 0 for x in c) and c[1] <= _MAX_CHUNK_RAW
+            for c in chunks):
         return False
     return (sum(c[0] for c in chunks) == entry[3] and sum(c[1] for c in chunks) == raw
             and all(c[1] % stored_dtype.itemsize == 0 for c in chunks))

@@ -349,3 +349,24 @@ def test_show_gives_each_fields_stored_dtype_and_ratio(tmp_path, capsys):
     code = main(["show", str(store.layout.root), "1"])
     out, err = capsys.readouterr()
     assert code == 0 and "stored as" in out and "int32" in out and "zstd" in out
+
+
+def test_a_header_asking_for_more_memory_than_there_is_is_a_codec_error(tmp_path):
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, {"z": torch.zeros(1 << 20, dtype=torch.int64)}, ZSTD)
+    data = path.read_bytes()
+    hlen = struct.unpack_from("<Q", data, 16)[0]
+    doc = json.loads(data[24:24 + hlen])
+    entry = doc["tensors"][0]
+    # one chunk claiming 2**50 elements (a damaged or hostile header; the sizes agree with each other)
+    entry[1] = [1 << 50]
+    entry[4]["zstd"] = [[entry[3], (1 << 50) * 1]]
+    for bad_doc in (doc,):
+        header = json.dumps(bad_doc, separators=(",", ":")).encode()
+        bad = tmp_path / "bad.pt"
+        bad.write_bytes(data[:16] + struct.pack("<Q", len(header)) + header + bytes(-(24 + len(header)) % 64)
+                        + data[-(-(24 + hlen) // 64) * 64:])
+        for fn in (codec.load_from, codec.check_file):   # refused from the header, before any allocation
+            with pytest.raises(CodecError, match=f"{bad}: malformed tensor entry"):
+                fn(bad)
