@@ -113,3 +113,37 @@ def test_read_only_credential_gets_no_lease_and_writes_nothing(s3_server, s3_buc
     assert ns.acquire() is None and ns.read_only
     assert s3_server.keys(s3_bucket) == before
     assert LEASE_KEY not in [m["path"] for m in ObjectClient(url).list()]
+
+
+def test_a_run_that_lost_its_lease_writes_nothing_more(client):
+    from skip_harness.objstore.backend import ObjectNamespace
+    ns = ObjectNamespace(client.url, client)
+    held = ns.acquire(ttl_s=30, skew_s=0.0, holder="run-A")
+    ns.write(1, "tq_batch.pt", b"x" * 10)
+    held._stop.set()
+    # another run takes the lease over (as after A stalled past its expiry)
+    _, etag = held.read()
+    client.put(LEASE_KEY, lease(client, "run-B")._record(1e12), mode={"e_tag": etag})
+    with pytest.raises(LeaseLost):
+        held.renew()
+    with pytest.raises(LeaseLost, match="lost the namespace's lease"):
+        ns.write(1, "meta.json", b"{}")
+    with pytest.raises(LeaseLost):
+        ns.commit(1, b"{}")
+    assert ns.read_commit(1) is None
+    ns.release()
+    assert held.read()[0].holder == "run-B"
+
+
+def test_a_lease_still_held_at_exit_is_released(s3_server, s3_bucket, tmp_path):
+    import subprocess
+    import sys
+    from conftest import subprocess_env
+    url = f"s3://{s3_bucket}/exit/ns"
+    code = ("from skip_harness.objstore.backend import ObjectNamespace\n"
+            f"ns = ObjectNamespace({url!r}); ns.acquire(holder='run-exit'); print('held')\n")
+    env = subprocess_env()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "held" in proc.stdout, proc.stderr
+    rec, _ = Lease(ObjectClient(url), holder="probe").read()
+    assert rec.holder == "run-exit" and rec.expires_at == 0.0

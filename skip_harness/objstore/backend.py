@@ -34,7 +34,7 @@ from skip_harness.objstore.errors import (
     ObjectMissing,
     ObjectStoreError,
 )
-from skip_harness.objstore.lease import DEFAULT_TTL_S, LEASE_KEY, Lease
+from skip_harness.objstore.lease import DEFAULT_TTL_S, LEASE_KEY, Lease, LeaseLost
 
 logger = logging.getLogger("skip_harness.objstore")
 
@@ -69,6 +69,7 @@ class ObjectNamespace:
         self.client = client or ObjectClient(url)
         self.url = self.client.url
         self.read_only = False
+        self.held: Optional[Lease] = None     # the lease this object took, if any
 
     def __repr__(self) -> str:
         return f"ObjectNamespace({self.url!r})"
@@ -84,6 +85,9 @@ class ObjectNamespace:
     def _writable(self, key: str) -> None:
         if self.read_only:
             raise ObjectAccessDenied(self.key_url(key), "read-only: this credential may not write here")
+        if self.held is not None and self.held.lost.is_set():
+            raise LeaseLost(self.key_url(key), "this run lost the namespace's lease to another run: "
+                                               "nothing more is written")
 
     def write(self, step: int, rel: str, data: Any) -> int:
         """Put one payload (or meta) object of `step` and check its stored size; returns the size."""
@@ -210,12 +214,18 @@ class ObjectNamespace:
         makes this namespace `read_only` and returns None: serve, write nothing."""
         lease = self.lease(**kw)
         try:
-            return lease.acquire(timeout)
+            self.held = lease.acquire(timeout)
+            return self.held
         except ObjectAccessDenied as exc:
             self.read_only = True
             logger.info("%s: cannot be written (%s): complete steps are served, nothing is locked, "
                         "cleaned or written", self.url, exc.reason)
             return None
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.release()
+            self.held = None
 
 
 def list_namespaces(dump_dir_url: str, client: Optional[ObjectClient] = None) -> List[str]:

@@ -23,6 +23,7 @@ after its `expires_at`.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -68,6 +69,25 @@ class LeaseRecord:
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
         return f"{self.holder} (pid {self.pid} on host {self.host} since {when})"
+
+
+_held: "set[Lease]" = set()
+_held_mutex = threading.Lock()
+
+
+def _release_at_exit() -> None:
+    """No lease outlives its run: one still held at interpreter exit is released (a killed run's
+    expires after its ttl)."""
+    with _held_mutex:
+        leases = list(_held)
+    for lease in leases:
+        try:
+            lease.release()
+        except Exception:  # exit: nothing more to do
+            pass
+
+
+atexit.register(_release_at_exit)
 
 
 class LeaseLost(ObjectStoreError):
@@ -150,6 +170,8 @@ class Lease:
             time.sleep(min(1.0, self.ttl_s / 3, left if left is not None else 1.0))
         self.lost.clear()
         self._stop.clear()
+        with _held_mutex:
+            _held.add(self)
         self._thread = threading.Thread(target=self._renew_loop, name="skip-harness-lease", daemon=True)
         self._thread.start()
         return self
@@ -185,12 +207,15 @@ class Lease:
     def release(self) -> None:
         """Give the lease up (an expired record, written only if it is still ours)."""
         self._stop.set()
+        with _held_mutex:
+            _held.discard(self)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.client.timeout_s + 5)
         self._thread = None
         with self._mutex:
-            if self.etag is None:
-                return
+            if self.etag is None or self.lost.is_set():
+                self.etag = None
+                return                   # taken over: the record is the new holder's
             try:
                 self.client.put(self.key, self._record(0.0), mode={"e_tag": self.etag})
             except (ObjectRaceLost, ObjectMissing):
@@ -198,6 +223,12 @@ class Lease:
             except ObjectStoreError as exc:
                 logger.warning("%s: lease not released (%s); it expires in %.0f s", self.url, exc.reason, self.ttl_s)
             self.etag = None
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
 
     def __enter__(self) -> "Lease":
         if self.etag is None:
