@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections import OrderedDict
 from typing import Any, BinaryIO, Dict, Iterator, Optional, Tuple, Union
 
@@ -344,7 +345,9 @@ def _decode_nested(kind: str, obj: Dict[str, Any], where: str, check_only: bool)
         if check_only:
             return None
         target = device if device_available(device) else "cpu"
-        return torch.nested.as_nested_tensor([c.to(target) for c in items], layout=torch.strided)
+        with warnings.catch_warnings():   # torch's note that the strided layout is a prototype
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.nested.as_nested_tensor([c.to(target) for c in items], layout=torch.strided)
     values, offsets, lengths, ragged_idx = obj["values"], obj["offsets"], obj["lengths"], obj["ragged_idx"]
     seqlens = (obj["min_seqlen"], obj["max_seqlen"])
     if (not isinstance(values, torch.Tensor) or not isinstance(offsets, torch.Tensor)

@@ -3,6 +3,7 @@ step's mini-batches into one payload."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import OrderedDict
 from typing import Any, List, Sequence
 
@@ -156,16 +157,20 @@ def cat_nested(items: Sequence[torch.Tensor]) -> torch.Tensor:
     components."""
     first = items[0]
     if first.layout == torch.jagged:
+        # The first one's ragged dimension (a mini-batch of one row may have been built with another:
+        # torch picks the dimension whose sizes differ); rows whose other sizes differ fail in torch.cat.
         ragged = first._ragged_idx
-        if any(x.layout != torch.jagged or x._ragged_idx != ragged for x in items):
-            raise CodecError("jagged tensors with different layouts or ragged dimensions")
+        if any(x.layout != torch.jagged for x in items):
+            raise CodecError("nested tensors of different layouts")
         rows = [r for x in items for r in x.unbind(0)]
         values = torch.cat(rows, dim=ragged - 1)
         lengths = torch.tensor([r.shape[ragged - 1] for r in rows], dtype=torch.int64, device=values.device)
         offsets = torch.zeros(len(rows) + 1, dtype=torch.int64, device=values.device)
         torch.cumsum(lengths, dim=0, out=offsets[1:])
         return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged)
-    return torch.nested.as_nested_tensor([r for x in items for r in x.unbind(0)], layout=first.layout)
+    with warnings.catch_warnings():   # torch's note that the strided layout is a prototype
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.as_nested_tensor([r for x in items for r in x.unbind(0)], layout=first.layout)
 
 
 def _nested_keys(td: Any) -> List[Any]:

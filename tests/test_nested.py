@@ -178,6 +178,16 @@ def test_merge_concatenates_jagged_tensordicts_row_by_row():
         codec.merge([a.get("prompts"), torch.zeros(2)])
 
 
+def test_merge_of_a_one_row_mini_batch_keeps_the_first_ragged_dimension():
+    a = torch.nested.as_nested_tensor([torch.randn(3, n) for n in (2, 4)], layout=torch.jagged)
+    b = torch.nested.as_nested_tensor([torch.randn(3, 5)], layout=torch.jagged)     # torch makes dim 1 ragged
+    assert (a._ragged_idx, b._ragged_idx) == (2, 1)
+    merged = codec.merge([a, b])
+    assert merged._ragged_idx == 2 and [r.shape for r in merged.unbind(0)] == [(3, 2), (3, 4), (3, 5)]
+    with pytest.raises(CodecError, match="cannot concatenate nested tensors"):
+        codec.merge([a, torch.nested.as_nested_tensor([torch.randn(4, 2)], layout=torch.jagged)])
+
+
 def test_snapshot_owns_the_nested_tensors():
     td = verl_batch()
     snap = codec.snapshot({"td": td, "nt": td.get("prompts")})
