@@ -81,13 +81,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from skip_harness import codec, index
+from skip_harness import codec
+from skip_harness.store import index
 from skip_harness.config import RolloutTQConfig
-from skip_harness import store as store_mod
-from skip_harness.harness import SkipHarness
-from skip_harness.layout import COMMIT_NAME, Layout
-from skip_harness.scan import scan_namespace
-from skip_harness.store import StepStore
+from skip_harness.store import stepstore as store_mod
+from skip_harness.run.harness import SkipHarness
+from skip_harness.store.layout import COMMIT_NAME, Layout
+from skip_harness.store.scan import scan_namespace
+from skip_harness.store.stepstore import StepStore
 
 log = logging.getLogger("skip_harness.bench")
 
@@ -356,7 +357,7 @@ def bench_zstd(payload: Any, work: Path, repeats: int) -> Dict[str, float]:
     """Durable save and verified load of the batch with compression on (StepStore as the harness makes it
     with compression=zstd), and the writer-thread work alone: narrowing + compressing the batch, and
     decompressing it, on one thread."""
-    from skip_harness import tensorfile
+    from skip_harness.codec import tensorfile
 
     store = StepStore(Layout(work / "zstd_ns", K=1, W=1), form=ZSTD)
     nbytes = tensor_bytes(payload)
@@ -598,7 +599,7 @@ class FloorArm(StepArm):
     def __init__(self, payload: Any, dump_dir: Path):
         from concurrent.futures import ThreadPoolExecutor
 
-        from skip_harness.bufferpool import BufferPool, round_up
+        from skip_harness.store.bufferpool import BufferPool, round_up
 
         super().__init__()
         self.dir = dump_dir

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
-TMP_PREFIX = ".tmp-"  # skip_harness.layout.TMP_PREFIX
+TMP_PREFIX = ".tmp-"  # skip_harness.store.layout.TMP_PREFIX
 
 log = logging.getLogger("crash_test")
 _CHILDREN: List[subprocess.Popen] = []  # the run being killed, killed too if this script is stopped

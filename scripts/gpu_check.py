@@ -108,8 +108,8 @@ READ_WITHOUT_CUDA = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch
-    from skip_harness.layout import Layout
-    from skip_harness.store import StepStore
+    from skip_harness.store.layout import Layout
+    from skip_harness.store.stepstore import StepStore
     [back] = StepStore(Layout(Path(sys.argv[1]), K=1, W=1)).read_step(1, 0)
     def leaves(o):
         if isinstance(o, dict): return [x for v in o.values() for x in leaves(v)]
@@ -122,8 +122,8 @@ READ_WITHOUT_CUDA = textwrap.dedent(
 
 
 def check_payload(work: Path, dry_run: bool) -> str:
-    from skip_harness.layout import Layout
-    from skip_harness.store import StepStore
+    from skip_harness.store.layout import Layout
+    from skip_harness.store.stepstore import StepStore
 
     devices = _devices(dry_run)
     d0 = devices[0]
@@ -163,7 +163,7 @@ RESTORE_IN_FRESH_PROCESS = textwrap.dedent(
     """
     import json, sys
     import torch
-    from skip_harness import rng
+    from skip_harness.run import rng
     rng.restore(json.loads(open(sys.argv[1]).read()))
     n = int(sys.argv[2])
     draws = [torch.rand(4, device=f"cuda:{i}").cpu().tolist() for i in range(n)] if n else []
@@ -173,7 +173,7 @@ RESTORE_IN_FRESH_PROCESS = textwrap.dedent(
 
 
 def check_rng(work: Path, dry_run: bool) -> str:
-    from skip_harness import rng
+    from skip_harness.run import rng
 
     devices = _devices(dry_run)
     cuda = [d for d in devices if d.type == "cuda"]
@@ -226,7 +226,7 @@ def _nccl_worker(rank: int, world: int, init_file: str, work: str, dry_run: bool
     import torch.distributed as dist
 
     from skip_harness import SkipHarness
-    from skip_harness.dist import DistContext
+    from skip_harness.run.dist import DistContext
 
     result: Dict[str, Any] = {"rank": rank}
     try:

@@ -16,10 +16,11 @@ from datetime import datetime
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from skip_harness.config import k_for, register_configs
+from skip_harness.config import k_for
+from skip_harness.demo.config import register_demo_configs
 from skip_harness.demo.run import train
 from skip_harness.errors import SkipHarnessError
-from skip_harness.hydra_callback import config_composed, note_config_composed, record_job_failure
+from skip_harness.integrations.hydra import config_composed, note_config_composed, record_job_failure
 
 log = logging.getLogger("skip_harness")
 _STARTED = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -40,7 +41,7 @@ def _run_id() -> str:
     return f"{started}_launch{launcher.pid}"
 
 
-register_configs()
+register_demo_configs()
 OmegaConf.register_new_resolver("skip_harness_run_id", _run_id, replace=True)
 OmegaConf.register_new_resolver("skip_harness_k", lambda mode, k: k_for(str(mode), int(k)), replace=True)
 

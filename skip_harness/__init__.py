@@ -11,11 +11,11 @@ from typing import Any
 __version__ = "0.2.0"
 
 _PUBLIC = {
-    "SkipHarness": "skip_harness.harness",
-    "NamespaceKey": "skip_harness.layout",
-    "HarnessCallback": "skip_harness.callbacks",
-    "RunSummary": "skip_harness.stats",
-    "StepRecord": "skip_harness.stats",
+    "SkipHarness": "skip_harness.run.harness",
+    "NamespaceKey": "skip_harness.store.layout",
+    "HarnessCallback": "skip_harness.run.callbacks",
+    "RunSummary": "skip_harness.run.stats",
+    "StepRecord": "skip_harness.run.stats",
     "RolloutTQConfig": "skip_harness.config",
     "register_type": "skip_harness.codec",
 }

@@ -18,8 +18,8 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .errors import ConfigError
-from .layout import NamespaceKey
+from skip_harness.errors import ConfigError
+from skip_harness.store.layout import NamespaceKey
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 DUMP_DIR_ENV = "SKIP_HARNESS_DUMP_DIR"
@@ -115,141 +115,14 @@ class SkipConfig:
     rollout_tq: RolloutTQConfig = field(default_factory=RolloutTQConfig)
 
 
-@dataclass
-class SeparateAsyncConfig:
-    parameter_sync_step: int = 4
-
-
-@dataclass
-class TrainerV1Config:
-    trainer_mode: str = "sync"
-    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
-
-
-@dataclass
-class TrainerConfig:
-    project_name: str = "skip_harness_demo"
-    experiment_name: str = "${trainer.v1.trainer_mode}_seed${seed}"
-    total_training_steps: int = 20
-    test_freq: int = 5
-    progress: bool = True  # a progress bar on stderr, drawn only when stderr is a terminal
-    # torch intra-op threads; null: the machine's cores / processes per machine. Fixed so a run gives
-    # the same bits under any launcher (Hydra's joblib workers would otherwise run with one thread).
-    torch_threads: Optional[int] = None
-    v1: TrainerV1Config = field(default_factory=TrainerV1Config)
-
-
-@dataclass
-class DataConfig:
-    train_batch_size: int = 512
-    max_prompt_length: int = 8
-    max_response_length: int = 10
-    val_batch_size: int = 32
-
-
-@dataclass
-class ModelConfig:
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-
-
-@dataclass
-class RolloutConfig:
-    n: int = 8
-    temperature: float = 1.0
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 3e-3
-
-
-@dataclass
-class ActorConfig:
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    clip_ratio: float = 0.2
-
-
-@dataclass
-class ActorRolloutRefConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-
-
-@dataclass
-class DemoConfig:
-    """The whole config of `scripts/train.py` (verl's key names)."""
-
-    seed: int = 0
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
-    skip: SkipConfig = field(default_factory=SkipConfig)
-
-    def __post_init__(self) -> None:
-        k_for(self.trainer.v1.trainer_mode, self.trainer.v1.separate_async.parameter_sync_step)
-        positive = {
-            "data.train_batch_size": self.data.train_batch_size,
-            "data.max_prompt_length": self.data.max_prompt_length,
-            "data.max_response_length": self.data.max_response_length,
-            "actor_rollout_ref.rollout.n": self.actor_rollout_ref.rollout.n,
-            "trainer.total_training_steps": self.trainer.total_training_steps,
-        }
-        for key, value in positive.items():
-            if value < 1:
-                raise ConfigError(key, f"must be >= 1, got {value}")
-        threads = self.trainer.torch_threads
-        if threads is not None and threads < 1:
-            raise ConfigError("trainer.torch_threads", f"must be >= 1 or null (cores / processes per machine), got {threads}")
-        if self.trainer.test_freq < 0:
-            raise ConfigError("trainer.test_freq", f"must be >= 0 (0 = no validation), got {self.trainer.test_freq}")
-        check_batch_split(self.data.train_batch_size, self.K, 1)
-
-    @property
-    def K(self) -> int:
-        """Sample calls per step: parameter_sync_step in separate_async, else 1."""
-        return k_for(self.trainer.v1.trainer_mode, self.trainer.v1.separate_async.parameter_sync_step)
-
-    def check_world_size(self, world_size: int) -> None:
-        check_batch_split(self.data.train_batch_size, self.K, world_size)
-
-
-# The config keys that shape the demo's rollouts apart from the learned weights, in every mode.
-DEMO_FINGERPRINT_KEYS = (
-    "trainer.v1.trainer_mode",
-    "seed",
-    "data.train_batch_size",
-    "data.max_prompt_length",
-    "data.max_response_length",
-    "actor_rollout_ref.model.d_model",
-    "actor_rollout_ref.model.n_layers",
-    "actor_rollout_ref.model.n_heads",
-    "actor_rollout_ref.rollout.n",
-    "actor_rollout_ref.rollout.temperature",
-)
-# ...and in separate_async, where it is K (sync and colocate_async never read it).
-SEPARATE_ASYNC_FINGERPRINT_KEYS = ("trainer.v1.separate_async.parameter_sync_step",)
-
-
-def demo_fingerprint_keys(mode: str) -> tuple:
-    """The demo's fingerprint keys in trainer mode `mode`: what shapes its rollouts in that mode."""
-    return DEMO_FINGERPRINT_KEYS + (SEPARATE_ASYNC_FINGERPRINT_KEYS if mode == "separate_async" else ())
-
-
 def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore. Called explicitly by scripts, never on import."""
+    """Register `skip.rollout_tq`'s schema in Hydra's ConfigStore (`skip: rollout_tq_schema` in a
+    defaults list). Called explicitly by scripts, never on import; the demo adds its own with
+    :func:`skip_harness.demo.config.register_demo_configs`."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="demo_schema", node=DemoConfig)
     cs.store(group="skip", name="rollout_tq_schema", node=RolloutTQConfig, package="skip.rollout_tq")
-
-
-def to_demo_config(cfg: Any) -> DemoConfig:
-    """Validate a composed DictConfig (or a dict) into a DemoConfig; raises ConfigError naming the key."""
-    return _to_object(DemoConfig, cfg, prefix="")
 
 
 def _to_object(schema: type, cfg: Any, prefix: str) -> Any:

@@ -9,7 +9,7 @@ import re
 import torch
 
 from skip_harness import HarnessCallback, SkipHarness
-from skip_harness.store import StepStore
+from skip_harness.store.stepstore import StepStore
 
 
 class Records(HarnessCallback):
@@ -106,7 +106,7 @@ def test_a_steps_logged_bytes_are_the_size_ls_shows_for_it(tmp_path, caplog, cap
     meta.json files and the commit record (they used to count payloads only: 824.6 vs 825.7 KiB)."""
     import json
 
-    from skip_harness.callbacks import describe_step
+    from skip_harness.run.callbacks import describe_step
     from skip_harness.cli import main as cli
 
     run(tmp_path, {1: 2, 2: 2}, caplog)

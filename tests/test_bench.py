@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from skip_harness import index
-from skip_harness.scan import scan_namespace
-from skip_harness.store import StepStore
+from skip_harness.store import index
+from skip_harness.store.scan import scan_namespace
+from skip_harness.store.stepstore import StepStore
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "scripts" / "bench.py"

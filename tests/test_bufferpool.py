@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from skip_harness import SkipHarness
-from skip_harness.bufferpool import ALIGN, BufferPool, Copier
-from skip_harness.layout import Layout
-from skip_harness.store import StepStore
+from skip_harness.store.bufferpool import ALIGN, BufferPool, Copier
+from skip_harness.store.layout import Layout
+from skip_harness.store.stepstore import StepStore
 
 
 def address(lease) -> int:
@@ -149,7 +149,7 @@ def test_an_interrupted_copy_waits_for_its_helpers_before_the_buffer_can_go(monk
     import time as _time
     import types
 
-    from skip_harness import bufferpool
+    from skip_harness.store import bufferpool
 
     real_memmove = ctypes.memmove
 
@@ -179,7 +179,7 @@ def test_an_interrupted_copy_waits_for_its_helpers_before_the_buffer_can_go(monk
 
 
 def test_a_step_that_changes_status_while_read_is_never_served_empty(tmp_path, monkeypatch):
-    from skip_harness.stepstatus import StepReport
+    from skip_harness.store.status import StepReport
 
     st = StepStore(Layout(tmp_path / "ns", K=1, W=1))
     st.commit(1, st.write_inner(1, 0, 0, {"x": torch.ones(3)}, {}), None)
@@ -200,7 +200,7 @@ def test_a_step_that_changes_status_while_read_is_never_served_empty(tmp_path, m
 
 
 def test_a_short_direct_write_past_the_end_is_truncated_to_the_payload(tmp_path, monkeypatch):
-    from skip_harness import directio
+    from skip_harness.store.posix import directio
 
     pool = BufferPool()
     lease = pool.acquire(5000)
@@ -226,7 +226,7 @@ def test_a_fork_waits_for_direct_io_in_flight(tmp_path, monkeypatch):
     import threading
     import time as _time
 
-    from skip_harness import directio
+    from skip_harness.store.posix import directio
 
     pool = BufferPool()
     lease = pool.acquire(1 << 20)

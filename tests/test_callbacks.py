@@ -7,11 +7,12 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from skip_harness.callbacks import CallbackDispatcher, HarnessCallback
-from skip_harness.config import namespace_key_from_config, register_configs, to_demo_config
-from skip_harness.hydra_callback import HydraStartupCallback
-from skip_harness.harness import SkipHarness
-from skip_harness.lock import probe
+from skip_harness.run.callbacks import CallbackDispatcher, HarnessCallback
+from skip_harness.config import namespace_key_from_config
+from skip_harness.demo.config import register_demo_configs, to_demo_config
+from skip_harness.integrations.hydra import HydraStartupCallback
+from skip_harness.run.harness import SkipHarness
+from skip_harness.store.lock import probe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -42,7 +43,7 @@ def test_dispatcher_orders_hooks_and_survives_a_broken_callback(caplog):
 
 
 def compose_demo(tmp_path, *overrides):
-    register_configs()
+    register_demo_configs()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("config", [f"skip.rollout_tq.dump_dir={tmp_path}", *overrides])
 
@@ -107,7 +108,7 @@ def test_hydra_callback_does_nothing_on_other_ranks(tmp_path, monkeypatch):
 def test_a_new_namespace_says_nothing_of_its_index_and_the_summary_says_where_the_cache_is(tmp_path, caplog):
     import torch
 
-    from skip_harness.callbacks import describe_summary
+    from skip_harness.run.callbacks import describe_summary
 
     class Loop:
         def prepare_data(self, step, *, dispatch=True):
@@ -135,7 +136,7 @@ def test_hydra_callback_does_the_startup_with_the_config_hydra_passes_it(tmp_pat
     """Hydra hands callbacks the whole config, its `hydra` node included: not an unknown key."""
     from hydra.core.hydra_config import HydraConfig
 
-    register_configs()
+    register_demo_configs()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", [f"skip.rollout_tq.dump_dir={tmp_path}", "data.train_batch_size=8"],
                       return_hydra_config=True)

@@ -13,9 +13,9 @@ import re
 
 from conftest import subprocess_env, write_legacy, write_step
 from skip_harness.cli import main
-from skip_harness.layout import NamespaceKey
-from skip_harness.scan import scan_namespace
-from skip_harness.store import StepStore
+from skip_harness.store.layout import NamespaceKey
+from skip_harness.store.scan import scan_namespace
+from skip_harness.store.stepstore import StepStore
 from skip_harness.units import human_bytes
 
 
@@ -64,7 +64,7 @@ def test_ls_human(cache, capsys):
 
 
 def test_ls_shows_mode_seed_and_generation_seconds(tmp_path, capsys):
-    from skip_harness.fingerprint import Fingerprint
+    from skip_harness.store.fingerprint import Fingerprint
 
     store = StepStore(NamespaceKey("e", "p", 8, 2, 4, 4).layout(tmp_path))
     fp = Fingerprint({"trainer.v1.trainer_mode": "colocate_async", "seed": 7})
@@ -215,7 +215,7 @@ class Marker:
 def recommit_with(store, step, payload_bytes_writer):
     """Replace the payload of (step, 0, 0) and write a commit record whose sizes and checksums match it,
     so only loading the payload can tell that it is bad."""
-    from skip_harness.store import FileEntry, checksum_file
+    from skip_harness.store.stepstore import FileEntry, checksum_file
 
     lay = store.layout
     payload = lay.payload_path(step, 0, 0)
@@ -288,8 +288,8 @@ def test_progress_is_a_rich_bar_on_a_terminal(monkeypatch):
 
 
 def test_clean_of_a_namespace_that_cannot_be_written_is_a_one_line_error(cache, capsys, monkeypatch):
-    from skip_harness import lock
-    from skip_harness.lock import ReadOnlyCache
+    from skip_harness.store import lock
+    from skip_harness.store.lock import ReadOnlyCache
 
     dump, a, b = cache
 

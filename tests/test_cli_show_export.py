@@ -13,9 +13,9 @@ import torch
 
 from conftest import write_legacy
 from skip_harness.cli import main
-from skip_harness.fingerprint import Fingerprint
-from skip_harness.layout import NamespaceKey
-from skip_harness.store import StepStore
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.layout import NamespaceKey
+from skip_harness.store.stepstore import StepStore
 
 tensordict = pytest.importorskip("tensordict")
 

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from skip_harness import SkipHarness, codec, tensorfile
+from skip_harness import SkipHarness, codec
+from skip_harness.codec import tensorfile
 from skip_harness.errors import CodecError
-from skip_harness.layout import Layout, NamespaceKey
-from skip_harness.store import StepStore, checksum_file
+from skip_harness.store.layout import Layout, NamespaceKey
+from skip_harness.store.stepstore import StepStore, checksum_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ZSTD = codec.stored_form("zstd", 3)

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from skip_harness.config import DemoConfig, RolloutTQConfig, check_batch_split, namespace_key_from_config, to_demo_config
+from skip_harness.config import RolloutTQConfig, check_batch_split, namespace_key_from_config
+from skip_harness.demo.config import DemoConfig, to_demo_config
 from skip_harness.errors import ConfigError
 
 
@@ -112,9 +113,9 @@ def _compose(*overrides):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from skip_harness.config import register_configs
+    from skip_harness.demo.config import register_demo_configs
 
-    register_configs()
+    register_demo_configs()
     for name, fn in (("skip_harness_run_id", lambda: "x"), ("skip_harness_k", lambda mode, k: 1)):
         OmegaConf.register_new_resolver(name, fn, replace=True)
     GlobalHydra.instance().clear()
@@ -159,8 +160,8 @@ def test_unknown_settings_of_the_harness_are_refused_with_the_closest_name(tmp_p
 
 # ---------------------------------------------------------------- fingerprint per mode (issue 15, item 2)
 def test_parameter_sync_step_is_in_the_fingerprint_only_in_separate_async():
-    from skip_harness.config import demo_fingerprint_keys
-    from skip_harness.fingerprint import Fingerprint
+    from skip_harness.demo.config import demo_fingerprint_keys
+    from skip_harness.store.fingerprint import Fingerprint
 
     key = "trainer.v1.separate_async.parameter_sync_step"
     for mode in ("sync", "colocate_async"):
@@ -174,8 +175,8 @@ def test_parameter_sync_step_is_in_the_fingerprint_only_in_separate_async():
 
 
 def test_a_cache_whose_fingerprint_held_more_keys_still_matches_when_the_values_agree():
-    from skip_harness.config import demo_fingerprint_keys
-    from skip_harness.fingerprint import Fingerprint
+    from skip_harness.demo.config import demo_fingerprint_keys
+    from skip_harness.store.fingerprint import Fingerprint
 
     key = "trainer.v1.separate_async.parameter_sync_step"
     now = Fingerprint.from_config(demo(f"{key}=2"), demo_fingerprint_keys("sync"))

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from skip_harness import dist as dist_mod
-from skip_harness.dist import DistContext, _cpu_backend
+from skip_harness.run import dist as dist_mod
+from skip_harness.run.dist import DistContext, _cpu_backend
 from skip_harness.errors import HarnessUsageError
 
 

@@ -1,5 +1,5 @@
 """Faults proven in the suite: a real full disk (a small tmpfs where mount works, else RLIMIT_FSIZE in a
-subprocess) and ENOSPC / EIO / EACCES injected at each write call of skip_harness.store. Every time:
+subprocess) and ENOSPC / EIO / EACCES injected at each write call of skip_harness.store.stepstore. Every time:
 the run finishes, warns naming the path, commits nothing half-written, leaves no temporary file, the
 summary counts the step as uncommitted, and a rerun regenerates exactly the uncommitted steps."""
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 
 from conftest import subprocess_env
 from skip_harness import SkipHarness
-from skip_harness import fileops
-from skip_harness import store as store_mod
-from skip_harness.layout import TMP_PREFIX
-from skip_harness.scan import scan_namespace
+from skip_harness.store.posix import fileops
+from skip_harness.store import stepstore as store_mod
+from skip_harness.store.layout import TMP_PREFIX
+from skip_harness.store.scan import scan_namespace
 
 K = 2
 STEPS = 4

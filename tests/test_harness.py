@@ -10,14 +10,14 @@ from collections import Counter
 import pytest
 import torch
 
-from skip_harness.callbacks import HarnessCallback
+from skip_harness.run.callbacks import HarnessCallback
 from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import FingerprintMismatchError, HarnessUsageError
-from skip_harness.fingerprint import Fingerprint
-from skip_harness.harness import SkipHarness
-from skip_harness.layout import NamespaceKey
-from skip_harness.scan import scan_namespace
-from skip_harness.store import StepStore
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.run.harness import SkipHarness
+from skip_harness.store.layout import NamespaceKey
+from skip_harness.store.scan import scan_namespace
+from skip_harness.store.stepstore import StepStore
 
 
 class Trainer:
@@ -351,8 +351,8 @@ def test_lock_held_by_another_process(tmp_path):
         f"""
         import sys
         from skip_harness.config import RolloutTQConfig
-        from skip_harness.harness import SkipHarness
-        from skip_harness.layout import NamespaceKey
+        from skip_harness.run.harness import SkipHarness
+        from skip_harness.store.layout import NamespaceKey
         from skip_harness.errors import LockHeldError
         s = RolloutTQConfig(enable=True, dump_dir={str(tmp_path / 'cache')!r})
         h = SkipHarness(s, NamespaceKey("exp", "proj", 8, 2, 4, 4))

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from skip_harness import SkipHarness
 from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import ConfigError, HarnessUsageError, LockHeldError
-from skip_harness.store import StepStore
+from skip_harness.store.stepstore import StepStore
 
 
 class GenOnly:
@@ -94,7 +94,7 @@ def test_settings_from_dict_omegaconf_and_dataclass_and_errors_name_the_full_key
     with pytest.raises(ConfigError, match=r"^namespace\.experiment_name: "):
         SkipHarness.create({}, namespace={"project_name": "p"})
     with pytest.raises(ConfigError, match=r"^trainer\.v1\.trainer_mod: fingerprint key not found"):
-        from skip_harness.config import DemoConfig
+        from skip_harness.demo.config import DemoConfig
         SkipHarness.from_config(DemoConfig(), fingerprint_keys=["trainer.v1.trainer_mod"])
     assert list(tmp_path.iterdir()) == []  # construction never touches the disk
 
@@ -192,7 +192,7 @@ def test_prefetch_loads_the_next_hit_ahead_and_is_cancelled_at_close(tmp_path, m
 
 
 def test_pending_writes_are_bounded(tmp_path, monkeypatch):
-    from skip_harness.store import StagedInner
+    from skip_harness.store.stepstore import StagedInner
 
     gate = threading.Event()
     real = StagedInner.complete

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from skip_harness.cli import main
-from skip_harness.layout import NamespaceKey
-from skip_harness.scan import scan_namespace
-from skip_harness.store import StepStore
+from skip_harness.store.layout import NamespaceKey
+from skip_harness.store.scan import scan_namespace
+from skip_harness.store.stepstore import StepStore
 
 tensordict = pytest.importorskip("tensordict")
 TensorDict = tensordict.TensorDict
@@ -96,7 +96,7 @@ def test_without_trust_it_refuses_and_says_why(verl_cache, tmp_path, capsys):
 
 
 def test_dry_run_lists_without_loading(verl_cache, tmp_path, capsys, monkeypatch):
-    from skip_harness import verl_import
+    from skip_harness.cli import import_verl as verl_import
 
     root, _ = verl_cache
     monkeypatch.setattr(verl_import, "load_trusted", lambda path: pytest.fail(f"loaded {path} in a dry run"))

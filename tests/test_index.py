@@ -12,11 +12,11 @@ import time
 import pytest
 
 from conftest import write_legacy, write_step
-from skip_harness import index
-from skip_harness.fingerprint import Fingerprint
-from skip_harness.layout import NamespaceKey
-from skip_harness.scan import scan_namespace
-from skip_harness.store import StepStore
+from skip_harness.store import index
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.layout import NamespaceKey
+from skip_harness.store.scan import scan_namespace
+from skip_harness.store.stepstore import StepStore
 
 FP = Fingerprint.from_values({"model": "m", "seed": 1})
 
@@ -58,7 +58,7 @@ def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
 
 
 def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
-    from skip_harness import stepstatus
+    from skip_harness.store import status as stepstatus
 
     st = make(tmp_path, K=4)
     for step in range(1, 6):
@@ -224,7 +224,7 @@ def test_a_change_in_the_same_clock_tick_as_the_commit_is_still_seen(tmp_path):
 
 
 def test_cleanup_forgets_the_steps_it_removes(tmp_path):
-    from skip_harness.scan import plan_cleanup
+    from skip_harness.store.scan import plan_cleanup
 
     st = make(tmp_path, K=1)
     for step in (1, 2, 3):

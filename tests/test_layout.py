@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from skip_harness.layout import (
+from skip_harness.store.layout import (
     Layout,
     NamespaceKey,
     parse_namespace_leaf,

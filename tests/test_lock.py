@@ -18,9 +18,9 @@ import pytest
 
 from conftest import subprocess_env
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.layout import Layout, NamespaceKey
-from skip_harness import lock as lock_mod
-from skip_harness.lock import (
+from skip_harness.store.layout import Layout, NamespaceKey
+from skip_harness.store import lock as lock_mod
+from skip_harness.store.lock import (
     LockHolder,
     NamespaceLock,
     ReadOnlyCache,
@@ -245,8 +245,8 @@ def test_a_run_that_stops_on_an_error_leaves_no_holder_record(tmp_path, ending):
         f"""
         import sys
         from pathlib import Path
-        from skip_harness.layout import Layout
-        from skip_harness.lock import NamespaceLock
+        from skip_harness.store.layout import Layout
+        from skip_harness.store.lock import NamespaceLock
         NamespaceLock(Layout(Path({str(lay.root)!r}), K={lay.K}, W={lay.W})).acquire()
         assert Path({str(lay.lock_holder_path)!r}).exists()
         {ending}

@@ -17,8 +17,8 @@ import torch
 from skip_harness import codec
 from skip_harness.cli import main
 from skip_harness.errors import CodecError
-from skip_harness.layout import NamespaceKey
-from skip_harness.store import StepStore
+from skip_harness.store.layout import NamespaceKey
+from skip_harness.store.stepstore import StepStore
 
 tensordict = pytest.importorskip("tensordict")
 

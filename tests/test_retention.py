@@ -10,10 +10,10 @@ import pytest
 from conftest import write_step
 from skip_harness.cli import main
 from skip_harness.units import human_bytes
-from skip_harness.layout import NamespaceKey
-from skip_harness.retention import RetentionRules, StepAge, parse_age, parse_size, plan_retention
-from skip_harness.scan import scan_namespace
-from skip_harness.store import StepStore
+from skip_harness.store.layout import NamespaceKey
+from skip_harness.store.retention import RetentionRules, StepAge, parse_age, parse_size, plan_retention
+from skip_harness.store.scan import scan_namespace
+from skip_harness.store.stepstore import StepStore
 
 DAY = 86400.0
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from skip_harness import rng
+from skip_harness.run import rng
 
 
 def draws():

@@ -10,16 +10,16 @@ import torch
 
 from conftest import write_legacy, write_step
 from skip_harness.errors import ConfigError
-from skip_harness.fingerprint import Fingerprint
-from skip_harness.layout import Layout, NamespaceKey
-from skip_harness.scan import (
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.layout import Layout, NamespaceKey
+from skip_harness.store.scan import (
     CleanupPlan,
     classify_step,
     find_namespaces,
     plan_cleanup,
     scan_namespace,
 )
-from skip_harness.store import StepStore
+from skip_harness.store.stepstore import StepStore
 
 
 def make(tmp_path, K=1, W=1) -> StepStore:
@@ -247,7 +247,7 @@ def test_scan_namespace_reports_every_status(tmp_path):
 
 
 def test_large_namespace_is_scanned_in_parallel_with_the_same_result(tmp_path, monkeypatch):
-    from skip_harness import scan as scan_mod
+    from skip_harness.store import scan as scan_mod
 
     st = make(tmp_path, K=1)
     write_step(st, 1)
@@ -387,7 +387,7 @@ def test_quarantine_refuses_a_symlinked_quarantine_dir(tmp_path, outside):
 
 @pytest.mark.parametrize("action", ["delete", "quarantine"])
 def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_path, action):
-    from skip_harness import scan as scan_mod
+    from skip_harness.store import scan as scan_mod
     from skip_harness.config import Cleanup
 
     st = make(tmp_path, K=2)
@@ -415,13 +415,13 @@ def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_p
 def test_scan_pauses_the_cyclic_gc_and_restores_it(tmp_path, monkeypatch):
     import gc
 
-    from skip_harness import store as store_mod
+    from skip_harness.store import stepstore as store_mod
 
     st = make(tmp_path, K=1)
     write_step(st, 1)
     seen = []
     real = store_mod.classify_step
-    monkeypatch.setattr("skip_harness.scan.classify_step", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
+    monkeypatch.setattr("skip_harness.store.scan.classify_step", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
     assert gc.isenabled()
     scan_namespace(st.layout, use_index=False)
     assert seen == [False] and gc.isenabled()

@@ -176,9 +176,10 @@ def test_bad_config_stops_before_any_work_naming_the_key(tmp_path, overrides, ke
 def test_mode_by_group_or_by_key_gives_the_same_k(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from skip_harness.config import namespace_key_from_config, register_configs, to_demo_config
+    from skip_harness.config import namespace_key_from_config
+    from skip_harness.demo.config import register_demo_configs, to_demo_config
 
-    register_configs()
+    register_demo_configs()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         a = to_demo_config(compose("config", ["trainer_mode=separate_async"]))
         b = to_demo_config(compose("config", ["trainer.v1.trainer_mode=separate_async"]))
@@ -224,8 +225,8 @@ def test_lock_held_by_another_run(tmp_path):
         [sys.executable, "-c",
          "import sys, time\n"
          "from skip_harness.config import RolloutTQConfig\n"
-         "from skip_harness.startup import prepare_namespace\n"
-         "from skip_harness.layout import NamespaceKey\n"
+         "from skip_harness.run.startup import prepare_namespace\n"
+         "from skip_harness.store.layout import NamespaceKey\n"
          f"lay = NamespaceKey('sync_seed0', 'skip_harness_demo', 8, 2, 6, 6).layout({str(tmp_path / 'cache')!r})\n"
          "r = prepare_namespace(lay, RolloutTQConfig(enable=True))\n"
          "print('held', flush=True); time.sleep(120)\n"],

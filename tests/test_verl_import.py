@@ -24,9 +24,9 @@ import verl_rig as rig  # noqa: E402
 
 from conftest import REPO  # noqa: E402
 from skip_harness.cli import main  # noqa: E402
-from skip_harness.layout import NamespaceKey  # noqa: E402
-from skip_harness.scan import scan_namespace  # noqa: E402
-from skip_harness.store import StepStore  # noqa: E402
+from skip_harness.store.layout import NamespaceKey  # noqa: E402
+from skip_harness.store.scan import scan_namespace  # noqa: E402
+from skip_harness.store.stepstore import StepStore  # noqa: E402
 
 pytestmark = pytest.mark.verl
 

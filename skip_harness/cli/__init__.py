@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from skip_harness import retention as _retention
+from skip_harness.store import retention as _retention
 from skip_harness.errors import SkipHarnessError
 
-from ._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, default_dump_dir, emit_json, namespaces_under, require_dir,
+from skip_harness.cli._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, default_dump_dir, emit_json, namespaces_under, require_dir,
                       stdout_console)
 
 __all__ = ["main", "build_parser"]
@@ -188,7 +188,7 @@ def _restore_logging(saved) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "show":
-        from .show import cmd_show
+        from skip_harness.cli.show import cmd_show
 
         return cmd_show(Path(args.path), args.step, args.inner, args.rank, args.head, args.json)
     where = ""
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         dump_dir = Path(args.dump_dir)
     if args.command == "import-verl":
-        from .transfer import cmd_import_verl
+        from skip_harness.cli.transfer import cmd_import_verl
 
         require_dir(Path(args.verl_dump_dir))
         return cmd_import_verl(Path(args.verl_dump_dir), dump_dir, args.trust, args.dry_run, args.json)
@@ -214,21 +214,21 @@ def _run(args: argparse.Namespace) -> int:
     if not layouts and not as_json and args.command != "export":
         stdout_console().print(f"no skip_harness namespaces under {dump_dir}{f' ({where})' if where else ''}")
     if args.command == "ls":
-        from .listing import cmd_ls
+        from skip_harness.cli.listing import cmd_ls
 
         return cmd_ls(layouts, dump_dir, as_json, args.steps, args.sort, where)
     if args.command == "verify":
-        from .listing import cmd_verify
+        from skip_harness.cli.listing import cmd_verify
 
         return cmd_verify(layouts, dump_dir, as_json, args.steps)
     if args.command == "clean":
-        from .clean import cmd_clean
+        from skip_harness.cli.clean import cmd_clean
 
         rules = _retention.RetentionRules(args.keep_last, args.older_than, args.max_size,
                                           frozenset(s for group in args.pin for s in group))
         return cmd_clean(layouts, dump_dir, dry_run=args.dry_run, quarantine=args.quarantine, as_json=as_json,
                          rules=rules)
-    from .transfer import cmd_export
+    from skip_harness.cli.transfer import cmd_export
 
     if not layouts:
         raise CliError(f"{dump_dir}: no skip_harness namespaces to export")

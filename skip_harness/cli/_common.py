@@ -13,10 +13,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from skip_harness import scan as _scan
+from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError
-from skip_harness.layout import Layout, parse_namespace_leaf
-from skip_harness.store import StepStore
+from skip_harness.store.layout import Layout, parse_namespace_leaf
+from skip_harness.store.stepstore import StepStore
 
 from skip_harness.units import human_bytes
 

@@ -5,9 +5,9 @@ import dataclasses
 import re
 from typing import List, Optional, Tuple
 
-from skip_harness import scan as _scan
+from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store import StepStore
+from skip_harness.store.stepstore import StepStore
 
 _UNSAFE_ADVICE = re.compile(r"(Weights only load failed|weights_only).*", re.IGNORECASE | re.DOTALL)
 VERL_HINT = "if verl wrote it, `skip-harness import-verl VERL_DUMP_DIR DUMP_DIR --trust` converts it"

@@ -12,14 +12,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from rich.markup import escape
 from rich.table import Table
 
-from skip_harness import lock as _lock
-from skip_harness import retention as _retention
-from skip_harness import scan as _scan
+from skip_harness.store import lock as _lock
+from skip_harness.store import retention as _retention
+from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError
-from skip_harness.layout import Layout
-from skip_harness.store import StepStore
+from skip_harness.store.layout import Layout
+from skip_harness.store.stepstore import StepStore
 
-from ._common import (
+from skip_harness.cli._common import (
     EXIT_CORRUPT,
     EXIT_LOCKED,
     EXIT_OK,
@@ -31,7 +31,7 @@ from ._common import (
     stdout_console,
     step_written,
 )
-from ._verify import verified_steps
+from skip_harness.cli._verify import verified_steps
 
 RETENTION_STATUS = "retention"   # what a step removed by a retention rule is listed as
 

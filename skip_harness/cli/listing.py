@@ -10,11 +10,11 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-from skip_harness import scan as _scan
-from skip_harness.layout import Layout
-from skip_harness.store import StepStore
+from skip_harness.store import scan as _scan
+from skip_harness.store.layout import Layout
+from skip_harness.store.stepstore import StepStore
 
-from ._common import (
+from skip_harness.cli._common import (
     SORT_KEYS,
     EXIT_CORRUPT,
     EXIT_OK,
@@ -31,7 +31,7 @@ from ._common import (
     step_gen_s,
     step_written,
 )
-from ._verify import verified_steps
+from skip_harness.cli._verify import verified_steps
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from skip_harness import codec
-from skip_harness.payload_kinds import is_non_tensor_data, is_non_tensor_stack
-from skip_harness import scan as _scan
+from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack
+from skip_harness.store import scan as _scan
 from skip_harness.errors import CodecError, CorruptStepError
-from skip_harness.layout import META_NAME, PAYLOAD_NAME, Layout, parse_namespace_leaf, parse_step_name
-from skip_harness.store import StepStore
+from skip_harness.store.layout import META_NAME, PAYLOAD_NAME, Layout, parse_namespace_leaf, parse_step_name
+from skip_harness.store.stepstore import StepStore
 
-from ._common import EXIT_CORRUPT, EXIT_OK, CliError, fmt_time, human_bytes, namespaces_under, stdout_console
-from ._verify import VERL_HINT, _plain_reason
+from skip_harness.cli._common import EXIT_CORRUPT, EXIT_OK, CliError, fmt_time, human_bytes, namespaces_under, stdout_console
+from skip_harness.cli._verify import VERL_HINT, _plain_reason
 
 try:
     import numpy as np

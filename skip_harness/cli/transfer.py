@@ -9,11 +9,11 @@ from typing import List, Optional, Sequence, Set
 from rich.markup import escape
 from rich.table import Table
 
-from skip_harness import export as _export
-from skip_harness import verl_import as _verl
-from skip_harness.layout import Layout
+from skip_harness.cli import export as _export
+from skip_harness.cli import import_verl as _verl
+from skip_harness.store.layout import Layout
 
-from ._common import (
+from skip_harness.cli._common import (
     EXIT_CORRUPT,
     EXIT_LOCKED,
     EXIT_OK,

@@ -1,7 +1,7 @@
 """The demo: GRPO on a toy sort task with a small CPU transformer, in verl's three trainer modes."""
-from .policy import Policy, PolicyConfig
-from .task import SortTask
-from .trainer import DemoSettings, DemoTrainer
+from skip_harness.demo.policy import Policy, PolicyConfig
+from skip_harness.demo.task import SortTask
+from skip_harness.demo.trainer import DemoSettings, DemoTrainer
 
 # The smallest demo run worth checking end to end (Hydra overrides for scripts/train.py): a one-layer
 # d_model-32 policy, 8 prompts of 6 tokens, n = 2, no validation, no progress bar.

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .task import EOS, PAD, VOCAB_SIZE
+from skip_harness.demo.task import EOS, PAD, VOCAB_SIZE
 
 
 @dataclass(frozen=True)

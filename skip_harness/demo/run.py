@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from ..config import DemoConfig, demo_fingerprint_keys, to_demo_config
-from ..dist import DistContext
-from ..harness import SkipHarness
+from skip_harness.demo.config import DemoConfig, demo_fingerprint_keys, to_demo_config
+from skip_harness.run.dist import DistContext
+from skip_harness.run.harness import SkipHarness
 
 log = logging.getLogger("skip_harness.demo")
 
@@ -44,7 +44,7 @@ def _run_dir(explicit: Optional[Path]) -> Path:
 
 
 def demo_settings(cfg: DemoConfig):
-    from .trainer import DemoSettings
+    from skip_harness.demo.trainer import DemoSettings
 
     arr = cfg.actor_rollout_ref
     return DemoSettings(
@@ -82,7 +82,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
     demo = validate(cfg)
     from accelerate import Accelerator
 
-    from .trainer import DemoTrainer
+    from skip_harness.demo.trainer import DemoTrainer
 
     accelerator = Accelerator(cpu=True)
     dist = DistContext.current()

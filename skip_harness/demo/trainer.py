@@ -34,9 +34,9 @@ from typing import Callable, Dict, List, Optional
 import accelerate
 import torch
 
-from ..config import TRAINER_MODES
-from .policy import Policy, PolicyConfig, sequence_logprobs
-from .task import SortTask, derive_seed
+from skip_harness.config import TRAINER_MODES
+from skip_harness.demo.policy import Policy, PolicyConfig, sequence_logprobs
+from skip_harness.demo.task import SortTask, derive_seed
 
 log = logging.getLogger("skip_harness.demo")
 

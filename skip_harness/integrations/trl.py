@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 
-from ..errors import ConfigError, HarnessUsageError
+from skip_harness.errors import ConfigError, HarnessUsageError
 
 log = logging.getLogger("skip_harness")
 
@@ -311,7 +311,7 @@ def attach(
     """
     from transformers import TrainerCallback
 
-    from ..harness import SkipHarness
+    from skip_harness.run.harness import SkipHarness
 
     _check_supported(trainer)
     K = generations_per_step(trainer.args)

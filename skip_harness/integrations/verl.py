@@ -53,9 +53,9 @@ if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY
     raise ImportError("skip_harness.integrations.verl needs verl 0.9.x: this verl has no skip.rollout_tq "
                       "(SkipManager.annotate_tq, verl #6897); pip install 'skip_harness[verl]'")
 
-from ..errors import HarnessUsageError
-from ..stats import HIT, MISS, REPEAT
-from . import verl_config, verl_tq
+from skip_harness.errors import HarnessUsageError
+from skip_harness.run.stats import HIT, MISS, REPEAT
+from skip_harness.integrations import verl_config, verl_tq
 
 log = logging.getLogger("skip_harness")
 
@@ -123,7 +123,7 @@ class HarnessRolloutTqSkip(BaseSkip):
             # verl configures the root logger at WARNING when imported: keep the per-step lines and the
             # startup and summary lines visible unless the user set a level for `skip_harness`
             log.setLevel(logging.INFO)
-        from ..harness import SkipHarness
+        from skip_harness.run.harness import SkipHarness
 
         self.plan = verl_config.plan_of(local_config, global_config)
         if self.plan.all_steps:

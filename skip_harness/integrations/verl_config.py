@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from ..config import ROLLOUT_TQ_KEY, RolloutTQConfig, check_batch_split, settings_from
-from ..errors import ConfigError
+from skip_harness.config import ROLLOUT_TQ_KEY, RolloutTQConfig, check_batch_split, settings_from
+from skip_harness.errors import ConfigError
 
 #: The node that holds skip_harness's own settings (verl rejects other keys under ``skip.rollout_tq``).
 NODE = "skip_harness"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
-from ..errors import HarnessUsageError
+from skip_harness.errors import HarnessUsageError
 
 PARTITION = "train"
 

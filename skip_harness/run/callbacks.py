@@ -4,15 +4,15 @@ In the shape of Hydra's callbacks: :class:`HarnessCallback` is a plain class of 
 keyword arguments (and ``**kwargs``, so new arguments never break anyone); :class:`CallbackDispatcher`
 calls start hooks in order and end hooks in reverse. :class:`LoggingCallback` is one consumer: it
 turns events into the log lines users read. Every hook runs on the trainer's thread, in step order.
-The Hydra callback lives in :mod:`skip_harness.hydra_callback`.
+The Hydra callback lives in :mod:`skip_harness.integrations.hydra`.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, List, Optional, Sequence
 
-from .stats import HIT, MISS, REPEAT, RunSummary, StepRecord
-from .units import human_bytes
+from skip_harness.run.stats import HIT, MISS, REPEAT, RunSummary, StepRecord
+from skip_harness.units import human_bytes
 
 log = logging.getLogger("skip_harness")
 
@@ -21,11 +21,11 @@ class HarnessCallback:
     """Hooks called by the harness. Override what you need; every method is a no-op."""
 
     def on_startup(self, *, namespace: str, startup: Any, **kwargs: Any) -> None:
-        """After the startup scan and cleanup (``startup`` is a :class:`skip_harness.startup.StartupResult`;
+        """After the startup scan and cleanup (``startup`` is a :class:`skip_harness.run.startup.StartupResult`;
         ``quiet`` is True when a Hydra callback already reported this startup)."""
 
     def on_step_start(self, *, step: int, decision: Any, **kwargs: Any) -> None:
-        """When the harness has decided a step (``decision`` is a :class:`skip_harness.policy.Decision`)."""
+        """When the harness has decided a step (``decision`` is a :class:`skip_harness.run.policy.Decision`)."""
 
     def on_serve(self, *, step: int, inner_index: int, source_step: int, bytes: int, seconds: float, **kwargs: Any) -> None:
         """A cached mini-batch was returned from ``sample``."""

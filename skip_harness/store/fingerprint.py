@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import ConfigError
+from skip_harness.errors import ConfigError
 
 _MISSING = object()
 

@@ -13,14 +13,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Optional, Tuple
 
-from .config import Cleanup, OnMismatch, RolloutTQConfig
-from .dist import DistContext
-from .errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
-from .fingerprint import Fingerprint
-from .layout import Layout
-from .lock import NamespaceLock, ReadOnlyCache, new_run_token, remove_run_marker, sees_run_marker, write_run_marker
-from .scan import CleanupItem, CleanupPlan, CleanupResult, NamespaceReport, plan_cleanup, scan_namespace
-from .units import human_bytes
+from skip_harness.config import Cleanup, OnMismatch, RolloutTQConfig
+from skip_harness.run.dist import DistContext
+from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.layout import Layout
+from skip_harness.store.lock import NamespaceLock, ReadOnlyCache, new_run_token, remove_run_marker, sees_run_marker, write_run_marker
+from skip_harness.store.scan import CleanupItem, CleanupPlan, CleanupResult, NamespaceReport, plan_cleanup, scan_namespace
+from skip_harness.units import human_bytes
 
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 
 import torch
 
-logger = logging.getLogger("skip_harness.rng")
+logger = logging.getLogger("skip_harness.run.rng")
 
 
 def _bytes_to_text(t: torch.Tensor) -> str:

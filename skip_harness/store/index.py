@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import xxhash
 
-from skip_harness.layout import COMMIT_NAME, TMP_PREFIX, Layout
+from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, Layout
 
 INDEX_NAME = ".index.jsonl"
 INDEX_FORMAT = 1

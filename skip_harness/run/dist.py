@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .errors import HarnessUsageError
+from skip_harness.errors import HarnessUsageError
 
 # The gloo group made for the harness: [(default group it was made under, gloo group)]. Made once per
 # default group, because `new_group` is a collective every rank must call the same number of times.

@@ -1,9 +1,9 @@
 """The object a trainer owns: `SkipHarness` caches the mini-batches its `sample` returns.
 
-It is a few named parts: :class:`~skip_harness.hooks.MethodHooks` wraps the trainer's methods
-(reversibly), :class:`~skip_harness.steps.StepRunner` decides and serves each step,
-:class:`~skip_harness.coordinator.CommitCoordinator` owns the writer thread and the commits, and
-:class:`~skip_harness.stats.RunStats` keeps the run's records. This module builds them, runs the
+It is a few named parts: :class:`~skip_harness.run.hooks.MethodHooks` wraps the trainer's methods
+(reversibly), :class:`~skip_harness.run.steps.StepRunner` decides and serves each step,
+:class:`~skip_harness.run.coordinator.CommitCoordinator` owns the writer thread and the commits, and
+:class:`~skip_harness.run.stats.RunStats` keeps the run's records. This module builds them, runs the
 startup (lock, scan, cleanup, fingerprint check, shared-filesystem check) and shuts them down.
 Construction only validates: nothing touches the disk before :meth:`SkipHarness.start`.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from . import codec
-from .callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback
-from .config import (
+from skip_harness import codec
+from skip_harness.run.callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback
+from skip_harness.config import (
     RolloutTQConfig,
     check_batch_split,
     namespace_key_from,
@@ -22,18 +22,18 @@ from .config import (
     rollout_tq_from,
     settings_from,
 )
-from .coordinator import CommitCoordinator, Writer
-from .dist import DistContext
-from .errors import HarnessUsageError
-from .fingerprint import Fingerprint
-from .hooks import CallReader, MethodHooks, hit_prepare
-from .layout import Layout, NamespaceKey
-from .prefetch import Prefetcher
-from .startup import StartupResult, start_namespace
-from .stats import HIT, MISS, OFF, REPEAT, RunStats, RunSummary
-from .steps import StepRunner
-from .bufferpool import BufferPool
-from .store import StepStore
+from skip_harness.run.coordinator import CommitCoordinator, Writer
+from skip_harness.run.dist import DistContext
+from skip_harness.errors import HarnessUsageError
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
+from skip_harness.store.layout import Layout, NamespaceKey
+from skip_harness.run.prefetch import Prefetcher
+from skip_harness.run.startup import StartupResult, start_namespace
+from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, RunStats, RunSummary
+from skip_harness.run.steps import StepRunner
+from skip_harness.store.bufferpool import BufferPool
+from skip_harness.store.stepstore import StepStore
 
 _DEFAULT = object()
 

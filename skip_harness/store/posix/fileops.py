@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import xxhash
 
-from skip_harness.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX
+from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX
 
 CHUNK_BYTES = 8 << 20             # read size when verifying checksums of small files
 MAP_FROM = 1 << 20                # files from this size are hashed through a read-only mapping

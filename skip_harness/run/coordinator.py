@@ -23,11 +23,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
-from .dist import DistContext
-from .errors import CodecError
-from .fingerprint import Fingerprint
-from .stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REFUSED, SHORT_STEP, WRITE_FAILED
-from .store import StepStore
+from skip_harness.run.dist import DistContext
+from skip_harness.errors import CodecError
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.run.stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REFUSED, SHORT_STEP, WRITE_FAILED
+from skip_harness.store.stepstore import StepStore
 
 _STOP = object()
 

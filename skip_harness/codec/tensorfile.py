@@ -41,7 +41,7 @@ import torch
 import zstandard
 
 from skip_harness.errors import CodecError
-from skip_harness.payload_kinds import np
+from skip_harness.codec.payload_kinds import np
 
 FORMAT_VERSION = 3            # 1: torch.save of the encoded structure; 2: no `how` (both read, never written)
 MAGIC = b"\x89SKH\r\n\x1a\n"

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from skip_harness.errors import CorruptStepError
-from skip_harness.fingerprint import Fingerprint
-from skip_harness.layout import COMMIT_NAME, TMP_PREFIX, Layout
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, Layout
 
 STATUSES = ("complete", "unverified", "incomplete", "corrupt")
 COMMIT_FORMAT = 1

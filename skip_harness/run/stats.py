@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .errors import HarnessUsageError
+from skip_harness.errors import HarnessUsageError
 
 HIT, MISS, REPEAT, OFF = "hit", "miss", "repeat", "off"
 KINDS = (HIT, REPEAT, MISS, OFF)

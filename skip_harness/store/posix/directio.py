@@ -18,8 +18,8 @@ import os
 import threading
 from typing import Tuple
 
-from skip_harness.bufferpool import ALIGN, BufferPool, Lease, round_up
-from skip_harness.fileops import CREATE_FLAGS, READ_FLAGS, drop_cached_pages, fsync_dir, replace_via_temp
+from skip_harness.store.bufferpool import ALIGN, BufferPool, Lease, round_up
+from skip_harness.store.posix.fileops import CREATE_FLAGS, READ_FLAGS, drop_cached_pages, fsync_dir, replace_via_temp
 
 _DIRECT = getattr(os, "O_DIRECT", 0)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Optional
 
-from .config import Action, RolloutTQConfig
-from .stats import HIT, MISS, OFF, REPEAT
+from skip_harness.config import Action, RolloutTQConfig
+from skip_harness.run.stats import HIT, MISS, OFF, REPEAT
 
 
 @dataclass(frozen=True)

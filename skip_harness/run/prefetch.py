@@ -12,8 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .codec import UnregisteredTypeError
-from .store import StepStore
+from skip_harness.codec import UnregisteredTypeError
+from skip_harness.store.stepstore import StepStore
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
-from .errors import HarnessUsageError
+from skip_harness.errors import HarnessUsageError
 
 MARK = "__skip_harness_hook__"
 

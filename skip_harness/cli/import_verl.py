@@ -38,13 +38,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from skip_harness import lock as _lock
-from skip_harness import scan as _scan
+from skip_harness.store import lock as _lock
+from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.layout import Layout, NamespaceKey, parse_step_name
-from skip_harness.store import StepStore
+from skip_harness.store.layout import Layout, NamespaceKey, parse_step_name
+from skip_harness.store.stepstore import StepStore
 
-logger = logging.getLogger("skip_harness.verl_import")
+logger = logging.getLogger("skip_harness.cli.import_verl")
 
 VERL_PAYLOAD = "tq_batch.pt"
 VERL_V0_PAYLOAD = "gen_batch.dp"

@@ -10,7 +10,7 @@ from typing import Any, List, Sequence
 import torch
 
 from skip_harness.errors import CodecError
-from skip_harness.payload_kinds import (
+from skip_harness.codec.payload_kinds import (
     ORIGIN_ATTR, SCALARS, construct, fields_of, is_non_tensor_data, is_tensordict, key_repr, np, origin_device,
     registered_or_refuse,
 )

@@ -12,17 +12,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from . import codec, rng
-from .callbacks import CallbackDispatcher
-from .config import Action, Cleanup, RolloutTQConfig
-from .coordinator import CommitCoordinator, Finished
-from .dist import DistContext
-from .errors import HarnessUsageError
-from .policy import Decision, decide
-from .prefetch import Loaded, Prefetcher
-from .startup import set_aside
-from .stats import HIT, MISS, OFF, READ_ONLY, RunStats, StepRecord
-from .store import StepStore
+from skip_harness import codec
+from skip_harness.run import rng
+from skip_harness.run.callbacks import CallbackDispatcher
+from skip_harness.config import Action, Cleanup, RolloutTQConfig
+from skip_harness.run.coordinator import CommitCoordinator, Finished
+from skip_harness.run.dist import DistContext
+from skip_harness.errors import HarnessUsageError
+from skip_harness.run.policy import Decision, decide
+from skip_harness.run.prefetch import Loaded, Prefetcher
+from skip_harness.run.startup import set_aside
+from skip_harness.run.stats import HIT, MISS, OFF, READ_ONLY, RunStats, StepRecord
+from skip_harness.store.stepstore import StepStore
 
 
 @dataclass

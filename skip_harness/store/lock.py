@@ -35,10 +35,10 @@ from typing import Dict, List, Optional
 import filelock
 
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.fileops import CREATE_FLAGS, replace_via_temp
-from skip_harness.layout import Layout
+from skip_harness.store.posix.fileops import CREATE_FLAGS, replace_via_temp
+from skip_harness.store.layout import Layout
 
-logger = logging.getLogger("skip_harness.lock")
+logger = logging.getLogger("skip_harness.store.lock")
 
 TIMEOUT_KEY = "skip.rollout_tq.lock_timeout"
 DUMP_DIR_KEY = "skip.rollout_tq.dump_dir"

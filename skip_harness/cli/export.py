@@ -27,11 +27,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from skip_harness import scan as _scan
+from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.layout import Layout
-from skip_harness.payload_kinds import is_non_tensor_data, is_non_tensor_stack
-from skip_harness.store import StepStore
+from skip_harness.store.layout import Layout
+from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack
+from skip_harness.store.stepstore import StepStore
 
 try:
     import numpy as np
@@ -43,7 +43,7 @@ try:
 except Exception:  # pragma: no cover - optional
     TensorDictBase = None
 
-logger = logging.getLogger("skip_harness.export")
+logger = logging.getLogger("skip_harness.cli.export")
 
 INDEX_COLUMNS = ("step", "inner_index", "rank", "trajectory_index")
 NAMESPACE_COLUMN = "namespace"

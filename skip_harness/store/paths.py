@@ -10,8 +10,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Optional, Tuple
 
 from skip_harness.errors import CorruptStepError, HarnessUsageError
-from skip_harness.fileops import NotARealDirectory, describe_mode, fsync_dir, lstat_at, open_dir_at, remove_entry_at
-from skip_harness.layout import COMMIT_NAME, Layout
+from skip_harness.store.posix.fileops import NotARealDirectory, describe_mode, fsync_dir, lstat_at, open_dir_at, remove_entry_at
+from skip_harness.store.layout import COMMIT_NAME, Layout
 
 
 def check_step(step: Any) -> None:

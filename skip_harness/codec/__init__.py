@@ -40,18 +40,18 @@ from typing import Any, BinaryIO, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 
-from skip_harness import tensorfile
+from skip_harness.codec import tensorfile
 from skip_harness.errors import CodecError
-from skip_harness.minibatch import merge, snapshot  # noqa: F401  (re-exported)
-from skip_harness.payload_kinds import (
+from skip_harness.codec.minibatch import merge, snapshot  # noqa: F401  (re-exported)
+from skip_harness.codec.payload_kinds import (
     SCALARS, MetaData, NonTensorData, NonTensorStack, TensorDict, UnregisteredTypeError,
     device_available, fields_of, is_non_tensor_data, is_non_tensor_stack, is_tensordict, key_repr, np,
     origin_device, rebuild, registered_or_refuse,
 )
-from skip_harness.payload_kinds import (  # noqa: F401  (re-exported: codec API)
+from skip_harness.codec.payload_kinds import (  # noqa: F401  (re-exported: codec API)
     ORIGIN_ATTR, register_type, registered_name, unregister_type,
 )
-from skip_harness.tensorfile import FORMAT_VERSION, MAGIC, StoredForm  # noqa: F401  (re-exported)
+from skip_harness.codec.tensorfile import FORMAT_VERSION, MAGIC, StoredForm  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("skip_harness.codec")
 

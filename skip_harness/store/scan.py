@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
-from skip_harness import index as _index
+from skip_harness.store import index as _index
 from skip_harness.config import Cleanup
 from skip_harness.errors import ConfigError
-from skip_harness.fingerprint import Fingerprint
-from skip_harness.layout import TMP_PREFIX, TRASH_PREFIX, Layout, parse_namespace_leaf, parse_step_name
-from skip_harness.fileops import remove_entry_at, tree_bytes
-from skip_harness.stepstatus import STATUSES, StepReport, classify_step
-from skip_harness.store import StepStore
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.layout import TMP_PREFIX, TRASH_PREFIX, Layout, parse_namespace_leaf, parse_step_name
+from skip_harness.store.posix.fileops import remove_entry_at, tree_bytes
+from skip_harness.store.status import STATUSES, StepReport, classify_step
+from skip_harness.store.stepstore import StepStore
 
 __all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace",
            "find_namespaces", "CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]

@@ -26,22 +26,24 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from skip_harness import codec, index, tensorfile
-from skip_harness.bufferpool import BufferPool, Lease
-from skip_harness.directio import read_into, write_buffer_at
+from skip_harness import codec
+from skip_harness.store import index
+from skip_harness.codec import tensorfile
+from skip_harness.store.bufferpool import BufferPool, Lease
+from skip_harness.store.posix.directio import read_into, write_buffer_at
 from skip_harness.errors import CorruptStepError, HarnessUsageError
-from skip_harness.fileops import (  # noqa: F401  (re-exported: the store's public names)
+from skip_harness.store.posix.fileops import (  # noqa: F401  (re-exported: the store's public names)
     CHUNK_BYTES, MAP_FROM, READ_FLAGS, WRITE_BUFFER_BYTES, HashingWriter, NotARealDirectory,
     checksum_bytes, checksum_fd, checksum_file, describe_mode, fsync_dir, lstat_at, open_dir_at,
     remove_entry_at, tree_bytes, write_file_at,
 )
-from skip_harness.fingerprint import Fingerprint
-from skip_harness.layout import COMMIT_NAME, Layout
-from skip_harness.steppaths import (
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.layout import COMMIT_NAME, Layout
+from skip_harness.store.paths import (
     check_position, check_step, existing_rel, meta_rel_at, open_inner_for_writing, open_root, open_step,
     payload_rel_at, real_file, step_dir_name, without_path,
 )
-from skip_harness.stepstatus import (  # noqa: F401  (re-exported: the store's public names)
+from skip_harness.store.status import (  # noqa: F401  (re-exported: the store's public names)
     COMMIT_FORMAT, STATUSES, WRITER_NAME, CommitRecord, FileEntry, StepReport, classify_step,
     expected_rels, is_safe_rel, parse_commit, required_rels,
 )

@@ -1,0 +1,146 @@
+"""The demo's config: `scripts/train.py`'s whole schema (verl's key names), its fingerprint keys, and
+its registration in Hydra's ConfigStore as `demo_schema`. The rollout cache's own schema
+(`skip.rollout_tq`) and the K rule stay in :mod:`skip_harness.config`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from skip_harness.config import SkipConfig, _to_object, check_batch_split, k_for, register_configs
+from skip_harness.errors import ConfigError
+
+
+@dataclass
+class SeparateAsyncConfig:
+    parameter_sync_step: int = 4
+
+
+@dataclass
+class TrainerV1Config:
+    trainer_mode: str = "sync"
+    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "skip_harness_demo"
+    experiment_name: str = "${trainer.v1.trainer_mode}_seed${seed}"
+    total_training_steps: int = 20
+    test_freq: int = 5
+    progress: bool = True  # a progress bar on stderr, drawn only when stderr is a terminal
+    # torch intra-op threads; null: the machine's cores / processes per machine. Fixed so a run gives
+    # the same bits under any launcher (Hydra's joblib workers would otherwise run with one thread).
+    torch_threads: Optional[int] = None
+    v1: TrainerV1Config = field(default_factory=TrainerV1Config)
+
+
+@dataclass
+class DataConfig:
+    train_batch_size: int = 512
+    max_prompt_length: int = 8
+    max_response_length: int = 10
+    val_batch_size: int = 32
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    temperature: float = 1.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    clip_ratio: float = 0.2
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+
+
+@dataclass
+class DemoConfig:
+    """The whole config of `scripts/train.py` (verl's key names)."""
+
+    seed: int = 0
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    skip: SkipConfig = field(default_factory=SkipConfig)
+
+    def __post_init__(self) -> None:
+        k_for(self.trainer.v1.trainer_mode, self.trainer.v1.separate_async.parameter_sync_step)
+        positive = {
+            "data.train_batch_size": self.data.train_batch_size,
+            "data.max_prompt_length": self.data.max_prompt_length,
+            "data.max_response_length": self.data.max_response_length,
+            "actor_rollout_ref.rollout.n": self.actor_rollout_ref.rollout.n,
+            "trainer.total_training_steps": self.trainer.total_training_steps,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(key, f"must be >= 1, got {value}")
+        threads = self.trainer.torch_threads
+        if threads is not None and threads < 1:
+            raise ConfigError("trainer.torch_threads", f"must be >= 1 or null (cores / processes per machine), got {threads}")
+        if self.trainer.test_freq < 0:
+            raise ConfigError("trainer.test_freq", f"must be >= 0 (0 = no validation), got {self.trainer.test_freq}")
+        check_batch_split(self.data.train_batch_size, self.K, 1)
+
+    @property
+    def K(self) -> int:
+        """Sample calls per step: parameter_sync_step in separate_async, else 1."""
+        return k_for(self.trainer.v1.trainer_mode, self.trainer.v1.separate_async.parameter_sync_step)
+
+    def check_world_size(self, world_size: int) -> None:
+        check_batch_split(self.data.train_batch_size, self.K, world_size)
+
+
+# The config keys that shape the demo's rollouts apart from the learned weights, in every mode.
+DEMO_FINGERPRINT_KEYS = (
+    "trainer.v1.trainer_mode",
+    "seed",
+    "data.train_batch_size",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "actor_rollout_ref.model.d_model",
+    "actor_rollout_ref.model.n_layers",
+    "actor_rollout_ref.model.n_heads",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.temperature",
+)
+# ...and in separate_async, where it is K (sync and colocate_async never read it).
+SEPARATE_ASYNC_FINGERPRINT_KEYS = ("trainer.v1.separate_async.parameter_sync_step",)
+
+
+def demo_fingerprint_keys(mode: str) -> tuple:
+    """The demo's fingerprint keys in trainer mode `mode`: what shapes its rollouts in that mode."""
+    return DEMO_FINGERPRINT_KEYS + (SEPARATE_ASYNC_FINGERPRINT_KEYS if mode == "separate_async" else ())
+
+
+def to_demo_config(cfg: Any) -> DemoConfig:
+    """Validate a composed DictConfig (or a dict) into a DemoConfig; raises ConfigError naming the key."""
+    return _to_object(DemoConfig, cfg, prefix="")
+
+
+def register_demo_configs() -> None:
+    """Register the demo's schema (`demo_schema`) and the rollout cache's in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    register_configs()
+    ConfigStore.instance().store(name="demo_schema", node=DemoConfig)

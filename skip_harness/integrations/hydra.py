@@ -1,0 +1,173 @@
+"""Hydra callbacks: the startup before the task function, and a sweep that survives a failed job.
+
+:class:`HydraStartupCallback` validates the whole config (the schema, every cross-field check and the
+trainer's own, through ``validate``) in ``on_run_start``, before Hydra makes the run directory: a
+config error stops a single run there with one message and exit status 2, and nothing is created
+(no ``outputs/...`` folder, nothing in the cache). In ``on_job_start`` it takes the namespace lock,
+scans and cleans, and hands the result to the harness of the job (:func:`startup.hand_over`). Any other
+exception in a Hydra callback only becomes a warning, so ``on_job_start`` never raises: a held lock
+is left to the task function, which stops with one clear message — before anything touched the disk.
+
+:class:`SweepReport` ends a multirun: a job that stopped on its own cause (a held lock, a fingerprint
+mismatch, a config error) recorded it with :func:`record_job_failure` and returned, so the other jobs
+still ran; at the end the sweep names every failed job and exits non-zero.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
+
+from skip_harness.run.callbacks import LoggingCallback
+from skip_harness.config import check_batch_split, namespace_key_from_config, rollout_tq_from
+from skip_harness.errors import ConfigError
+from skip_harness.run.startup import StartupResult, hand_over, prepare_namespace, take_over
+
+log = logging.getLogger("skip_harness")
+
+FAILURE_FILE = "job_failed.json"
+
+# Set once Hydra composed the config and started a run or a sweep in this process (see `config_composed`).
+_COMPOSED = threading.Event()
+
+
+def note_config_composed() -> None:
+    """Called by a task function (a config reached it), for apps whose config has no HydraStartupCallback."""
+    _COMPOSED.set()
+
+
+def config_composed() -> bool:
+    """Whether Hydra got as far as starting a run or a sweep in this process. When it exits 1 before
+    that, its error was in the command line or the config it composed (an unknown key, a bad override):
+    a config error, which `scripts/train.py` turns into exit status 2 like its own config errors."""
+    return _COMPOSED.is_set()
+
+
+def _import(path: str) -> Callable[[Any], Any]:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class HydraStartupCallback(Callback):
+    """``validate``: dotted path of the trainer's own check of the whole config (raises ConfigError)."""
+
+    def __init__(self, validate: Optional[str] = None) -> None:
+        self._validate = validate
+        self._held: Dict[int, StartupResult] = {}
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        """A single run: the config checked before Hydra makes the run directory. A ConfigError ends the
+        process here (exit 2, nothing created); anything else is left to the task function."""
+        _COMPOSED.set()
+        if not self._validate:
+            return
+        task = _task_config(config)
+        if task is None:
+            return
+        try:
+            _import(self._validate)(task)
+        except ConfigError as exc:
+            log.error("%s (nothing was created: no run directory, nothing in the cache)", exc)
+            sys.stderr.flush()
+            raise SystemExit(2)  # not an Exception: Hydra would turn it into a warning
+        except Exception as exc:  # noqa: BLE001 - the task function repeats the check and reports it
+            log.debug("skip_harness config check deferred to the task function: %s", exc)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        _COMPOSED.set()  # each job's config is checked by its task function (the sweep goes on)
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        task = _task_config(config)   # what the task function gets: no `hydra` node
+        if task is None:
+            return
+        try:
+            if self._validate:
+                _import(self._validate)(task)
+            settings = rollout_tq_from(task)
+            if not settings.enable:
+                return
+            key = namespace_key_from_config(task)
+            check_batch_split(int(task.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
+            layout = key.with_world_size(int(os.environ.get("WORLD_SIZE", "1"))).layout(settings.resolved_dump_dir())
+            result = prepare_namespace(layout, settings, timeout=0.0)
+        except Exception as exc:  # the task function repeats the checks and reports properly
+            log.debug("skip_harness startup deferred to the harness: %s", exc)
+            return
+        self._held[id(config)] = result
+        report = LoggingCallback()  # the same lines the harness logs when it does the startup itself
+        for path, reason in result.faults():
+            report.on_fault(path=path, reason=reason)
+        report.on_startup(namespace=str(layout.root), startup=result)
+        hand_over(result)
+
+    def on_job_end(self, config: Any, **kwargs: Any) -> None:
+        result = self._held.pop(id(config), None)
+        if result is not None and take_over(result.layout) is result:
+            result.release()  # nobody took it over (the job stopped before its harness started)
+
+
+def _task_config(config: Any) -> Optional[DictConfig]:
+    """The task function's config (without the `hydra` node), resolved; None when it cannot be resolved
+    yet (an interpolation that needs the job's runtime, such as ${hydra:runtime.output_dir})."""
+    try:
+        task = copy.deepcopy(config)
+        with read_write(task), open_dict(task):
+            task.pop("hydra", None)
+        OmegaConf.to_container(task, resolve=True)
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:
+        log.debug("skip_harness config check deferred to the task function: %s", exc)
+        return None
+    return task
+
+
+def record_job_failure(exc: BaseException) -> bool:
+    """In a multirun job: log `exc`, record it in the job's directory for :class:`SweepReport`, and return
+    True (the job then returns normally, so the sweep goes on). False outside a multirun."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN:
+            return False
+        out = Path(hc.runtime.output_dir)
+        record = {"job": hc.job.num, "overrides": list(hc.overrides.task), "error": str(exc),
+                  "kind": type(exc).__name__}
+    except Exception:  # not under Hydra
+        return False
+    log.error("%s", exc)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FAILURE_FILE).write_text(json.dumps(record) + "\n")
+    return True
+
+
+class SweepReport(Callback):
+    """At the end of a multirun: name the failed jobs and exit non-zero (after every job ran)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        failures: List[dict] = []
+        for path in sorted(sweep_dir.glob(f"*/{FAILURE_FILE}")):
+            try:
+                failures.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                failures.append({"job": path.parent.name, "overrides": [], "error": f"unreadable {path}"})
+        if not failures:
+            return
+        for f in sorted(failures, key=lambda f: str(f.get("job"))):
+            log.error("sweep job %s (%s) failed: %s", f.get("job"), " ".join(f.get("overrides", [])), f.get("error"))
+        log.error("%d of the sweep's jobs failed (see above); the others ran", len(failures))
+        sys.stdout.flush()
+        raise SystemExit(1)  # not an Exception: Hydra does not turn it into a warning
