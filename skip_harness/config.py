@@ -13,12 +13,13 @@ import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from skip_harness.errors import ConfigError
+from skip_harness.store.backend import is_url, local_path
 from skip_harness.store.layout import NamespaceKey
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
@@ -95,13 +96,13 @@ class RolloutTQConfig:
                     choices = ", ".join(e.value for e in enum)
                     raise ConfigError(f"{key}.{name}", f"unknown value {value!r}; expected one of {choices}") from None
 
-    def resolved_dump_dir(self) -> Path:
-        """The cache root: the explicit key, else $SKIP_HARNESS_DUMP_DIR, else the user's cache dir."""
-        if self.dump_dir:
-            return Path(self.dump_dir).expanduser()
-        env = os.environ.get(DUMP_DIR_ENV)
-        if env:
-            return Path(env).expanduser()
+    def resolved_dump_dir(self) -> Union[Path, str]:
+        """The cache root: the explicit key, else $SKIP_HARNESS_DUMP_DIR, else the user's cache dir. A
+        local one is a Path; an object-store URL (`s3://bucket/prefix`) stays the string it is (a Path
+        would fold its `//`): `store.backend.open_dump_dir` opens either."""
+        for value in (self.dump_dir, os.environ.get(DUMP_DIR_ENV)):
+            if value:
+                return str(value) if is_url(value) else local_path(value)
         from platformdirs import user_cache_dir
 
         return Path(user_cache_dir("skip_harness")) / "rollouts"
