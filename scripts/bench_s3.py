@@ -57,9 +57,9 @@ def bench_s3(rows: int = 1024, repeats: int = 5, work: Path | None = None) -> Di
     from bench import make_payload
     from s3server import start_server
 
-    from skip_harness.objstore import client as client_mod
-    from skip_harness.objstore.backend import ObjectNamespace
-    from skip_harness.objstore.payloads import StoredObject, encode, read_payload, write_payload
+    from skip_harness.store.objstore import client as client_mod
+    from skip_harness.store.objstore.backend import ObjectNamespace
+    from skip_harness.store.objstore.payloads import StoredObject, encode, read_payload, write_payload
 
     work = Path(work or tempfile.mkdtemp(prefix="bench-s3-"))
     server = start_server(work, auth=False)

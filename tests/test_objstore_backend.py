@@ -9,8 +9,8 @@ import pytest
 import xxhash
 
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
-from skip_harness.objstore.backend import COMMIT_NAME, ObjectNamespace, list_namespaces
-from skip_harness.objstore.errors import ObjectAccessDenied, ObjectCorrupt, ObjectRaceLost
+from skip_harness.store.objstore.backend import COMMIT_NAME, ObjectNamespace, list_namespaces
+from skip_harness.store.objstore.errors import ObjectAccessDenied, ObjectCorrupt, ObjectRaceLost
 
 
 def put_step(ns, step, commit=True, n=2):

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
-from skip_harness.objstore import client as client_mod
-from skip_harness.objstore.client import ObjectClient, aws_config, is_object_url
-from skip_harness.objstore.errors import (
+from skip_harness.store.objstore import client as client_mod
+from skip_harness.store.objstore.client import ObjectClient, aws_config, is_object_url
+from skip_harness.store.objstore.errors import (
     ObjectAccessDenied,
     ObjectMissing,
     ObjectRaceLost,

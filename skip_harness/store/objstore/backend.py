@@ -27,16 +27,16 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import xxhash
 
-from skip_harness.objstore.client import ObjectClient, join_url
-from skip_harness.objstore.errors import (
+from skip_harness.store.objstore.client import ObjectClient, join_url
+from skip_harness.store.objstore.errors import (
     ObjectAccessDenied,
     ObjectCorrupt,
     ObjectMissing,
     ObjectStoreError,
 )
-from skip_harness.objstore.lease import DEFAULT_TTL_S, LEASE_KEY, Lease, LeaseLost
+from skip_harness.store.objstore.lease import DEFAULT_TTL_S, LEASE_KEY, Lease, LeaseLost
 
-logger = logging.getLogger("skip_harness.objstore")
+logger = logging.getLogger("skip_harness.store.objstore")
 
 COMMIT_NAME = "commit.json"
 QUARANTINE_DIR = ".quarantine"

@@ -2,8 +2,8 @@
 on obstore (extra `[s3]`): the client built from the URL and the standard environment, the error
 kinds, the lease that locks a namespace, and a namespace's objects. obstore is imported only when
 an object-store URL is used."""
-from skip_harness.objstore.client import ObjectClient, aws_config, is_object_url, join_url
-from skip_harness.objstore.errors import (
+from skip_harness.store.objstore.client import ObjectClient, aws_config, is_object_url, join_url
+from skip_harness.store.objstore.errors import (
     ObjectAccessDenied,
     ObjectCorrupt,
     ObjectMissing,

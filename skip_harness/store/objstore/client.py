@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from skip_harness.objstore.errors import (
+from skip_harness.store.objstore.errors import (
     ObjectStoreConfigError,
     ObjectStoreError,
     ObjectStoreForkError,
@@ -37,7 +37,7 @@ from skip_harness.objstore.errors import (
     remember_secrets,
 )
 
-logger = logging.getLogger("skip_harness.objstore")
+logger = logging.getLogger("skip_harness.store.objstore")
 
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "memory")
 TIMEOUT_ENV = "SKIP_HARNESS_OBJSTORE_TIMEOUT_S"

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import xxhash
 
-from skip_harness.objstore.backend import ObjectNamespace
+from skip_harness.store.objstore.backend import ObjectNamespace
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def pool() -> Any:
     the copy into it)."""
     global _pool
     if _pool is None:
-        from skip_harness.bufferpool import BufferPool
+        from skip_harness.store.bufferpool import BufferPool
         _pool = BufferPool()
     return _pool
 
@@ -40,7 +40,8 @@ def pool() -> Any:
 def stage(payload: Any) -> "tuple[Any, memoryview, str]":
     """(buffer lease, the payload's file image in it, its xxh3-128): the one copy a write needs.
     Release the lease once the image is written."""
-    from skip_harness import codec, tensorfile
+    from skip_harness import codec
+    from skip_harness.codec import tensorfile
 
     image = codec.plan(payload)
     lease = pool().acquire(image.nbytes)

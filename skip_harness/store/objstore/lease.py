@@ -35,10 +35,10 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from skip_harness.errors import LockHeldError
-from skip_harness.objstore.client import ObjectClient
-from skip_harness.objstore.errors import ObjectMissing, ObjectRaceLost, ObjectStoreError, ObjectStoreUnavailable
+from skip_harness.store.objstore.client import ObjectClient
+from skip_harness.store.objstore.errors import ObjectMissing, ObjectRaceLost, ObjectStoreError, ObjectStoreUnavailable
 
-logger = logging.getLogger("skip_harness.objstore")
+logger = logging.getLogger("skip_harness.store.objstore")
 
 LEASE_KEY = ".lock"
 DEFAULT_TTL_S = 30.0
