@@ -220,9 +220,29 @@ def test_a_short_direct_write_past_the_end_is_truncated_to_the_payload(tmp_path,
     assert (tmp_path / "f.bin").read_bytes() == bytes(lease.view(5000))
 
 
-def test_a_fork_waits_for_direct_io_in_flight(tmp_path, monkeypatch):
+def _mapped_in_child(addr: int) -> bool:
+    """In a forked child: whether `addr` lies in one of its mappings (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def _fork_and_look(addr: int) -> bool:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _mapped_in_child(addr) else 3)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_fork_during_direct_io_neither_waits_nor_gets_the_buffer(tmp_path, monkeypatch):
     """Pool buffers are private memory: on older kernels a fork during direct I/O into one can leave the
-    parent stale bytes. A fork waits until no transfer is in flight."""
+    parent stale bytes. A buffer in flight is left out of forks (MADV_DONTFORK for the transfer's
+    window), so a fork (a DataLoader worker starting) never waits for the disk; after the transfer
+    forks get the buffer again, and the bytes written and read back are the parent's."""
+    import ctypes
     import threading
     import time as _time
 
@@ -230,13 +250,16 @@ def test_a_fork_waits_for_direct_io_in_flight(tmp_path, monkeypatch):
 
     pool = BufferPool()
     lease = pool.acquire(1 << 20)
-    events, real = [], os.pwrite
-    started = threading.Event()
+    lease.view()[:] = bytes(range(256)) * 4096
+    addr = ctypes.addressof(lease.array)
+    events, seen, real = [], {}, os.pwrite
+    started, forked = threading.Event(), threading.Event()
 
     def slow(fd, data, offset):
         events.append("io start")
         started.set()
-        _time.sleep(0.3)
+        forked.wait(10)
+        _time.sleep(0.05)
         n = real(fd, data, offset)
         events.append("io end")
         return n
@@ -246,11 +269,16 @@ def test_a_fork_waits_for_direct_io_in_flight(tmp_path, monkeypatch):
     t = threading.Thread(target=directio.write_buffer_at, args=(dir_fd, "f.bin", lease, 1 << 20))
     t.start()
     started.wait(5)
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
+    seen["during"] = _fork_and_look(addr)
     events.append("forked")
-    os.waitpid(pid, 0)
+    forked.set()
     t.join()
     os.close(dir_fd)
-    assert events == ["io start", "io end", "forked"]
+    monkeypatch.setattr(os, "pwrite", real)
+    assert events == ["io start", "forked", "io end"]           # the fork did not wait for the transfer
+    assert seen["during"] is False                               # ...and the child did not get the buffer
+    assert _fork_and_look(addr) is True                          # after it, forks get it again
+    assert (tmp_path / "f.bin").read_bytes() == bytes(lease.view())
+    got, n = directio.read_into(str(tmp_path / "f.bin"), pool)
+    assert n == 1 << 20 and bytes(got.view(n)) == bytes(lease.view()) and _fork_and_look(ctypes.addressof(got.array))
+

@@ -12,11 +12,13 @@ directory fsync). This module does no logging.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import fcntl
+import mmap
 import os
-import threading
-from typing import Tuple
+from typing import Iterator, Tuple
 
 from skip_harness.store.bufferpool import ALIGN, BufferPool, Lease, round_up
 from skip_harness.store.posix.fileops import CREATE_FLAGS, READ_FLAGS, drop_cached_pages, fsync_dir, replace_via_temp
@@ -24,42 +26,33 @@ from skip_harness.store.posix.fileops import CREATE_FLAGS, READ_FLAGS, drop_cach
 _DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-class _ForkGuard:
-    """Holds `os.fork` until no direct read or write is in flight. A pool buffer is private memory;
-    on older kernels (before about 5.17) a fork during direct I/O into it copies pages under the
-    transfer, so the parent can read stale bytes (a good step would fail its checksum). I/O calls
-    enter and leave freely in parallel; a fork waits for them to drain (at most one transfer)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._active = 0
-
-    def __enter__(self) -> None:
-        with self._cond:
-            self._active += 1
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._active -= 1
-            if not self._active:
-                self._cond.notify_all()
-
-    def before_fork(self) -> None:
-        self._cond.acquire()                  # no new transfer starts; held through the fork
-        while self._active:
-            self._cond.wait()
-
-    def after_fork_parent(self) -> None:
-        self._cond.release()
-
-    def after_fork_child(self) -> None:
-        self.__init__()                       # the child has no transfer in flight
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = getattr(_libc, "madvise", None)
+if _madvise is not None:
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _madvise.restype = ctypes.c_int
+_MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
+_MADV_DOFORK = getattr(mmap, "MADV_DOFORK", 11)
 
 
-_FORK_GUARD = _ForkGuard()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_FORK_GUARD.before_fork, after_in_parent=_FORK_GUARD.after_fork_parent,
-                        after_in_child=_FORK_GUARD.after_fork_child)
+@contextlib.contextmanager
+def kept_from_forks(lease: Lease) -> Iterator[None]:
+    """The leased buffer left out of any fork while a transfer to or from it is in flight.
+
+    A pool buffer is private memory: on older kernels (before about 5.17) a fork during direct I/O
+    into it copies pages under the transfer, so the parent could read stale bytes (a good step would
+    fail its checksum). MADV_DONTFORK for the transfer's window keeps the buffer out of a child
+    forked meanwhile (a DataLoader worker never touches a buffer in flight), so a fork never waits
+    for the disk; MADV_DOFORK puts it back after. Where madvise is missing or refuses, the transfer
+    goes on as before."""
+    advised = False
+    if _madvise is not None and lease.array is not None:
+        advised = _madvise(ctypes.addressof(lease.array), lease.capacity, _MADV_DONTFORK) == 0
+    try:
+        yield
+    finally:
+        if advised and lease.array is not None:
+            _madvise(ctypes.addressof(lease.array), lease.capacity, _MADV_DOFORK)
 
 
 def _open(path: str, flags: int, mode: int = 0o644, dir_fd=None) -> Tuple[int, bool]:
@@ -85,8 +78,7 @@ def _pwrite_all(fd: int, view: memoryview, nbytes: int, direct: bool) -> int:
     done = 0
     while done < end:
         try:
-            with _FORK_GUARD:
-                n = os.pwrite(fd, view[done:end], done)
+            n = os.pwrite(fd, view[done:end], done)
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
                 raise
@@ -109,7 +101,9 @@ def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cach
     def fill(tmp: str) -> None:
         fd, direct = _open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
         try:
-            if _pwrite_all(fd, lease.view(), nbytes, direct) > nbytes:
+            with kept_from_forks(lease):
+                written = _pwrite_all(fd, lease.view(), nbytes, direct)
+            if written > nbytes:
                 os.ftruncate(fd, nbytes)          # the padding of the last direct block
             os.fsync(fd)
             if drop_cache:
@@ -128,25 +122,35 @@ def read_into(path: str, pool: BufferPool) -> Tuple[Lease, int]:
     try:
         size = os.fstat(fd).st_size
         lease = pool.acquire(size)
-        view = lease.view()
-        end = round_up(size) if direct else size
-        got = 0
-        while got < size:
-            try:
-                with _FORK_GUARD:
-                    n = os.preadv(fd, [view[got:end]], got)
-            except OSError as exc:
-                if not (direct and exc.errno == errno.EINVAL):
-                    raise
-                _buffered(fd)
-                direct, end = False, size
-                continue
-            if n <= 0:
-                break                     # shorter than fstat said: the caller checks the size
-            got += n
-            if direct and got % ALIGN and got < size:
-                _buffered(fd)
-                direct, end = False, size
+        try:
+            with kept_from_forks(lease):
+                got = _pread_all(fd, lease.view(), size, direct)
+        except BaseException:
+            lease.release()
+            raise
         return lease, min(got, size)
     finally:
         os.close(fd)
+
+
+def _pread_all(fd: int, view: memoryview, size: int, direct: bool) -> int:
+    """Read the file into view[:size] from offset 0 (whole ALIGN blocks while direct); the bytes got
+    (fewer when the file is shorter than fstat said: the caller checks the size)."""
+    end = round_up(size) if direct else size
+    got = 0
+    while got < size:
+        try:
+            n = os.preadv(fd, [view[got:end]], got)
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                raise
+            _buffered(fd)
+            direct, end = False, size
+            continue
+        if n <= 0:
+            break
+        got += n
+        if direct and got % ALIGN and got < size:
+            _buffered(fd)
+            direct, end = False, size
+    return got
