@@ -9,8 +9,11 @@ import pytest
 import xxhash
 
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
-from skip_harness.store.objstore.backend import COMMIT_NAME, ObjectNamespace, list_namespaces
-from skip_harness.store.objstore.errors import ObjectAccessDenied, ObjectCorrupt, ObjectRaceLost
+from skip_harness.errors import CorruptStepError, LockHeldError
+from skip_harness.store.backend import COMMIT_NAME, NamespaceBackend, open_dump_dir
+from skip_harness.store.bufferpool import BufferPool
+from skip_harness.store.objstore.backend import ObjectDumpDir, ObjectNamespace, list_namespaces
+from skip_harness.store.objstore.errors import ObjectAccessDenied, ObjectCorrupt
 
 
 def put_step(ns, step, commit=True, n=2):
@@ -35,19 +38,19 @@ def ns(request, s3_bucket):
 def test_write_commit_list_read(ns):
     for step in (10, 2, 1):
         put_step(ns, step, commit=step != 2)
-    steps = ns.list_steps()
+    steps = ns.list_steps().steps
     assert [s.step for s in steps] == [1, 2, 10]                       # numeric, not byte order
     assert [s.committed for s in steps] == [True, False, True]         # 2: payloads, no record
-    assert set(steps[0].sizes) == {"0/tq_batch.pt", "1/tq_batch.pt", COMMIT_NAME}
-    assert all(steps[0].stamps.values())                                # ETags as change stamps
+    assert set(steps[0].files) == {"0/tq_batch.pt", "1/tq_batch.pt", COMMIT_NAME}
+    assert all(f.stamp for f in steps[0].files.values())                # ETags as change stamps
     assert ns.step_numbers() == [1, 2, 10]
-    with pytest.raises(ObjectRaceLost):
+    with pytest.raises(CorruptStepError, match="already"):
         ns.commit(1, b"{}")                                             # committed steps are immutable
     rec = json.loads(ns.read_commit(10))["files"][1]
     out = bytearray(rec["bytes"] + 7)
-    ns.read_verified(10, rec["rel"], rec["bytes"], rec["xxh3_128"], out)
+    ns.read_checked(10, rec["rel"], rec["bytes"], rec["xxh3_128"], out)
     assert bytes(out[:rec["bytes"]]) == bytes([10, 1]) * 5000
-    assert bytes(ns.read_verified(10, rec["rel"], rec["bytes"], rec["xxh3_128"])) == bytes([10, 1]) * 5000
+    assert bytes(ns.read_checked(10, rec["rel"], rec["bytes"], rec["xxh3_128"])) == bytes([10, 1]) * 5000
     assert ns.read_commit(2) is None
 
 
@@ -55,10 +58,18 @@ def test_damaged_payload_fails_verified_read(ns):
     rec = put_step(ns, 3)[0]
     ns.client.put(f"3/{rec['rel']}", b"\x00" * rec["bytes"])            # same size, other bytes
     with pytest.raises(ObjectCorrupt, match="checksum"):
-        ns.read_verified(3, rec["rel"], rec["bytes"], rec["xxh3_128"])
+        ns.read_checked(3, rec["rel"], rec["bytes"], rec["xxh3_128"])
+    pool = BufferPool()
+    with pytest.raises(CorruptStepError, match="checksum"):
+        ns.read_verified(3, rec["rel"], rec["bytes"], rec["xxh3_128"], pool)
     ns.client.put(f"3/{rec['rel']}", b"\x00" * 10)
     with pytest.raises(ObjectCorrupt, match="commit record says"):
-        ns.read_verified(3, rec["rel"], rec["bytes"], rec["xxh3_128"])
+        ns.read_checked(3, rec["rel"], rec["bytes"], rec["xxh3_128"])
+    with pytest.raises(CorruptStepError, match="commit record says"):
+        ns.read_verified(3, rec["rel"], rec["bytes"], rec["xxh3_128"], pool)
+    ns.client.delete([f"3/{rec['rel']}"])
+    with pytest.raises(CorruptStepError, match="missing"):
+        ns.read_verified(3, rec["rel"], rec["bytes"], rec["xxh3_128"], pool)
 
 
 def test_remove_deletes_the_commit_record_first(ns):
@@ -68,7 +79,7 @@ def test_remove_deletes_the_commit_record_first(ns):
     ns.client.delete = lambda keys: (order.append(list(keys)), real(keys))[1]
     removed = ns.remove_step(4)
     assert order[0] == ["4/commit.json"] and "4/commit.json" not in order[1]
-    assert removed > 20000 and ns.list_steps() == []
+    assert removed > 20000 and ns.list_steps().steps == ()
 
 
 def test_set_aside_copies_under_quarantine_then_removes(ns):
@@ -77,7 +88,7 @@ def test_set_aside_copies_under_quarantine_then_removes(ns):
     where = ns.set_aside(5, "incomplete")
     assert where.startswith(ns.url + "/.quarantine/5-incomplete-")
     keys = [m["path"] for m in ns.objects()]
-    assert [s.step for s in ns.list_steps()] == [6]
+    assert [s.step for s in ns.list_steps().steps] == [6]
     rest = where[len(ns.url) + 1:]
     assert sorted(k for k in keys if k.startswith(".quarantine/")) == [f"{rest}/0/tq_batch.pt", f"{rest}/1/tq_batch.pt"]
 
@@ -98,10 +109,78 @@ def test_read_only_credential_serves_and_writes_nothing(s3_server, s3_bucket, mo
         monkeypatch.setenv(k, v)
     ro = ObjectNamespace(url)
     assert ro.acquire() is None and ro.read_only
-    assert [s.step for s in ro.list_steps()] == [7]
-    assert bytes(ro.read_verified(7, rec["rel"], rec["bytes"], rec["xxh3_128"])) == bytes([7, 0]) * 5000
+    assert [s.step for s in ro.list_steps().steps] == [7]
+    assert bytes(ro.read_checked(7, rec["rel"], rec["bytes"], rec["xxh3_128"])) == bytes([7, 0]) * 5000
+    assert ro.writable() is not None and "may only read" in ro.writable()
     for attempt in (lambda: ro.write(8, "0/tq_batch.pt", b"x"), lambda: ro.commit(8, b"{}"),
                     lambda: ro.remove_step(7), lambda: ro.set_aside(7, "corrupt")):
         with pytest.raises(ObjectAccessDenied, match="read-only"):
             attempt()
     assert s3_server.keys(s3_bucket) == before
+
+
+LEAF = "exp_proj/GBS8_N1_in16_out16_K2_W1"
+
+
+def test_the_backend_interface_on_a_bucket(s3_server, s3_bucket):
+    """store.backend's seam, as the POSIX backend's test drives it, on an s3:// dump_dir."""
+    dump = open_dump_dir(f"s3://{s3_bucket}/dump")
+    assert isinstance(dump, ObjectDumpDir)
+    ns = dump.namespace(LEAF)
+    assert isinstance(ns, NamespaceBackend) and ns.url == f"s3://{s3_bucket}/dump/{LEAF}"
+    with pytest.raises(ValueError, match="not a namespace name"):
+        dump.namespace("exp_proj/notaleaf")
+    hold = ns.lock()
+    assert not hold.read_only and not hold.lost and ns.writable() is None
+    with pytest.raises(LockHeldError, match="namespace is locked by"):
+        dump.namespace(LEAF).lock(timeout=0)
+    pool = BufferPool()
+    data = b"y" * 7000
+    lease = pool.acquire(len(data))
+    lease.view(len(data))[:] = data
+    try:
+        assert ns.write_payload(3, "0/tq_batch.pt", lease, len(data)) == len(data)
+    finally:
+        lease.release()
+    ns.write_small("3/0/meta.json", b"{}\n")
+    ns.write_small("3/0/meta.json", b"{ }\n")                       # replaced
+    assert ns.read_small("3/0/meta.json") == b"{ }\n" and ns.read_small("3/nope") is None
+    [step] = ns.list_steps().steps
+    assert not step.committed and set(step.files) == {"0/tq_batch.pt", "0/meta.json"}
+    ns.commit(3, b'{"step": 3}')
+    assert ns.list_step(3).committed and ns.list_step(4) is None
+    from skip_harness.store.posix.fileops import checksum_bytes
+    got, size = ns.read_verified(3, "0/tq_batch.pt", len(data), checksum_bytes(data), pool)
+    assert size == len(data) and bytes(got.view(size)) == data
+    got.release()
+    ns.uncommit(3)
+    assert not ns.list_step(3).committed and set(ns.list_step(3).files) == {"0/tq_batch.pt", "0/meta.json"}
+    ns.uncommit(3)                                                   # none: nothing
+    ns.write_index(b"index")
+    assert ns.read_index() == b"index" and [s.step for s in ns.list_steps().steps] == [3]
+    ns.put_run_marker("tok1")
+    assert dump.namespace(LEAF).sees_run_marker("tok1") and not ns.sees_run_marker("tok2", wait=0.3)
+    ns.remove_run_marker("tok1")
+    assert not ns.sees_run_marker("tok1")
+    assert dump.list_namespaces() == [LEAF]
+    hold.release()
+    hold.release()
+    dump.namespace(LEAF).lock().release()                           # free again
+
+
+def test_a_reader_gets_a_read_only_hold(s3_server, s3_bucket, monkeypatch):
+    for k, v in s3_server.env("reader").items():
+        monkeypatch.setenv(k, v)
+    ns = open_dump_dir(f"s3://{s3_bucket}/dump").namespace(LEAF)
+    hold = ns.lock()
+    assert hold.read_only and not hold.lost and ns.writable() is not None
+    hold.release()
+    assert s3_server.keys(s3_bucket) == []
+
+
+def test_a_url_without_obstore_names_the_extra(monkeypatch):
+    import sys
+    from skip_harness.errors import ConfigError
+    monkeypatch.setitem(sys.modules, "obstore", None)              # as if the [s3] extra were missing
+    with pytest.raises(ConfigError, match=r"skip.rollout_tq.dump_dir.*pip install 'skip_harness\[s3\]'"):
+        open_dump_dir("s3://bucket/prefix")

@@ -14,6 +14,14 @@ from skip_harness.store.objstore.errors import (
     ObjectStoreUnavailable,
 )
 
-__all__ = ["ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectCorrupt",
+
+
+def open_dump_dir(url: str):
+    """The object-store DumpDir for `url` (the hook `skip_harness.store.backend.open_dump_dir` calls)."""
+    from skip_harness.store.objstore.backend import ObjectDumpDir
+    return ObjectDumpDir(url)
+
+
+__all__ = ["open_dump_dir", "ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectCorrupt",
            "ObjectMissing", "ObjectRaceLost", "ObjectStoreConfigError", "ObjectStoreError",
            "ObjectStoreForkError", "ObjectStoreUnavailable"]

@@ -22,47 +22,54 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import xxhash
 
+from skip_harness.errors import CorruptStepError
+from skip_harness.store.backend import (
+    COMMIT_NAME, DumpDir, Hold, NamespaceBackend, NamespaceListing, StepListing, StoredFile,
+)
+from skip_harness.store.layout import parse_namespace_leaf, parse_step_name
 from skip_harness.store.objstore.client import ObjectClient, join_url
 from skip_harness.store.objstore.errors import (
     ObjectAccessDenied,
     ObjectCorrupt,
     ObjectMissing,
+    ObjectRaceLost,
     ObjectStoreError,
 )
 from skip_harness.store.objstore.lease import DEFAULT_TTL_S, LEASE_KEY, Lease, LeaseLost
 
 logger = logging.getLogger("skip_harness.store.objstore")
 
-COMMIT_NAME = "commit.json"
 QUARANTINE_DIR = ".quarantine"
+RUN_MARKER_PREFIX = ".run-marker-"
 
 
-def _step_of(name: str) -> Optional[int]:
-    return int(name) if name.isdigit() and (name == "0" or not name.startswith("0")) else None
+class LeaseHold(Hold):
+    """The namespace lock as a lease (or, for a credential that may only read, none: `read_only`)."""
 
-
-@dataclass
-class StepObjects:
-    """One step's objects from one listing: rel path -> size, rel path -> ETag (the change stamp)."""
-    step: int
-    sizes: Dict[str, int] = field(default_factory=dict)
-    stamps: Dict[str, str] = field(default_factory=dict)
+    def __init__(self, ns: "ObjectNamespace", lease: Optional[Lease], read_only: bool = False):
+        self._ns, self._lease, self.read_only = ns, lease, read_only
 
     @property
-    def committed(self) -> bool:
-        return COMMIT_NAME in self.sizes
+    def lost(self) -> bool:
+        return self._lease is not None and self._lease.lost.is_set()
 
-    @property
-    def bytes(self) -> int:
-        return sum(self.sizes.values())
+    def release(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+            if self._ns.held is lease:
+                self._ns.held = None
 
 
-class ObjectNamespace:
+def _corrupt(exc: ObjectStoreError) -> CorruptStepError:
+    return CorruptStepError(exc.url, exc.reason)
+
+
+class ObjectNamespace(NamespaceBackend):
     """The namespace at `url` (an object-store URL)."""
 
     def __init__(self, url: str, client: Optional[ObjectClient] = None):
@@ -104,47 +111,94 @@ class ObjectNamespace:
             raise ObjectCorrupt(self.key_url(key), f"stored {got} bytes, wrote {n}")
         return got
 
-    def commit(self, step: int, record: bytes) -> str:
-        """Write the commit record of `step`, create-only: ObjectRaceLost if one is there already.
+    def write_payload(self, step: int, rel: str, buffer: Any, nbytes: int) -> int:
+        view = buffer.view(nbytes) if hasattr(buffer, "view") and callable(buffer.view) else \
+            memoryview(buffer).cast("B")[:nbytes]
+        return self.write(step, rel, view)
+
+    def write_small(self, key: str, data: bytes) -> None:
+        self._writable(key)
+        try:
+            self.client.put(key, data)
+        except ObjectAccessDenied:
+            self.read_only = True
+            raise
+
+    def commit(self, step: int, record: bytes) -> None:
+        """Write the commit record of `step`, create-only (CorruptStepError if one is there already).
         Call it only after every payload of the step is written and its size checked."""
         key = self.step_key(step, COMMIT_NAME)
         self._writable(key)
-        return self.client.put(key, record, mode="create")
+        try:
+            self.client.put(key, record, mode="create")
+        except ObjectRaceLost:
+            raise CorruptStepError(self.key_url(key), "a commit record is there already") from None
+
+    def uncommit(self, step: int) -> None:
+        key = self.step_key(step, COMMIT_NAME)
+        self._writable(key)
+        self.client.delete([key])          # S3 answers a delete of a missing key with success
 
     # ------------------------------------------------------------------------------ listing
     def objects(self) -> Iterator[Dict[str, Any]]:
         """Every object of the namespace (one recursive listing)."""
         return self.client.list(None)
 
-    def list_steps(self) -> List[StepObjects]:
-        """Every step with objects, in numeric order, from one recursive listing."""
-        steps: Dict[int, StepObjects] = {}
+    def list_steps(self) -> NamespaceListing:
+        """Every step with objects, in numeric order, from one recursive listing (1000 keys a
+        request); the ETag is each object's change stamp. An object store has no temporaries and
+        no links: a step's objects are all it has."""
+        steps: Dict[int, Dict[str, StoredFile]] = {}
         for m in self.client.list(None):
             head, _, rel = m["path"].partition("/")
-            step = _step_of(head)
+            step = parse_step_name(head)
             if step is None or not rel:
-                continue          # .lock, .quarantine/, index objects
-            s = steps.setdefault(step, StepObjects(step))
-            s.sizes[rel] = int(m["size"])
-            s.stamps[rel] = m.get("e_tag") or ""
-        return [steps[k] for k in sorted(steps)]
+                continue          # .lock, .index, .quarantine/, run markers
+            steps.setdefault(step, {})[rel] = StoredFile(rel, int(m["size"]), m.get("e_tag") or "")
+        return NamespaceListing(tuple(StepListing(k, steps[k]) for k in sorted(steps)))
+
+    def list_step(self, step: int) -> Optional[StepListing]:
+        prefix = self.step_key(step)
+        files = {m["path"][len(prefix) + 1:]: StoredFile(m["path"][len(prefix) + 1:], int(m["size"]), m.get("e_tag") or "")
+                 for m in self.client.list(prefix)}
+        return StepListing(int(step), files) if files else None
 
     def step_numbers(self) -> List[int]:
         """Only the step numbers (a delimiter listing: one request per 1000 steps)."""
-        return sorted(s for s in (_step_of(d) for d in self.client.list_dirs(None)) if s is not None)
+        return sorted(s for s in (parse_step_name(d) for d in self.client.list_dirs(None)) if s is not None)
 
     # ------------------------------------------------------------------------------ reads
     def read(self, step: int, rel: str) -> Any:
         """The stored bytes (an obstore.Bytes, buffer protocol), unverified: for small records."""
         return self.client.get(self.step_key(step, rel))[0]
 
-    def read_commit(self, step: int) -> Optional[bytes]:
+    def read_small(self, key: str) -> Optional[bytes]:
         try:
-            return bytes(self.read(step, COMMIT_NAME))
+            return bytes(self.client.get(key)[0])
         except ObjectMissing:
             return None
 
-    def read_verified(self, step: int, rel: str, size: int, xxh3_128: str, out: Any = None) -> Any:
+    def read_commit(self, step: int) -> Optional[bytes]:
+        return self.read_small(self.step_key(step, COMMIT_NAME))
+
+    def read_verified(self, step: int, rel: str, size: int, checksum: str, pool: Any) -> Tuple[Any, int]:
+        """Streamed into a buffer leased from `pool`, each chunk hashed as it arrives; CorruptStepError
+        naming the object when it is missing, of another size or checksum."""
+        lease = pool.acquire(size)
+        try:
+            self.read_checked(step, rel, size, checksum, lease.view(size))
+        except ObjectMissing as exc:
+            lease.release()
+            raise CorruptStepError(exc.url, "missing") from None
+        except ObjectCorrupt as exc:
+            lease.release()
+            raise _corrupt(exc) from None
+        except BaseException:
+            lease.release()
+            raise
+        return lease, size
+
+    def read_checked(self, step: int, rel: str, size: int, xxh3_128: str, out: Any = None) -> Any:
         """The object's bytes after checking size and xxh3-128 against the commit record. With `out`
         (a writable buffer of at least `size` bytes) they are copied into it and `out` is returned;
         else the obstore.Bytes itself (zero-copy) is."""
@@ -227,6 +281,61 @@ class ObjectNamespace:
             self.held.release()
             self.held = None
 
+    def lock(self, timeout: float = 0.0) -> Hold:
+        lease = self.acquire(timeout)
+        return LeaseHold(self, lease, read_only=lease is None)
+
+    def writable(self) -> Optional[str]:
+        """What is known without writing: a credential found read-only (a denied write or lease)."""
+        if self.read_only:
+            return f"{self.url}: this credential may only read here"
+        return None
+
+    def put_run_marker(self, token: str) -> None:
+        self.write_small(RUN_MARKER_PREFIX + token, b"")
+
+    def sees_run_marker(self, token: str, wait: float = 0.0) -> bool:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self.client.head(RUN_MARKER_PREFIX + token)
+                return True
+            except ObjectMissing:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.1)
+
+    def remove_run_marker(self, token: str) -> None:
+        if not self.read_only:
+            self.client.delete([RUN_MARKER_PREFIX + token])
+
+
+class ObjectDumpDir(DumpDir):
+    """A dump_dir URL: namespaces are key prefixes `{experiment}_{project}/{leaf}/` under it."""
+
+    def __init__(self, url: str):
+        self.client = ObjectClient(url)
+        self.url = self.client.url
+
+    def namespace(self, rel: str) -> ObjectNamespace:
+        leaf = rel.rstrip("/").rsplit("/", 1)[-1]
+        if parse_namespace_leaf(leaf) is None:
+            raise ValueError(f"{join_url(self.url, rel)}: {leaf!r} is not a namespace name")
+        return ObjectNamespace(join_url(self.url, rel))
+
+    def list_namespaces(self) -> List[str]:
+        out = []
+        for group in self.client.list_dirs(None):
+            if group.startswith("."):
+                continue
+            out += [f"{group}/{leaf}" for leaf in self.client.list_dirs(group) if parse_namespace_leaf(leaf) is not None]
+        return sorted(out)
+
+
+def open_dump_dir(url: str) -> ObjectDumpDir:
+    """The hook `store.backend.open_dump_dir` calls for a URL."""
+    return ObjectDumpDir(url)
+
 
 def list_namespaces(dump_dir_url: str, client: Optional[ObjectClient] = None) -> List[str]:
     """The namespace URLs under a dump_dir URL: `{dump_dir}/{exp}_{proj}/{leaf}`."""
@@ -238,5 +347,4 @@ def list_namespaces(dump_dir_url: str, client: Optional[ObjectClient] = None) ->
     return out
 
 
-__all__ = ["ObjectNamespace", "StepObjects", "COMMIT_NAME", "QUARANTINE_DIR", "list_namespaces",
-           "ObjectStoreError"]
+__all__ = ["LeaseHold", "ObjectDumpDir", "ObjectNamespace", "QUARANTINE_DIR", "list_namespaces", "open_dump_dir"]

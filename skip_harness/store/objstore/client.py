@@ -213,6 +213,11 @@ class ObjectClient:
             raise ObjectStoreConfigError(str(url), f"not an object-store URL (schemes: {', '.join(SCHEMES)})")
         self.url = url.rstrip("/")
         self.timeout_s = _timeout_s() if timeout_s is None else float(timeout_s)
+        try:
+            import obstore  # noqa: F401
+        except ImportError as exc:
+            raise ObjectStoreConfigError(
+                self.url, f"object storage needs the [s3] extra (pip install 'skip_harness[s3]'): {exc}") from None
         _note_use()
         try:
             self.store = _build_store(self.url, self.timeout_s)

@@ -78,5 +78,5 @@ def read_payload(ns: ObjectNamespace, step: int, obj: StoredObject, out: Optiona
     from skip_harness import codec
 
     out = bytearray(obj.nbytes) if out is None or len(out) < obj.nbytes else out
-    ns.read_verified(step, obj.rel, obj.nbytes, obj.xxh3_128, out)
+    ns.read_checked(step, obj.rel, obj.nbytes, obj.xxh3_128, out)
     return codec.load_buffer(out, obj.nbytes, ns.key_url(ObjectNamespace.step_key(step, obj.rel)))
