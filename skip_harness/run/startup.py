@@ -239,7 +239,9 @@ def _check_shared(dist: DistContext, layout: Layout, token: Optional[str]) -> No
             "skip.rollout_tq.dump_dir",
             f"{', '.join(blind)} cannot see the rollout cache that rank 0 writes at {layout.root}: every node "
             "must mount one shared filesystem there (set skip.rollout_tq.dump_dir, or SKIP_HARNESS_DUMP_DIR, "
-            "to a path all nodes share), or turn caching off with skip.rollout_tq.enable=false",
+            "to a path all nodes share), or share an object store instead of a filesystem "
+            "(skip.rollout_tq.dump_dir=s3://bucket/prefix, extra [s3]; docs/storage.md), or turn caching off "
+            "with skip.rollout_tq.enable=false",
         )
 
 
