@@ -10,7 +10,13 @@
   copied once into a writable buffer, decoded into tensors) over a bare obstore get of the same
   bytes;
 the arms interleaved round by round (A B, B A, ...) because moto, pure Python, sets the speed and
-that speed moves with the machine's load. Target: both <= 1.1. `scripts/bench.py` calls it.
+that speed moves with the machine's load. Target: both <= 1.1.
+
+`bench_s3_steps(rows, steps, rounds)` adds `s3_step_overhead_ratio`: the synthetic training step of
+`scripts/bench.py` (computing about four bare puts long) with caching on into an s3:// dump_dir
+(async writes: the puts stay off the critical path) over the same step with caching off, blocks
+interleaved; and `s3_hit_overhead_ratio`: a step served from the bucket (prefetched) over the step
+with its batch already in memory. `scripts/bench.py` calls `bench_s3(...)` and `bench_s3_steps(...)`.
 """
 from __future__ import annotations
 
@@ -129,16 +135,76 @@ def bench_s3(rows: int = 1024, repeats: int = 5, work: Path | None = None) -> Di
         server.stop()
 
 
+def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path | None = None) -> Dict[str, float]:
+    """The step overheads with an s3:// dump_dir (see the module doc), on a fresh moto server."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "tests"))
+    import obstore as obs
+    from bench import COMPUTE_FACTOR, Compute, make_payload, run_training_block
+    from s3server import start_server
+
+    from skip_harness.store.objstore.client import ObjectClient
+    from skip_harness.store.objstore.payloads import encode
+
+    work = Path(work or tempfile.mkdtemp(prefix="bench-s3-steps-"))
+    server = start_server(work, auth=False)
+    saved_env = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        bucket = server.create_bucket("bench-s3-steps")
+        payload = make_payload(rows)
+        image = encode(payload)
+        client = ObjectClient(f"s3://{bucket}/bare")
+        puts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            obs.put(client.store, "x", memoryview(image), use_multipart=False)
+            puts.append(time.perf_counter() - t0)
+        bare_put_s = _median(puts)
+        compute = Compute()
+        compute.calibrate(COMPUTE_FACTOR * bare_put_s)
+        per: Dict[str, List[float]] = {"off": [], "async": [], "hit": [], "memory": []}
+        for r in range(rounds):
+            url = f"s3://{bucket}/r{r}-{uuid.uuid4().hex[:6]}"
+            order = ["off", "async", "hit", "memory"] if r % 2 == 0 else ["memory", "off", "async", "hit"]
+            if order[0] == "memory":      # 'hit' needs the cache 'async' wrote in this round
+                order = ["memory", "off", "async", "hit"]
+            for mode in order:
+                times, _ = run_training_block(mode, payload, compute, steps, url, keep=True)  # type: ignore[arg-type]
+                per[mode] += times[1:]    # the first step warms up
+                if mode == "async":
+                    commits = [m for m in ObjectClient(url).list() if m["path"].endswith("/commit.json")]
+                    if len(commits) != steps:
+                        raise RuntimeError(f"{url}: {len(commits)} of {steps} steps committed in the bucket "
+                                           "(does the harness open an s3:// dump_dir as an object store?)")
+        res = {"s3_step_bare_put_s": bare_put_s}
+        for mode, times in per.items():
+            res[f"s3_step_{mode}_s"] = _median(times)
+        res["s3_step_overhead_ratio"] = res["s3_step_async_s"] / res["s3_step_off_s"]
+        res["s3_hit_overhead_ratio"] = res["s3_step_hit_s"] / res["s3_step_memory_s"]
+        return res
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
 def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="64 trajectories, 3 repeats")
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-steps", action="store_true", help="only the save / load ratios")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rows, repeats = (64, 3) if args.quick else (args.rows, args.repeats)
     res = bench_s3(rows, repeats)
+    if not args.no_steps:
+        res.update(bench_s3_steps(rows, steps=4 if args.quick else 6, rounds=1 if args.quick else 2))
     if args.json:
         print(json.dumps(res, indent=2))
     else:
