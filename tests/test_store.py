@@ -660,3 +660,24 @@ def test_without_o_direct_payloads_go_through_the_page_cache_and_leave_it(tmp_pa
     advised.clear()
     write_step(StepStore(st.layout, drop_written_pages=False), 2)
     assert advised == []
+
+
+def test_a_hit_reads_and_parses_the_commit_record_once(tmp_path, monkeypatch):
+    """One verified read path: the record the status was classified with is the one served from (it was
+    read and parsed twice: classify_step, then read_commit)."""
+    from skip_harness.store import status as status_mod
+
+    st = make(tmp_path, K=2)
+    write_step(st, 1)
+    parsed = []
+    for mod in (status_mod, store_mod):
+        real = mod.parse_commit
+
+        def counting(*a, _real=real, **kw):
+            parsed.append(a[3])
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, "parse_commit", counting)
+    status, reason, batches, metas = st.read_served(1, 0)
+    assert (status, reason, len(batches), len(metas)) == ("complete", None, 2, 2)
+    assert len(parsed) == 1, parsed

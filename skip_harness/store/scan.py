@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import secrets
-import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from skip_harness.config import Cleanup
 from skip_harness.errors import ConfigError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import TMP_PREFIX, TRASH_PREFIX, Layout, parse_namespace_leaf, parse_step_name
+from skip_harness.store.posix.backend import PosixNamespace
 from skip_harness.store.posix.fileops import remove_entry_at, tree_bytes
 from skip_harness.store.status import STATUSES, StepReport, classify_step
 from skip_harness.store.stepstore import StepStore
@@ -326,25 +325,7 @@ class CleanupPlan:
 
 def _quarantine(layout: Layout, step: int) -> Path:
     """Move a step entry (directory, file or link: never followed) under {namespace}/.quarantine/."""
-    qdir = layout.quarantine_dir
-    try:
-        os.mkdir(qdir)
-    except FileExistsError:
-        pass
-    st = os.lstat(qdir)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{qdir} is not a real directory; refusing to move anything into it")
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    src = layout.step_dir(step)
-    dst = qdir / f"{src.name}-{stamp}-{secrets.token_hex(3)}"
-    os.rename(src, dst)
-    for d in (layout.root, qdir):
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return dst
+    return Path(PosixNamespace(layout).set_aside(step))
 
 
 def plan_cleanup(report: NamespaceReport, action, extra: Iterable[Tuple[int, str]] = ()) -> CleanupPlan:

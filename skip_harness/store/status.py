@@ -19,7 +19,7 @@ import functools
 import json
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -178,6 +178,7 @@ class StepReport:
     exists: bool = True
     created: Optional[float] = None      # the commit record's time
     gen_s: Optional[float] = None        # generation seconds, when the commit record has them
+    record: Optional[CommitRecord] = field(default=None, compare=False, repr=False)  # complete / corrupt-with-record
 
     @property
     def servable(self) -> bool:
@@ -236,7 +237,7 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None) -> Ste
         created = gen_s = None
         if record is not None:
             created, gen_s = record.created, record.gen_s
-        return StepReport(step, path, status, nbytes, reason, fp, has_commit, exists, created, gen_s)
+        return StepReport(step, path, status, nbytes, reason, fp, has_commit, exists, created, gen_s, record)
 
     try:
         st = os.lstat(spath)

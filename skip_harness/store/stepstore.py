@@ -18,10 +18,7 @@ while the writer writes others.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
-import os
-import stat
 import time
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -30,7 +27,8 @@ from skip_harness import codec
 from skip_harness.store import index
 from skip_harness.codec import tensorfile
 from skip_harness.store.bufferpool import BufferPool, Lease
-from skip_harness.store.posix.directio import read_into, write_buffer_at
+from skip_harness.store.backend import NamespaceBackend
+from skip_harness.store.posix.backend import PosixNamespace
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store.posix.fileops import (  # noqa: F401  (re-exported: the store's public names)
     CHUNK_BYTES, MAP_FROM, READ_FLAGS, WRITE_BUFFER_BYTES, HashingWriter, NotARealDirectory,
@@ -38,16 +36,17 @@ from skip_harness.store.posix.fileops import (  # noqa: F401  (re-exported: the 
     remove_entry_at, tree_bytes, write_file_at,
 )
 from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.layout import COMMIT_NAME, Layout
+from skip_harness.store.layout import COMMIT_NAME, PAYLOAD_NAME, Layout
 from skip_harness.store.paths import (
-    check_position, check_step, existing_rel, meta_rel_at, open_inner_for_writing, open_root, open_step,
-    payload_rel_at, real_file, step_dir_name, without_path,
+    check_position, check_step, existing_rel, meta_rel_at, payload_rel_at, real_file, without_path,
 )
 from skip_harness.store.status import (  # noqa: F401  (re-exported: the store's public names)
     COMMIT_FORMAT, STATUSES, WRITER_NAME, CommitRecord, FileEntry, StepReport, classify_step,
     expected_rels, is_safe_rel, parse_commit, required_rels,
 )
 
+
+PAYLOAD_STEM = PAYLOAD_NAME.rsplit('.', 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
 
 # --------------------------------------------------------------------------------------------
 # the store
@@ -56,19 +55,19 @@ from skip_harness.store.status import (  # noqa: F401  (re-exported: the store's
 class StagedInner:
     """A payload copied into a pool buffer (and hashed, when stored as it is) by `StepStore.stage_inner`;
     `complete()` -- for a compressed form, first narrows and compresses the staged copy into a second
-    buffer and hashes that -- writes it durably (O_DIRECT where the file system allows) and writes its
+    buffer and hashes that -- stores it through the namespace's backend (O_DIRECT on POSIX) and then its
     meta.json, returning the two FileEntry; `discard()` abandons it. Exactly one of them, once, from any
     thread."""
 
-    def __init__(self, dir_fd: int, lease: Lease, nbytes: int, checksum: Optional[str], payload_rel: str,
-                 meta_rel: str, meta: Dict[str, Any], drop_cache: bool,
+    def __init__(self, backend: NamespaceBackend, step: int, lease: Lease, nbytes: int, checksum: Optional[str],
+                 payload_rel: str, meta_rel: str, meta: Dict[str, Any],
                  transform: Optional[Tuple[tensorfile.FileImage, tensorfile.StoredForm, BufferPool]] = None):
-        self._dir_fd: Optional[int] = dir_fd
+        self._backend = backend
+        self._step = step
         self._lease: Optional[Lease] = lease
         self.checksum = checksum
         self.payload_rel, self.meta_rel = payload_rel, meta_rel
         self._meta = meta
-        self._drop_cache = drop_cache
         self.bytes = nbytes
         self._transform = transform
 
@@ -90,31 +89,28 @@ class StagedInner:
         return out
 
     def complete(self) -> Tuple[FileEntry, FileEntry]:
-        dir_fd, lease = self._take()
+        lease = self._take()
         try:
             if self._transform is not None:
                 lease = self._stored(lease)
-            write_buffer_at(dir_fd, PurePosixPath(self.payload_rel).name, lease, self.bytes, self._drop_cache)
+            self._backend.write_payload(self._step, self.payload_rel, lease, self.bytes)
             lease.release()                  # the buffer may go round again while meta.json is written
             meta_doc = dict(self._meta, bytes=self.bytes, checksum=self.checksum, created=time.time())
             meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
-            meta_size, meta_checksum = write_file_at(dir_fd, PurePosixPath(self.meta_rel).name,
-                                                     lambda f: f.write(meta_bytes))
+            self._backend.write_small(f"{self._step}/{self.meta_rel}", meta_bytes)
         finally:
             lease.release()
-            os.close(dir_fd)
-        return FileEntry(self.payload_rel, self.bytes, self.checksum), FileEntry(self.meta_rel, meta_size, meta_checksum)
+        return (FileEntry(self.payload_rel, self.bytes, self.checksum),
+                FileEntry(self.meta_rel, len(meta_bytes), checksum_bytes(meta_bytes)))
 
     def discard(self) -> None:
-        dir_fd, lease = self._take()
-        lease.release()
-        os.close(dir_fd)
+        self._take().release()
 
-    def _take(self) -> Tuple[int, Lease]:
-        dir_fd, lease, self._dir_fd, self._lease = self._dir_fd, self._lease, None, None
-        if dir_fd is None or lease is None:
+    def _take(self) -> Lease:
+        lease, self._lease = self._lease, None
+        if lease is None:
             raise HarnessUsageError(f"{self.payload_rel}: this staged write was already completed or discarded")
-        return dir_fd, lease
+        return lease
 
 
 class StepStore:
@@ -129,6 +125,7 @@ class StepStore:
         full width); files of every form are read."""
         self.layout = layout
         self.drop_written_pages = drop_written_pages
+        self.backend: NamespaceBackend = PosixNamespace(layout, drop_written_pages=drop_written_pages)
         self.pool = pool if pool is not None else BufferPool()
         self.form = form if form is not None else tensorfile.StoredForm(narrow=False)
 
@@ -162,7 +159,7 @@ class StepStore:
             # same hash slowed a training step on every core by twice its own time (measured). A
             # compressed form is hashed on the writer thread, after compressing (the stored bytes).
             checksum = None if transform else checksum_bytes(lease.view(image.nbytes))
-            dir_fd = open_inner_for_writing(layout, step, inner_index)
+            self.backend.uncommit(step)      # the step is being rewritten: never "complete" meanwhile
         except BaseException:
             lease.release()
             raise
@@ -171,8 +168,8 @@ class StepStore:
                         W=layout.W, payload=payload_rel, format=codec.FORMAT_VERSION,
                         compression="zstd" if self.form.zstd_level is not None else "none",
                         logical_bytes=image.nbytes)
-        return StagedInner(dir_fd, lease, image.nbytes, checksum, payload_rel, layout.meta_rel(inner_index, rank), meta_doc,
-                           self.drop_written_pages, transform)
+        return StagedInner(self.backend, step, lease, image.nbytes, checksum, payload_rel,
+                           layout.meta_rel(inner_index, rank), meta_doc, transform)
 
     def commit(self, step: int, entries: Sequence[FileEntry], fingerprint: Optional[Fingerprint],
                *, gen_s: Optional[float] = None) -> CommitRecord:
@@ -196,26 +193,22 @@ class StepStore:
                 f"commit of step {step}: no entry for {', '.join(missing[:4])}"
                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             )
+        listing = self.backend.list_step(step)
+        if listing is None:
+            raise CorruptStepError(layout.step_dir(step), "step directory does not exist")
         for e in by_rel.values():
-            path = real_file(self.layout, step, e.rel)
-            size = os.lstat(path).st_size
-            if size != e.bytes:
-                raise CorruptStepError(path, f"has {size} bytes, the entry to commit says {e.bytes}")
+            found = listing.files.get(e.rel)
+            if found is None:
+                raise CorruptStepError(layout.step_dir(step) / e.rel, "missing")
+            if found.size != e.bytes:
+                raise CorruptStepError(layout.step_dir(step) / e.rel,
+                                       f"has {found.size} bytes, the entry to commit says {e.bytes}")
         record = CommitRecord(step, layout.K, layout.W, fingerprint,
                               tuple(sorted(by_rel.values(), key=lambda e: e.rel)), time.time(),
                               None if gen_s is None else float(gen_s))
         data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
-        root_fd = open_root(self.layout, create=False)
-        if root_fd is None:
-            raise CorruptStepError(layout.root, "namespace directory does not exist")
-        try:
-            step_fd, _ = open_step(self.layout, root_fd, step, create=False)
-        finally:
-            os.close(root_fd)
-        try:
-            write_file_at(step_fd, COMMIT_NAME, lambda f: f.write(data))
-        finally:
-            os.close(step_fd)
+        self.backend.uncommit(step)          # a commit of a step committed already replaces its record
+        self.backend.commit(step, data)
         fp_json = None if fingerprint is None else fingerprint.to_json()
         nbytes = sum(e.bytes for e in record.files) + len(data)
         index.append(layout, index.make_entry(layout, step, nbytes, fp_json, record.created, record.gen_s))
@@ -224,40 +217,14 @@ class StepStore:
     def clear_step(self, step: int) -> int:
         """Remove a step so it can be rewritten: commit record first, then everything else; a step
         entry that is a symlink is unlinked, never entered. Returns the bytes freed (0 if absent)."""
-        root_fd = open_root(self.layout, create=False)
-        if root_fd is None:
-            return 0
-        try:
-            return remove_entry_at(root_fd, step_dir_name(self.layout, step), self.layout.root)
-        finally:
-            os.close(root_fd)
+        return self.backend.remove_step(step)
 
     # ---- reading
 
     def read_commit(self, step: int) -> Optional[CommitRecord]:
         """The step's commit record, None if it has none; CorruptStepError if it does not validate."""
-        path = self.layout.commit_path(step)
-        step_dir = self.layout.step_dir(step)
-        try:
-            st = os.lstat(step_dir)
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISDIR(st.st_mode):
-            raise CorruptStepError(step_dir, f"step directory {describe_mode(st.st_mode)}")
-        try:
-            fd = os.open(path, READ_FLAGS)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptStepError(path, "commit record is a symlink (never followed)") from None
-            raise
-        try:
-            with open(fd, "rb", closefd=False) as f:
-                data = f.read()
-        finally:
-            os.close(fd)
-        return parse_commit(data, self.layout, step, path)
+        data = self.backend.read_small(f"{int(step)}/{COMMIT_NAME}")
+        return None if data is None else parse_commit(data, self.layout, step, self.layout.commit_path(step))
 
     def status(self, step: int) -> StepReport:
         """The step's StepReport (directory listings and lstat only; see `classify_step`)."""
@@ -330,14 +297,38 @@ class StepStore:
         return {rel: r for _i, r, prel, mrel in expected_rels(self.layout) for rel in (prel, mrel)}
 
     def _check_entry(self, step: int, entry: FileEntry) -> Optional[str]:
+        """None when the file matches its commit-record entry (read verified, as a hit reads it), else
+        the reason naming it."""
         try:
-            path = real_file(self.layout, step, entry.rel)
-            size, digest = checksum_file(path)
+            if self._is_payload(entry.rel):
+                self._read_verified(step, entry).release()
+            else:
+                self._read_small_verified(step, entry)
         except CorruptStepError as exc:
             return str(exc)
+        return None
+
+    def _is_payload(self, rel: str) -> bool:
+        return PurePosixPath(rel).name.startswith(PAYLOAD_STEM)
+
+    def _read_verified(self, step: int, entry: FileEntry) -> Lease:
+        """The one verified read of a payload: the file of `entry` in a pool buffer (O_DIRECT on POSIX),
+        its size and checksum checked against the commit record in the pass that reads it."""
+        return self.backend.read_verified(step, entry.rel, entry.bytes, entry.checksum, self.pool)[0]
+
+    def _read_small_verified(self, step: int, entry: FileEntry) -> bytes:
+        """A meta file (or an extra one) read whole and checked against its commit-record entry."""
+        path = self.layout.step_dir(step) / entry.rel
+        try:
+            data = self.backend.read_small(f"{int(step)}/{entry.rel}")
         except OSError as exc:
-            return f"{self.layout.step_dir(step) / entry.rel}: cannot be read: {exc.strerror or exc}"
-        return _mismatch(path, size, digest, entry)
+            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        if data is None:
+            raise CorruptStepError(path, "missing")
+        reason = _mismatch(path, len(data), checksum_bytes(data), entry)
+        if reason is not None:
+            raise CorruptStepError(path, without_path(reason, path))
+        return data
 
     def read_served(self, step: int, rank: int) -> Tuple[str, Optional[str], List[Any], List[Dict[str, Any]]]:
         """This rank's K mini-batches of `step` and their metas for serving, verified in the pass that
@@ -354,7 +345,7 @@ class StepStore:
             if status == "unverified":
                 return status, None, self.read_step(step, rank), [self.read_meta(step, i, rank)
                                                                   for i in range(self.layout.K)]
-            record = self.read_commit(step)
+            record = report.record           # parsed once, by the listing that classified the step
             if record is None:
                 return "corrupt", f"{self.layout.commit_path(step)}: commit record disappeared", [], []
             rank_of = self._rank_of_rels()
@@ -376,30 +367,13 @@ class StepStore:
         return status, None, batches, metas
 
     def _read_meta_checked(self, step: int, entry: FileEntry) -> Dict[str, Any]:
-        path = real_file(self.layout, step, entry.rel)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
-        reason = _mismatch(path, len(data), checksum_bytes(data), entry)
-        if reason is not None:
-            raise CorruptStepError(path, without_path(reason, path))
-        return _parse_meta(path, data)
+        return _parse_meta(self.layout.step_dir(step) / entry.rel, self._read_small_verified(step, entry))
 
     def _read_payload_checked(self, step: int, entry: FileEntry) -> Any:
-        path = real_file(self.layout, step, entry.rel)
+        path = self.layout.step_dir(step) / entry.rel
+        lease = self._read_verified(step, entry)
+        size = entry.bytes
         try:
-            size = os.lstat(path).st_size
-            if size != entry.bytes:                  # before reading: never a buffer for a wrong size
-                raise CorruptStepError(path, f"{size} bytes, the commit record says {entry.bytes}")
-            lease, size = read_into(str(path), self.pool)
-        except OSError as exc:
-            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
-        try:
-            reason = _mismatch(path, size, checksum_bytes(lease.view(size)), entry)
-            if reason is not None:
-                raise CorruptStepError(path, without_path(reason, path))
             if not tensorfile.is_current_image(lease.view(size)):
                 return self._load(path)          # the previous format: torch.load(weights_only=True)
             widened: List[Lease] = []
