@@ -681,3 +681,20 @@ def test_a_hit_reads_and_parses_the_commit_record_once(tmp_path, monkeypatch):
     status, reason, batches, metas = st.read_served(1, 0)
     assert (status, reason, len(batches), len(metas)) == ("complete", None, 2, 2)
     assert len(parsed) == 1, parsed
+
+
+def test_merged_export_show_and_verify_read_a_committed_payload_verified(tmp_path):
+    """read_inner / read_step (merged, export, show, verify's load) take the hit's verified read: a byte
+    changed in a committed payload, size kept, is refused naming the file (it loaded unverified)."""
+    st = make(tmp_path, K=2)
+    write_step(st, 1)
+    path = st.layout.step_dir(1) / st.layout.payload_rel(1, 0)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF                                   # inside the last tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptStepError, match="checksum") as exc:
+        st.read_inner(1, 1, 0)
+    assert str(path) in str(exc.value)
+    with pytest.raises(CorruptStepError, match="checksum"):
+        st.read_step(1, 0)
+    assert_batch_equal(st.read_inner(1, 0, 0), batch(1, 0, 0))

@@ -370,8 +370,11 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
         except (OSError, ValueError):
             meta = {}
     try:
-        payload = codec.load_from(target.payload)
-    except (CodecError, OSError) as exc:
+        if target.layout is not None:         # a cache file: the verified read a hit uses
+            payload = StepStore(target.layout).read_inner(target.step, target.inner, target.rank)
+        else:                                 # a file named on its own, outside any namespace
+            payload = codec.load_from(target.payload)
+    except (CodecError, CorruptStepError, OSError) as exc:
         reason = _plain_reason(str(exc))
         if "global_steps" in meta and "writer" not in meta:
             reason += f" ({VERL_HINT})"

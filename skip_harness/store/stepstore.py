@@ -343,7 +343,7 @@ class StepStore:
             return status, f"{status}: {report.reason}", [], []
         try:
             if status == "unverified":
-                return status, None, self.read_step(step, rank), [self.read_meta(step, i, rank)
+                return status, None, [self.read_inner(step, i, rank) for i in range(self.layout.K)], [self.read_meta(step, i, rank)
                                                                   for i in range(self.layout.K)]
             record = report.record           # parsed once, by the listing that classified the step
             if record is None:
@@ -392,17 +392,41 @@ class StepStore:
             lease.release()
 
     def read_inner(self, step: int, inner_index: int, rank: int) -> Any:
-        """Load the payload of (step, inner_index, rank). Reads K = 1 steps stored as {step}/tq_batch.pt
-        and as {step}/0/tq_batch.pt. CorruptStepError(path, reason) if it cannot be loaded safely."""
+        """Load the payload of (step, inner_index, rank) -- for `merged`, export, `show` and `verify`.
+        A committed step's payload comes by the verified read a hit uses (size and checksum against the
+        commit record, in the pass that reads it); a step without one (an older cache) is loaded as it
+        is. Reads K = 1 steps stored as {step}/tq_batch.pt and as {step}/0/tq_batch.pt.
+        CorruptStepError(path, reason) if it cannot be loaded safely."""
         check_position(self.layout, step, inner_index, rank)
+        entry = self._committed_entry(step, inner_index, rank)
+        if entry is not None:
+            return self._read_payload_checked(step, entry)
         return self._load(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank)))
+
+    def _committed_entry(self, step: int, inner_index: int, rank: int) -> Optional[FileEntry]:
+        """The commit-record entry of a payload of a committed step (the K = 1 `0/` form resolved from
+        the record's own list); None when the step has no commit record."""
+        record = self.read_commit(step)
+        if record is None:
+            return None
+        entries = {e.rel: e for e in record.files}
+        for rel in (self.layout.payload_rel(inner_index, rank), self.layout.legacy_k1_rel(rank)[0]):
+            if rel in entries:
+                return entries[rel]
+        raise CorruptStepError(self.layout.commit_path(step),
+                               f"lists no entry for {self.layout.payload_rel(inner_index, rank)}")
 
     def _load(self, path: Path) -> Any:
         with _corrupt_on_codec_error(path):
             return codec.load_from(path)
 
     def read_step(self, step: int, rank: int) -> List[Any]:
-        """The K mini-batches of this rank in inner order."""
+        """The K mini-batches of this rank in inner order (a committed step's verified, as for a hit)."""
+        status, reason, batches, _metas = self.read_served(step, rank)
+        if status == "complete" and reason is None:
+            return batches
+        if reason is not None and status == "corrupt":
+            raise CorruptStepError(self.layout.step_dir(step), reason)
         return [self.read_inner(step, i, rank) for i in range(self.layout.K)]
 
     def logical_bytes(self, step: int, stored_bytes: int) -> int:
