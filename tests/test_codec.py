@@ -1,4 +1,4 @@
-"""codec: exact round trips without pickled code; snapshot; merge."""
+"""codec: exact round trips without pickled code; merge."""
 from __future__ import annotations
 
 import collections
@@ -222,7 +222,7 @@ def test_sparse_tensor_is_refused():
 
 def test_device_is_recorded_and_restored_when_available(monkeypatch):
     cpu_copy = torch.arange(4.0)
-    setattr(cpu_copy, codec.ORIGIN_ATTR, "cuda:1")  # what snapshot() leaves on a CUDA tensor's copy
+    setattr(cpu_copy, codec.ORIGIN_ATTR, "cuda:1")  # what encoding records of a CUDA tensor
     enc = codec.encode({"x": cpu_copy})
     assert enc["x"][codec.TAG] == "tensor" and enc["x"]["device"] == "cuda:1"
     assert type(enc["x"]["data"]) is torch.Tensor and not enc["x"]["data"].__dict__
@@ -287,28 +287,7 @@ def test_malformed_tagged_record_raises_codec_error():
         codec.decode({codec.TAG: "tensor", "device": "cpu", "data": "not a tensor"})
 
 
-def test_snapshot_is_independent_of_later_in_place_changes():
-    x = torch.zeros(3, requires_grad=False)
-    view = torch.arange(10.0)[2:5]
-    payload = {"x": x, "l": [view], "t": (torch.ones(2),), "s": "a", "n": np.zeros(2)}
-    snap = codec.snapshot(payload)
-    x.add_(5)
-    view.mul_(0)
-    payload["t"][0].fill_(9)
-    payload["l"].append("new")
-    payload["n"][0] = 3
-    assert torch.equal(snap["x"], torch.zeros(3))
-    assert torch.equal(snap["l"][0], torch.tensor([2.0, 3.0, 4.0])) and len(snap["l"]) == 1
-    assert torch.equal(snap["t"][0], torch.ones(2)) and type(snap["t"]) is tuple
-    assert snap["n"].tolist() == [0.0, 0.0]
-    assert snap["x"].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-
-
-def test_snapshot_detaches_and_keeps_values():
-    w = torch.randn(3, requires_grad=True)
-    y = w * 2
-    snap = codec.snapshot({"y": y})
-    assert not snap["y"].requires_grad and torch.equal(snap["y"], y.detach())
+def test_a_parameter_is_encoded_as_a_plain_tensor():
     enc = codec.encode({"p": torch.nn.Parameter(torch.ones(2))})
     assert type(enc["p"]) is torch.Tensor
 
@@ -405,17 +384,13 @@ def test_registered_dataclasses_and_namedtuples_round_trip_as_their_type(tmp_pat
     assert torch.equal(out["r"].ids, r.ids) and out["r"].rewards == [1.0, 2.0] and out["r"].derived == 7
     assert type(out["r"].extra["p"]) is Pair and torch.equal(out["r"].extra["p"].left, torch.ones(2))
     assert out["pairs"][0] == Pair(1, (2, 3)) and out["f"].tag == "t"
-    snap = codec.snapshot(payload)
-    r.ids.add_(100)
-    assert type(snap["r"]) is Rollout and torch.equal(snap["r"].ids, torch.arange(6).reshape(2, 3))
-    assert snap["r"].derived == 7 and type(snap["f"]) is Frozen
     merged = codec.merge([{"p": Pair(torch.ones(1), "a")}, {"p": Pair(torch.zeros(2), "a")}])
     assert type(merged["p"]) is Pair and merged["p"].left.tolist() == [1.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("value,kind", [(NeverRegistered(1), "dataclass"), (Pair(1, 2), "namedtuple")])
 def test_unregistered_type_is_refused_at_the_first_write_naming_it_and_the_fix(tmp_path, value, kind):
-    for fn in (codec.snapshot, codec.encode, lambda p: codec.save_to(io.BytesIO(), p)):
+    for fn in (codec.encode, lambda p: codec.save_to(io.BytesIO(), p)):
         with pytest.raises(codec.UnregisteredTypeError) as err:
             fn({"batch": [value]})
         msg = str(err.value)

@@ -186,7 +186,7 @@ def test_prefetch_loads_the_next_hit_ahead_and_is_cancelled_at_close(tmp_path, m
     h, t = run()
     assert [s for s, _ in loads] == [1, 2, 3]
     assert all(name.startswith("skip_harness-prefetch") for s, name in loads if s > 1)  # loaded ahead
-    assert h._prefetcher.pending is None  # nothing beyond step 3 is servable: nothing loaded ahead
+    assert h._prefetcher._ahead is None  # nothing beyond step 3 is servable: nothing loaded ahead
     h.close()
     assert h._prefetcher._pool is None  # the reader thread is gone
 
@@ -312,7 +312,7 @@ def test_a_step_loaded_ahead_and_never_asked_for_is_cancelled_at_close(tmp_path)
     h = make(tmp_path).wrap(t, dispatch_kwarg=None)
     t.sample(1)
     t.sample(2)  # served; step 3 is now being loaded ahead
-    assert h._prefetcher.pending == 3
+    assert h._prefetcher._ahead[0] == 3
     summary = h.close()  # the trainer stopped early: the load ahead is dropped, nothing is counted for it
-    assert h._prefetcher.pending is None and h._prefetcher._pool is None
+    assert h._prefetcher._ahead is None and h._prefetcher._pool is None
     assert (summary.hits, summary.steps) == (2, 2) and t.generated == 0

@@ -135,7 +135,7 @@ def test_jagged_variants_and_strided_nested_tensors(tmp_path):
 
 def test_cuda_origin_is_recorded_and_restored_when_present(tmp_path):
     nt = torch.nested.as_nested_tensor([torch.arange(3), torch.arange(5)], layout=torch.jagged)
-    setattr(nt, codec.ORIGIN_ATTR, "cuda:0")        # what snapshot() leaves on a CUDA tensor's copy
+    setattr(nt, codec.ORIGIN_ATTR, "cuda:0")        # what encoding records of a CUDA tensor
     enc = codec.encode({"x": nt})
     assert enc["x"][codec.TAG] == "jagged" and enc["x"]["device"] == "cuda:0"
     out, _ = roundtrip(tmp_path, {"x": nt})
@@ -146,7 +146,7 @@ def test_cuda_origin_is_recorded_and_restored_when_present(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_batch_comes_back_on_cuda(tmp_path):  # pragma: no cover - CPU machines
     td = verl_batch().to("cuda")
-    out, _ = roundtrip(tmp_path, codec.snapshot({"td": td}))
+    out, _ = roundtrip(tmp_path, {"td": td})
     assert out["td"].get("prompts").device.type == "cuda"
     assert_td_equal(td.to("cpu"), out["td"].to("cpu"))
 
@@ -188,14 +188,6 @@ def test_merge_of_a_one_row_mini_batch_keeps_the_first_ragged_dimension():
         codec.merge([a, torch.nested.as_nested_tensor([torch.randn(4, 2)], layout=torch.jagged)])
 
 
-def test_snapshot_owns_the_nested_tensors():
-    td = verl_batch()
-    snap = codec.snapshot({"td": td, "nt": td.get("prompts")})
-    td.get("prompts").values().add_(1)
-    assert not torch.equal(snap["nt"].values(), td.get("prompts").values())
-    assert not torch.equal(snap["td"].get("prompts").values(), td.get("prompts").values())
-
-
 # --------------------------------------------------------------------------------------------
 # verl V0's DataProto
 
@@ -225,7 +217,7 @@ def test_dataproto_round_trips_without_pickle(tmp_path):
     for k, v in dp.non_tensor_batch.items():
         assert out.non_tensor_batch[k].dtype == v.dtype and out.non_tensor_batch[k].tolist() == v.tolist()
     assert b"verl.protocol.DataProto" in path.read_bytes()[:4096]
-    merged = codec.merge([codec.snapshot(dp), out])
+    merged = codec.merge([dp, out])
     assert len(merged) == 8 and merged.non_tensor_batch["uid"].tolist() == dp.non_tensor_batch["uid"].tolist() * 2
 
 

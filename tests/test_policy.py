@@ -18,7 +18,7 @@ def test_off_when_disabled_validation_or_step_not_listed():
 
 def test_cache_hits_only_servable_steps():
     d = decide(4, settings(), {1, 2, 3})
-    assert (d.kind, d.writes_cache, d.serves_cache) == (MISS, True, False)
+    assert (d.kind, d.serves_cache) == (MISS, False)
     d = decide(2, settings(), {1, 2, 3})
     assert (d.kind, d.source_step, d.serves_cache) == (HIT, 2, True)
 
@@ -35,7 +35,7 @@ def test_repeat_serves_nearest_earlier_else_later(step, servable, expected):
 
 def test_repeat_without_any_complete_step_behaves_as_cache():
     d = decide(5, settings(action="repeat"), set())
-    assert d.kind == MISS and d.writes_cache
+    assert d.kind == MISS
 
 
 def test_nearest_step():

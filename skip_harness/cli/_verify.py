@@ -6,7 +6,6 @@ import re
 from typing import List, Optional, Tuple
 
 from skip_harness.store import scan as _scan
-from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store.stepstore import StepStore
 
 _UNSAFE_ADVICE = re.compile(r"(Weights only load failed|weights_only).*", re.IGNORECASE | re.DOTALL)
@@ -16,19 +15,6 @@ VERL_HINT = "if verl wrote it, `skip-harness import-verl VERL_DUMP_DIR DUMP_DIR 
 def _plain_reason(reason: str) -> str:
     """A reason without torch's advice to load with weights_only=False (never to be followed here)."""
     return _UNSAFE_ADVICE.sub("it needs pickled code to load, which skip_harness never runs", reason).strip()
-
-
-def _load_all(store: StepStore, step: int) -> Optional[str]:
-    """None if every payload of the step loads safely (weights_only; no code from the file), else why not."""
-    lay = store.layout
-    for i, r, _prel, _mrel in lay.expected_rels():
-        try:
-            store.read_inner(step, i, r)
-        except (CorruptStepError, SkipHarnessError) as exc:
-            return _plain_reason(str(exc))
-        except Exception as exc:  # a payload that breaks the decoder is corrupt, whatever the error
-            return _plain_reason(f"{lay.payload_path(step, i, r)}: cannot be loaded safely: {type(exc).__name__}: {exc}")
-    return None
 
 
 def _looks_like_verl(store: StepStore, step: int) -> bool:
@@ -46,13 +32,7 @@ def verify_step(store: StepStore, report: _scan.StepReport) -> Optional[str]:
     load of every payload here. Unverified (older) steps have no checksums: the load check only."""
     if not report.servable:
         return None
-    full = getattr(store, "verify_step", None)
-    if full is not None:
-        reason = full(report.step)
-    elif report.status == "complete":
-        reason = store.verify_checksums(report.step) or _load_all(store, report.step)
-    else:
-        reason = _load_all(store, report.step)
+    reason = store.verify_step(report.step)
     if reason is None:
         return None
     reason = _plain_reason(reason)

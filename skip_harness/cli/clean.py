@@ -3,7 +3,6 @@ unloadable ones included, found by verifying first), and apply retention rules t
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,13 +68,7 @@ def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> _scan
     """The scan's cleanup plan with the steps that failed verification added as corrupt (the store's
     `plan_cleanup(..., extra=...)`), plus the retention removals."""
     report = ns.report
-    if "extra" in inspect.signature(_scan.plan_cleanup).parameters:
-        plan = _scan.plan_cleanup(report, action, extra=list(ns.failed))
-    else:  # a scan without `extra`: mark the failed steps corrupt in the report it plans from
-        failed = dict(ns.failed)
-        steps = tuple(dataclasses.replace(s, status="corrupt", reason=failed[s.step]) if s.step in failed else s
-                      for s in report.steps)
-        plan = _scan.plan_cleanup(dataclasses.replace(report, steps=steps), action)
+    plan = _scan.plan_cleanup(report, action, extra=list(ns.failed))
     planned = set(plan.steps)
     by_step = {s.step: s for s in report.steps}
     extra = tuple(

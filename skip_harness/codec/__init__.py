@@ -26,7 +26,7 @@ else is written as a *tagged dict* ``{TAG: kind, ...}``:
 
 `save_to` / `load_from` / `check_file` move a payload to and from a file in the format of `tensorfile`
 (a JSON header and the raw tensor bytes; loading unpickles nothing). Every failure to load is a
-`CodecError` that names the file once. `snapshot` and `merge` live in `minibatch`; every public name
+`CodecError` that names the file once. `merge` lives in `minibatch`; every public name
 is importable from here.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 
 from skip_harness.codec import tensorfile
 from skip_harness.errors import CodecError
-from skip_harness.codec.minibatch import merge, snapshot  # noqa: F401  (re-exported)
+from skip_harness.codec.minibatch import merge  # noqa: F401  (re-exported)
 from skip_harness.codec.payload_kinds import (
     SCALARS, MetaData, NonTensorData, NonTensorStack, TensorDict, UnregisteredTypeError,
     device_available, fields_of, is_non_tensor_data, is_non_tensor_stack, is_tensordict, key_repr, np,

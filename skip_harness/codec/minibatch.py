@@ -1,8 +1,6 @@
-"""A payload's snapshot (a copy the trainer's later in-place changes never reach) and the merge of a
-step's mini-batches into one payload."""
+"""The merge of a step's mini-batches into one payload (`merged`)."""
 from __future__ import annotations
 
-import copy
 import warnings
 from collections import OrderedDict
 from typing import Any, List, Sequence
@@ -11,68 +9,8 @@ import torch
 
 from skip_harness.errors import CodecError
 from skip_harness.codec.payload_kinds import (
-    ORIGIN_ATTR, SCALARS, construct, fields_of, is_non_tensor_data, is_tensordict, key_repr, np, origin_device,
-    registered_or_refuse,
+    SCALARS, construct, fields_of, is_non_tensor_data, is_tensordict, key_repr, np, registered_or_refuse,
 )
-
-
-def snapshot(payload: Any) -> Any:
-    """A deep copy whose every tensor is an independent CPU clone, so changes the trainer makes in
-    place after `sample` returns never reach what is written. A tensor from another device keeps
-    a note of that device (see `origin_device`), which `encode` records."""
-    return _snapshot(payload, "payload")
-
-
-def _snapshot(obj: Any, where: str) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.is_nested:
-        dev = origin_device(obj)
-        clone = obj.detach().to("cpu", copy=True) if obj.device.type != "cpu" else obj.detach().clone()
-        if dev.type != "cpu":
-            setattr(clone, ORIGIN_ATTR, str(dev))
-        return clone
-    if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        dev = origin_device(obj)
-        if type(src) is not torch.Tensor:
-            src = src.as_subclass(torch.Tensor)
-        clone = src.to("cpu", copy=True) if src.device.type != "cpu" else src.clone()
-        if dev.type != "cpu":
-            setattr(clone, ORIGIN_ATTR, str(dev))
-        return clone
-    t = type(obj)
-    if t in SCALARS:
-        return obj
-    if t is dict or t is OrderedDict:
-        out = {} if t is dict else OrderedDict()
-        for k, v in obj.items():
-            out[k] = _snapshot(v, where + key_repr(k))
-        return out
-    if t is list:
-        return [_snapshot(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if t is tuple:
-        return tuple(_snapshot(v, f"{where}[{i}]") for i, v in enumerate(obj))
-    if is_tensordict(obj) or is_non_tensor_data(obj):
-        # Keep the TensorDict (with its device, so encode records it) but own every tensor.
-        return obj.clone()
-    if np is not None and isinstance(obj, np.ndarray):
-        if obj.dtype.kind != "O":
-            return obj.copy()
-        out = np.empty(obj.size, dtype=object)
-        for i, v in enumerate(obj.ravel().tolist()):
-            out[i] = _snapshot(v, f"{where}[{i}]")
-        return out.reshape(obj.shape)
-    if np is not None and isinstance(obj, np.generic):
-        return obj
-    if registered_or_refuse(obj, where) is not None:
-        names, values = fields_of(obj)
-        copies = [_snapshot(v, f"{where}.{n}") for n, v in zip(names, values)]
-        if isinstance(obj, tuple):
-            return t._make(copies)
-        out = copy.copy(obj)  # keeps what __init__ would not rebuild; every field replaced below
-        for n, v in zip(names, copies):
-            object.__setattr__(out, n, v)
-        return out
-    raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
 
 
 def merge(payloads: Sequence[Any]) -> Any:

@@ -37,8 +37,8 @@ try:  # optional, and newer than TensorDict itself
 except Exception:
     MetaData = NonTensorData = NonTensorStack = None
 
-# Attribute `snapshot` sets on its CPU copy of a tensor that lived on another device, so that
-# `encode` still records where it came from.
+# Attribute a CPU copy of a tensor that lived on another device may carry, so that `encode` still
+# records where it came from (the tests use it to stand for a CUDA tensor on a CPU-only machine).
 ORIGIN_ATTR = "_skip_harness_origin_device"
 
 SCALARS = (bool, int, float, complex, str, bytes, type(None))
@@ -199,7 +199,7 @@ def key_repr(key: Any) -> str:
 
 
 def origin_device(tensor: torch.Tensor) -> torch.device:
-    """The device a tensor came from: its own, or for a `snapshot` copy, the original's."""
+    """The device a tensor came from: its own, or for a CPU copy carrying ORIGIN_ATTR, the original's."""
     dev = getattr(tensor, ORIGIN_ATTR, None)
     return torch.device(dev) if dev is not None else tensor.device
 

@@ -103,7 +103,6 @@ class _Pending:
     step: int
     writes: Dict[int, Future] = field(default_factory=dict)
     failed: Optional[str] = None  # first reason this rank could not write the step
-    failed_path: str = ""
     complete_epoch: Optional[int] = None  # decision epoch at which the K-th sample came
     commit: Optional[Future] = None
     gen_s: float = 0.0
@@ -269,7 +268,7 @@ class CommitCoordinator:
 
     def _set_failed(self, p: _Pending, reason: str, path: str) -> None:
         if p.failed is None:
-            p.failed, p.failed_path = reason, path
+            p.failed = reason
             self._fault(path, f"{reason}; step {p.step} stays uncommitted, training goes on")
 
     def _finish(self, p: _Pending, committed: bool, reason: str) -> Finished:

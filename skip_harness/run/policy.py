@@ -30,10 +30,6 @@ class Decision:
     def serves_cache(self) -> bool:
         return self.kind in (HIT, REPEAT)
 
-    @property
-    def writes_cache(self) -> bool:
-        return self.kind == MISS
-
 
 def nearest_step(step: int, candidates: AbstractSet[int]) -> Optional[int]:
     """The largest candidate before `step`, else the smallest after it, else None."""

@@ -87,11 +87,6 @@ class Prefetcher:
             ahead[1].cancel()
         return load_step(self.store, step, self.rank)
 
-    @property
-    def pending(self) -> Optional[int]:
-        """The step being loaded ahead, if any."""
-        return None if self._ahead is None else self._ahead[0]
-
     def cancel(self) -> None:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:

@@ -117,7 +117,7 @@ def _read_small_json(dir_path, name: str) -> Optional[dict]:
 
 def read_holder(layout: Layout) -> Optional[LockHolder]:
     """The holder record of a namespace, None if absent or unreadable (never follows a symlink).
-    It may be stale (its process killed): see `stale_holder`."""
+    It may be stale (its process killed): the next holder replaces it."""
     doc = _read_small_json(layout.root, layout.lock_holder_path.name)
     if doc is None:
         return None
@@ -372,38 +372,6 @@ def probe(layout: Layout) -> Optional[str]:
         return f"unknown holder ({path}: {exc.strerror})"
     trial.release()
     return None
-
-
-def stale_holder(layout: Layout) -> Optional[LockHolder]:
-    """The holder record when it outlived its run (nobody holds the lock, or the pid it names is
-    not running on this host), else None. Reads only."""
-    holder = read_holder(layout)
-    if holder is None:
-        return None
-    if probe(layout) is None or holder.is_alive() is False:
-        return holder
-    return None
-
-
-def remove_stale_holder(layout: Layout) -> Optional[LockHolder]:
-    """Remove a holder record that outlived its run (only while nobody holds the lock); returns it."""
-    holder = read_holder(layout)
-    if holder is None or not layout.lock_path.exists():
-        return None
-    if _file_lock(str(layout.lock_path)).is_locked:
-        return None
-    trial = filelock.FileLock(str(layout.lock_path), thread_local=False, fallback_to_soft=False)
-    try:
-        trial.acquire(blocking=False)
-    except (filelock.Timeout, OSError):
-        return None
-    try:
-        removed = _remove_regular_file(
-            layout.root, layout.lock_holder_path.name, only_if=lambda doc: doc is not None and doc.get("pid") == holder.pid
-        )
-    finally:
-        trial.release()
-    return holder if removed else None
 
 
 # ---------------------------------------------------------------------------------------- run marker

@@ -56,8 +56,7 @@ class StagedInner:
     """A payload copied into a pool buffer (and hashed, when stored as it is) by `StepStore.stage_inner`;
     `complete()` -- for a compressed form, first narrows and compresses the staged copy into a second
     buffer and hashes that -- stores it through the namespace's backend (O_DIRECT on POSIX) and then its
-    meta.json, returning the two FileEntry; `discard()` abandons it. Exactly one of them, once, from any
-    thread."""
+    meta.json, returning the two FileEntry. Once, from any thread."""
 
     def __init__(self, backend: NamespaceBackend, step: int, lease: Lease, nbytes: int, checksum: Optional[str],
                  payload_rel: str, meta_rel: str, meta: Dict[str, Any],
@@ -103,13 +102,10 @@ class StagedInner:
         return (FileEntry(self.payload_rel, self.bytes, self.checksum),
                 FileEntry(self.meta_rel, len(meta_bytes), checksum_bytes(meta_bytes)))
 
-    def discard(self) -> None:
-        self._take().release()
-
     def _take(self) -> Lease:
         lease, self._lease = self._lease, None
         if lease is None:
-            raise HarnessUsageError(f"{self.payload_rel}: this staged write was already completed or discarded")
+            raise HarnessUsageError(f"{self.payload_rel}: this staged write was already completed")
         return lease
 
 
