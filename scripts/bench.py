@@ -12,7 +12,7 @@ arms alike. The keys of SPEC "Benchmark":
 
 - save_ratio           StepStore.write_inner (temp name, fsync, rename, directory fsync, meta.json, checksum
                        while writing) vs torch.save to a temp file + fsync + os.replace.
-- load_ratio           StepStore.verify (checksums) + StepStore.read_inner + touching every tensor byte vs
+- load_ratio           StepStore.read_inner (one verified read: checksums in the pass that reads) + touching every tensor byte vs
                        torch.load(weights_only=True) + the same touch; both files in the page cache.
 - step_overhead_ratio  a synthetic training step (prepare_data, sample, reading the batch, then a matmul loop
                        on every core computing ~4x as long as one bare durable torch.save) under a real
@@ -33,7 +33,11 @@ arms alike. The keys of SPEC "Benchmark":
 - scan_10k_s           scan_namespace at 10,000 committed steps x K = 4, with the namespace index (warm:
                        median of three after the scan that builds the index); also at 1,000 steps, and
                        the full scan without the index (scan_full_*), for how the cost grows.
-- load_peak_mem_ratio  peak RSS growth of verify + read_inner + touching every tensor, in a fresh process
+- scan_index_ratio     (not a SPEC key) scan_10k_s / scan_full_10k_s: the indexed scan against the full scan of
+                       the same namespace in the same run (target <= 0.1).
+- step_vs_floor_ratio  (not a SPEC key) step_overhead_ratio / step_floor_ratio: the miss within 2% of the
+                       durable-copy floor measured beside it (target <= 1.02).
+- load_peak_mem_ratio  peak RSS growth of the verified read_inner + touching every tensor, in a fresh process
                        after a warm-up load, over the payload's tensor bytes.
 
 Footprint and compression (issue 14; `skip.rollout_tq.compression=zstd`: integers narrowed losslessly, then
@@ -84,6 +88,7 @@ import torch
 from skip_harness import codec
 from skip_harness.store import index
 from skip_harness.config import RolloutTQConfig
+from skip_harness.errors import CorruptStepError
 from skip_harness.store import stepstore as store_mod
 from skip_harness.run.harness import SkipHarness
 from skip_harness.store.layout import COMMIT_NAME, Layout
@@ -405,10 +410,12 @@ def write_committed_step(store: StepStore, step: int, payload: Any) -> Path:
 
 
 def load_verified(store: StepStore, step: int) -> Any:
-    reason = store.verify(step)
-    if reason is not None:
-        raise BenchError(f"step {step} of {store.layout.root} does not verify: {reason}")
-    return store.read_inner(step, 0, 0)
+    """One verified read, as `merged` / export / show / verify take it: size and checksum checked against
+    the commit record in the pass that reads the file (a damaged file raises, naming it)."""
+    try:
+        return store.read_inner(step, 0, 0)
+    except CorruptStepError as exc:
+        raise BenchError(f"step {step} of {store.layout.root} does not verify: {exc}") from None
 
 
 def bench_load(store: StepStore, step: int, bare_path: Path, repeats: int, nbytes: int) -> Dict[str, float]:
@@ -963,7 +970,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         result.update({"save_small_mib_s": small_save["save_mib_s"], "bare_save_small_mib_s": small_save["bare_save_mib_s"],
                        "save_small_ratio": small_save["save_ratio"]})
 
-        log.info("load: verify + read_inner vs torch.load(weights_only=True), %d repeats", args.repeats)
+        log.info("load: verified read_inner vs torch.load(weights_only=True), %d repeats", args.repeats)
         load_store = StepStore(Layout(work / "load_ns", K=1, W=1))
         big_file = write_committed_step(load_store, 1, payload)
         small_file = write_committed_step(load_store, 2, small)
@@ -1057,6 +1064,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if largest != 10_000:  # scaled linearly from the largest size measured, and flagged
             for key in ("scan", "scan_full", "scan_first"):
                 result[f"{key}_10k_s"] = result[f"{key}_{tag}_s"] * 10_000 / largest
+        # Judged within one run (this VM's speed moves with its neighbours): the miss against the
+        # durable-copy floor measured beside it, and the indexed scan against the full scan of the
+        # same namespace.
+        result["step_vs_floor_ratio"] = result["step_overhead_ratio"] / result["step_floor_ratio"]
+        result["scan_index_ratio"] = result["scan_10k_s"] / result["scan_full_10k_s"]
         return result
     finally:
         log.info("removing %s", work)
@@ -1067,6 +1079,7 @@ KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio"
         "scan_10k_s", "load_peak_mem_ratio", "disk_ratio", "disk_ratio_narrow", "step_overhead_ratio_zstd",
         "hit_overhead_ratio_zstd")
 TARGETS = {"save_ratio": 1.05, "load_ratio": 0.6, "step_overhead_ratio": 1.05, "hit_overhead_ratio": 1.05,
+           "step_vs_floor_ratio": 1.02, "scan_index_ratio": 0.1,
            "scan_10k_s": 0.25, "load_peak_mem_ratio": 1.1, "disk_ratio": 0.35, "step_overhead_ratio_zstd": 1.05,
            "hit_overhead_ratio_zstd": 1.05}
 
@@ -1110,7 +1123,9 @@ def render_table(r: Dict[str, Any]) -> str:
         + row("peak memory of a load / payload", f"{r['load_peak_mem_ratio']:.2f}",
               f"{r['bare_load_peak_mem_ratio']:.2f}", "", tgt("load_peak_mem_ratio"))
         + row("startup scan, 10,000 steps x K=4", f"{r['scan_10k_s']:.3f} s", f"{r['scan_full_10k_s']:.3f} s",
-              "", tgt("scan_10k_s"))
+              f"{r['scan_index_ratio']:.3f}", tgt("scan_index_ratio"))
+        + row("miss async vs the durable-copy floor beside it", f"{r['step_overhead_ratio']:.3f}",
+              f"{r['step_floor_ratio']:.3f}", f"{r['step_vs_floor_ratio']:.3f}", tgt("step_vs_floor_ratio"))
         + "\n"
         + f"floor of any durable miss, side by side (one copy of the batch + a bare O_DIRECT write + fsync in the "
           f"background): {r['step_floor_ratio']:.3f} (CPU {r['floor_cpu_overhead_ratio']:.2f})\n"

@@ -8,7 +8,7 @@ import pytest
 
 from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import ConfigError, CorruptStepError, LockHeldError
-from skip_harness.store.backend import NamespaceBackend, is_url, open_dump_dir
+from skip_harness.store.backend import LINK, NamespaceBackend, is_url, open_dump_dir
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.posix.backend import PosixDumpDir, PosixNamespace
 from skip_harness.store.posix.fileops import checksum_bytes
@@ -119,7 +119,7 @@ def test_listing_shows_temporaries_links_and_strays_never_following_a_link(tmp_p
     assert by_step[1].temporaries == ("0/.tmp-tq_batch.pt.1.ab",)
     assert by_step[1].odd == (("1", "a symlink (never followed)"),)
     assert "secret" not in str(by_step[1].files)
-    assert by_step[7].odd and not by_step[7].files
+    assert by_step[7].entry == LINK and not by_step[7].files and not by_step[7].odd
     assert [name for name, _ in listing.leftovers] == [".trash-4-1-abc"]
     with pytest.raises(CorruptStepError, match="symlink"):
         ns.read_small("1/1")
@@ -178,3 +178,23 @@ def test_uncommit_removes_only_the_commit_record(tmp_path):
     ns.uncommit(1)
     ns.uncommit(9)                      # no such step: nothing
     ns.commit(1, b"{}")                 # a rewritten step commits again
+
+
+def test_verified_reads_never_follow_a_linked_inner_directory(tmp_path):
+    """A committed step whose inner directory became a symlink (to an identical copy elsewhere) is not
+    read through the link: reads go fd by fd from the namespace directory."""
+    import shutil
+
+    ns, pool = _ns(tmp_path), BufferPool()
+    size, digest = _write_step(ns, pool, 1)
+    inner = tmp_path / LEAF / "1" / "0"
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(inner, elsewhere)
+    shutil.rmtree(inner)
+    os.symlink(elsewhere, inner)
+    with pytest.raises(CorruptStepError, match="symlink"):
+        ns.read_verified(1, "0/tq_batch.pt", size, digest, pool)
+    with pytest.raises(CorruptStepError, match="symlink"):
+        ns.map_verified(1, "0/tq_batch.pt", size, digest)
+    with pytest.raises(CorruptStepError, match="symlink"):
+        ns.read_small("1/0/meta.json")

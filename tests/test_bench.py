@@ -32,7 +32,8 @@ MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s",
              "step_overhead_ratio_1thread", "sync_overhead_ratio_1thread", "verl_sync_overhead_ratio", "scan_1k_s", "scan_full_1k_s",
              "scan_full_10k_s", "save_mib_s", "save_small_mib_s", "load_mib_s", "load_small_mib_s",
              "floor_write_fsync_s", "floor_memcpy_s", "save_cpu_s", "bare_save_cpu_s", "step_cpu_overhead_ratio",
-             "sync_cpu_overhead_ratio", "hit_cpu_overhead_ratio", "floor_cpu_overhead_ratio", "step_floor_ratio", "step_floor_s")
+             "sync_cpu_overhead_ratio", "hit_cpu_overhead_ratio", "floor_cpu_overhead_ratio", "step_floor_ratio", "step_floor_s",
+             "step_vs_floor_ratio", "scan_index_ratio")
 
 
 def load_bench():

@@ -58,15 +58,15 @@ def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
 
 
 def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
-    from skip_harness.store import status as stepstatus
+    from skip_harness.store.posix import backend as posix_backend
 
     st = make(tmp_path, K=4)
     for step in range(1, 6):
         write_step(st, step)
     age(st)
     listed = []
-    real = stepstatus._list_step
-    monkeypatch.setattr(stepstatus, "_list_step", lambda p: listed.append(p) or real(p))
+    real = posix_backend._list_step
+    monkeypatch.setattr(posix_backend, "_list_step", lambda s, p: listed.append(p) or real(s, p))
     report = scan_namespace(st.layout)
     assert report.counts()["complete"] == 5 and listed == []   # stamps only: no step directory listed
 

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError
-from skip_harness.store.layout import Layout, parse_namespace_leaf
+from skip_harness.store.layout import Layout
 from skip_harness.store.stepstore import StepStore
 
 from skip_harness.units import human_bytes
@@ -96,16 +96,7 @@ def progress() -> Iterator[Progress_]:
 def namespaces_under(path: Path) -> List[Layout]:
     """Namespaces at `path`: the path itself if it is a namespace, those in it if it is an
     `{experiment}_{project}` directory, else those two levels down (a dump dir)."""
-    kw = parse_namespace_leaf(path.name)
-    if kw is not None:
-        return [Layout(path, K=kw[0], W=kw[1])]
-    direct = []
-    for child in sorted(path.iterdir()):
-        kw = parse_namespace_leaf(child.name)
-        if kw is not None and child.is_dir() and not child.is_symlink():
-            direct.append(Layout(child, K=kw[0], W=kw[1]))
-    return direct + _scan.find_namespaces(path)
-
+    return _scan.namespaces_at(path)
 
 def require_dir(path: Path, flag: str = "") -> Path:
     if not path.is_dir():
@@ -139,30 +130,16 @@ def step_written(store: StepStore, report: _scan.StepReport) -> Optional[float]:
             record = None
         if record is not None and record.created:
             return record.created
-    try:
-        return os.lstat(report.path).st_mtime if report.exists else None
-    except OSError:
-        return None
+    return store.backend.modified(str(report.step)) if report.exists else None
 
 
 def step_accessed(store: StepStore, report: _scan.StepReport) -> Optional[float]:
     """When the step was last read: the newest access time of its payload files (a hit reads them; `ls`
-    and the startup scan never do; `verify` and `clean` do). The file system decides how exact that is:
-    with `relatime` (Linux's default) a read is recorded when it is the first since the step was
-    written or a day after the last recorded one; on a `noatime` mount nothing is recorded.
-    None when no payload was read since it was written (its access time is not after its write)."""
+    and the startup scan never do; `verify` and `clean` do), where the storage records reads (see
+    `NamespaceBackend.last_read`). None when no payload was read since it was written."""
     if not report.exists:
         return None
-    times = []
-    for _i, _r, payload_rel, _m in store.layout.expected_rels():
-        try:
-            st = os.lstat(report.path / payload_rel)
-        except OSError:
-            continue
-        if st.st_atime > st.st_mtime:
-            times.append(st.st_atime)
-    return max(times) if times else None
-
+    return store.backend.last_read(report.step, [prel for _i, _r, prel, _m in store.layout.expected_rels()])
 
 def default_dump_dir() -> Tuple[Path, str]:
     """Where runs write when nothing names another place, and how that was decided (for the user)."""

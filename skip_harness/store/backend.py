@@ -9,7 +9,7 @@ ABC and joblib's store backends: the caching policy never builds a path, a backe
 primitive operations on keys.
 
 Keys are relative to the namespace and '/'-separated: `'3/0/tq_batch.pt'` is a payload of step 3,
-`'3/commit.json'` its commit record, `'.index'` the namespace index. Within a step, `rel` is relative to
+`'3/commit.json'` its commit record, `'.index.jsonl'` the namespace index. Within a step, `rel` is relative to
 the step (`'0/tq_batch.pt'`). Nothing here is a `Path`: a dump_dir may be `s3://bucket/prefix`.
 
 The commit protocol, on every backend:
@@ -42,7 +42,10 @@ from skip_harness.errors import ConfigError, SkipHarnessError
 
 DUMP_DIR_KEY = "skip.rollout_tq.dump_dir"
 COMMIT_NAME = "commit.json"
-INDEX_KEY = ".index"
+INDEX_KEY = ".index.jsonl"          # the namespace index, one JSON line per commit (store.index)
+
+LINK = "a symlink (never followed)"
+NOT_A_DIRECTORY = "not a directory"
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -70,7 +73,9 @@ class StepListing:
     step: int
     files: Mapping[str, StoredFile] = field(default_factory=dict)
     temporaries: Tuple[str, ...] = ()
-    odd: Tuple[Tuple[str, str], ...] = ()      # (rel, what it is)
+    odd: Tuple[Tuple[str, str], ...] = ()      # (rel, what it is); a link's `what` is LINK
+    entry: str = ""                            # "" a step (directory / key prefix); LINK or NOT_A_DIRECTORY
+    total: int = 0                             # bytes of every entry listed: files, temporaries, odd ones
 
     @property
     def committed(self) -> bool:
@@ -170,6 +175,13 @@ class NamespaceBackend(abc.ABC):
         xxh3-128 checked against the commit record's `size` and `checksum` in the same pass:
         (lease, size). CorruptStepError naming the file when it is missing, short, or differs."""
 
+    def map_verified(self, step: int, rel: str, size: int, checksum: str) -> Optional[Any]:
+        """Where the storage can map a file: its bytes as a private (copy-on-write) mapping, checked
+        against `size` and `checksum` like `read_verified` -- decoded tensors are views of it, and a
+        file in the page cache is not copied. None where it cannot (an object store): use
+        `read_verified`."""
+        return None
+
     # ---- the namespace
 
     @abc.abstractmethod
@@ -192,6 +204,15 @@ class NamespaceBackend(abc.ABC):
     @abc.abstractmethod
     def remove_run_marker(self, token: str) -> None:
         """Remove the marker (idempotent)."""
+
+    def modified(self, key: str = "") -> Optional[float]:
+        """When `key` (a step: its number; '' the namespace) last changed, where the storage records it."""
+        return None
+
+    def last_read(self, step: int, rels: Iterable[str]) -> Optional[float]:
+        """The newest time one of the step's files `rels` was read after it was written, where the
+        storage records reads (a POSIX file's access time); None when it does not, or none was."""
+        return None
 
     def read_index(self) -> Optional[bytes]:
         """The namespace index (a hint the scan reconciles), None when there is none."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import secrets
 import struct
 import threading
 import time
@@ -34,9 +33,11 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import xxhash
 
-from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, Layout
+from skip_harness.store.backend import INDEX_KEY
+from skip_harness.store.layout import COMMIT_NAME, Layout
+from skip_harness.store.posix.backend import PosixNamespace
 
-INDEX_NAME = ".index.jsonl"
+INDEX_NAME = INDEX_KEY
 INDEX_FORMAT = 1
 RACY_NS = 250_000_000          # mtimes this close to the entry's own writing are rechecked (> any local fs tick)
 
@@ -237,8 +238,6 @@ def append(layout: Layout, entry: Optional[IndexEntry]) -> bool:
 
 def rewrite(layout: Layout, entries: Iterable[IndexEntry]) -> Optional[str]:
     """Replace the index atomically with `entries`. None on success, else why it could not be written."""
-    root = os.fspath(layout.root)
-    tmp = os.path.join(root, f"{TMP_PREFIX}{INDEX_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
     parts = [_header(layout)]
     seen = set()
     for e in sorted(entries, key=lambda e: e.step):
@@ -248,23 +247,8 @@ def rewrite(layout: Layout, entries: Iterable[IndexEntry]) -> Optional[str]:
             parts.append(_fp_line(key, e.fingerprint))
         parts.append(_entry_line(e))
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, "".join(parts).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, index_path(layout))
-        dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        PosixNamespace(layout).write_index("".join(parts).encode())   # temp + fsync + rename + dir fsync
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         return exc.strerror or str(exc)
     with _append_lock:
         _appended.pop(index_path(layout), None)

@@ -207,6 +207,22 @@ def _classify_all(layout: Layout, found: List[Tuple[int, str]]) -> List[StepRepo
     return [classify(item) for item in found]
 
 
+def namespaces_at(path: Path) -> List[Layout]:
+    """Namespaces at `path`: the path itself if it is a namespace, those in it if it is an
+    `{experiment}_{project}` directory, else those two levels down (a dump dir). Links are never
+    followed."""
+    path = Path(path)
+    kw = parse_namespace_leaf(path.name)
+    if kw is not None:
+        return [Layout(path, K=kw[0], W=kw[1])]
+    direct = []
+    for child in sorted(os.scandir(path), key=lambda e: e.name):
+        kw = parse_namespace_leaf(child.name)
+        if kw is not None and child.is_dir(follow_symlinks=False):
+            direct.append(Layout(path / child.name, K=kw[0], W=kw[1]))
+    return direct + find_namespaces(path)
+
+
 def find_namespaces(dump_dir: Path) -> List[Layout]:
     """Namespaces under a dump dir: directories {dump_dir}/{any}/{leaf} whose leaf name parses as a
     namespace name (which gives K and W). Symlinks are never followed. Sorted by path."""

@@ -18,14 +18,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, Layout
+from skip_harness.store.backend import LINK, NamespaceBackend
+from skip_harness.store.layout import COMMIT_NAME, Layout
+from skip_harness.store.posix.backend import PosixNamespace
 
 STATUSES = ("complete", "unverified", "incomplete", "corrupt")
 COMMIT_FORMAT = 1
@@ -185,52 +186,18 @@ class StepReport:
         return self.status in ("complete", "unverified")
 
 
-class _Listing:
-    __slots__ = ("files", "links", "temps", "others", "total")
-
-    def __init__(self) -> None:
-        self.files: Dict[str, int] = {}   # rel -> size of regular files (temps excluded)
-        self.links: List[str] = []
-        self.temps: List[str] = []
-        self.others: List[str] = []
-        self.total = 0
-
-
-def _list_step(step_path: str) -> _Listing:
-    out = _Listing()
-    stack = [("", step_path)]
-    while stack:
-        prefix, d = stack.pop()
-        with os.scandir(d) as it:
-            for e in it:
-                rel = prefix + e.name
-                if e.is_dir(follow_symlinks=False):   # from d_type: no system call
-                    stack.append((rel + "/", e.path))
-                    continue
-                st = e.stat(follow_symlinks=False)
-                mode = st.st_mode
-                out.total += st.st_size
-                if stat.S_ISLNK(mode):
-                    out.links.append(rel)
-                elif e.name.startswith(TMP_PREFIX):
-                    out.temps.append(rel)
-                elif stat.S_ISREG(mode):
-                    out.files[rel] = st.st_size
-                else:
-                    out.others.append(rel)
-    return out
-
-
 def _first(items: List[str]) -> str:
     items = sorted(items)
     more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
     return items[0] + more
 
 
-def classify_step(layout: Layout, step: int, path: Optional[Path] = None) -> StepReport:
-    """The status of one step, from directory listings and lstat (plus its small commit record)."""
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None,
+                  backend: Optional[NamespaceBackend] = None) -> StepReport:
+    """The status of one step, from one listing of it (plus its small commit record), through the
+    namespace's backend (the POSIX one by default). `path` is only what the report names."""
     path = layout.step_dir(step) if path is None else path
-    spath = str(path)
+    backend = backend if backend is not None else PosixNamespace(layout)
 
     def report(status: str, nbytes: int, reason: str, fp: Optional[Fingerprint] = None,
                has_commit: bool = False, exists: bool = True, record: Optional[CommitRecord] = None) -> StepReport:
@@ -240,46 +207,47 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None) -> Ste
         return StepReport(step, path, status, nbytes, reason, fp, has_commit, exists, created, gen_s, record)
 
     try:
-        st = os.lstat(spath)
-    except FileNotFoundError:
-        return report("incomplete", 0, "step directory does not exist", exists=False)
-    if stat.S_ISLNK(st.st_mode):
-        return report("incomplete", st.st_size, "step directory is a symlink (never followed)")
-    if not stat.S_ISDIR(st.st_mode):
-        return report("incomplete", st.st_size, "step entry is not a directory")
-    try:
-        listing = _list_step(spath)
+        listing = backend.list_step(step)
     except OSError as exc:
         return report("incomplete", 0, f"cannot list the step directory: {exc}")
+    if listing is None:
+        return report("incomplete", 0, "step directory does not exist", exists=False)
+    if listing.entry == LINK:
+        return report("incomplete", listing.total, "step directory is a symlink (never followed)")
+    if listing.entry:
+        return report("incomplete", listing.total, "step entry is not a directory")
     nbytes = listing.total
-    has_commit = COMMIT_NAME in listing.files or COMMIT_NAME in listing.links or COMMIT_NAME in listing.others
-    if listing.links:
-        return report("incomplete", nbytes, f"{_first(listing.links)} is a symlink (never followed)",
-                      has_commit=has_commit)
+    links = [rel for rel, what in listing.odd if what == LINK]
+    others = {rel for rel, what in listing.odd if what != LINK}
+    has_commit = COMMIT_NAME in listing.files or COMMIT_NAME in links or COMMIT_NAME in others
+    if links:
+        return report("incomplete", nbytes, f"{_first(links)} is a symlink (never followed)", has_commit=has_commit)
     if has_commit:
         if COMMIT_NAME not in listing.files:
             return report("corrupt", nbytes, "commit record is not a regular file", has_commit=True)
-        commit_path = os.path.join(spath, COMMIT_NAME)
+        commit_path = os.path.join(str(path), COMMIT_NAME)
         try:
-            with open(commit_path, "rb") as f:
-                record = parse_commit(f.read(), layout, step, commit_path)
+            data = backend.read_small(f"{step}/{COMMIT_NAME}")
+            if data is None:
+                raise FileNotFoundError(commit_path)
+            record = parse_commit(data, layout, step, commit_path)
         except CorruptStepError as exc:
             return report("corrupt", nbytes, exc.reason, has_commit=True)
         except OSError as exc:
             return report("corrupt", nbytes, f"commit record cannot be read: {exc}", has_commit=True)
         for entry in record.files:
-            size = listing.files.get(entry.rel)
-            if size is None:
+            found = listing.files.get(entry.rel)
+            if found is None:
                 return report("corrupt", nbytes, f"{entry.rel} (listed in the commit record) is missing",
                               record.fingerprint, True, record=record)
-            if size != entry.bytes:
+            if found.size != entry.bytes:
                 return report("corrupt", nbytes,
-                              f"{entry.rel} has {size} bytes, the commit record says {entry.bytes}",
+                              f"{entry.rel} has {found.size} bytes, the commit record says {entry.bytes}",
                               record.fingerprint, True, record=record)
         return report("complete", nbytes, "", record.fingerprint, True, record=record)
 
-    if listing.temps:
-        return report("incomplete", nbytes, f"temporary file {_first(listing.temps)} (an interrupted write)")
+    if listing.temporaries:
+        return report("incomplete", nbytes, f"temporary file {_first(list(listing.temporaries))} (an interrupted write)")
     files = listing.files
     missing: List[str] = []
     empty: List[str] = []
@@ -292,29 +260,23 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None) -> Ste
         for rel in (prel, mrel):
             if rel not in files:
                 missing.append(rel)
-        if files.get(prel) == 0:
+        if prel in files and files[prel].size == 0:
             empty.append(prel)
         metas.append(mrel)
     if missing:
         return report("incomplete", nbytes, f"missing {_first(missing)}")
     if empty:
         return report("incomplete", nbytes, f"{_first(empty)} is empty")
-    if _written_by_us(os.path.join(spath, metas[0])):
+    if _written_by_us(backend, step, metas[0]):
         return report("incomplete", nbytes,
                       "no commit record: written by skip_harness, interrupted before the step was committed")
     return report("unverified", nbytes, "no commit record (an older cache); served without checksums")
 
 
-def _written_by_us(meta_path: str) -> bool:
+def _written_by_us(backend: NamespaceBackend, step: int, meta_rel: str) -> bool:
     try:
-        fd = os.open(meta_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        data = backend.read_small(f"{step}/{meta_rel}")
+        doc = json.loads(data[: 1 << 20]) if data is not None else None
+    except (OSError, CorruptStepError, ValueError, UnicodeDecodeError):
         return False
-    try:
-        with open(fd, "rb", closefd=False) as f:
-            doc = json.loads(f.read(1 << 20))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    finally:
-        os.close(fd)
     return isinstance(doc, dict) and doc.get("writer") == WRITER_NAME

@@ -396,7 +396,15 @@ class StepStore:
         check_position(self.layout, step, inner_index, rank)
         entry = self._committed_entry(step, inner_index, rank)
         if entry is not None:
-            return self._read_payload_checked(step, entry)
+            mapped = self.backend.map_verified(step, entry.rel, entry.bytes, entry.checksum)
+            if mapped is None:
+                return self._read_payload_checked(step, entry)
+            path = self.layout.step_dir(step) / entry.rel
+            if not tensorfile.is_current_image(memoryview(mapped)):
+                mapped.close()
+                return self._load(path)          # the previous format: torch.load(weights_only=True)
+            with _corrupt_on_codec_error(path):
+                return codec.load_buffer(mapped, entry.bytes, path)   # tensors: views of the mapping
         return self._load(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank)))
 
     def _committed_entry(self, step: int, inner_index: int, rank: int) -> Optional[FileEntry]:

@@ -10,6 +10,7 @@ keeps; the namespace lock a `filelock` file whose holder record names pid and ho
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import secrets
 import stat
@@ -20,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from skip_harness.errors import CorruptStepError
 from skip_harness.store import lock as _lock
 from skip_harness.store.backend import (
-    COMMIT_NAME, DumpDir, Hold, NamespaceBackend, NamespaceListing, StepListing, StoredFile,
+    COMMIT_NAME, LINK, NOT_A_DIRECTORY, DumpDir, Hold, NamespaceBackend, NamespaceListing, StepListing, StoredFile,
 )
 from skip_harness.store.bufferpool import BufferPool, Lease
 from skip_harness.store.layout import TMP_PREFIX, TRASH_PREFIX, Layout, parse_namespace_leaf, parse_step_name
@@ -182,7 +183,8 @@ class PosixNamespace(NamespaceBackend):
         except FileNotFoundError:
             return None
         if not stat.S_ISDIR(st.st_mode):
-            return StepListing(int(step), odd=(("", describe_mode(st.st_mode)),))
+            return StepListing(int(step), entry=LINK if stat.S_ISLNK(st.st_mode) else NOT_A_DIRECTORY,
+                               total=st.st_size)
         return _list_step(int(step), str(path))
 
     def list_steps(self) -> NamespaceListing:
@@ -204,7 +206,9 @@ class PosixNamespace(NamespaceBackend):
             if e.is_dir(follow_symlinks=False):
                 steps.append(_list_step(step, e.path))
             else:
-                steps.append(StepListing(step, odd=(("", describe_mode(e.stat(follow_symlinks=False).st_mode)),)))
+                st = e.stat(follow_symlinks=False)
+                steps.append(StepListing(step, entry=LINK if stat.S_ISLNK(st.st_mode) else NOT_A_DIRECTORY,
+                                         total=st.st_size))
         return NamespaceListing(tuple(steps), tuple(sorted(leftovers)))
 
     def read_small(self, key: str) -> Optional[bytes]:
@@ -231,20 +235,46 @@ class PosixNamespace(NamespaceBackend):
         finally:
             os.close(dir_fd)
 
-    def read_verified(self, step: int, rel: str, size: int, checksum: str, pool: BufferPool) -> Tuple[Lease, int]:
+    def _open_file(self, step: int, rel: str, size: int) -> Tuple[int, Path]:
+        """(fd, path) of file `rel` of `step`, reached fd by fd without following a link, a regular
+        file of `size` bytes (checked before anything is read: never a buffer for a wrong size)."""
         path = self.root / str(int(step)) / rel
         try:
-            st = os.lstat(path)
+            dir_fd, name = self._open_parent(f"{int(step)}/{rel}", create=False)
         except FileNotFoundError:
             raise CorruptStepError(path, "missing") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptStepError(path, f"{describe_mode(st.st_mode)}; expected a regular file")
-        if st.st_size != size:                       # before reading: never a buffer for a wrong size
-            raise CorruptStepError(path, f"{st.st_size} bytes, the commit record says {size}")
         try:
-            lease, got = read_into(str(path), pool)
+            try:
+                fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise CorruptStepError(path, "missing") from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise CorruptStepError(path, "is a symlink (never followed); expected a regular file") from None
+                raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(dir_fd)
+        st = os.fstat(fd)
+        reason = None
+        if not stat.S_ISREG(st.st_mode):
+            reason = f"{describe_mode(st.st_mode)}; expected a regular file"
+        elif st.st_size != size:
+            reason = f"{st.st_size} bytes, the commit record says {size}"
+        if reason is not None:
+            os.close(fd)
+            raise CorruptStepError(path, reason)
+        return fd, path
+
+    def read_verified(self, step: int, rel: str, size: int, checksum: str, pool: BufferPool) -> Tuple[Lease, int]:
+        fd, path = self._open_file(step, rel, size)
+        os.close(fd)
+        dir_fd, name = self._open_parent(f"{int(step)}/{rel}", create=False)
+        try:
+            lease, got = read_into(name, pool, dir_fd=dir_fd)    # O_DIRECT: a hit's file is not in the page cache
         except OSError as exc:
             raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(dir_fd)
         try:
             if got != size:
                 raise CorruptStepError(path, f"{got} bytes, the commit record says {size}")
@@ -255,6 +285,22 @@ class PosixNamespace(NamespaceBackend):
             lease.release()
             raise
         return lease, got
+
+    def map_verified(self, step: int, rel: str, size: int, checksum: str) -> Optional[Any]:
+        if size == 0:
+            return None
+        fd, path = self._open_file(step, rel, size)
+        try:
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+        digest = checksum_bytes(mapped)
+        if digest != checksum:
+            mapped.close()
+            raise CorruptStepError(path, f"checksum {digest} does not match the commit record's {checksum}")
+        return mapped
 
     # ---- the namespace
 
@@ -273,6 +319,26 @@ class PosixNamespace(NamespaceBackend):
         if not os.access(probe, os.W_OK | os.X_OK):
             return f"{probe}: this process may not write here"
         return None
+
+    def modified(self, key: str = "") -> Optional[float]:
+        try:
+            return os.lstat(self.root / key if key else self.root).st_mtime
+        except OSError:
+            return None
+
+    def last_read(self, step: int, rels) -> Optional[float]:
+        """The file system decides how exact an access time is: with `relatime` (Linux's default) a read
+        is recorded when it is the first since the file was written or a day after the last recorded
+        one; on a `noatime` mount nothing is."""
+        times = []
+        for rel in rels:
+            try:
+                st = os.lstat(self.root / str(int(step)) / rel)
+            except OSError:
+                continue
+            if st.st_atime > st.st_mtime:
+                times.append(st.st_atime)
+        return max(times) if times else None
 
     def put_run_marker(self, token: str) -> None:
         _lock.write_run_marker(self.layout, token)
@@ -297,6 +363,7 @@ def _list_step(step: int, step_path: str) -> StepListing:
     files: Dict[str, StoredFile] = {}
     temps: List[str] = []
     odd: List[Tuple[str, str]] = []
+    total = 0
     stack = [("", step_path)]
     while stack:
         prefix, d = stack.pop()
@@ -307,15 +374,16 @@ def _list_step(step: int, step_path: str) -> StepListing:
                     stack.append((rel + "/", e.path))
                     continue
                 st = e.stat(follow_symlinks=False)
+                total += st.st_size
                 if stat.S_ISLNK(st.st_mode):
-                    odd.append((rel, "a symlink (never followed)"))
+                    odd.append((rel, LINK))
                 elif e.name.startswith(TMP_PREFIX):
                     temps.append(rel)
                 elif stat.S_ISREG(st.st_mode):
                     files[rel] = StoredFile(rel, st.st_size, stamp_of(st))
                 else:
                     odd.append((rel, describe_mode(st.st_mode)))
-    return StepListing(step, files, tuple(sorted(temps)), tuple(sorted(odd)))
+    return StepListing(step, files, tuple(sorted(temps)), tuple(sorted(odd)), total=total)
 
 
 class PosixDumpDir(DumpDir):

@@ -18,7 +18,7 @@ import errno
 import fcntl
 import mmap
 import os
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 from skip_harness.store.bufferpool import ALIGN, BufferPool, Lease, round_up
 from skip_harness.store.posix.fileops import CREATE_FLAGS, READ_FLAGS, drop_cached_pages, fsync_dir, replace_via_temp
@@ -115,10 +115,10 @@ def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cach
     fsync_dir(dir_fd)
 
 
-def read_into(path: str, pool: BufferPool) -> Tuple[Lease, int]:
-    """The whole regular file at `path` (never through a symlink in its last component) read into a
-    leased pool buffer: (lease, bytes read). Raises OSError."""
-    fd, direct = _open(path, READ_FLAGS)
+def read_into(path: str, pool: BufferPool, dir_fd: Optional[int] = None) -> Tuple[Lease, int]:
+    """The whole regular file at `path` (relative to `dir_fd` when given; never through a symlink in its
+    last component) read into a leased pool buffer: (lease, bytes read). Raises OSError."""
+    fd, direct = _open(path, READ_FLAGS, dir_fd=dir_fd)
     try:
         size = os.fstat(fd).st_size
         lease = pool.acquire(size)
