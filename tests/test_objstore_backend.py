@@ -149,6 +149,10 @@ def test_the_backend_interface_on_a_bucket(s3_server, s3_bucket):
     assert not step.committed and set(step.files) == {"0/tq_batch.pt", "0/meta.json"}
     ns.commit(3, b'{"step": 3}')
     assert ns.list_step(3).committed and ns.list_step(4) is None
+    assert ns.list_step(3).total == len(data) + 4 + 11 == ns.list_steps().steps[0].total
+    import time as _time
+    assert abs(ns.modified("3") - _time.time()) < 60 and ns.modified("") >= ns.modified("3")
+    assert ns.modified("4") is None and ns.map_verified(3, "0/tq_batch.pt", len(data), "x") is None
     from skip_harness.store.posix.fileops import checksum_bytes
     got, size = ns.read_verified(3, "0/tq_batch.pt", len(data), checksum_bytes(data), pool)
     assert size == len(data) and bytes(got.view(size)) == data

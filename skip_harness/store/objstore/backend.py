@@ -155,13 +155,23 @@ class ObjectNamespace(NamespaceBackend):
             if step is None or not rel:
                 continue          # .lock, .index, .quarantine/, run markers
             steps.setdefault(step, {})[rel] = StoredFile(rel, int(m["size"]), m.get("e_tag") or "")
-        return NamespaceListing(tuple(StepListing(k, steps[k]) for k in sorted(steps)))
+        return NamespaceListing(tuple(StepListing(k, steps[k], total=sum(f.size for f in steps[k].values()))
+                                      for k in sorted(steps)))
 
     def list_step(self, step: int) -> Optional[StepListing]:
         prefix = self.step_key(step)
         files = {m["path"][len(prefix) + 1:]: StoredFile(m["path"][len(prefix) + 1:], int(m["size"]), m.get("e_tag") or "")
                  for m in self.client.list(prefix)}
-        return StepListing(int(step), files) if files else None
+        return StepListing(int(step), files, total=sum(f.size for f in files.values())) if files else None
+
+    def modified(self, key: str = "") -> Optional[float]:
+        """The newest last-modified time of the objects under `key` (a step number; '' the namespace)."""
+        newest = None
+        for m in self.client.list(key or None):
+            t = m.get("last_modified")
+            if t is not None and (newest is None or t.timestamp() > newest):
+                newest = t.timestamp()
+        return newest
 
     def step_numbers(self) -> List[int]:
         """Only the step numbers (a delimiter listing: one request per 1000 steps)."""
