@@ -54,7 +54,7 @@ def _median(xs: List[float]) -> float:
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
-def bench_s3(rows: int = 1024, repeats: int = 5, work: Path | None = None) -> Dict[str, float]:
+def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Dict[str, float]:
     """The object-store ratios (see the module doc) on a fresh moto server, stopped at the end."""
     sys.path.insert(0, str(REPO / "scripts"))
     sys.path.insert(0, str(REPO / "tests"))
@@ -197,7 +197,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="64 trajectories, 3 repeats")
     ap.add_argument("--rows", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-steps", action="store_true", help="only the save / load ratios")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
