@@ -113,7 +113,7 @@ class StepStore:
     """Atomic, durable writes and verified reads of the steps of one namespace."""
 
     def __init__(self, layout: Layout, *, drop_written_pages: bool = True, pool: Optional[BufferPool] = None,
-                 form: Optional[tensorfile.StoredForm] = None):
+                 form: Optional[tensorfile.StoredForm] = None, backend: Optional[NamespaceBackend] = None):
         """`drop_written_pages`: where a payload is written through the page cache (a file system
         without O_DIRECT), let the kernel drop its pages once it is durable. `pool`: the buffers
         payloads are staged in and read into (the harness sizes one for its K; by default a small one).
@@ -121,7 +121,8 @@ class StepStore:
         full width); files of every form are read."""
         self.layout = layout
         self.drop_written_pages = drop_written_pages
-        self.backend: NamespaceBackend = PosixNamespace(layout, drop_written_pages=drop_written_pages)
+        self.backend: NamespaceBackend = backend if backend is not None else \
+            PosixNamespace(layout, drop_written_pages=drop_written_pages)
         self.pool = pool if pool is not None else BufferPool()
         self.form = form if form is not None else tensorfile.StoredForm(narrow=False)
 
@@ -224,7 +225,7 @@ class StepStore:
 
     def status(self, step: int) -> StepReport:
         """The step's StepReport (directory listings and lstat only; see `classify_step`)."""
-        return classify_step(self.layout, step)
+        return classify_step(self.layout, step, backend=self.backend)
 
     def verify(self, step: int, ranks: Optional[Iterable[int]] = None) -> Optional[str]:
         """None if the step can be served, else a reason naming the file. For a complete step the size
