@@ -3,12 +3,13 @@
     python scripts/bench_s3.py [--json] [--quick] [--rows N] [--repeats R]
 
 `bench_s3(rows, repeats)` returns (JSON keys):
-- `s3_save_ratio`: our save of the realistic mini-batch (codec file image packed into one buffer,
-  xxh3-128, put, size check by HEAD, then a create-only commit record) over a bare obstore put of
-  the same bytes with the same put parameters;
-- `s3_load_ratio`: our verified load (commit record read, object get, size and xxh3-128 checked,
-  copied once into a writable buffer, decoded into tensors) over a bare obstore get of the same
-  bytes;
+- `s3_save_ratio`: our save of the realistic mini-batch through the step store on the object
+  backend (`StepStore.write_inner` + `commit`: codec image staged in a pool buffer, xxh3-128, put,
+  size check, meta.json, one listing, a create-only commit record) over a bare obstore put of the
+  same bytes with the same put parameters;
+- `s3_load_ratio`: our verified load as a hit does it (`StepStore.read_served`: the step's listing
+  and commit record, meta.json, the payload streamed into a pool buffer with size and xxh3-128
+  checked per chunk, decoded into tensors) over a bare obstore get of the same bytes;
 the arms interleaved round by round (A B, B A, ...) because moto, pure Python, sets the speed and
 that speed moves with the machine's load. Target: both <= 1.1.
 
@@ -63,9 +64,12 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
     from bench import make_payload
     from s3server import start_server
 
+    from skip_harness.store.bufferpool import BufferPool
+    from skip_harness.store.layout import Layout
     from skip_harness.store.objstore import client as client_mod
     from skip_harness.store.objstore.backend import ObjectNamespace
-    from skip_harness.store.objstore.payloads import StoredObject, encode, read_payload, write_payload
+    from skip_harness.store.objstore.payloads import encode
+    from skip_harness.store.stepstore import StepStore
 
     work = Path(work or tempfile.mkdtemp(prefix="bench-s3-"))
     server = start_server(work, auth=False)
@@ -74,6 +78,7 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
     try:
         bucket = server.create_bucket("bench-s3")
         ns = ObjectNamespace(f"s3://{bucket}/exp_proj/GBS{rows}_N1_in1024_out3072")
+        steps = StepStore(Layout(work / "names-only", K=1, W=1), backend=ns, pool=BufferPool())
         store = ns.client.store
         payload = make_payload(rows)
         image = encode(payload)
@@ -83,8 +88,7 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
 
         def ours_save():
             step = next(counter) + 1
-            obj = write_payload(ns, step, "tq_batch.pt", payload)
-            ns.commit(step, json.dumps({"files": [obj.__dict__]}).encode())
+            steps.commit(step, steps.write_inner(step, 0, 0, payload, {"bench": "s3"}), None)
 
         def bare_put():
             obs.put(store, f"bare/{next(counter)}", memoryview(image), use_multipart=multipart,
@@ -105,13 +109,14 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
             clear()
 
         obs.put(store, "bare/load", memoryview(image), use_multipart=multipart, chunk_size=client_mod.PART_SIZE)
-        obj = write_payload(ns, 1, "tq_batch.pt", payload)
-        ns.commit(1, json.dumps({"files": [obj.__dict__]}).encode())
-        out = bytearray(obj.nbytes)
+        steps.commit(1, steps.write_inner(1, 0, 0, payload, {"bench": "s3"}), None)
+        record = json.loads(ns.read_commit(1))
+        [entry] = [f for f in record["files"] if f["rel"].endswith(".pt")]
 
         def ours_load():
-            rec = json.loads(ns.read_commit(1))["files"][0]
-            read_payload(ns, 1, StoredObject(**rec), out)
+            status, reason, batches, _ = steps.read_served(1, 0)
+            if reason is not None:
+                raise RuntimeError(f"step 1 on {ns.url}: {reason}")
 
         def bare_get():
             obs.get(store, "bare/load").bytes()
@@ -124,7 +129,7 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
         }
         res["s3_save_ratio"] = res["s3_save_s"] / res["s3_bare_put_s"]
         res["s3_load_ratio"] = res["s3_load_s"] / res["s3_bare_get_s"]
-        assert xxhash.xxh3_128_hexdigest(bytes(obs.get(store, "bare/load").bytes())) == obj.xxh3_128
+        assert xxhash.xxh3_128_hexdigest(bytes(obs.get(store, "bare/load").bytes())) == entry["checksum"]
         return res
     finally:
         for k, v in saved_env.items():
