@@ -371,3 +371,23 @@ def test_a_header_asking_for_more_memory_than_there_is_is_a_codec_error(tmp_path
         for fn in (codec.load_from, codec.check_file):   # refused from the header, before any allocation
             with pytest.raises(CodecError, match=f"{bad}: malformed tensor entry"):
                 fn(bad)
+
+
+def test_ls_shows_stored_and_full_width_bytes(tmp_path, capsys):
+    from skip_harness.cli import main
+    store = _zstd_store(tmp_path, steps=(1, 2))
+    plain = StepStore(NamespaceKey("plain", "proj", 8, 1, 2, 2).layout(tmp_path / "dump"))
+    plain.commit(1, plain.write_inner(1, 0, 0, load_bench().make_payload(8, seed=1), {}), None)
+    code = main(["ls", str(tmp_path / "dump"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    by_path = {ns["path"]: ns for ns in json.loads(out)["namespaces"]}
+    zstd, raw = by_path[str(store.layout.root)], by_path[str(plain.layout.root)]
+    full = [store.read_meta(s, 0, 0)["logical_bytes"] for s in (1, 2)]
+    for step, logical in zip(zstd["steps"], full):
+        assert step["logical_bytes"] - step["bytes"] == logical - store.read_meta(step["step"], 0, 0)["bytes"]
+    assert zstd["total_logical_bytes"] > 3 * zstd["total_bytes"]
+    assert raw["total_logical_bytes"] == raw["total_bytes"]            # stored raw: the same figure
+    code = main(["ls", str(tmp_path / "dump")])
+    out, _ = capsys.readouterr()
+    assert code == 0 and " of " in out                                  # '11.6 MiB of 112.0 MiB'

@@ -40,6 +40,7 @@ class StepRow:
     written: Optional[float]
     gen_s: Optional[float]
     accessed: Optional[float] = None   # last read (the commit record's access time; see step_accessed)
+    logical: Optional[int] = None      # bytes at full width (StepStore.logical_bytes; more than bytes when compressed)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class NamespaceView:
         return sum(r.report.bytes for r in self.rows)
 
     @property
+    def logical_bytes(self) -> int:
+        return sum(r.report.bytes if r.logical is None else r.logical for r in self.rows)
+
+    @property
     def written(self) -> Optional[float]:
         times = [r.written for r in self.rows if r.written is not None]
         return max(times) if times else None
@@ -79,7 +84,8 @@ class NamespaceView:
 
 def view(layout: Layout, steps: Sequence[_scan.StepReport]) -> NamespaceView:
     store = StepStore(layout)
-    return NamespaceView(layout, [StepRow(s, step_written(store, s), step_gen_s(store, s), step_accessed(store, s))
+    return NamespaceView(layout, [StepRow(s, step_written(store, s), step_gen_s(store, s), step_accessed(store, s),
+                                          store.logical_bytes(s.step, s.bytes) if s.servable else None)
                                   for s in steps])
 
 
@@ -107,13 +113,15 @@ def _step_json(row: StepRow) -> Dict[str, Any]:
     s = row.report
     return {"step": s.step, "status": s.status, "bytes": s.bytes, "reason": s.reason,
             "fingerprint": None if s.fingerprint is None else s.fingerprint.digest,
-            "written": row.written, "gen_s": row.gen_s, "accessed": row.accessed}
+            "written": row.written, "gen_s": row.gen_s, "accessed": row.accessed,
+            "logical_bytes": s.bytes if row.logical is None else row.logical}
 
 
 def namespace_json(v: NamespaceView) -> Dict[str, Any]:
     mode, seed = mode_and_seed([s for s in v.steps if s.servable])
     return {"path": str(v.layout.root), "K": v.layout.K, "W": v.layout.W, "steps": [_step_json(r) for r in v.rows],
-            "counts": v.counts(), "total_bytes": v.bytes, "written": v.written, "gen_s": v.gen_s,
+            "counts": v.counts(), "total_bytes": v.bytes, "total_logical_bytes": v.logical_bytes,
+            "written": v.written, "gen_s": v.gen_s,
             "accessed": v.accessed, "mode": mode, "seed": seed}
 
 
@@ -137,8 +145,13 @@ def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> T
         t.add_row(escape(short_path(v.layout, base)), str(v.layout.K), str(v.layout.W), escape(fmt_value(mode)),
                   escape(fmt_value(seed)),
                   *[_count(status, counts[status]) for status in _scan.STATUSES],
-                  human_bytes(v.bytes), fmt_ago(v.written, now), fmt_seconds(v.gen_s), fmt_ago(v.accessed, now))
+                  _size(v.bytes, v.logical_bytes), fmt_ago(v.written, now), fmt_seconds(v.gen_s), fmt_ago(v.accessed, now))
     return t
+
+
+def _size(stored: int, logical: int) -> str:
+    """'5.4 MiB of 56.0 MiB' when compression made the files smaller than the batches, else the size."""
+    return human_bytes(stored) if logical == stored else f"{human_bytes(stored)} of {human_bytes(logical)}"
 
 
 def namespace_blocks(views: Sequence[NamespaceView], base: Path, title: str) -> Table:
@@ -156,7 +169,7 @@ def namespace_blocks(views: Sequence[NamespaceView], base: Path, title: str) -> 
         t.add_row("K, W", f"{v.layout.K}, {v.layout.W}")
         t.add_row("mode, seed", f"{escape(fmt_value(mode))}, {escape(fmt_value(seed))}")
         t.add_row("steps", ", ".join(f"{_count(st, counts[st])} {st}" for st in _scan.STATUSES))
-        t.add_row("size", human_bytes(v.bytes))
+        t.add_row("size", _size(v.bytes, v.logical_bytes))
         t.add_row("last written", fmt_ago(v.written, now))
         t.add_row("gen stored", fmt_seconds(v.gen_s))
         t.add_row("last read", fmt_ago(v.accessed, now))
