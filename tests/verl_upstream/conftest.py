@@ -2,7 +2,8 @@
 verl/utils/skip/ equals verl 0.9.1's), kept as verl wrote it, licence header included.
 
 It is run by tests/test_verl_upstream.py in a subprocess with VERL_USE_EXTERNAL_MODULES naming the
-plug-in, and is not collected by a plain `pytest` run (set SKIP_HARNESS_VERL_UPSTREAM=1 to collect it).
+plug-in, and is not collected by a plain `pytest` run (tests/conftest.py ignores this folder unless
+SKIP_HARNESS_VERL_UPSTREAM=1).
 """
 import os
 
