@@ -11,14 +11,15 @@ import errno
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Tuple, Union
 
 from skip_harness.config import Cleanup, OnMismatch, RolloutTQConfig
 from skip_harness.run.dist import DistContext
 from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
-from skip_harness.store.lock import NamespaceLock, ReadOnlyCache, new_run_token, remove_run_marker, sees_run_marker, write_run_marker
+from skip_harness.store.backend import Hold, namespace_of
+from skip_harness.store.lock import NamespaceLock, ReadOnlyCache, new_run_token
 from skip_harness.store.scan import CleanupItem, CleanupPlan, CleanupResult, NamespaceReport, plan_cleanup, scan_namespace
 from skip_harness.units import human_bytes
 
@@ -33,7 +34,7 @@ class StartupResult:
     report: NamespaceReport
     cleanup: Optional[CleanupResult]
     cleanup_action: str
-    lock: Optional[NamespaceLock] = field(default=None, repr=False, compare=False)
+    lock: Union[NamespaceLock, Hold, None] = field(default=None, repr=False, compare=False)
     read_only: bool = False
     read_only_reason: str = ""
 
@@ -111,8 +112,11 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
 
     Raises LockHeldError (another process, or another harness of this process, holds it) and
     ConfigError for a dump_dir that cannot be used at all. A read-only namespace is scanned only."""
-    lock = NamespaceLock(layout, timeout=settings.lock_timeout if timeout is None else timeout)
+    timeout = settings.lock_timeout if timeout is None else timeout
     action = settings.cleanup.value
+    if layout.is_url:
+        return _prepare_through_backend(layout, action, timeout)
+    lock = NamespaceLock(layout, timeout=timeout)
     try:
         lock.acquire()
     except ReadOnlyCache as exc:
@@ -133,6 +137,32 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
         return StartupResult(layout, report, cleanup, action, lock)
     except BaseException:
         lock.release()
+        raise
+
+
+def _prepare_through_backend(layout: Layout, action: str, timeout: float) -> StartupResult:
+    """`prepare_namespace` for a namespace off POSIX (an object store): its backend's lock (a lease;
+    a credential that may only read gets a read-only hold), then the same scan and cleanup."""
+    try:
+        backend = namespace_of(layout)
+        hold = backend.lock(timeout)
+    except (LockHeldError, ConfigError):
+        raise
+    except SkipHarnessError as exc:
+        raise ConfigError("skip.rollout_tq.dump_dir", f"cannot use {layout.url} for the rollout cache: {exc}") from None
+    if hold.read_only:
+        why = backend.writable() or "this credential may only read the bucket"
+        return StartupResult(layout, scan_namespace(layout), None, action, None, True, why)
+    try:
+        report = scan_namespace(layout)
+        cleanup = None
+        if action != Cleanup.off.value:
+            plan = plan_cleanup(report, action)
+            if plan.items or plan.leftovers:
+                cleanup = plan.execute()
+        return StartupResult(layout, report, cleanup, action, hold)
+    except BaseException:
+        hold.release()
         raise
 
 
@@ -181,7 +211,7 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
             token = None
             if dist.world_size > 1 and not startup.read_only:
                 token = new_run_token()
-                write_run_marker(layout, token)
+                namespace_of(layout).put_run_marker(token)
             outcome = ("ok", sorted(servable), startup.read_only, token)
         except SkipHarnessError as exc:
             error, outcome = exc, ("error", type(exc).__name__, getattr(exc, "key", None), str(exc))
@@ -230,9 +260,10 @@ def _check_shared(dist: DistContext, layout: Layout, token: Optional[str]) -> No
     """W > 1: every rank must see the marker rank 0 wrote, or commits would never see every shard."""
     if token is None:
         return
-    seen = dist.gather((sees_run_marker(layout, token, wait=2.0), socket.gethostname()))
+    backend = namespace_of(layout)
+    seen = dist.gather((backend.sees_run_marker(token, wait=2.0), socket.gethostname()))
     if dist.is_main:
-        remove_run_marker(layout, token)
+        backend.remove_run_marker(token)
     blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(seen) if not ok]
     if blind:
         raise ConfigError(

@@ -285,7 +285,29 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
         raise ConfigError(DUMP_DIR_KEY, f"{url}: not an object-store URL this build can open: {exc}") from None
 
 
+_NAMESPACES: dict = {}      # namespace URL -> its ObjectNamespace (one client and one lease per process)
+_NAMESPACES_GUARD = __import__("threading").Lock()
+
+
+def namespace_of(layout: Any, *, drop_written_pages: bool = True) -> NamespaceBackend:
+    """The backend of a Layout's namespace: the POSIX one for a directory, the object store's for a
+    URL layout (`layout.is_url`) -- one instance per namespace URL in this process, so the lease the
+    startup takes is the one the run's writes check."""
+    if not getattr(layout, "is_url", False):
+        from skip_harness.store.posix.backend import PosixNamespace
+
+        return PosixNamespace(layout, drop_written_pages=drop_written_pages)
+    url = str(layout.root)
+    with _NAMESPACES_GUARD:
+        ns = _NAMESPACES.get(url)
+        if ns is None:
+            root = layout.root
+            ns = open_dump_dir(str(root.parent.parent)).namespace(f"{root.parent.name}/{root.name}")
+            _NAMESPACES[url] = ns
+        return ns
+
+
 __all__ = [
-    "COMMIT_NAME", "DUMP_DIR_KEY", "INDEX_KEY", "DumpDir", "Hold", "NamespaceBackend", "NamespaceListing",
+    "namespace_of", "COMMIT_NAME", "DUMP_DIR_KEY", "INDEX_KEY", "DumpDir", "Hold", "NamespaceBackend", "NamespaceListing",
     "StepListing", "StoredFile", "is_url", "local_path", "open_dump_dir",
 ]

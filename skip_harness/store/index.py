@@ -136,7 +136,10 @@ def _pack_stamp(n: int) -> struct.Struct:
 
 def make_entry(layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]],
                created: float, gen_s: Optional[float]) -> Optional[IndexEntry]:
-    """An entry for a step as it is on disk now (None if its stamp cannot be read)."""
+    """An entry for a step as it is on disk now (None if its stamp cannot be read; an object store
+    keeps no index)."""
+    if layout.is_url:
+        return None
     try:
         root_fd = os.open(layout.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
@@ -207,7 +210,7 @@ def append(layout: Layout, entry: Optional[IndexEntry]) -> bool:
     """Append one entry durably (creating the index with its header if there is none, and writing the
     entry's fingerprint line unless this process's previous append to the same file did). Returns False
     if it could not be written: the index is a hint, and the next scan finds the step anyway."""
-    if entry is None:
+    if entry is None or layout.is_url:
         return False
     path = index_path(layout)
     flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -258,7 +261,7 @@ def rewrite(layout: Layout, entries: Iterable[IndexEntry]) -> Optional[str]:
 def drop(layout: Layout, steps: Iterable[int]) -> None:
     """Forget `steps` (removed by cleanup), so the next scan does not find the index stale. Best effort."""
     gone = set(steps)
-    if not gone:
+    if not gone or layout.is_url:
         return
     try:
         entries = read(layout)

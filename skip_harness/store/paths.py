@@ -52,6 +52,8 @@ def real_file(layout: Layout, step: int, rel: str) -> Path:
 
 def existing_rel(layout: Layout, step: int, rel: str, legacy_rel: str) -> str:
     """`rel`, or for K = 1 the older `0/` form `legacy_rel` when that is what exists."""
+    if layout.is_url:       # an object store never held the older form
+        return rel
     if layout.K == 1 and not os.path.lexists(layout.step_dir(step) / rel):
         if os.path.lexists(layout.step_dir(step) / legacy_rel):
             return legacy_rel

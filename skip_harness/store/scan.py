@@ -21,10 +21,10 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from skip_harness.store import index as _index
 from skip_harness.config import Cleanup
-from skip_harness.errors import ConfigError
+from skip_harness.errors import ConfigError, SkipHarnessError
+from skip_harness.store.backend import NamespaceBackend, StepListing, namespace_of, open_dump_dir
 from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.layout import TMP_PREFIX, TRASH_PREFIX, Layout, parse_namespace_leaf, parse_step_name
-from skip_harness.store.posix.backend import PosixNamespace
+from skip_harness.store.layout import TMP_PREFIX, TRASH_PREFIX, Layout, UrlPath, is_url_text, parse_namespace_leaf, parse_step_name
 from skip_harness.store.posix.fileops import remove_entry_at, tree_bytes
 from skip_harness.store.status import STATUSES, StepReport, classify_step
 from skip_harness.store.stepstore import StepStore
@@ -107,6 +107,8 @@ def _gc_paused():
 
 
 def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
+    if layout.is_url:
+        return _scan_listed(layout)
     root = layout.root
     leftovers: List[LeftoverEntry] = []
     try:
@@ -173,6 +175,32 @@ def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
     return NamespaceReport(layout, tuple(steps), tuple(leftovers), note, bool(trusted))
 
 
+class _Listed:
+    """A namespace backend whose `list_step` answers from one listing of the whole namespace."""
+
+    def __init__(self, backend: NamespaceBackend, listings: Dict[int, StepListing]):
+        self._backend = backend
+        self._listings = listings
+
+    def list_step(self, step: int) -> Optional[StepListing]:
+        return self._listings.get(step)
+
+    def read_small(self, key: str) -> Optional[bytes]:
+        return self._backend.read_small(key)
+
+
+def _scan_listed(layout: Layout) -> NamespaceReport:
+    """A namespace off POSIX (an object store): one listing of every step, then each committed step's
+    commit record; no index (its stamps are the POSIX fast path's)."""
+    backend = namespace_of(layout)
+    listing = backend.list_steps()
+    view = _Listed(backend, {s.step: s for s in listing.steps})
+    steps = [classify_step(layout, s.step, layout.step_dir(s.step), backend=view)  # type: ignore[arg-type]
+             for s in listing.steps]
+    steps.sort(key=lambda s: s.step)
+    return NamespaceReport(layout, tuple(steps))
+
+
 def _agrees(entry: _index.IndexEntry, report: StepReport) -> bool:
     fp = None if report.fingerprint is None else report.fingerprint.to_json()
     return (report.status == "complete" and report.bytes == entry.bytes and fp == entry.fingerprint
@@ -211,6 +239,8 @@ def namespaces_at(path: Path) -> List[Layout]:
     """Namespaces at `path`: the path itself if it is a namespace, those in it if it is an
     `{experiment}_{project}` directory, else those two levels down (a dump dir). Links are never
     followed."""
+    if is_url_text(path):
+        return _namespaces_at_url(UrlPath(str(path)))
     path = Path(path)
     kw = parse_namespace_leaf(path.name)
     if kw is not None:
@@ -221,6 +251,19 @@ def namespaces_at(path: Path) -> List[Layout]:
         if kw is not None and child.is_dir(follow_symlinks=False):
             direct.append(Layout(path / child.name, K=kw[0], W=kw[1]))
     return direct + find_namespaces(path)
+
+
+def _namespaces_at_url(url: UrlPath) -> List[Layout]:
+    """`namespaces_at` for an object-store URL: the namespace it names, else those its dump_dir lists."""
+    kw = parse_namespace_leaf(url.name)
+    if kw is not None:
+        return [Layout(url, K=kw[0], W=kw[1])]
+    out = []
+    for rel in open_dump_dir(str(url)).list_namespaces():
+        kw = parse_namespace_leaf(rel.rsplit("/", 1)[-1])
+        if kw is not None:
+            out.append(Layout(url / rel, K=kw[0], W=kw[1]))
+    return out
 
 
 def find_namespaces(dump_dir: Path) -> List[Layout]:
@@ -321,7 +364,7 @@ class CleanupPlan:
                     errors.append(f"{item.path}: unknown action {item.action!r}")
                     continue
                 done.append(item)
-            except OSError as exc:
+            except (OSError, SkipHarnessError) as exc:
                 errors.append(f"{item.path}: {item.action} failed: {exc}")
         _index.drop(layout, (i.step for i in done))
         if self.leftovers:
@@ -341,7 +384,8 @@ class CleanupPlan:
 
 def _quarantine(layout: Layout, step: int) -> Path:
     """Move a step entry (directory, file or link: never followed) under {namespace}/.quarantine/."""
-    return Path(PosixNamespace(layout).set_aside(step))
+    where = namespace_of(layout).set_aside(step, "")
+    return UrlPath(where) if layout.is_url else Path(where)
 
 
 def plan_cleanup(report: NamespaceReport, action, extra: Iterable[Tuple[int, str]] = ()) -> CleanupPlan:

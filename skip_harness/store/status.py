@@ -26,7 +26,7 @@ from skip_harness.errors import CorruptStepError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.backend import LINK, NamespaceBackend
 from skip_harness.store.layout import COMMIT_NAME, Layout
-from skip_harness.store.posix.backend import PosixNamespace
+from skip_harness.store.backend import namespace_of
 
 STATUSES = ("complete", "unverified", "incomplete", "corrupt")
 COMMIT_FORMAT = 1
@@ -197,7 +197,7 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None,
     """The status of one step, from one listing of it (plus its small commit record), through the
     namespace's backend (the POSIX one by default). `path` is only what the report names."""
     path = layout.step_dir(step) if path is None else path
-    backend = backend if backend is not None else PosixNamespace(layout)
+    backend = backend if backend is not None else namespace_of(layout)
 
     def report(status: str, nbytes: int, reason: str, fp: Optional[Fingerprint] = None,
                has_commit: bool = False, exists: bool = True, record: Optional[CommitRecord] = None) -> StepReport:

@@ -28,7 +28,7 @@ from skip_harness.store import index
 from skip_harness.codec import tensorfile
 from skip_harness.store.bufferpool import BufferPool, Lease
 from skip_harness.store.backend import NamespaceBackend
-from skip_harness.store.posix.backend import PosixNamespace
+from skip_harness.store.backend import namespace_of
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store.posix.fileops import (  # noqa: F401  (re-exported: the store's public names)
     CHUNK_BYTES, MAP_FROM, READ_FLAGS, WRITE_BUFFER_BYTES, HashingWriter, NotARealDirectory,
@@ -122,7 +122,7 @@ class StepStore:
         self.layout = layout
         self.drop_written_pages = drop_written_pages
         self.backend: NamespaceBackend = backend if backend is not None else \
-            PosixNamespace(layout, drop_written_pages=drop_written_pages)
+            namespace_of(layout, drop_written_pages=drop_written_pages)
         self.pool = pool if pool is not None else BufferPool()
         self.form = form if form is not None else tensorfile.StoredForm(narrow=False)
 
@@ -261,6 +261,9 @@ class StepStore:
             if ranks is not None and r not in ranks:
                 continue
             try:
+                if self.layout.is_url:    # no local file to check: the verified read and a decode
+                    self.read_inner(step, _i, r)
+                    continue
                 path = real_file(self.layout, step, existing_rel(self.layout, step, prel, self.layout.legacy_k1_rel(r)[0]))
                 codec.check_file(path)
             except CorruptStepError as exc:
@@ -381,7 +384,7 @@ class StepStore:
 
             try:
                 with _corrupt_on_codec_error(path):
-                    return codec.load_buffer(lease.array, size, path, alloc)
+                    return codec.load_buffer(lease.array, size, str(path), alloc)
             finally:
                 for extra in widened:
                     extra.release()              # the tensors keep their buffer until they are gone
@@ -451,6 +454,12 @@ class StepStore:
 
     def read_meta(self, step: int, inner_index: int, rank: int) -> Dict[str, Any]:
         check_position(self.layout, step, inner_index, rank)
+        if self.layout.is_url:
+            rel = meta_rel_at(self.layout, step, inner_index, rank)
+            data = self.backend.read_small(f"{step}/{rel}")
+            if data is None:
+                raise CorruptStepError(self.layout.step_dir(step) / rel, "missing")
+            return _parse_meta(self.layout.step_dir(step) / rel, data)
         path = real_file(self.layout, step, meta_rel_at(self.layout, step, inner_index, rank))
         try:
             with open(path, "rb") as f:
