@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 from skip_harness.store import retention as _retention
 from skip_harness.errors import SkipHarnessError
+from skip_harness.store.layout import UrlPath, is_url_text
 
 from skip_harness.cli._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, default_dump_dir, emit_json, namespaces_under, require_dir,
                       stdout_console)
@@ -190,10 +191,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "show":
         from skip_harness.cli.show import cmd_show
 
-        return cmd_show(Path(args.path), args.step, args.inner, args.rank, args.head, args.json)
+        return cmd_show(UrlPath(args.path) if is_url_text(args.path) else Path(args.path), args.step, args.inner, args.rank, args.head, args.json)
     where = ""
     if args.dump_dir is None:   # where runs write
         dump_dir, where = default_dump_dir()
+    elif is_url_text(args.dump_dir):   # an object store: opened through store.backend, never a Path
+        dump_dir = UrlPath(args.dump_dir)
     else:
         dump_dir = Path(args.dump_dir)
     if args.command == "import-verl":
@@ -202,14 +205,15 @@ def _run(args: argparse.Namespace) -> int:
         require_dir(Path(args.verl_dump_dir))
         return cmd_import_verl(Path(args.verl_dump_dir), dump_dir, args.trust, args.dry_run, args.json)
     as_json = getattr(args, "json", False)
-    if where and not dump_dir.exists() and args.command != "export":
+    if where and not isinstance(dump_dir, UrlPath) and not dump_dir.exists() and args.command != "export":
         # nothing was cached yet where runs write: nothing to list, verify or clean
         if as_json:
             emit_json({"dump_dir": str(dump_dir), "namespaces": []})
         else:
             stdout_console().print(f"no skip_harness cache at {dump_dir} yet ({where})")
         return EXIT_OK
-    dump_dir = require_dir(dump_dir)
+    if not isinstance(dump_dir, UrlPath):
+        dump_dir = require_dir(dump_dir)
     layouts = namespaces_under(dump_dir)
     if not layouts and not as_json and args.command != "export":
         stdout_console().print(f"no skip_harness namespaces under {dump_dir}{f' ({where})' if where else ''}")

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from skip_harness.store import lock as _lock
+from skip_harness.store.backend import namespace_of
 from skip_harness.store import retention as _retention
 from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError
@@ -48,6 +49,18 @@ class _Namespace:
 
 def _take(layout: Layout, dry_run: bool) -> _Namespace:
     ns = _Namespace(layout)
+    if layout.is_url:     # an object store: its lease, through the namespace's backend
+        if not dry_run:
+            try:
+                hold = namespace_of(layout).lock(0)
+            except LockHeldError as exc:
+                ns.refused = str(exc)
+                return ns
+            if hold.read_only:
+                ns.read_only = f"{layout.root}: this credential may only read; nothing can be removed there"
+            else:
+                ns.lock = hold
+        return ns
     if dry_run:
         holder = _lock.probe(layout)   # touches nothing
         if holder is not None:

@@ -20,7 +20,7 @@ from skip_harness import codec
 from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CodecError, CorruptStepError
-from skip_harness.store.layout import META_NAME, PAYLOAD_NAME, Layout, parse_namespace_leaf, parse_step_name
+from skip_harness.store.layout import META_NAME, PAYLOAD_NAME, Layout, UrlPath, parse_namespace_leaf, parse_step_name
 from skip_harness.store.stepstore import StepStore
 
 from skip_harness.cli._common import EXIT_CORRUPT, EXIT_OK, CliError, fmt_time, human_bytes, namespaces_under, stdout_console
@@ -76,6 +76,8 @@ def _enclosing_namespace(path: Path) -> Optional[Tuple[Layout, int, int, int]]:
 
 
 def resolve(path: Path, step: Optional[int], inner: Optional[int], rank: int) -> Target:
+    if isinstance(path, UrlPath):       # an object store: a namespace or a step URL
+        return _resolve_in_namespace(path, step, inner, rank)
     if path.is_file():
         if step is not None:
             raise CliError(f"{path} is a payload file: STEP and INNER go with a namespace, not a file")
@@ -88,6 +90,13 @@ def resolve(path: Path, step: Optional[int], inner: Optional[int], rank: int) ->
         raise CliError(f"{path} does not exist" if not path.exists() else f"{path} is not a file or directory")
     if step is None and parse_step_name(path.name) is not None and parse_namespace_leaf(path.parent.name):
         step, path = parse_step_name(path.name), path.parent       # a step directory
+    return _resolve_in_namespace(path, step, inner, rank)
+
+
+def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int], rank: int) -> Target:
+    if isinstance(path, UrlPath) and step is None and parse_step_name(path.name) is not None \
+            and parse_namespace_leaf(path.parent.name):
+        step, path = parse_step_name(path.name), path.parent       # a step URL
     layouts = namespaces_under(path)
     if not layouts:
         raise CliError(f"{path}: no skip_harness namespace here (give a namespace, a step directory or a payload file)")
@@ -110,7 +119,7 @@ def resolve(path: Path, step: Optional[int], inner: Optional[int], rank: int) ->
     if not 0 <= rank < layout.W:
         raise CliError(f"--rank {rank} is outside 0..{layout.W - 1} (W={layout.W} in {layout.root})")
     payload = layout.payload_path(step, inner, rank)
-    if layout.K == 1 and not payload.exists() and (layout.step_dir(step) / layout.legacy_k1_rel(rank)[0]).exists():
+    if layout.K == 1 and not layout.is_url and not payload.exists() and (layout.step_dir(step) / layout.legacy_k1_rel(rank)[0]).exists():
         payload = layout.step_dir(step) / layout.legacy_k1_rel(rank)[0]
     return Target(payload, layout, step, inner, rank)
 
@@ -323,10 +332,16 @@ def _header(target: Target, meta: Dict[str, Any], status: Optional[_scan.StepRep
     t.add_column(style="bold")
     t.add_column(overflow="fold")
     t.add_row("file", escape(str(target.payload)))
-    try:
-        t.add_row("size", human_bytes(target.payload.stat().st_size))
-    except OSError:
-        pass
+    if isinstance(target.payload, UrlPath):      # an object: its size as the commit record lists it
+        rel = str(target.payload.relative_to(target.layout.step_dir(target.step))) if target.layout else ""
+        sizes = {e.rel: e.bytes for e in record.files} if record is not None else {}
+        if rel in sizes:
+            t.add_row("size", human_bytes(sizes[rel]))
+    else:
+        try:
+            t.add_row("size", human_bytes(target.payload.stat().st_size))
+        except OSError:
+            pass
     if target.layout is not None:
         t.add_row("namespace", f"{target.layout.root}  (K={target.layout.K} W={target.layout.W})")
         t.add_row("step", f"{target.step}   inner index {target.inner}   rank {target.rank}")
@@ -380,7 +395,7 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
             reason += f" ({VERL_HINT})"
         raise CliError(f"{reason}", EXIT_CORRUPT) from None
     rows = list(describe(payload))
-    stored = codec.stored_fields(target.payload)
+    stored = [] if isinstance(target.payload, UrlPath) else codec.stored_fields(target.payload)
     if as_json:
         doc = {"file": str(target.payload), "namespace": None if target.layout is None else str(target.layout.root),
                "step": target.step, "inner_index": target.inner, "rank": target.rank,
