@@ -41,7 +41,8 @@ import torch
 from skip_harness.store import lock as _lock
 from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.store.layout import Layout, NamespaceKey, parse_step_name
+from skip_harness.store.backend import namespace_of
+from skip_harness.store.layout import Layout, NamespaceKey, UrlPath, parse_step_name
 from skip_harness.store.stepstore import StepStore
 
 logger = logging.getLogger("skip_harness.cli.import_verl")
@@ -249,7 +250,8 @@ def import_verl(source: Path, dump_dir: Path, *, trust: bool, dry_run: bool = Fa
                 on_step: Callable[[], None] = lambda: None) -> ImportResult:
     """Convert every complete verl step under `source` into `dump_dir`. Without `trust`, only a dry
     run is allowed (nothing is loaded). Steps already servable in the target are left as they are."""
-    source, dump_dir = Path(source), Path(dump_dir)
+    source = Path(source)
+    dump_dir = dump_dir if isinstance(dump_dir, UrlPath) else Path(dump_dir)
     if not trust and not dry_run:
         raise VerlImportError(UNTRUSTED_MESSAGE.format(path=source))
     namespaces = [v for ns in find_verl_namespaces(source) for v in scan_verl_namespaces(ns)]
@@ -267,7 +269,7 @@ def import_verl(source: Path, dump_dir: Path, *, trust: bool, dry_run: bool = Fa
                 result.failed.append((s.path, s.step, f"{vns.path.parent.name!r} is not '{{experiment}}_{{project}}'"))
             continue
         layout = vns.key.layout(dump_dir)
-        if _same_dir(layout.root, vns.path):
+        if not layout.is_url and _same_dir(layout.root, vns.path):
             raise VerlImportError(f"DUMP_DIR {dump_dir} would overwrite the verl cache it converts ({vns.path}); "
                                   f"name another DUMP_DIR")
         on_namespace(f"{vns.path} -> {layout.root}", len(vns.steps))
@@ -282,7 +284,16 @@ def _same_dir(a: Path, b: Path) -> bool:
 def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result: ImportResult,
                       on_step: Callable[[], None]) -> None:
     ns_lock = None
-    if dry_run:
+    if layout.is_url:     # an object store: its lease, through the namespace's backend
+        if not dry_run:
+            try:
+                ns_lock = namespace_of(layout).lock(0)
+            except LockHeldError as exc:
+                result.refused.append((layout.root, str(exc)))
+                return
+            if ns_lock.read_only:
+                raise VerlImportError(f"DUMP_DIR cannot be written: {layout.root}: this credential may only read")
+    elif dry_run:
         holder = _lock.probe(layout) if layout.root.is_dir() else None
         if holder is not None:
             result.refused.append((layout.root, f"namespace {layout.root} is in use by {holder}"))
