@@ -1069,6 +1069,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         # same namespace.
         result["step_vs_floor_ratio"] = result["step_overhead_ratio"] / result["step_floor_ratio"]
         result["scan_index_ratio"] = result["scan_10k_s"] / result["scan_full_10k_s"]
+        if not args.no_s3:
+            result.update(bench_object_store(args))
         return result
     finally:
         log.info("removing %s", work)
@@ -1078,10 +1080,29 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio", "hit_overhead_ratio",
         "scan_10k_s", "load_peak_mem_ratio", "disk_ratio", "disk_ratio_narrow", "step_overhead_ratio_zstd",
         "hit_overhead_ratio_zstd")
-TARGETS = {"save_ratio": 1.05, "load_ratio": 0.6, "step_overhead_ratio": 1.05, "hit_overhead_ratio": 1.05,
+TARGETS = {"s3_save_ratio": 1.1, "s3_load_ratio": 1.1, "save_ratio": 1.05, "load_ratio": 0.6, "step_overhead_ratio": 1.05, "hit_overhead_ratio": 1.05,
            "step_vs_floor_ratio": 1.02, "scan_index_ratio": 0.1,
            "scan_10k_s": 0.25, "load_peak_mem_ratio": 1.1, "disk_ratio": 0.35, "step_overhead_ratio_zstd": 1.05,
            "hit_overhead_ratio_zstd": 1.05}
+
+
+def bench_object_store(args: argparse.Namespace) -> Dict[str, Any]:
+    """The object-store rows (scripts/bench_s3.py) against a moto S3 server it starts on 127.0.0.1:
+    save / load vs a bare obstore put / get of the same bytes, and the step overheads with an s3://
+    dump_dir. Skipped, and said so, where obstore or moto is not installed (extra [dev] / [s3])."""
+    try:
+        import moto.server  # noqa: F401
+        import obstore  # noqa: F401
+    except ImportError as exc:
+        log.warning("object-store rows skipped: %s (pip install -e '.[dev]')", exc)
+        return {"s3_skipped": str(exc)}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_s3
+
+    log.info("object store (moto on 127.0.0.1): save / load vs bare put / get, and training steps")
+    out: Dict[str, Any] = dict(bench_s3.bench_s3(args.rows, args.repeats))
+    out.update(bench_s3.bench_s3_steps(args.rows, steps=3 if args.quick else 6, rounds=1 if args.quick else 2))
+    return out
 
 
 def render_table(r: Dict[str, Any]) -> str:
@@ -1124,6 +1145,13 @@ def render_table(r: Dict[str, Any]) -> str:
               f"{r['bare_load_peak_mem_ratio']:.2f}", "", tgt("load_peak_mem_ratio"))
         + row("startup scan, 10,000 steps x K=4", f"{r['scan_10k_s']:.3f} s", f"{r['scan_full_10k_s']:.3f} s",
               f"{r['scan_index_ratio']:.3f}", tgt("scan_index_ratio"))
+        + "".join(
+            row(label, "", "", f"{r[key]:.2f}", tgt(key))
+            for label, key in (("object store: save vs bare put", "s3_save_ratio"),
+                               ("object store: verified load vs bare get", "s3_load_ratio"),
+                               ("object store: training step, miss vs off", "s3_step_overhead_ratio"),
+                               ("object store: training step, hit vs memory", "s3_hit_overhead_ratio"))
+            if key in r)
         + row("miss async vs the durable-copy floor beside it", f"{r['step_overhead_ratio']:.3f}",
               f"{r['step_floor_ratio']:.3f}", f"{r['step_vs_floor_ratio']:.3f}", tgt("step_vs_floor_ratio"))
         + "\n"
@@ -1166,6 +1194,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small and short, for CI")
     p.add_argument("--work-dir", default=None,
                    help="where to write (default: a temp dir, removed at the end); the scan namespaces are kept there for reuse")
+    p.add_argument("--no-s3", action="store_true", help="skip the object-store rows (they start a moto S3 server)")
     p.add_argument("-v", "--verbose", action="store_true", help="also show the harness's own log lines")
     p.add_argument("--_child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

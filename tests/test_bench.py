@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "scripts" / "bench.py"
 SPEC_KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio", "scan_10k_s",
              "load_peak_mem_ratio", "hit_overhead_ratio", "disk_ratio", "disk_ratio_narrow",
-             "step_overhead_ratio_zstd", "hit_overhead_ratio_zstd")
+             "step_overhead_ratio_zstd", "hit_overhead_ratio_zstd", "s3_save_ratio", "s3_load_ratio",
+             "s3_step_overhead_ratio", "s3_hit_overhead_ratio")
 ZSTD_KEYS = ("disk_ratio_jagged", "disk_ratio_jagged_narrow", "disk_ratio_moe", "disk_ratio_moe_narrow", "verl_bytes",
              "verl_bytes_jagged", "verl_bytes_moe", "save_zstd_mib_s", "load_zstd_mib_s", "zstd_stored_bytes",
              "zstd_compress_cpu_s", "zstd_decompress_s", "step_overhead_ratio_zstd_floor",
