@@ -127,17 +127,7 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
         raise ConfigError(
             "skip.rollout_tq.dump_dir", f"cannot use {layout.root} for the rollout cache: {exc.strerror or exc}"
         ) from None
-    try:
-        report = scan_namespace(layout)
-        cleanup = None
-        if action != Cleanup.off.value:
-            plan = plan_cleanup(report, action)
-            if plan.items or plan.leftovers:
-                cleanup = plan.execute()
-        return StartupResult(layout, report, cleanup, action, lock)
-    except BaseException:
-        lock.release()
-        raise
+    return _scan_and_clean(layout, action, lock)
 
 
 def _prepare_through_backend(layout: Layout, action: str, timeout: float) -> StartupResult:
@@ -153,6 +143,12 @@ def _prepare_through_backend(layout: Layout, action: str, timeout: float) -> Sta
     if hold.read_only:
         why = backend.writable() or "this credential may only read the bucket"
         return StartupResult(layout, scan_namespace(layout), None, action, None, True, why)
+    return _scan_and_clean(layout, action, hold)
+
+
+def _scan_and_clean(layout: Layout, action: str, lock: Any) -> StartupResult:
+    """With the namespace held (a file lock or a lease): scan it and handle its incomplete and corrupt
+    steps as `skip.rollout_tq.cleanup` says. The hold is released if anything here fails."""
     try:
         report = scan_namespace(layout)
         cleanup = None
@@ -160,9 +156,9 @@ def _prepare_through_backend(layout: Layout, action: str, timeout: float) -> Sta
             plan = plan_cleanup(report, action)
             if plan.items or plan.leftovers:
                 cleanup = plan.execute()
-        return StartupResult(layout, report, cleanup, action, hold)
+        return StartupResult(layout, report, cleanup, action, lock)
     except BaseException:
-        hold.release()
+        lock.release()
         raise
 
 

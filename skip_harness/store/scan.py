@@ -267,26 +267,14 @@ def _namespaces_at_url(url: UrlPath) -> List[Layout]:
 
 
 def find_namespaces(dump_dir: Path) -> List[Layout]:
-    """Namespaces under a dump dir: directories {dump_dir}/{any}/{leaf} whose leaf name parses as a
-    namespace name (which gives K and W). Symlinks are never followed. Sorted by path."""
+    """Namespaces under a local dump dir: directories {dump_dir}/{any}/{leaf} whose leaf name parses as
+    a namespace name (which gives K and W), as the POSIX backend lists them (symlinks never followed).
+    Sorted by path."""
     dump_dir = Path(dump_dir)
     out: List[Layout] = []
-    try:
-        groups = list(os.scandir(dump_dir))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for g in groups:
-        if not g.is_dir(follow_symlinks=False) or g.name.startswith("."):
-            continue
-        try:
-            leaves = list(os.scandir(g.path))
-        except OSError:
-            continue
-        for leaf in leaves:
-            kw = parse_namespace_leaf(leaf.name)
-            if kw is not None and leaf.is_dir(follow_symlinks=False):
-                out.append(Layout(dump_dir / g.name / leaf.name, K=kw[0], W=kw[1]))
-    out.sort(key=lambda lay: str(lay.root))
+    for rel in open_dump_dir(dump_dir).list_namespaces():
+        K, W = parse_namespace_leaf(rel.rpartition("/")[2])
+        out.append(Layout(dump_dir / rel, K=K, W=W))
     return out
 
 
