@@ -22,6 +22,7 @@ with its batch already in memory. `scripts/bench.py` calls `bench_s3(...)` and `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -55,6 +56,27 @@ def _median(xs: List[float]) -> float:
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
+@contextlib.contextmanager
+def _server_bucket(work: Path, bucket: str) -> Iterator[str]:
+    """A fresh moto server on 127.0.0.1 with one bucket, its AWS_* settings in this process's
+    environment while the block runs; the environment restored and the server stopped after."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from s3server import start_server
+
+    server = start_server(work, auth=False)
+    saved_env = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server.create_bucket(bucket)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
 def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Dict[str, float]:
     """The object-store ratios (see the module doc) on a fresh moto server, stopped at the end."""
     sys.path.insert(0, str(REPO / "scripts"))
@@ -62,7 +84,6 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
     import obstore as obs
     import xxhash
     from bench import make_payload
-    from s3server import start_server
 
     from skip_harness.store.bufferpool import BufferPool
     from skip_harness.store.layout import Layout
@@ -72,11 +93,7 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
     from skip_harness.store.stepstore import StepStore
 
     work = Path(work or tempfile.mkdtemp(prefix="bench-s3-"))
-    server = start_server(work, auth=False)
-    saved_env = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    try:
-        bucket = server.create_bucket("bench-s3")
+    with _server_bucket(work, "bench-s3") as bucket:
         ns = ObjectNamespace(f"s3://{bucket}/exp_proj/GBS{rows}_N1_in1024_out3072")
         steps = StepStore(Layout(work / "names-only", K=1, W=1), backend=ns, pool=BufferPool())
         store = ns.client.store
@@ -131,13 +148,6 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
         res["s3_load_ratio"] = res["s3_load_s"] / res["s3_bare_get_s"]
         assert xxhash.xxh3_128_hexdigest(bytes(obs.get(store, "bare/load").bytes())) == entry["checksum"]
         return res
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path | None = None) -> Dict[str, float]:
@@ -146,17 +156,12 @@ def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path
     sys.path.insert(0, str(REPO / "tests"))
     import obstore as obs
     from bench import COMPUTE_FACTOR, Compute, make_payload, run_training_block
-    from s3server import start_server
 
     from skip_harness.store.objstore.client import ObjectClient
     from skip_harness.store.objstore.payloads import encode
 
     work = Path(work or tempfile.mkdtemp(prefix="bench-s3-steps-"))
-    server = start_server(work, auth=False)
-    saved_env = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    try:
-        bucket = server.create_bucket("bench-s3-steps")
+    with _server_bucket(work, "bench-s3-steps") as bucket:
         payload = make_payload(rows)
         image = encode(payload)
         client = ObjectClient(f"s3://{bucket}/bare")
@@ -188,13 +193,6 @@ def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path
         res["s3_step_overhead_ratio"] = res["s3_step_async_s"] / res["s3_step_off_s"]
         res["s3_hit_overhead_ratio"] = res["s3_step_hit_s"] / res["s3_step_memory_s"]
         return res
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 def main(argv: List[str] | None = None) -> int:
