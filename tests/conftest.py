@@ -119,3 +119,19 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+
+# Under CI (`.ci/run` installs every extra: verl, TransferQueue, tensordict, obstore, moto) an extra that
+# does not import is a broken install, not an optional one: importorskip raises instead of skipping, so
+# the run fails loudly (a collection error at module level, a failed test inside one).
+if os.environ.get("CI"):
+    _importorskip = pytest.importorskip
+
+    def _import_or_fail(modname, *args, **kwargs):
+        try:
+            return _importorskip(modname, *args, **kwargs)
+        except pytest.skip.Exception as exc:
+            raise ImportError(f"{exc.msg} (CI installs every extra: a missing one fails the run)") from None
+
+    pytest.importorskip = _import_or_fail
