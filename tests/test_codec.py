@@ -17,13 +17,14 @@ import torch
 
 from skip_harness import codec
 from skip_harness.errors import CodecError
+from skip_harness.store import payload_file
 
 
 def roundtrip(payload, tmp_path, mmap=True):
     path = tmp_path / "p.pt"
     with open(path, "wb") as f:
         codec.save_to(f, payload)
-    return codec.load_from(path, mmap=mmap)
+    return payload_file.load(path, mmap=mmap)
 
 
 def assert_same(a, b, where="payload"):
@@ -107,7 +108,7 @@ def test_load_without_mmap_and_tensor_from_old_torch_format(tmp_path):
     assert_same(payload, roundtrip(payload, tmp_path, mmap=False))
     path = tmp_path / "old.pt"
     torch.save(payload, path, _use_new_zipfile_serialization=False)
-    assert_same(payload, codec.load_from(path))
+    assert_same(payload, payload_file.load(path))
 
 
 def test_dict_holding_the_tag_key_is_escaped(tmp_path):
@@ -155,8 +156,8 @@ def test_tensordict_non_tensor_entries_round_trip(tmp_path):
     path = tmp_path / "p.pt"
     with open(path, "wb") as f:
         codec.save_to(f, td)
-    codec.check_file(path)
-    out = codec.load_from(path)
+    payload_file.check(path)
+    out = payload_file.load(path)
     assert type(out) is tensordict.TensorDict and out.batch_size == td.batch_size
     assert list(out.keys()) == list(td.keys())
     assert torch.equal(out["x"], td["x"])
@@ -251,7 +252,7 @@ def test_file_that_would_run_code_is_refused_and_never_executed(tmp_path):
         path = tmp_path / "evil.pt"
         torch.save({"x": torch.ones(1), "evil": evil}, path)
         with pytest.raises(CodecError) as err:
-            codec.load_from(path)
+            payload_file.load(path)
         assert str(path) in str(err.value)
         assert not mark.exists()
         # the file really is dangerous: an unsafe load runs it
@@ -263,7 +264,7 @@ def test_pickled_class_instance_is_refused(tmp_path):
     path = tmp_path / "obj.pt"
     torch.save({"d": io.BytesIO(b"x")}, path)
     with pytest.raises(CodecError):
-        codec.load_from(path)
+        payload_file.load(path)
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage" * 100, None])
@@ -277,7 +278,7 @@ def test_unreadable_files_raise_codec_error(tmp_path, content):
     else:
         path.write_bytes(content)
     with pytest.raises(CodecError):
-        codec.load_from(path)
+        payload_file.load(path)
 
 
 def test_malformed_tagged_record_raises_codec_error():
@@ -414,12 +415,12 @@ def test_registered_type_is_rebuilt_from_the_registry_never_imported_from_the_fi
     codec.unregister_type(Pair)
     for p in (path, evil):
         with pytest.raises(codec.UnregisteredTypeError, match="register_type"):
-            codec.load_from(p)
-        codec.check_file(p)  # well formed: checking a file needs no registration
+            payload_file.load(p)
+        payload_file.check(p)  # well formed: checking a file needs no registration
     assert not sentinel.exists()
     codec.register_type(Pair, name="my.Pair")
     with pytest.raises(codec.UnregisteredTypeError):  # registered under another name now
-        codec.load_from(path)
+        payload_file.load(path)
 
 
 def test_register_type_checks_its_argument_and_name_clashes():
@@ -448,7 +449,7 @@ def test_every_file_records_the_format_version_and_a_newer_one_is_refused(tmp_pa
     assert json.loads(data[24:24 + hlen])["format"] == codec.FORMAT_VERSION
     newer = tmp_path / "newer.pt"
     newer.write_bytes(data[:8] + struct.pack("<I", codec.FORMAT_VERSION + 1) + data[12:])
-    for fn in (codec.load_from, codec.check_file):
+    for fn in (payload_file.load, payload_file.check):
         with pytest.raises(CodecError, match=rf"format version {codec.FORMAT_VERSION + 1}.*newer"):
             fn(newer)
 
@@ -458,13 +459,13 @@ def test_files_of_the_previous_version_and_plain_torch_save_files_still_load(tmp
     previous = tmp_path / "v1.pt"
     with open(previous, "wb") as f:
         torch.save(codec.encode(payload), f)  # what save_to wrote before FORMAT_VERSION 2
-    assert_same(payload, codec.load_from(previous))
+    assert_same(payload, payload_file.load(previous))
     verl = tmp_path / "tq_batch.pt"
     plain = {"input_ids": torch.arange(8).reshape(2, 4), "uid": ["a", "b"]}
     torch.save(plain, verl)
-    assert_same(plain, codec.load_from(verl))
-    codec.check_file(previous)
-    codec.check_file(verl)
+    assert_same(plain, payload_file.load(verl))
+    payload_file.check(previous)
+    payload_file.check(verl)
 
 
 def test_check_file_refuses_pickled_code_without_suggesting_an_unsafe_load(tmp_path):
@@ -476,7 +477,7 @@ def test_check_file_refuses_pickled_code_without_suggesting_an_unsafe_load(tmp_p
 
     path = tmp_path / "evil.pt"
     torch.save({"x": torch.ones(1), "evil": Evil()}, path)
-    for fn in (codec.check_file, codec.load_from):
+    for fn in (payload_file.check, payload_file.load):
         with pytest.raises(CodecError) as err:
             fn(path)
         msg = str(err.value)
@@ -493,7 +494,7 @@ def test_damaged_headers_raise_codec_error_only(tmp_path):
     hlen = struct.unpack_from("<Q", data, 16)[0]
     g = np.random.default_rng(0)
     bad = tmp_path / "bad.pt"
-    raised = {codec.load_from: 0, codec.check_file: 0}
+    raised = {payload_file.load: 0, payload_file.check: 0}
     trials = 150
     for trial in range(trials):
         mutated = bytearray(data)
@@ -532,7 +533,7 @@ def test_tensor_bytes_are_stored_raw_and_mapped_on_load(tmp_path):
         n = codec.save_to(f, {"t": t})
     assert n == os.path.getsize(path)
     assert t.numpy().tobytes() in path.read_bytes()
-    out = codec.load_from(path)["t"]
+    out = payload_file.load(path)["t"]
     out.add_(1)  # private mapping: the loaded tensor is writable and the file is unchanged
-    assert torch.equal(codec.load_from(path)["t"], t)
-    assert torch.equal(codec.load_from(path, mmap=False)["t"], t)
+    assert torch.equal(payload_file.load(path)["t"], t)
+    assert torch.equal(payload_file.load(path, mmap=False)["t"], t)

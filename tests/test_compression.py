@@ -19,6 +19,7 @@ import torch
 from skip_harness import SkipHarness, codec
 from skip_harness.codec import tensorfile
 from skip_harness.errors import CodecError
+from skip_harness.store import payload_file
 from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.store.stepstore import StepStore, checksum_file
 
@@ -80,7 +81,7 @@ def saved_and_loaded(tmp_path: Path, payload: dict, form) -> tuple:
     path = tmp_path / "p.pt"
     with open(path, "wb") as f:
         codec.save_to(f, payload, form)
-    return codec.load_from(path), {f.name: f for f in codec.stored_fields(path)}
+    return payload_file.load(path), {f.name: f for f in payload_file.stored_fields(path)}
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -209,7 +210,7 @@ def test_a_damaged_chunk_is_a_corrupt_step_naming_its_field(tmp_path):
     path = store.layout.payload_path(1, 0, 0)
     flip(path, _chunk_offset(path, "payload['input_ids']"))
     with pytest.raises(CodecError, match=r"payload\['input_ids'\]: zstd chunk 1 of 1"):
-        codec.load_from(path)
+        payload_file.load(path)
     # the same damage behind a matching checksum (a bit flipped before it was hashed): never a crash
     commit = store.layout.commit_path(1)
     doc = json.loads(commit.read_text())
@@ -254,7 +255,7 @@ def test_a_run_finds_a_flipped_byte_cleans_the_step_and_regenerates_it(tmp_path)
     first, layout, batches = run_harness(tmp_path / "dump")
     assert first.generated == [1, 2, 3]
     payload = layout.payload_path(2, 0, 0)
-    assert codec.stored_fields(payload)[0].compression == "zstd"
+    assert payload_file.stored_fields(payload)[0].compression == "zstd"
     flip(payload, _chunk_offset(payload, "payload['input_ids']"))
     again, _, served = run_harness(tmp_path / "dump")
     assert again.generated == [2]                        # 1 and 3 served; 2 cleaned and generated again
@@ -275,11 +276,11 @@ def test_format_2_files_still_load(tmp_path):
     struct.pack_into("<I", data, 8, 2)                      # ... marked as format 2
     data[24:24 + hlen] = header.replace(b'"format":3', b'"format":2')
     path.write_bytes(bytes(data))
-    out = codec.load_from(path)
+    out = payload_file.load(path)
     assert torch.equal(out["x"], payload["x"]) and out["s"] == payload["s"] and torch.equal(out["f"], payload["f"])
-    codec.check_file(path)
+    payload_file.check(path)
     # a format-2 header cannot carry a stored form
-    assert codec.stored_fields(path)[0].compression == "none"
+    assert payload_file.stored_fields(path)[0].compression == "none"
 
 
 @pytest.mark.slow
@@ -293,7 +294,7 @@ def test_demo_with_compression_zstd_reruns_from_the_cache_identically(tmp_path):
     assert [r["cache"] for r in first] == ["miss"] * 4 and [r["cache"] for r in again] == ["hit"] * 4
     assert training_metrics(first) == training_metrics(again)
     payloads = sorted((tmp_path / "cache").rglob("tq_batch.pt"))
-    assert payloads and all(any(f.compression == "zstd" for f in codec.stored_fields(p)) for p in payloads)
+    assert payloads and all(any(f.compression == "zstd" for f in payload_file.stored_fields(p)) for p in payloads)
     # the same cache read by a run with compression off: files of any form are served
     train(tmp_path, run="plain")
     assert [r["cache"] for r in metrics(tmp_path / "plain")] == ["hit"] * 4
@@ -309,7 +310,7 @@ def test_a_forked_child_decompresses_in_parallel_too(tmp_path):
     real = tensorfile._decompress_pool
     tensorfile._decompress_pool = lambda: calls.append(1) or real()
     try:
-        assert same(codec.load_from(path)["ids"], payload["ids"])    # the parent's pool started
+        assert same(payload_file.load(path)["ids"], payload["ids"])    # the parent's pool started
     finally:
         tensorfile._decompress_pool = real
     assert calls, "not decompressed in parallel"
@@ -317,7 +318,7 @@ def test_a_forked_child_decompresses_in_parallel_too(tmp_path):
     if pid == 0:                                                       # pragma: no cover - the child
         ok = False
         try:
-            ok = same(codec.load_from(path)["ids"], payload["ids"])
+            ok = same(payload_file.load(path)["ids"], payload["ids"])
         finally:
             os._exit(0 if ok else 1)
     import signal
@@ -368,7 +369,7 @@ def test_a_header_asking_for_more_memory_than_there_is_is_a_codec_error(tmp_path
         bad = tmp_path / "bad.pt"
         bad.write_bytes(data[:16] + struct.pack("<Q", len(header)) + header + bytes(-(24 + len(header)) % 64)
                         + data[-(-(24 + hlen) // 64) * 64:])
-        for fn in (codec.load_from, codec.check_file):   # refused from the header, before any allocation
+        for fn in (payload_file.load, payload_file.check):   # refused from the header, before any allocation
             with pytest.raises(CodecError, match=f"{bad}: malformed tensor entry"):
                 fn(bad)
 

@@ -17,6 +17,7 @@ import torch
 from skip_harness import codec
 from skip_harness.cli import main
 from skip_harness.errors import CodecError
+from skip_harness.store import payload_file
 from skip_harness.store.layout import NamespaceKey
 from skip_harness.store.stepstore import StepStore
 
@@ -94,7 +95,7 @@ def roundtrip(tmp_path, payload, mmap=True):
     path = tmp_path / "p.pt"
     with open(path, "wb") as f:
         codec.save_to(f, payload)
-    return codec.load_from(path, mmap=mmap), path
+    return payload_file.load(path, mmap=mmap), path
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def test_verl_v1_batch_round_trips_without_pickle(tmp_path):
         assert out["tags"] == payload["tags"] and out["keys"] == payload["keys"] and out["global_steps"] == 0
     raw = path.read_bytes()
     assert raw.startswith(codec.MAGIC) and b"PK\x03\x04" not in raw[:8]  # our format, not torch.save
-    codec.check_file(path)
+    payload_file.check(path)
 
 
 def test_jagged_variants_and_strided_nested_tensors(tmp_path):
@@ -237,12 +238,13 @@ def test_verl_is_imported_only_for_a_dataproto(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         from skip_harness import codec
+        from skip_harness.store import payload_file
         with open({str(tmp_path / 'plain.pt')!r}, "wb") as f:
             codec.save_to(f, {{"x": torch.arange(3)}})
-        codec.load_from({str(tmp_path / 'plain.pt')!r})
-        codec.check_file({str(dp_path)!r})        # checking builds nothing: no import either
+        payload_file.load({str(tmp_path / 'plain.pt')!r})
+        payload_file.check({str(dp_path)!r})        # checking builds nothing: no import either
         assert "verl" not in sys.modules, "verl imported for a plain payload"
-        out = codec.load_from({str(dp_path)!r})
+        out = payload_file.load({str(dp_path)!r})
         assert type(out).__module__ == "verl.protocol", type(out)
         print("ok")
     """)
@@ -338,4 +340,4 @@ def test_show_on_a_file_that_is_not_a_payload(tmp_path, capsys, content):
     assert code != 0
     assert "not a skip_harness or torch payload file" in err and "pickled code" not in err
     with pytest.raises(CodecError, match="not a skip_harness or torch payload file"):
-        codec.load_from(path)
+        payload_file.load(path)

@@ -16,11 +16,11 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from skip_harness import codec
 from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack
+from skip_harness.store import payload_file
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CodecError, CorruptStepError
-from skip_harness.store.layout import META_NAME, PAYLOAD_NAME, Layout, UrlPath, parse_namespace_leaf, parse_step_name
+from skip_harness.store.layout import Layout, UrlPath, parse_namespace_leaf, parse_step_name
 from skip_harness.store.stepstore import StepStore
 
 from skip_harness.cli._common import EXIT_CORRUPT, EXIT_OK, CliError, fmt_time, human_bytes, namespaces_under, stdout_console
@@ -378,24 +378,19 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
         except CorruptStepError:
             record = None
     else:
-        sibling = target.payload.with_name(META_NAME if target.payload.name == PAYLOAD_NAME else
-                                           target.payload.name.replace("tq_batch", "meta").replace(".pt", ".json"))
-        try:
-            meta = json.loads(sibling.read_text()) if sibling.is_file() and sibling != target.payload else {}
-        except (OSError, ValueError):
-            meta = {}
+        meta = payload_file.sibling_meta(target.payload)
     try:
         if target.layout is not None:         # a cache file: the verified read a hit uses
             payload = StepStore(target.layout).read_inner(target.step, target.inner, target.rank)
         else:                                 # a file named on its own, outside any namespace
-            payload = codec.load_from(target.payload)
+            payload = payload_file.load(target.payload)
     except (CodecError, CorruptStepError, OSError) as exc:
         reason = _plain_reason(str(exc))
         if "global_steps" in meta and "writer" not in meta:
             reason += f" ({VERL_HINT})"
         raise CliError(f"{reason}", EXIT_CORRUPT) from None
     rows = list(describe(payload))
-    stored = [] if isinstance(target.payload, UrlPath) else codec.stored_fields(target.payload)
+    stored = [] if isinstance(target.payload, UrlPath) else payload_file.stored_fields(target.payload)
     if as_json:
         doc = {"file": str(target.payload), "namespace": None if target.layout is None else str(target.layout.root),
                "step": target.step, "inner_index": target.inner, "rank": target.rank,

@@ -24,9 +24,11 @@ else is written as a *tagged dict* ``{TAG: kind, ...}``:
 `decode` is the inverse. A registered type is rebuilt from this process's name -> class registry
 (`payload_kinds`); nothing is ever imported or called by a name found in a file.
 
-`save_to` / `load_from` / `check_file` move a payload to and from a file in the format of `tensorfile`
-(a JSON header and the raw tensor bytes; loading unpickles nothing). Every failure to load is a
-`CodecError` that names the file once. `merge` lives in `minibatch`; every public name
+`plan` / `save_to` turn a payload into a file image in the format of `tensorfile` (a JSON header and
+the raw tensor bytes); `load_buffer` / `check_buffer` / `stored_fields` read one back from memory
+(loading unpickles nothing). The codec never opens a file: the store reads or maps the bytes
+(`store.payload_file` for a loose file, a backend's verified read for a step). Every failure to load
+is a `CodecError` that names the file once. `merge` lives in `minibatch`; every public name
 is importable from here.
 """
 from __future__ import annotations
@@ -450,51 +452,35 @@ def stored_form(compression: str, level: int = 3) -> StoredForm:
 
 def load_buffer(buffer: Any, size: int, path: Union[str, os.PathLike],
                 alloc: Optional[Any] = None) -> Any:
-    """Decode a current-format file image of `size` bytes held in `buffer`, read from `path` (named in
-    errors); the tensors are views of the buffer's memory, those stored narrowed or compressed views of
-    `alloc(nbytes)` (a writable buffer) when given. Never runs code, like `load_from`."""
+    """Decode the file image of `size` bytes held in `buffer` (anything memoryview takes), read from
+    `path` (named in errors; the codec opens nothing). Never runs code stored in it: anything that is
+    not tensors, containers, scalars and registered types raises CodecError, as does any other
+    failure. A current-format image's tensors are views of the buffer's memory, those stored narrowed
+    or compressed views of `alloc(nbytes)` (a writable buffer) when given, else of new memory; an
+    image in the previous format (the previous version's torch.save) goes through
+    torch.load(weights_only=True)."""
     with _errors_naming(os.fspath(path)):
+        view = memoryview(buffer).cast("B")[:size]
+        if not tensorfile.is_current_image(view):
+            return decode(tensorfile.torch_load(view))
         return decode(tensorfile.read_buffer(buffer, size, alloc))
 
 
-def load_from(path: Union[str, os.PathLike], mmap: bool = True) -> Any:
-    """Load a payload written by `save_to` (or by the previous version's torch.save). Never runs code
-    stored in the file: anything that is not tensors, containers and scalars raises CodecError, as
-    does any other load failure; the message names the file once. With `mmap` the tensors are
-    private (copy-on-write) views of the mapped file, read lazily."""
-    spath = os.fspath(path)
-    fd = tensorfile.open_nofollow(spath)
-    try:
-        with _errors_naming(spath):
-            return decode(tensorfile.read(fd, spath, mmap))
-    finally:
-        os.close(fd)
+def stored_fields(buffer: Any, size: int, path: Union[str, os.PathLike]) -> "list[tensorfile.StoredField]":
+    """How each tensor of the file image in `buffer` is stored -- field, dtype, stored dtype,
+    compression, bytes at full width and as stored -- from its header alone ([] for a torch.save
+    image). CodecError naming `path` when the header is damaged."""
+    with _errors_naming(os.fspath(path)):
+        return tensorfile.stored_fields(buffer, size)
 
 
-def stored_fields(path: Union[str, os.PathLike]) -> "list[tensorfile.StoredField]":
-    """How each tensor of a payload file is stored -- field, dtype, stored dtype, compression, bytes at
-    full width and as stored -- from its header alone ([] for a torch.save file). CodecError naming the
-    file when the header is damaged."""
-    spath = os.fspath(path)
-    fd = tensorfile.open_nofollow(spath)
-    try:
-        with _errors_naming(spath):
-            return tensorfile.stored_fields(fd)
-    finally:
-        os.close(fd)
-
-
-def check_file(path: Union[str, os.PathLike]) -> None:
-    """Raise CodecError (naming the file once) unless the file would load safely: its header and every
-    record are well formed and everything lies within the file. Reads no tensor data, builds no
-    registered type (a process that registered nothing can check any file) and runs nothing from it."""
-    spath = os.fspath(path)
-    fd = tensorfile.open_nofollow(spath)
-    try:
-        with _errors_naming(spath):
-            decode(tensorfile.read_skeleton(fd, spath), check_only=True)
-    finally:
-        os.close(fd)
+def check_buffer(buffer: Any, size: int, path: Union[str, os.PathLike]) -> None:
+    """Raise CodecError (naming `path` once) unless the file image in `buffer` would load safely: its
+    header and every record are well formed and everything lies within it. Touches no tensor data,
+    builds no registered type (a process that registered nothing can check any file) and runs
+    nothing from it."""
+    with _errors_naming(os.fspath(path)):
+        decode(tensorfile.read_skeleton(buffer, size), check_only=True)
 
 
 @contextlib.contextmanager

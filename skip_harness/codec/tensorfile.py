@@ -27,9 +27,9 @@ import dataclasses
 import threading
 import ctypes
 import functools
+import io
 import json
 import math
-import mmap as _mmap
 import os
 import re
 import struct
@@ -401,8 +401,8 @@ def sanitized(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def _read_header(fd: int, size: int) -> Tuple[Dict[str, Any], int]:
-    return _parse_header(lambda n, off: os.pread(fd, n, off), size)
+def _header_of(view: memoryview, size: int) -> Tuple[Dict[str, Any], int]:
+    return _parse_header(lambda n, off: bytes(view[off:off + n]), size)
 
 
 def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[str, Any], int]:
@@ -474,9 +474,6 @@ def _stored_size_valid(dtype: torch.dtype, entry: list) -> bool:
     return (sum(c[0] for c in chunks) == entry[3] and sum(c[1] for c in chunks) == raw
             and all(c[1] % stored_dtype.itemsize == 0 for c in chunks))
 
-
-def is_current_format(fd: int) -> bool:
-    return os.pread(fd, len(MAGIC), 0) == MAGIC
 
 
 def _tensors_from(buf: Any, doc: Dict[str, Any], data_start: int, out: Any = None) -> List[torch.Tensor]:
@@ -597,33 +594,6 @@ def _decompress_one(view: memoryview, task: Tuple[Any, ...]) -> Optional[str]:
     return None
 
 
-def open_nofollow(spath: str) -> int:
-    try:
-        return os.open(spath, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise CodecError(f"{spath}: cannot be opened: {exc.strerror or exc}") from None
-
-
-def read(fd: int, spath: str, mmap: bool) -> Any:
-    """The encoded structure stored in the open file `fd` (at `spath`), in either format. With `mmap`
-    the tensors are private (copy-on-write) views of the mapped file, read lazily."""
-    if not is_current_format(fd):
-        return torch_load(spath, mmap)
-    size = os.fstat(fd).st_size
-    doc, data_start = _read_header(fd, size)
-    if mmap:
-        buf: Any = _mmap.mmap(fd, size, access=_mmap.ACCESS_COPY)
-    else:
-        buf = bytearray(size)
-        view, got = memoryview(buf), 0
-        while got < size:
-            n = os.preadv(fd, [view[got:]], got)
-            if n <= 0:
-                raise CodecError("truncated while reading")
-            got += n
-    return _unpack(doc["tree"], _tensors_from(buf, doc, data_start))
-
-
 def is_current_image(view: memoryview) -> bool:
     return bytes(view[:len(MAGIC)]) == MAGIC
 
@@ -634,7 +604,7 @@ def read_buffer(buffer: Any, size: int, alloc: Optional[Callable[[int], Any]] = 
     narrowed or compressed are rebuilt in `alloc(nbytes)` (a writable buffer, e.g. from a pool) when
     given, else in new memory."""
     view = memoryview(buffer).cast("B")[:size]
-    doc, data_start = _parse_header(lambda n, off: bytes(view[off:off + n]), size)
+    doc, data_start = _header_of(view, size)
     need = logical_nbytes(doc)
     out = alloc(need) if alloc is not None and need else None
     return _unpack(doc["tree"], _tensors_from(buffer, doc, data_start, out))
@@ -653,12 +623,13 @@ class StoredField:
     stored_bytes: int
 
 
-def stored_fields(fd: int) -> List[StoredField]:
-    """How each tensor of the open current-format file `fd` is stored (its header only; [] for a file in
-    the previous format)."""
-    if not is_current_format(fd):
+def stored_fields(buffer: Any, size: int) -> List[StoredField]:
+    """How each tensor of the file image in the first `size` bytes of `buffer` is stored (its header
+    only; [] for a file in the previous format)."""
+    view = memoryview(buffer).cast("B")[:size]
+    if not is_current_image(view):
         return []
-    doc, _data_start = _read_header(fd, os.fstat(fd).st_size)
+    doc, _data_start = _header_of(view, size)
     out = []
     for i, entry in enumerate(doc["tensors"]):
         how = entry[4] if len(entry) > 4 else {}
@@ -668,12 +639,14 @@ def stored_fields(fd: int) -> List[StoredField]:
     return out
 
 
-def read_skeleton(fd: int, spath: str) -> Any:
-    """The encoded structure of the open file `fd`, its header and records validated and bounds checked,
-    with empty tensors in place of the stored ones (no tensor data is read from a current-format file)."""
-    if not is_current_format(fd):
-        return torch_load(spath, mmap=True)
-    doc, _data_start = _read_header(fd, os.fstat(fd).st_size)
+def read_skeleton(buffer: Any, size: int) -> Any:
+    """The encoded structure of the file image in the first `size` bytes of `buffer`, its header and
+    records validated and bounds checked, with empty tensors in place of the stored ones (no tensor
+    data is touched in a current-format image; one in the previous format is loaded by torch)."""
+    view = memoryview(buffer).cast("B")[:size]
+    if not is_current_image(view):
+        return torch_load(view)
+    doc, _data_start = _header_of(view, size)
     return _unpack(doc["tree"], [torch.empty(0)] * len(doc["tensors"]))
 
 
@@ -681,28 +654,19 @@ NOT_A_PAYLOAD = "not a skip_harness or torch payload file"
 _TORCH_MAGICS = (b"PK\x03\x04", b"\x80")   # torch.save's zip archive; its legacy format (a pickle)
 
 
-def looks_like_torch_file(spath: str) -> bool:
-    """Whether the file starts as a torch.save file does (a zip archive, or the legacy pickle format)."""
-    try:
-        with open(spath, "rb") as f:
-            start = f.read(4)
-    except OSError:
-        return True   # let torch.load report it
+def looks_like_torch_image(view: memoryview) -> bool:
+    """Whether the bytes start as a torch.save file does (a zip archive, or the legacy pickle format)."""
+    start = bytes(view[:4])
     return any(start.startswith(m) for m in _TORCH_MAGICS)
 
 
-def torch_load(spath: str, mmap: bool) -> Any:
-    """torch.load(weights_only=True) of a file in the previous format; CodecError (no path) on failure,
-    NOT_A_PAYLOAD for a file that is neither format (random bytes, a text file)."""
-    if not looks_like_torch_file(spath):
+def torch_load(view: memoryview) -> Any:
+    """torch.load(weights_only=True) of a file image in the previous format (read from memory: the
+    codec never opens a file); CodecError (no path) on failure, NOT_A_PAYLOAD for bytes that are
+    neither format (random bytes, a text file)."""
+    if not looks_like_torch_image(view):
         raise CodecError(NOT_A_PAYLOAD)
     try:
-        try:
-            return torch.load(spath, weights_only=True, mmap=mmap, map_location="cpu")
-        except RuntimeError as exc:
-            # Files in torch's old (non-zip) format cannot be memory-mapped; load them normally.
-            if not (mmap and "mmap" in str(exc)):
-                raise
-            return torch.load(spath, weights_only=True, mmap=False, map_location="cpu")
+        return torch.load(io.BytesIO(view), weights_only=True, map_location="cpu")
     except Exception as exc:
         raise CodecError(f"cannot be loaded safely: {sanitized(exc)}") from None
