@@ -18,6 +18,15 @@ the scan's size check would have seen; the harness verifies sizes and checksums 
 serves it, and `skip-harness verify` reads every checksum, so the index can cost a wasted startup
 decision but never a wrong batch.
 
+On an object store (`layout.is_url`) the same entries live in one object, `{namespace}/.index.jsonl`,
+under a header that says its stamps are ETags (an index of the other kind is ignored). A step's stamp
+there is a hash over its listed objects' (rel, size, ETag) -- taken from the one LIST the scan does
+anyway -- and an entry is made only when the commit record read had the ETag the listing gave, so an
+entry describes exactly the objects its stamp covers. There is no append: commits do not touch it
+(`append`, `make_entry` and `drop` do nothing for a URL), and the startup scan rewrites the whole
+object once (`write_url`) when it found it missing, damaged or stale. A step committed during a run
+is read in full once, at the next startup, and is indexed from then on.
+
 This module does no logging and imports nothing from `store` or `scan`.
 """
 from __future__ import annotations
@@ -40,6 +49,8 @@ from skip_harness.store.posix.backend import PosixNamespace
 INDEX_NAME = INDEX_KEY
 INDEX_FORMAT = 1
 RACY_NS = 250_000_000          # mtimes this close to the entry's own writing are rechecked (> any local fs tick)
+
+URL_STAMP = "etag"   # an object-store index's stamps: xxh3_64 over each object's (rel, size, ETag)
 
 Stamp = int   # xxh3_64 of (step dir ino, mtime_ns, commit ino, size, mtime_ns, each inner dir's ino, mtime_ns)
 
@@ -75,8 +86,10 @@ def index_path(layout: Layout) -> str:
 
 
 def _header(layout: Layout) -> str:
-    return json.dumps({"skip_harness_index": INDEX_FORMAT, "K": layout.K, "W": layout.W},
-                      separators=(",", ":")) + "\n"
+    doc = {"skip_harness_index": INDEX_FORMAT, "K": layout.K, "W": layout.W}
+    if layout.is_url:
+        doc["stamp"] = URL_STAMP      # a POSIX index (inode stamps) copied into a bucket is not this one
+    return json.dumps(doc, separators=(",", ":")) + "\n"
 
 
 # Lines after the header: a fingerprint line {"fp": key, "v": fingerprint JSON} before the first entry
@@ -174,6 +187,11 @@ def read(layout: Layout) -> Dict[int, IndexEntry]:
         raise IndexUnusable(f"cannot be read: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
+    return parse(layout, data)
+
+
+def parse(layout: Layout, data: bytes) -> Dict[int, IndexEntry]:
+    """{step: its latest entry} from the index's bytes; IndexUnusable when they cannot be trusted."""
     header = _header(layout).encode()
     if not data.startswith(header):
         raise IndexUnusable("corrupt: unexpected header (another format, K or W)")
@@ -193,7 +211,8 @@ def read(layout: Layout) -> Dict[int, IndexEntry]:
         # A stamp that is malformed can only fail to match the disk; the fields reported are checked.
         if (type(line) is not list or len(line) != 8 or type(line[0]) is not int or line[0] < 0
                 or type(line[1]) is not int or type(line[2]) not in (int, float)
-                or type(line[3]) not in (int, float, type(None)) or not (line[4] is None or line[4] in fps)
+                or type(line[3]) not in (int, float, type(None))
+                or not (line[4] is None or (type(line[4]) is str and line[4] in fps))
                 or type(line[5]) is not int or type(line[6]) is not int or type(line[7]) is not int):
             raise IndexUnusable(f"corrupt: line {n} is not an index entry")
         step, nbytes, created, gen_s, fpkey, stamp, written, newest = line
@@ -241,16 +260,9 @@ def append(layout: Layout, entry: Optional[IndexEntry]) -> bool:
 
 def rewrite(layout: Layout, entries: Iterable[IndexEntry]) -> Optional[str]:
     """Replace the index atomically with `entries`. None on success, else why it could not be written."""
-    parts = [_header(layout)]
-    seen = set()
-    for e in sorted(entries, key=lambda e: e.step):
-        key = e.fingerprint_key()
-        if key is not None and key not in seen:
-            seen.add(key)
-            parts.append(_fp_line(key, e.fingerprint))
-        parts.append(_entry_line(e))
+    data = render(layout, entries)
     try:
-        PosixNamespace(layout).write_index("".join(parts).encode())   # temp + fsync + rename + dir fsync
+        PosixNamespace(layout).write_index(data)   # temp + fsync + rename + dir fsync
     except OSError as exc:
         return exc.strerror or str(exc)
     with _append_lock:
@@ -277,6 +289,64 @@ def remove(layout: Layout) -> None:
         os.unlink(index_path(layout))
     except FileNotFoundError:
         pass
+
+
+# --------------------------------------------------------------------------------------------
+# an object store's index
+
+
+def listing_stamp(listing: Any) -> Stamp:
+    """The stamp of a step on an object store, from its listing (a `StepListing`): xxh3_64 over every
+    object's (rel, size, ETag), sorted by rel. Any object added, removed, rewritten or resized changes
+    it; an ETag is the object's content hash (or a per-write value), never an mtime, so no entry is
+    racy."""
+    h = xxhash.xxh3_64()
+    for rel in sorted(listing.files):
+        f = listing.files[rel]
+        h.update(json.dumps([rel, int(f.size), str(f.stamp)], separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.intdigest()
+
+
+def url_entry(step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]], created: float,
+              gen_s: Optional[float], stamp: Stamp) -> IndexEntry:
+    """An object-store entry (`newest_mtime_ns` 0: never racy)."""
+    return IndexEntry(step, nbytes, fingerprint, created, gen_s, stamp, time.time_ns(), 0)
+
+
+def read_url(layout: Layout, backend: Any) -> Dict[int, IndexEntry]:
+    """The index object of an object-store namespace, read through its backend (`read_index`).
+    IndexUnusable when it is missing, cannot be read or does not parse as this namespace's."""
+    try:
+        data = backend.read_index()
+    except Exception as exc:  # ObjectStoreError and the like: the index is only a hint
+        raise IndexUnusable(f"cannot be read: {exc}") from None
+    if data is None:
+        raise IndexUnusable("missing")
+    return parse(layout, bytes(data))
+
+
+def write_url(layout: Layout, backend: Any, entries: Iterable[IndexEntry]) -> Optional[str]:
+    """Replace the index object with `entries` (one PUT through `backend.write_index`). None on
+    success, else why it could not be written (read-only credential, outage)."""
+    try:
+        backend.write_index(render(layout, entries))
+    except Exception as exc:  # a hint that could not be written: the next scan reads the steps
+        return str(exc)
+    return None
+
+
+def render(layout: Layout, entries: Iterable[IndexEntry]) -> bytes:
+    """The whole index (header, fingerprint lines, one line per entry in step order) as bytes."""
+    parts = [_header(layout)]
+    seen = set()
+    for e in sorted(entries, key=lambda e: e.step):
+        key = e.fingerprint_key()
+        if key is not None and key not in seen:
+            seen.add(key)
+            parts.append(_fp_line(key, e.fingerprint))
+        parts.append(_entry_line(e))
+    return "".join(parts).encode()
 
 
 def check_entries(root_fd: int, names: Sequence[Tuple[int, str]], entries: Dict[int, IndexEntry],

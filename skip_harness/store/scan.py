@@ -24,7 +24,7 @@ from skip_harness.config import Cleanup
 from skip_harness.errors import ConfigError, SkipHarnessError
 from skip_harness.store.backend import NamespaceBackend, StepListing, namespace_of, open_dump_dir
 from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.layout import TMP_PREFIX, TRASH_PREFIX, Layout, UrlPath, is_url_text, parse_namespace_leaf, parse_step_name
+from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout, UrlPath, is_url_text, parse_namespace_leaf, parse_step_name
 from skip_harness.store.posix.fileops import remove_entry_at, tree_bytes
 from skip_harness.store.status import STATUSES, StepReport, classify_step
 from skip_harness.store.stepstore import StepStore
@@ -108,7 +108,7 @@ def _gc_paused():
 
 def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
     if layout.is_url:
-        return _scan_listed(layout)
+        return _scan_listed(layout, use_index)
     root = layout.root
     leftovers: List[LeftoverEntry] = []
     try:
@@ -176,29 +176,93 @@ def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
 
 
 class _Listed:
-    """A namespace backend whose `list_step` answers from one listing of the whole namespace."""
+    """A namespace backend whose `list_step` answers from one listing of the whole namespace, and
+    whose `read_small` keeps the ETag each read came with (where the backend gives it), so that an
+    index entry is made only from a commit record that is the object the listing stamped."""
 
     def __init__(self, backend: NamespaceBackend, listings: Dict[int, StepListing]):
         self._backend = backend
         self._listings = listings
+        self._tagged = getattr(backend, "read_small_tagged", None)
+        self.etags: Dict[str, Optional[str]] = {}
 
     def list_step(self, step: int) -> Optional[StepListing]:
         return self._listings.get(step)
 
     def read_small(self, key: str) -> Optional[bytes]:
-        return self._backend.read_small(key)
+        if self._tagged is None:
+            return self._backend.read_small(key)
+        data, etag = self._tagged(key)
+        self.etags[key] = etag
+        return data
 
 
-def _scan_listed(layout: Layout) -> NamespaceReport:
-    """A namespace off POSIX (an object store): one listing of every step, then each committed step's
-    commit record; no index (its stamps are the POSIX fast path's)."""
+def _scan_listed(layout: Layout, use_index: bool = True) -> NamespaceReport:
+    """A namespace off POSIX (an object store): one listing of every step; a committed step whose
+    index entry's stamp (its objects' rel, size and ETag) matches that listing is taken from the
+    entry, every other step is classified from the listing and its commit record. The index object
+    is rewritten once, at the end, when it was missing, damaged or stale."""
     backend = namespace_of(layout)
     listing = backend.list_steps()
     view = _Listed(backend, {s.step: s for s in listing.steps})
-    steps = [classify_step(layout, s.step, layout.step_dir(s.step), backend=view)  # type: ignore[arg-type]
-             for s in listing.steps]
-    steps.sort(key=lambda s: s.step)
-    return NamespaceReport(layout, tuple(steps))
+
+    def classify(s: StepListing) -> StepReport:
+        return classify_step(layout, s.step, layout.step_dir(s.step), backend=view)  # type: ignore[arg-type]
+
+    if not use_index:
+        return NamespaceReport(layout, tuple(classify(s) for s in listing.steps))
+    note: Optional[str] = None
+    try:
+        indexed = _index.read_url(layout, backend)
+    except _index.IndexUnusable as exc:
+        indexed, note = {}, f"index {exc}"
+    fingerprints: Dict[int, Optional[Fingerprint]] = {}
+    stamps: Dict[int, Optional[int]] = {}
+    trusted: Dict[int, _index.IndexEntry] = {}
+    changed: List[int] = []
+    steps: List[StepReport] = []
+    for s in listing.steps:
+        stamp = stamps[s.step] = _index.listing_stamp(s) if s.committed else None
+        entry = indexed.get(s.step)
+        if entry is not None:
+            if stamp is not None and stamp == entry.stamp and entry.bytes == s.total:
+                try:
+                    steps.append(_from_entry(layout, entry, fingerprints))
+                    trusted[s.step] = entry
+                    continue
+                except (TypeError, ValueError, AttributeError):   # a damaged fingerprint: read the step
+                    pass
+            changed.append(s.step)
+        steps.append(classify(s))
+    steps.sort(key=lambda r: r.step)
+
+    gone = [step for step in indexed if step not in stamps]
+    fresh = list(trusted.values())
+    unindexed = []
+    for r in steps:
+        if r.status != "complete" or r.step in trusted:
+            continue
+        # indexed only when the record read is the object listed (no write slipped in between)
+        etag = view.etags.get(f"{r.step}/{COMMIT_NAME}")
+        listed = view.list_step(r.step)
+        stamp = stamps.get(r.step)
+        if stamp is None or not etag or listed is None or listed.files[COMMIT_NAME].stamp != etag:
+            continue
+        fp = None if r.fingerprint is None else r.fingerprint.to_json()
+        fresh.append(_index.url_entry(r.step, r.bytes, fp, r.created or 0.0, r.gen_s, stamp))
+        if r.step not in indexed:
+            unindexed.append(r.step)
+    stale = changed
+    if note is None and (stale or gone or unindexed):
+        parts = [f"{len(x)} {what}" for x, what in ((stale, "changed"), (gone, "removed"), (unindexed, "unindexed"))
+                 if x]
+        note = f"index stale ({', '.join(parts)} steps)"
+    if note == "index missing" and not fresh:
+        note = None              # nothing to index yet: no object is written into the namespace
+    if note is not None:
+        failed = _index.write_url(layout, backend, fresh)
+        note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
+    return NamespaceReport(layout, tuple(steps), (), note, bool(trusted))
 
 
 def _agrees(entry: _index.IndexEntry, report: StepReport) -> bool:

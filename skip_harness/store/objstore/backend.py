@@ -188,6 +188,15 @@ class ObjectNamespace(NamespaceBackend):
         except ObjectMissing:
             return None
 
+    def read_small_tagged(self, key: str) -> Tuple[Optional[bytes], Optional[str]]:
+        """(bytes, the ETag they came with) of a small object; (None, None) when there is none. The
+        scan indexes a step only when its commit record's ETag is the one its listing gave."""
+        try:
+            data, meta = self.client.get(key)
+        except ObjectMissing:
+            return None, None
+        return bytes(data), meta.get("e_tag")
+
     def read_commit(self, step: int) -> Optional[bytes]:
         return self.read_small(self.step_key(step, COMMIT_NAME))
 
