@@ -1,0 +1,326 @@
+"""Reading a namespace's steps: the one verified read path, and the one verify.
+
+A committed step is read through the namespace's backend against its commit record: each payload
+read once (O_DIRECT into a pool buffer on POSIX, or mapped), its size and checksum checked in the pass
+that reads it, its tensors views of that buffer. A hit (`read_served`), `merged` (`read_step`),
+`show`, `export` (`read_inner`) and `verify` all read this way. A step without a commit record (an
+older cache) is loaded as it is, its files by `payload_file`. Meta files are read through the backend
+too.
+
+This module does no logging: it raises or returns, and the harness reports. `StepReader` holds no
+mutable state but its (thread-safe) buffer pool, so a prefetch thread may read and verify steps
+while the writer writes others.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path, PurePosixPath
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from skip_harness import codec
+from skip_harness.codec import tensorfile
+from skip_harness.errors import CorruptStepError
+from skip_harness.store import payload_file
+from skip_harness.store.backend import NamespaceBackend
+from skip_harness.store.bufferpool import BufferPool, Lease
+from skip_harness.store.layout import COMMIT_NAME, PAYLOAD_NAME, Layout
+from skip_harness.store.paths import (
+    check_position, existing_rel, meta_rel_at, payload_rel_at, real_file, without_path,
+)
+from skip_harness.store.posix.fileops import checksum_bytes
+from skip_harness.store.status import CommitRecord, FileEntry, StepReport, classify_step, expected_rels, parse_commit
+
+PAYLOAD_STEM = PAYLOAD_NAME.rsplit('.', 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
+
+Served = Tuple[str, Optional[str], List[Any], List[Dict[str, Any]]]
+
+
+class StepReader:
+    """Verified reads of the steps of one namespace, through its backend, and the one verify."""
+
+    def __init__(self, layout: Layout, backend: NamespaceBackend, pool: BufferPool):
+        """`pool`: the buffers payloads are read into (the tensors served keep theirs until gone)."""
+        self.layout = layout
+        self.backend = backend
+        self.pool = pool
+
+    def _classify(self, step: int) -> StepReport:
+        return classify_step(self.layout, step, backend=self.backend)
+
+    # ---- the commit record and meta files
+
+    def read_commit(self, step: int) -> Optional[CommitRecord]:
+        """The step's commit record, None if it has none; CorruptStepError if it does not validate."""
+        data = self.backend.read_small(f"{int(step)}/{COMMIT_NAME}")
+        return None if data is None else parse_commit(data, self.layout, step, self.layout.commit_path(step))
+
+    def read_meta(self, step: int, inner_index: int, rank: int) -> Dict[str, Any]:
+        """The meta.json of (step, inner_index, rank) as a dict (not checked against a commit record);
+        CorruptStepError naming the file if it is missing, unreadable or not a JSON object."""
+        check_position(self.layout, step, inner_index, rank)
+        rel = meta_rel_at(self.layout, step, inner_index, rank)
+        path = self.layout.step_dir(step) / rel
+        try:
+            data = self.backend.read_small(f"{int(step)}/{rel}")
+        except OSError as exc:
+            raise CorruptStepError(path, f"meta file cannot be read: {exc.strerror or exc}") from None
+        if data is None:
+            raise CorruptStepError(path, "missing")
+        return _parse_meta(path, data)
+
+    def logical_bytes(self, step: int, stored_bytes: int) -> int:
+        """The step's bytes at full width: `stored_bytes` (what its files take on disk) with each
+        payload's stored size replaced by the full-width size its meta.json records (written with
+        compression=zstd); a payload whose meta records none counts as stored. Reads K x W metas."""
+        total = stored_bytes
+        for i, r, _p, _m in expected_rels(self.layout):
+            try:
+                meta = self.read_meta(step, i, r)
+            except (CorruptStepError, OSError):
+                continue
+            logical, stored = meta.get("logical_bytes"), meta.get("bytes")
+            if type(logical) is int and type(stored) is int and logical >= 0 and stored >= 0:
+                total += logical - stored
+        return total
+
+    # ---- payloads
+
+    def read_served(self, step: int, rank: int) -> Served:
+        """This rank's K mini-batches of `step` and their metas for serving, verified in the pass that
+        reads them: (status, reason, batches, metas), reason None when the step can be served. A
+        complete step's payload files are each read once (O_DIRECT into a pool buffer), their size and
+        checksum checked against the commit record, and their tensors are views of that buffer; the
+        files of other ranks are not read (unknown extra files are checked). An unverified (older) step
+        is loaded without checksums. UnregisteredTypeError propagates (not a damaged file)."""
+        report = self._classify(step)
+        status = report.status
+        if status in ("incomplete", "corrupt"):
+            return status, f"{status}: {report.reason}", [], []
+        K = self.layout.K
+        try:
+            if status == "unverified":
+                return (status, None, [self.read_inner(step, i, rank) for i in range(K)],
+                        [self.read_meta(step, i, rank) for i in range(K)])
+            record = report.record           # parsed once, by the listing that classified the step
+            if record is None:
+                return "corrupt", self._record_gone(step), [], []
+            rank_of = self._rank_of_rels()
+            entries = {e.rel: e for e in record.files}
+            for entry in record.files:
+                if entry.rel not in rank_of:          # unknown extra files are checked, as by verify
+                    reason = self._check_entry(step, entry)
+                    if reason is not None:
+                        return "corrupt", reason, [], []
+            batches, metas = [], []
+            for i in range(K):
+                prel, mrel = payload_rel_at(self.layout, step, i, rank), meta_rel_at(self.layout, step, i, rank)
+                if prel not in entries or mrel not in entries:
+                    return ("corrupt", f"{self.layout.commit_path(step)}: lists no entry for "
+                            f"{prel if prel not in entries else mrel}", [], [])
+                metas.append(_parse_meta(self.layout.step_dir(step) / mrel,
+                                         self._read_small_verified(step, entries[mrel])))
+                batches.append(self._read_payload_checked(step, entries[prel]))
+        except CorruptStepError as exc:
+            return "corrupt", str(exc), [], []
+        return status, None, batches, metas
+
+    def read_inner(self, step: int, inner_index: int, rank: int) -> Any:
+        """Load the payload of (step, inner_index, rank) -- for `merged`, export, `show` and `verify`.
+        A committed step's payload comes by the verified read a hit uses (size and checksum against the
+        commit record, in the pass that reads it); a step without one (an older cache) is loaded as it
+        is. Reads K = 1 steps stored as {step}/tq_batch.pt and as {step}/0/tq_batch.pt.
+        CorruptStepError(path, reason) if it cannot be loaded safely."""
+        check_position(self.layout, step, inner_index, rank)
+        entry = self._committed_entry(step, inner_index, rank)
+        if entry is not None:
+            mapped = self.backend.map_verified(step, entry.rel, entry.bytes, entry.checksum)
+            if mapped is None:
+                return self._read_payload_checked(step, entry)
+            path = self.layout.step_dir(step) / entry.rel
+            if not tensorfile.is_current_image(memoryview(mapped)):
+                mapped.close()
+                return _load_file(path)      # the previous format: torch.load(weights_only=True)
+            with _corrupt_on_codec_error(path):
+                return codec.load_buffer(mapped, entry.bytes, path)   # tensors: views of the mapping
+        return _load_file(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank)))
+
+    def read_step(self, step: int, rank: int) -> List[Any]:
+        """The K mini-batches of this rank in inner order (a committed step's verified, as for a hit)."""
+        status, reason, batches, _metas = self.read_served(step, rank)
+        if status == "complete" and reason is None:
+            return batches
+        if reason is not None and status == "corrupt":
+            raise CorruptStepError(self.layout.step_dir(step), reason)
+        return [self.read_inner(step, i, rank) for i in range(self.layout.K)]
+
+    # ---- verify
+
+    def verify(self, step: int, ranks: Optional[Iterable[int]] = None, *,
+               load: bool = True) -> Tuple[str, Optional[str]]:
+        """(status, reason): the step's status as classified ('complete', 'unverified', 'incomplete' or
+        'corrupt'; 'corrupt' too when a check below fails) and None if the step would be served, else
+        the reason (naming the file) it would be refused.
+
+        A complete step: the size and checksum of every file its commit record lists (only the payload
+        and meta files of `ranks`, if given; unknown extra files always), read as a hit reads them.
+        With `load`, also every payload of `ranks` (all ranks by default) is checked to load safely --
+        header, records and bounds, nothing executed, no registered type needed in this process
+        (`payload_file.check`; on an object store, the verified read and a decode); a payload that
+        would need pickled code fails. An unverified (older) step has no checksums: only the load check
+        applies. Incomplete and corrupt steps fail with their status and reason."""
+        wanted = None if ranks is None else set(ranks)
+        report = self._classify(step)
+        if report.status in ("incomplete", "corrupt"):
+            return report.status, f"{report.status}: {report.reason}"
+        if report.status == "complete":
+            reason = self._checksums(step, report.record, wanted)
+            if reason is not None:
+                return "corrupt", reason
+        if load:
+            reason = self._loads(step, wanted)
+            if reason is not None:
+                return "corrupt", reason
+        return report.status, None
+
+    def _checksums(self, step: int, record: Optional[CommitRecord], wanted: Optional[set]) -> Optional[str]:
+        """Size and checksum of every file the commit record lists (of `wanted` ranks): None if they
+        all match, else a reason naming the file."""
+        if record is None:
+            return self._record_gone(step)
+        rank_of = self._rank_of_rels()
+        for entry in record.files:
+            r = rank_of.get(entry.rel)
+            if wanted is not None and r is not None and r not in wanted:
+                continue
+            reason = self._check_entry(step, entry)
+            if reason is not None:
+                return reason
+        return None
+
+    def _loads(self, step: int, wanted: Optional[set]) -> Optional[str]:
+        """None if every payload (of `wanted` ranks) would load safely, else the reason naming it."""
+        layout = self.layout
+        for i, r, prel, _mrel in expected_rels(layout):
+            if wanted is not None and r not in wanted:
+                continue
+            try:
+                if layout.is_url:         # no local file to check: the verified read and a decode
+                    self.read_inner(step, i, r)
+                    continue
+                payload_file.check(real_file(layout, step, existing_rel(layout, step, prel, layout.legacy_k1_rel(r)[0])))
+            except (CorruptStepError, codec.CodecError) as exc:
+                return str(exc)
+        return None
+
+    # ---- the verified reads underneath
+
+    def _record_gone(self, step: int) -> str:
+        return f"{self.layout.commit_path(step)}: commit record disappeared"
+
+    def _rank_of_rels(self) -> Dict[str, int]:
+        """The rank each expected payload and meta file belongs to, by its path in the step."""
+        return {rel: r for _i, r, prel, mrel in expected_rels(self.layout) for rel in (prel, mrel)}
+
+    def _check_entry(self, step: int, entry: FileEntry) -> Optional[str]:
+        """None when the file matches its commit-record entry (read verified, as a hit reads it), else
+        the reason naming it."""
+        try:
+            if PurePosixPath(entry.rel).name.startswith(PAYLOAD_STEM):
+                self._read_verified(step, entry).release()
+            else:
+                self._read_small_verified(step, entry)
+        except CorruptStepError as exc:
+            return str(exc)
+        return None
+
+    def _read_verified(self, step: int, entry: FileEntry) -> Lease:
+        """The one verified read of a payload: the file of `entry` in a pool buffer (O_DIRECT on POSIX),
+        its size and checksum checked against the commit record in the pass that reads it."""
+        return self.backend.read_verified(step, entry.rel, entry.bytes, entry.checksum, self.pool)[0]
+
+    def _read_small_verified(self, step: int, entry: FileEntry) -> bytes:
+        """A meta file (or an extra one) read whole and checked against its commit-record entry."""
+        path = self.layout.step_dir(step) / entry.rel
+        try:
+            data = self.backend.read_small(f"{int(step)}/{entry.rel}")
+        except OSError as exc:
+            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        if data is None:
+            raise CorruptStepError(path, "missing")
+        reason = _mismatch(path, len(data), checksum_bytes(data), entry)
+        if reason is not None:
+            raise CorruptStepError(path, without_path(reason, path))
+        return data
+
+    def _read_payload_checked(self, step: int, entry: FileEntry) -> Any:
+        """A committed payload read verified and decoded; its tensors views of the pool buffer."""
+        path = self.layout.step_dir(step) / entry.rel
+        lease = self._read_verified(step, entry)
+        size = entry.bytes
+        try:
+            if not tensorfile.is_current_image(lease.view(size)):
+                return _load_file(path)          # the previous format: torch.load(weights_only=True)
+            widened: List[Lease] = []
+
+            def alloc(nbytes: int) -> Any:          # narrowed / compressed tensors: rebuilt in a pool buffer
+                widened.append(self.pool.acquire(nbytes))
+                return widened[-1].array
+
+            try:
+                with _corrupt_on_codec_error(path):
+                    return codec.load_buffer(lease.array, size, str(path), alloc)
+            finally:
+                for extra in widened:
+                    extra.release()              # the tensors keep their buffer until they are gone
+        finally:
+            lease.release()
+
+    def _committed_entry(self, step: int, inner_index: int, rank: int) -> Optional[FileEntry]:
+        """The commit-record entry of a payload of a committed step (the K = 1 `0/` form resolved from
+        the record's own list); None when the step has no commit record."""
+        record = self.read_commit(step)
+        if record is None:
+            return None
+        entries = {e.rel: e for e in record.files}
+        for rel in (self.layout.payload_rel(inner_index, rank), self.layout.legacy_k1_rel(rank)[0]):
+            if rel in entries:
+                return entries[rel]
+        raise CorruptStepError(self.layout.commit_path(step),
+                               f"lists no entry for {self.layout.payload_rel(inner_index, rank)}")
+
+
+def _load_file(path: Path) -> Any:
+    """A payload file loaded as it is (no commit record to check it against): `payload_file.load`."""
+    with _corrupt_on_codec_error(path):
+        return payload_file.load(path)
+
+
+@contextlib.contextmanager
+def _corrupt_on_codec_error(path: Path) -> Iterator[None]:
+    """A payload that cannot be decoded is a CorruptStepError naming it -- except one holding a type this
+    process has not registered (UnregisteredTypeError propagates: not a damaged file)."""
+    try:
+        yield
+    except codec.UnregisteredTypeError:
+        raise
+    except codec.CodecError as exc:
+        raise CorruptStepError(path, without_path(str(exc), path)) from None
+
+
+def _parse_meta(path: Path, data: bytes) -> Dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptStepError(path, f"meta file cannot be read: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CorruptStepError(path, "meta file is not a JSON object")
+    return doc
+
+
+def _mismatch(path: Path, size: int, digest: str, entry: FileEntry) -> Optional[str]:
+    if size != entry.bytes:
+        return f"{path}: {size} bytes, the commit record says {entry.bytes}"
+    if digest != entry.checksum:
+        return f"{path}: checksum {digest} does not match the commit record's {entry.checksum}"
+    return None

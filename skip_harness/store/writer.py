@@ -1,0 +1,187 @@
+"""Writing a namespace's steps: each payload and its meta file through the namespace's backend, then
+the commit record last.
+
+`StepWriter.stage_inner` copies a payload into a pool buffer on the caller's thread (the one copy a
+write needs); `StagedInner.complete` stores it (O_DIRECT on POSIX) and its meta.json, from any thread;
+`StepWriter.commit` writes the step's commit record once every rank's files are there with their
+sizes, then appends the step to the namespace index. Rewriting or removing a step unlinks the commit
+record first. How bytes reach the storage is the backend's (`store.posix`, `store.objstore`).
+
+This module does no logging: it raises or returns, and the harness reports.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+from skip_harness import codec
+from skip_harness.codec import tensorfile
+from skip_harness.errors import CorruptStepError, HarnessUsageError
+from skip_harness.store import index
+from skip_harness.store.backend import NamespaceBackend
+from skip_harness.store.bufferpool import BufferPool, Lease
+from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.layout import Layout
+from skip_harness.store.paths import check_position, check_step
+from skip_harness.store.posix.fileops import checksum_bytes
+from skip_harness.store.status import WRITER_NAME, CommitRecord, FileEntry, is_safe_rel, required_rels
+
+
+class StagedInner:
+    """A payload copied into a pool buffer (and hashed, when stored as it is) by `StepWriter.stage_inner`;
+    `complete()` -- for a compressed form, first narrows and compresses the staged copy into a second
+    buffer and hashes that -- stores it through the namespace's backend (O_DIRECT on POSIX) and then its
+    meta.json, returning the two FileEntry. Once, from any thread."""
+
+    def __init__(self, backend: NamespaceBackend, step: int, lease: Lease, nbytes: int, checksum: Optional[str],
+                 payload_rel: str, meta_rel: str, meta: Dict[str, Any],
+                 transform: Optional[Tuple[tensorfile.FileImage, tensorfile.StoredForm, BufferPool]] = None):
+        self._backend = backend
+        self._step = step
+        self._lease: Optional[Lease] = lease
+        self.checksum = checksum
+        self.payload_rel, self.meta_rel = payload_rel, meta_rel
+        self._meta = meta
+        self.bytes = nbytes
+        self._transform = transform
+
+    def _stored(self, lease: Lease) -> Lease:
+        """The staged full-width copy narrowed and compressed into a new buffer (the writer thread's
+        work: the trainer's thread only copied it); sets bytes and checksum to the stored file's."""
+        image, form, pool = self._transform
+        self._transform = None
+        stored = tensorfile.stored_image(image, tensorfile.staged_tensors(image, lease.array), form)
+        out = pool.acquire(stored.nbytes)
+        try:
+            tensorfile.fill_stored(stored, out.array)
+            self.bytes = stored.nbytes
+            self.checksum = checksum_bytes(out.view(stored.nbytes))
+        except BaseException:
+            out.release()
+            raise
+        lease.release()
+        return out
+
+    def complete(self) -> Tuple[FileEntry, FileEntry]:
+        lease = self._take()
+        try:
+            if self._transform is not None:
+                lease = self._stored(lease)
+            self._backend.write_payload(self._step, self.payload_rel, lease, self.bytes)
+            lease.release()                  # the buffer may go round again while meta.json is written
+            meta_doc = dict(self._meta, bytes=self.bytes, checksum=self.checksum, created=time.time())
+            meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
+            self._backend.write_small(f"{self._step}/{self.meta_rel}", meta_bytes)
+        finally:
+            lease.release()
+        return (FileEntry(self.payload_rel, self.bytes, self.checksum),
+                FileEntry(self.meta_rel, len(meta_bytes), checksum_bytes(meta_bytes)))
+
+    def _take(self) -> Lease:
+        lease, self._lease = self._lease, None
+        if lease is None:
+            raise HarnessUsageError(f"{self.payload_rel}: this staged write was already completed")
+        return lease
+
+
+class StepWriter:
+    """Atomic, durable writes of the steps of one namespace (through its backend), the commit record
+    last. Holds no mutable state but its (thread-safe) buffer pool: stage on the trainer's thread,
+    complete and commit on the writer thread."""
+
+    def __init__(self, layout: Layout, backend: NamespaceBackend, pool: BufferPool, form: tensorfile.StoredForm):
+        """`pool`: the buffers payloads are staged in; `form`: how payloads are written
+        (`codec.stored_form(compression, level)`)."""
+        self.layout = layout
+        self.backend = backend
+        self.pool = pool
+        self.form = form
+
+    def write_inner(self, step: int, inner_index: int, rank: int, payload: Any,
+                    meta: Mapping[str, Any]) -> Tuple[FileEntry, FileEntry]:
+        """Write the payload of (step, inner_index, rank), then its meta.json, each atomically and
+        durably. Removes the step's commit record first if there is one (the step is being rewritten).
+        A step entry that is a symlink or a file is removed first (never followed); so is an inner
+        directory entry that is one. Returns (payload entry, meta entry)."""
+        return self.stage_inner(step, inner_index, rank, payload, meta).complete()
+
+    def stage_inner(self, step: int, inner_index: int, rank: int, payload: Any,
+                    meta: Mapping[str, Any]) -> StagedInner:
+        """The first half of `write_inner`, for the caller's thread: copies the payload's file image
+        into a pool buffer -- the one copy of the payload a write needs, after which the caller may
+        change the payload in place -- and prepares the step (removing its commit record). The
+        returned StagedInner's `complete()` (write, fsync, rename, meta.json; for a writer thread)
+        must follow. Raises what encoding (CodecError) or preparing the step raises, leaving nothing
+        behind."""
+        check_position(self.layout, step, inner_index, rank)
+        layout = self.layout
+        payload_rel = layout.payload_rel(inner_index, rank)
+        image = codec.plan(payload)
+        lease = self.pool.acquire(image.nbytes)
+        transform = (tensorfile.shapes_only(image), self.form, self.pool) if self.form.transforms else None
+        try:
+            tensorfile.pack_into(image, lease.array, self.pool.copier.copy)
+            # Hashed here, while the trainer's cores wait for sample anyway: on the writer thread the
+            # same hash slowed a training step on every core by twice its own time (measured). A
+            # compressed form is hashed on the writer thread, after compressing (the stored bytes).
+            checksum = None if transform else checksum_bytes(lease.view(image.nbytes))
+            self.backend.uncommit(step)      # the step is being rewritten: never "complete" meanwhile
+        except BaseException:
+            lease.release()
+            raise
+        meta_doc = dict(meta)
+        meta_doc.update(writer=WRITER_NAME, step=step, inner_index=inner_index, rank=rank, K=layout.K,
+                        W=layout.W, payload=payload_rel, format=codec.FORMAT_VERSION,
+                        compression="zstd" if self.form.zstd_level is not None else "none",
+                        logical_bytes=image.nbytes)
+        return StagedInner(self.backend, step, lease, image.nbytes, checksum, payload_rel,
+                           layout.meta_rel(inner_index, rank), meta_doc, transform)
+
+    def commit(self, step: int, entries: Sequence[FileEntry], fingerprint: Optional[Fingerprint],
+               *, gen_s: Optional[float] = None) -> CommitRecord:
+        """Write the step's commit record (atomically, durably) once every rank's files are written.
+        `entries` are the FileEntry pairs `write_inner` returned, from every rank; `gen_s` (optional)
+        the step's generation seconds, kept for tables. Refuses (raises) when an entry is missing or a
+        listed file is not there with its size. Then appends the step to the namespace index (a hint:
+        failing to append changes nothing but the next startup's speed)."""
+        check_step(step)
+        layout = self.layout
+        by_rel: Dict[str, FileEntry] = {}
+        for e in entries:
+            if not is_safe_rel(e.rel):
+                raise HarnessUsageError(f"commit of step {step}: unsafe file path {e.rel!r}")
+            if e.rel in by_rel and by_rel[e.rel] != e:
+                raise HarnessUsageError(f"commit of step {step}: two different entries for {e.rel}")
+            by_rel[e.rel] = e
+        missing = [rel for rel in required_rels(layout) if rel not in by_rel]
+        if missing:
+            raise HarnessUsageError(
+                f"commit of step {step}: no entry for {', '.join(missing[:4])}"
+                + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            )
+        listing = self.backend.list_step(step)
+        if listing is None:
+            raise CorruptStepError(layout.step_dir(step), "step directory does not exist")
+        for e in by_rel.values():
+            found = listing.files.get(e.rel)
+            if found is None:
+                raise CorruptStepError(layout.step_dir(step) / e.rel, "missing")
+            if found.size != e.bytes:
+                raise CorruptStepError(layout.step_dir(step) / e.rel,
+                                       f"has {found.size} bytes, the entry to commit says {e.bytes}")
+        record = CommitRecord(step, layout.K, layout.W, fingerprint,
+                              tuple(sorted(by_rel.values(), key=lambda e: e.rel)), time.time(),
+                              None if gen_s is None else float(gen_s))
+        data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
+        self.backend.uncommit(step)          # a commit of a step committed already replaces its record
+        self.backend.commit(step, data)
+        fp_json = None if fingerprint is None else fingerprint.to_json()
+        nbytes = sum(e.bytes for e in record.files) + len(data)
+        index.append(layout, index.make_entry(layout, step, nbytes, fp_json, record.created, record.gen_s))
+        return record
+
+    def clear_step(self, step: int) -> int:
+        """Remove a step so it can be rewritten: commit record first, then everything else; a step
+        entry that is a symlink is unlinked, never entered. Returns the bytes freed (0 if absent)."""
+        return self.backend.remove_step(step)
