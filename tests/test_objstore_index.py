@@ -79,7 +79,7 @@ def test_a_step_rewritten_after_indexing_is_read_again_and_its_new_record_wins(s
     scan_namespace(store.layout)                       # indexes 1 and 2
     old = scan_namespace(store.layout).get(2)
     # a rerun rewrites step 2: the commit record goes first, new files, a new commit record
-    store.backend.uncommit(2)
+    namespace_of(store.layout).uncommit(2)
     write_step(store, 2, fingerprint=FP2)
     gets = Gets(store, monkeypatch)
     report = scan_namespace(store.layout)
@@ -96,7 +96,7 @@ def test_a_step_rewritten_after_indexing_is_read_again_and_its_new_record_wins(s
 def test_an_uncommitted_step_is_not_taken_from_its_entry(store):
     write_step(store, 1, fingerprint=FP)
     scan_namespace(store.layout)
-    store.backend.uncommit(1)                          # a rewrite killed right after its first step
+    namespace_of(store.layout).uncommit(1)            # a rewrite killed right after its first step
     report = scan_namespace(store.layout)
     assert report.get(1).status == "incomplete" and not report.index_used
     assert "1 changed" in report.index_note
@@ -106,7 +106,7 @@ def test_a_removed_step_does_not_come_back(store, monkeypatch):
     for step in (1, 2, 3):
         write_step(store, step, fingerprint=FP)
     scan_namespace(store.layout)
-    assert store.clear_step(2) > 0
+    assert namespace_of(store.layout).remove_step(2) > 0
     report = scan_namespace(store.layout)
     assert [s.step for s in report.steps] == [1, 3] and report.index_used
     assert "1 removed" in report.index_note and "rebuilt" in report.index_note
@@ -171,3 +171,53 @@ def test_a_read_only_credential_scans_and_writes_nothing(store, s3_server, s3_bu
     assert [s.status for s in report.steps] == ["complete", "complete"]
     assert "could not be rebuilt" in report.index_note
     assert s3_server.keys(s3_bucket) == before
+
+
+class Puts:
+    """Counts the PUTs of the index object this process makes."""
+
+    def __init__(self, store, monkeypatch):
+        self.n = 0
+        client = namespace_of(store.layout).client
+        real = client.put
+
+        def put(key, data, **kw):
+            self.n += key == INDEX_KEY
+            return real(key, data, **kw)
+        monkeypatch.setattr(client, "put", put)
+
+
+def test_a_runs_commits_are_indexed_once_when_it_gives_the_namespace_back(store, monkeypatch):
+    ns = namespace_of(store.layout)
+    write_step(store, 1, fingerprint=FP)
+    scan_namespace(store.layout)                       # the startup scan indexes step 1
+    puts = Puts(store, monkeypatch)
+    hold = ns.lock()
+    for step in (2, 3, 4, 5):
+        write_step(store, step, fingerprint=FP)
+    namespace_of(store.layout).remove_step(4)         # removed again during the run
+    namespace_of(store.layout).uncommit(5)            # being rewritten when the run ends
+    assert puts.n == 0                                 # no commit touched the index object
+    hold.release()
+    assert puts.n == 1                                 # one PUT, when the run gave the namespace back
+    assert sorted(index.read_url(store.layout, ns)) == [1, 2, 3]
+    gets = Gets(store, monkeypatch)
+    report = scan_namespace(store.layout)
+    assert report.index_used and gets.commits() == [] and report.index_note is None
+    assert report.steps == scan_namespace(store.layout, use_index=False).steps
+    assert [s.status for s in report.steps] == ["complete", "complete", "complete", "incomplete"]
+
+
+def test_a_step_changed_by_another_writer_after_our_commit_is_not_indexed_from_our_record(store, monkeypatch):
+    ns = namespace_of(store.layout)
+    hold = ns.lock()
+    write_step(store, 1, fingerprint=FP)
+    write_step(store, 2, fingerprint=FP)
+    # another writer replaces step 2's commit record behind this run's back (a different record)
+    record = json.loads(bytes(ns.read_small("2/commit.json")))
+    record["fingerprint"] = FP2.to_json()
+    ns.client.put("2/commit.json", json.dumps(record).encode())
+    hold.release()
+    assert sorted(index.read_url(store.layout, ns)) == [1]
+    report = scan_namespace(store.layout)
+    assert report.get(2).fingerprint == FP2 and report.steps == scan_namespace(store.layout, use_index=False).steps

@@ -147,3 +147,91 @@ def test_a_lease_still_held_at_exit_is_released(s3_server, s3_bucket, tmp_path):
     assert proc.returncode == 0 and "held" in proc.stdout, proc.stderr
     rec, _ = Lease(ObjectClient(url), holder="probe").read()
     assert rec.holder == "run-exit" and rec.expires_at == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# a killed run on this host: its lease is taken over at once, not after its ttl
+
+
+HOLD = ("import sys, time\n"
+        "from skip_harness.store.objstore.backend import ObjectNamespace\n"
+        "ns = ObjectNamespace(sys.argv[1]); ns.acquire(holder=sys.argv[2], ttl_s=30)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")
+
+
+def holder_process(url, holder):
+    """A real process that takes the namespace's lease (ttl 30 s) and keeps it until killed."""
+    import subprocess
+    import sys
+    from conftest import subprocess_env
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, url, holder], env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "held" not in line:
+        proc.kill()
+        _, err = proc.communicate(timeout=60)
+        raise AssertionError(f"the holder process did not take the lease: {err[-3000:]}")
+    return proc
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_killed_holder_on_this_host_is_taken_over_at_once(client, caplog, reaped):
+    import signal
+    proc = holder_process(client.url, "run-killed")
+    try:
+        rec, _ = lease(client, "probe").read()
+        assert (rec.holder, rec.pid, rec.host) == ("run-killed", proc.pid, socket.gethostname())
+        assert rec.expires_at > time.time() + 20
+        with pytest.raises(LockHeldError, match="run-killed"):     # alive: refused, as before
+            lease(client, "run-B").acquire()
+        proc.send_signal(signal.SIGKILL)
+        if reaped:
+            proc.wait(timeout=30)
+        else:                       # killed, not yet reaped by its parent: a zombie renews nothing
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                with open(f"/proc/{proc.pid}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].startswith(b" Z"):
+                        break
+                time.sleep(0.05)
+        caplog.set_level(logging.WARNING)
+        t0 = time.monotonic()
+        b = lease(client, "run-B").acquire()
+        took = time.monotonic() - t0
+        try:
+            assert took < 10, took                                    # not the 30 s ttl
+            assert f"took over the lease of dead holder run-killed (pid {proc.pid} on host " \
+                   f"{socket.gethostname()}" in caplog.text
+            rec, _ = b.read()
+            assert rec.holder == "run-B" and rec.pid == os.getpid()
+        finally:
+            b.release()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_live_or_foreign_holder_is_still_waited_out(client):
+    from skip_harness.store.objstore.lease import LeaseRecord
+    import subprocess
+    import sys
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)                         # a pid that no longer exists
+    me = lease(client, "probe")
+    now = time.time()
+    for who, host, host_id, pid in [
+        ("other-host", socket.gethostname() + "-elsewhere", me.host_id, gone.pid),
+        ("other-namespace", socket.gethostname(), "another-boot pid:[1]", gone.pid),
+        ("live-here", socket.gethostname(), me.host_id, os.getppid()),
+    ]:
+        record = LeaseRecord(who, host, pid, now, 30.0, now + 30.0, host_id)
+        client.put(LEASE_KEY, record.to_bytes())
+        assert not me.holder_dead(record)
+        with pytest.raises(LockHeldError, match=who):
+            lease(client, "run-B").acquire()
+    # the same dead pid on this host (no host_id: a record written before it existed) is taken over
+    client.put(LEASE_KEY, LeaseRecord("old-format", socket.gethostname(), gone.pid, now, 30.0, now + 30.0).to_bytes())
+    b = lease(client, "run-B").acquire()
+    assert b.read()[0].holder == "run-B"
+    b.release()

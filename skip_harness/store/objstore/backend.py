@@ -17,10 +17,16 @@ GBS...`): `{step}/[{i}/]tq_batch[_rank{r}].pt`, `.../meta[_rank{r}].json`, `{ste
   sorted numerically (keys come in byte order: `10` before `2`). Change stamps are ETags.
 - Verified reads check the size and the xxh3-128 of the stored bytes against the commit record.
 - A credential that may only read is `read_only`: it serves and writes nothing.
+- The namespace index (`store.index`, `.index.jsonl`) is one object: the startup scan rewrites it
+  when it is stale, and a run that committed steps rewrites it once more when it gives the namespace
+  back (`release`, `flush_index`: one GET, one LIST and one PUT at the end of the run, never one a
+  commit), so the next startup reads no commit record of a step this run wrote.
 """
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -60,6 +66,8 @@ class LeaseHold(Hold):
     def release(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
+            if not lease.lost.is_set():
+                self._ns._flush_index_quietly()       # while the namespace is still ours
             lease.release()
             if self._ns.held is lease:
                 self._ns.held = None
@@ -77,6 +85,8 @@ class ObjectNamespace(NamespaceBackend):
         self.url = self.client.url
         self.read_only = False
         self.held: Optional[Lease] = None     # the lease this object took, if any
+        self._committed: Dict[int, Tuple[bytes, str]] = {}   # step -> (commit record, its ETag) put here
+        self._committed_guard = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ObjectNamespace({self.url!r})"
@@ -130,14 +140,71 @@ class ObjectNamespace(NamespaceBackend):
         key = self.step_key(step, COMMIT_NAME)
         self._writable(key)
         try:
-            self.client.put(key, record, mode="create")
+            etag = self.client.put(key, record, mode="create")
         except ObjectRaceLost:
             raise CorruptStepError(self.key_url(key), "a commit record is there already") from None
+        with self._committed_guard:
+            self._committed[int(step)] = (bytes(record), etag)
 
     def uncommit(self, step: int) -> None:
         key = self.step_key(step, COMMIT_NAME)
         self._writable(key)
+        self._forget(step)
         self.client.delete([key])          # S3 answers a delete of a missing key with success
+
+    def _forget(self, step: int) -> None:
+        with self._committed_guard:
+            self._committed.pop(int(step), None)
+
+    # ------------------------------------------------------------------------------ index
+    def flush_index(self) -> Optional[str]:
+        """Add the steps this object committed to the index object: one GET of the index, one
+        listing, one PUT (nothing when it committed nothing). An entry is made only for a step whose
+        listed commit record has the ETag our put returned and lists exactly the sizes listed.
+        Returns None when written (or nothing to do), else why not. Never raises: a hint."""
+        from skip_harness.store import index
+        from skip_harness.store.layout import Layout, UrlPath
+        from skip_harness.store.status import parse_commit
+
+        with self._committed_guard:
+            committed, self._committed = self._committed, {}
+        if not committed or self.read_only:
+            return None
+        kw = parse_namespace_leaf(self.url.rstrip("/").rsplit("/", 1)[-1])
+        if kw is None:
+            return None
+        layout = Layout(UrlPath(self.url), K=kw[0], W=kw[1])
+        try:
+            data = self.read_index()           # an outage ends the flush here, not after more timeouts
+            try:
+                entries = {} if data is None else index.parse(layout, bytes(data))
+            except index.IndexUnusable:
+                entries = {}
+            listed = {s.step: s for s in self.list_steps().steps}
+            for step, (record, etag) in committed.items():
+                entries.pop(step, None)
+                s = listed.get(step)
+                stored = None if s is None else s.files.get(COMMIT_NAME)
+                if stored is None or not etag or stored.stamp != etag:
+                    continue                    # rewritten or removed since: the next scan reads it
+                try:
+                    rec = parse_commit(record, layout, step, self.key_url(self.step_key(step, COMMIT_NAME)))
+                except CorruptStepError:
+                    continue
+                if any(s.files.get(f.rel) is None or s.files[f.rel].size != f.bytes for f in rec.files):
+                    continue
+                fp = None if rec.fingerprint is None else rec.fingerprint.to_json()
+                entries[step] = index.url_entry(step, s.total, fp, rec.created, rec.gen_s, index.listing_stamp(s))
+            entries = {k: e for k, e in entries.items() if k in listed}
+        except (ObjectStoreError, ValueError) as exc:
+            return str(exc)
+        return index.write_url(layout, self, entries.values())
+
+    def _flush_index_quietly(self) -> None:
+        why = self.flush_index()
+        if why is not None:
+            logger.info("%s: the namespace index was not updated (%s): the next startup reads the "
+                        "commit records of this run's steps", self.url, why)
 
     # ------------------------------------------------------------------------------ listing
     def objects(self) -> Iterator[Dict[str, Any]]:
@@ -260,6 +327,7 @@ class ObjectNamespace(NamespaceBackend):
         """Remove every object of `step`, the commit record first; returns the bytes removed."""
         commit = self.step_key(step, COMMIT_NAME)
         self._writable(commit)
+        self._forget(step)
         metas = list(self.client.list(self.step_key(step)))
         keys = [m["path"] for m in metas]
         if commit in keys:
@@ -297,6 +365,8 @@ class ObjectNamespace(NamespaceBackend):
 
     def release(self) -> None:
         if self.held is not None:
+            if not self.held.lost.is_set():
+                self._flush_index_quietly()           # while the namespace is still ours
             self.held.release()
             self.held = None
 

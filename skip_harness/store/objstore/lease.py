@@ -20,6 +20,12 @@ turns into "serve complete steps, write nothing".
 
 Expiry compares wall clocks of different hosts: a lease counts as expired only `skew_s` seconds
 after its `expires_at`.
+
+A killed run on THIS host need not be waited out: when the record's host is this hostname (and,
+where the record carries it, the same boot and pid namespace: `host_id`) and its pid is gone
+(`os.kill(pid, 0)` -> ProcessLookupError, or a zombie nobody reaped yet), the lease is taken over at
+once with the same If-Match put as an expired one. A live pid, a pid that is not ours to signal, or
+another host: wait for the expiry as before.
 """
 from __future__ import annotations
 
@@ -45,6 +51,38 @@ DEFAULT_TTL_S = 30.0
 DEFAULT_SKEW_S = 2.0
 
 
+def _host_id() -> str:
+    """This machine's boot and pid namespace ('' where unknown): two containers may share a hostname
+    but not a pid namespace, and a pid is only meaningful inside its own."""
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        return ""
+    return " ".join(parts)
+
+
+def _pid_gone(pid: int) -> bool:
+    """Whether process `pid` of this host is dead: no such process, or a zombie (killed, not yet
+    reaped: it renews nothing). A process we may not signal counts as alive."""
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:          # PermissionError: alive, someone else's
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:].startswith(b"Z")
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class LeaseRecord:
     holder: str
@@ -53,6 +91,7 @@ class LeaseRecord:
     since: float
     ttl_s: float
     expires_at: float
+    host_id: str = ""       # boot id + pid namespace of the holder (records written before: "")
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -62,7 +101,7 @@ class LeaseRecord:
         try:
             doc = json.loads(bytes(data))
             return cls(str(doc["holder"]), str(doc["host"]), int(doc["pid"]), float(doc["since"]),
-                       float(doc["ttl_s"]), float(doc["expires_at"]))
+                       float(doc["ttl_s"]), float(doc["expires_at"]), str(doc.get("host_id") or ""))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             return None
 
@@ -103,7 +142,7 @@ class Lease:
             raise ValueError(f"lease ttl must be > 0 s, got {ttl_s}")
         self.client, self.key, self.ttl_s, self.skew_s = client, key, float(ttl_s), float(skew_s)
         self.holder = holder or f"run-{uuid.uuid4().hex[:12]}"
-        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.host, self.pid, self.host_id = socket.gethostname(), os.getpid(), _host_id()
         self.since = 0.0
         self.etag: Optional[str] = None
         self.lost = threading.Event()
@@ -120,7 +159,17 @@ class Lease:
         return self.etag is not None and not self.lost.is_set()
 
     def _record(self, expires_at: float) -> bytes:
-        return LeaseRecord(self.holder, self.host, self.pid, self.since, self.ttl_s, expires_at).to_bytes()
+        return LeaseRecord(self.holder, self.host, self.pid, self.since, self.ttl_s, expires_at,
+                           self.host_id).to_bytes()
+
+    def holder_dead(self, record: LeaseRecord) -> bool:
+        """Whether `record`'s holder is a process of this host that is gone (killed): its lease may be
+        taken over before it expires."""
+        if record.host != self.host or record.pid <= 0:
+            return False
+        if record.host_id and self.host_id and record.host_id != self.host_id:
+            return False         # same hostname, another boot or pid namespace: its pid means nothing here
+        return _pid_gone(record.pid)
 
     def read(self) -> "tuple[Optional[LeaseRecord], Optional[str]]":
         """(the current record, its ETag), (None, None) when there is none."""
@@ -141,13 +190,20 @@ class Lease:
         current, seen = self.read()
         if seen is None:      # released and removed between our two calls: try again next round
             return LeaseRecord("(released just now)", "?", 0, time.time(), 0.0, time.time() + 1)
+        dead = False
         if current is not None and current.expires_at + self.skew_s > time.time():
-            return current
+            dead = self.holder_dead(current)
+            if not dead:
+                return current
         try:
             self.etag = self.client.put(self.key, self._record(self.since + self.ttl_s), mode={"e_tag": seen})
         except (ObjectRaceLost, ObjectMissing):
             return current or LeaseRecord("(another run taking it over)", "?", 0, time.time(), 0.0, time.time() + 1)
-        if current is not None and current.expires_at > 0:
+        if dead:
+            logger.warning("%s: took over the lease of dead holder %s: its process is gone (killed?), "
+                           "%.0f s before the lease would have expired", self.url, current.describe(),
+                           max(0.0, current.expires_at - time.time()))
+        elif current is not None and current.expires_at > 0:
             logger.warning("%s: took over the expired lease of %s", self.url, current.describe())
         return None
 
