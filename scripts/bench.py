@@ -10,9 +10,9 @@ strings: about 112 MiB. `--quick` (CI) uses 64 trajectories and smaller counts e
 Every figure comes from medians of interleaved runs (A B, B A, ...) so that a noisy machine slows both
 arms alike. The keys of SPEC "Benchmark":
 
-- save_ratio           StepStore.write_inner (temp name, fsync, rename, directory fsync, meta.json, checksum
+- save_ratio           StepWriter.write_inner (temp name, fsync, rename, directory fsync, meta.json, checksum
                        while writing) vs torch.save to a temp file + fsync + os.replace.
-- load_ratio           StepStore.read_inner (one verified read: checksums in the pass that reads) + touching every tensor byte vs
+- load_ratio           StepReader.read_inner (one verified read: checksums in the pass that reads) + touching every tensor byte vs
                        torch.load(weights_only=True) + the same touch; both files in the page cache.
 - step_overhead_ratio  a synthetic training step (prepare_data, sample, reading the batch, then a matmul loop
                        on every core computing ~4x as long as one bare durable torch.save) under a real
@@ -335,15 +335,15 @@ def bench_save(payload: Any, work: Path, repeats: int, floors: bool = True) -> D
         for name in ("tq_batch.pt", "raw.bin"):
             (bare_dir / name).unlink(missing_ok=True)
 
-    arms = [Arm("durable", timed_cpu("durable", lambda: store.write_inner(1, 0, 0, payload, {"bench": "save"})),
-                lambda: store.clear_step(1)),
+    arms = [Arm("durable", timed_cpu("durable", lambda: store.writer.write_inner(1, 0, 0, payload, {"bench": "save"})),
+                lambda: store.writer.clear_step(1)),
             Arm("bare", timed_cpu("bare", lambda: _bare_save(payload, bare_dir)), clear_bare)]
     if floors:
         dests = [torch.ones_like(t) for t in iter_tensors(payload)]   # allocated and faulted in once
         arms += [Arm("raw", lambda: _raw_write(payload, bare_dir), clear_bare),
                  Arm("memcpy", lambda: [d.copy_(t) for d, t in zip(dests, iter_tensors(payload))])]
     times = interleave(arms, repeats)
-    store.clear_step(1)
+    store.writer.clear_step(1)
     clear_bare()
     nbytes = tensor_bytes(payload)
     out = {"save_s": median(times["durable"]), "bare_save_s": median(times["bare"]),
@@ -368,20 +368,20 @@ def bench_zstd(payload: Any, work: Path, repeats: int) -> Dict[str, float]:
     nbytes = tensor_bytes(payload)
     saves, loads = [], []
     for _ in range(repeats + 1):
-        store.clear_step(1)
+        store.writer.clear_step(1)
         t0 = time.perf_counter()
-        entries = store.write_inner(1, 0, 0, payload, {"bench": "zstd"})
+        entries = store.writer.write_inner(1, 0, 0, payload, {"bench": "zstd"})
         saves.append(time.perf_counter() - t0)
-        store.commit(1, entries, None)
+        store.writer.commit(1, entries, None)
         t0 = time.perf_counter()
-        status, reason, batches, _metas = store.read_served(1, 0)
+        status, reason, batches, _metas = store.reader.read_served(1, 0)
         touch(batches)
         loads.append(time.perf_counter() - t0)
         if reason is not None:
             raise BenchError(f"a compressed step does not verify: {reason}")
         del batches
     stored = entries[0].bytes
-    store.clear_step(1)
+    store.writer.clear_step(1)
     structure, names = codec.encode_named(payload)
     image = tensorfile.plan(structure, names)
     tensors = [t.contiguous() for t in image.tensors]
@@ -404,8 +404,8 @@ def bench_zstd(payload: Any, work: Path, repeats: int) -> Dict[str, float]:
 
 
 def write_committed_step(store: StepStore, step: int, payload: Any) -> Path:
-    entries = store.write_inner(step, 0, 0, payload, {"bench": "load"})
-    store.commit(step, entries, None)
+    entries = store.writer.write_inner(step, 0, 0, payload, {"bench": "load"})
+    store.writer.commit(step, entries, None)
     return store.layout.payload_path(step, 0, 0)
 
 
@@ -413,7 +413,7 @@ def load_verified(store: StepStore, step: int) -> Any:
     """One verified read, as `merged` / export / show / verify take it: size and checksum checked against
     the commit record in the pass that reads the file (a damaged file raises, naming it)."""
     try:
-        return store.read_inner(step, 0, 0)
+        return store.reader.read_inner(step, 0, 0)
     except CorruptStepError as exc:
         raise BenchError(f"step {step} of {store.layout.root} does not verify: {exc}") from None
 
@@ -766,7 +766,7 @@ def build_scan_namespace(root: Path, steps: int, K: int = SCAN_K) -> Layout:
 
     Step 1 is written and committed through StepStore; every other step gets hard links to step 1's
     payload and meta files and its own commit record (step 1's record with the step number changed,
-    serialized as StepStore.commit does, but without the per-file fsync that would make building
+    serialized as StepWriter.commit does, but without the per-file fsync that would make building
     10,000 steps take minutes). The scan reads directory listings, lstat and commit records, so it
     sees exactly what it would see after a real run."""
     layout = Layout(root, K=K, W=1)
@@ -775,8 +775,8 @@ def build_scan_namespace(root: Path, steps: int, K: int = SCAN_K) -> Layout:
     entries = []
     for i in range(K):
         small = {"input_ids": torch.randint(0, VOCAB, (4, 16), generator=g), "old_log_probs": torch.randn(4, 16, generator=g)}
-        entries += store.write_inner(1, i, 0, small, {"bench": "scan"})
-    record = store.commit(1, entries, None)
+        entries += store.writer.write_inner(1, i, 0, small, {"bench": "scan"})
+    record = store.writer.commit(1, entries, None)
     first = layout.step_dir(1)
     inner_names = sorted({str(Path(e.rel).parent) for e in record.files} - {"."})
     for step in range(2, steps + 1):

@@ -4,10 +4,10 @@
 
 `bench_s3(rows, repeats)` returns (JSON keys):
 - `s3_save_ratio`: our save of the realistic mini-batch through the step store on the object
-  backend (`StepStore.write_inner` + `commit`: codec image staged in a pool buffer, xxh3-128, put,
+  backend (`StepWriter.write_inner` + `commit`: codec image staged in a pool buffer, xxh3-128, put,
   size check, meta.json, one listing, a create-only commit record) over a bare obstore put of the
   same bytes with the same put parameters;
-- `s3_load_ratio`: our verified load as a hit does it (`StepStore.read_served`: the step's listing
+- `s3_load_ratio`: our verified load as a hit does it (`StepReader.read_served`: the step's listing
   and commit record, meta.json, the payload streamed into a pool buffer with size and xxh3-128
   checked per chunk, decoded into tensors) over a bare obstore get of the same bytes;
 the arms interleaved round by round (A B, B A, ...) because moto, pure Python, sets the speed and
@@ -105,7 +105,7 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
 
         def ours_save():
             step = next(counter) + 1
-            steps.commit(step, steps.write_inner(step, 0, 0, payload, {"bench": "s3"}), None)
+            steps.writer.commit(step, steps.writer.write_inner(step, 0, 0, payload, {"bench": "s3"}), None)
 
         def bare_put():
             obs.put(store, f"bare/{next(counter)}", memoryview(image), use_multipart=multipart,
@@ -126,12 +126,12 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
             clear()
 
         obs.put(store, "bare/load", memoryview(image), use_multipart=multipart, chunk_size=client_mod.PART_SIZE)
-        steps.commit(1, steps.write_inner(1, 0, 0, payload, {"bench": "s3"}), None)
+        steps.writer.commit(1, steps.writer.write_inner(1, 0, 0, payload, {"bench": "s3"}), None)
         record = json.loads(ns.read_commit(1))
         [entry] = [f for f in record["files"] if f["rel"].endswith(".pt")]
 
         def ours_load():
-            status, reason, batches, _ = steps.read_served(1, 0)
+            status, reason, batches, _ = steps.reader.read_served(1, 0)
             if reason is not None:
                 raise RuntimeError(f"step 1 on {ns.url}: {reason}")
 

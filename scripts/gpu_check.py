@@ -5,7 +5,7 @@
 Checks (each prints `held`, `FAILED` or `skipped` with what it saw):
 - payload: a payload of CUDA tensors (several dtypes, every device up to two, nested, mixed with CPU
   tensors) written and committed through StepStore comes back equal, each tensor on the device it
-  came from; verify_step passes; read in a process that sees no CUDA device, it comes back on the CPU.
+  came from; verify passes; read in a process that sees no CUDA device, it comes back on the CPU.
 - rng: rng.capture() records every CUDA device's generator; rng.restore() puts them back (CUDA draws
   repeat exactly), in this process and in a fresh one.
 - nccl: two processes under an NCCL default process group: DistContext runs the harness's collectives
@@ -110,7 +110,7 @@ READ_WITHOUT_CUDA = textwrap.dedent(
     import torch
     from skip_harness.store.layout import Layout
     from skip_harness.store.stepstore import StepStore
-    [back] = StepStore(Layout(Path(sys.argv[1]), K=1, W=1)).read_step(1, 0)
+    [back] = StepStore(Layout(Path(sys.argv[1]), K=1, W=1)).reader.read_step(1, 0)
     def leaves(o):
         if isinstance(o, dict): return [x for v in o.values() for x in leaves(v)]
         if isinstance(o, (list, tuple)): return [x for v in o for x in leaves(v)]
@@ -140,11 +140,11 @@ def check_payload(work: Path, dry_run: bool) -> str:
     }
     layout = Layout(work / "payload" / "ns", K=1, W=1)
     store = StepStore(layout)
-    entries = list(store.write_inner(1, 0, 0, payload, {"note": "gpu_check"}))
-    store.commit(1, entries, None)
-    problem = store.verify_step(1)
-    need(problem is None, f"verify_step: {problem}")
-    [back] = store.read_step(1, 0)
+    entries = list(store.writer.write_inner(1, 0, 0, payload, {"note": "gpu_check"}))
+    store.writer.commit(1, entries, None)
+    _status, problem = store.reader.verify(1)
+    need(problem is None, f"verify: {problem}")
+    [back] = store.reader.read_step(1, 0)
     why = _same(payload, back)
     need(why is None, f"round trip: {why}")
     proc = subprocess.run([sys.executable, "-c", READ_WITHOUT_CUDA, str(layout.root)], capture_output=True,

@@ -9,7 +9,7 @@ import re
 import torch
 
 from skip_harness import HarnessCallback, SkipHarness
-from skip_harness.store.stepstore import StepStore
+from skip_harness.store.writer import StepWriter
 
 
 class Records(HarnessCallback):
@@ -62,14 +62,14 @@ def run(tmp_path, plan, caplog, **settings):
 
 
 def test_summary_adds_up_with_a_failed_write_a_refused_payload_and_a_short_step(tmp_path, caplog, monkeypatch):
-    real = StepStore.stage_inner
+    real = StepWriter.stage_inner
 
     def stage_inner(self, step, inner, *a, **k):
         if step == 2 and inner == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, step, inner, *a, **k)
 
-    monkeypatch.setattr(StepStore, "stage_inner", stage_inner)
+    monkeypatch.setattr(StepWriter, "stage_inner", stage_inner)
     plan = {1: 2, 2: 2, 3: 2, 4: 1, 5: 2}
     s, steps, line = run(tmp_path, plan, caplog, refuse_step=3)
     assert [int(l.split(":")[0].split()[1]) for l in steps] == [1, 2, 3, 4, 5]  # one line each, in order
@@ -84,7 +84,7 @@ def test_summary_adds_up_with_a_failed_write_a_refused_payload_and_a_short_step(
     assert s.bytes_written == sum(written.values()) and written[1] > 0 and written[2] > 0  # step 2's first write landed
     assert written[3] == 0  # nothing of a refused payload was written
 
-    monkeypatch.setattr(StepStore, "stage_inner", real)
+    monkeypatch.setattr(StepWriter, "stage_inner", real)
     s2, steps2, line2 = run(tmp_path, plan, caplog, refuse_step=3)
     kinds = [l.split(":")[1].split(",")[0].strip() for l in steps2]
     assert kinds == ["hit", "miss", "miss", "miss", "hit"]

@@ -183,18 +183,20 @@ def test_a_step_that_changes_status_while_read_is_never_served_empty(tmp_path, m
 
     st = StepStore(Layout(tmp_path / "ns", K=1, W=1))
     st.commit(1, st.write_inner(1, 0, 0, {"x": torch.ones(3)}, {}), None)
-    real = StepStore.status
+    from skip_harness.store import reader as reader_mod
+
+    real = reader_mod.classify_step
     seen = []
 
-    def status(self, step):
+    def status(layout, step, **k):
         seen.append(step)
-        report = real(self, step)
+        report = real(layout, step, **k)
         # incomplete when first looked at, complete again by any later look
         if len(seen) == 1:
             return StepReport(step, report.path, "incomplete", 0, "being rewritten", None, False)
         return report
 
-    monkeypatch.setattr(StepStore, "status", status)
+    monkeypatch.setattr(reader_mod, "classify_step", status)
     got_status, reason, batches, _ = st.read_served(1, 0)
     assert got_status == "incomplete" and reason == "incomplete: being rewritten" and batches == []
 

@@ -18,6 +18,7 @@ from skip_harness.run.harness import SkipHarness
 from skip_harness.store.layout import NamespaceKey
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.stepstore import StepStore
+from skip_harness.store.writer import StepWriter
 
 
 class Trainer:
@@ -245,7 +246,7 @@ def test_failed_write_warns_and_training_goes_on(tmp_path, caplog, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(StepStore, "stage_inner", boom)
+    monkeypatch.setattr(StepWriter, "stage_inner", boom)
     with caplog.at_level(logging.WARNING, logger="skip_harness"):
         out = run_steps(h, t, [1, 2], 1)
     assert len(out) == 2 and "No space left on device" in caplog.text

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from skip_harness import SkipHarness
 from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import ConfigError, HarnessUsageError, LockHeldError
-from skip_harness.store.stepstore import StepStore
+from skip_harness.store.reader import StepReader
 
 
 class GenOnly:
@@ -176,13 +176,13 @@ def test_prefetch_loads_the_next_hit_ahead_and_is_cancelled_at_close(tmp_path, m
     h, _ = run()
     h.close()
     loads = []
-    real = StepStore.read_served
+    real = StepReader.read_served
 
     def read_served(self, step, rank):
         loads.append((step, threading.current_thread().name))
         return real(self, step, rank)
 
-    monkeypatch.setattr(StepStore, "read_served", read_served)
+    monkeypatch.setattr(StepReader, "read_served", read_served)
     h, t = run()
     assert [s for s, _ in loads] == [1, 2, 3]
     assert all(name.startswith("skip_harness-prefetch") for s, name in loads if s > 1)  # loaded ahead
@@ -192,7 +192,7 @@ def test_prefetch_loads_the_next_hit_ahead_and_is_cancelled_at_close(tmp_path, m
 
 
 def test_pending_writes_are_bounded(tmp_path, monkeypatch):
-    from skip_harness.store.stepstore import StagedInner
+    from skip_harness.store.writer import StagedInner
 
     gate = threading.Event()
     real = StagedInner.complete

@@ -16,7 +16,9 @@ import xxhash
 
 from conftest import assert_batch_equal, batch, subprocess_env, write_legacy, write_step
 from skip_harness import codec
+from skip_harness.store import payload_file
 from skip_harness.store import stepstore as store_mod
+from skip_harness.store.posix import backend as posix_backend
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout, NamespaceKey
@@ -277,7 +279,7 @@ def _instrument(monkeypatch, fail_at):
     counter = {"n": 0, "ops": []}
     targets = [
         (os, "fsync"), (os, "replace"), (os, "rename"), (os, "mkdir"), (os, "unlink"),
-        (codec, "plan"), (os, "pwrite"), (store_mod.json, "dumps"), (store_mod, "write_file_at"),
+        (codec, "plan"), (os, "pwrite"), (json, "dumps"), (posix_backend, "write_file_at"),
     ]
     for mod, name in targets:
         orig = getattr(mod, name)
@@ -306,7 +308,7 @@ def _check_no_partial_final_files(st, step):
     for i in range(lay.K):
         pay, meta = lay.payload_path(step, i, 0), lay.meta_path(step, i, 0)
         if pay.exists():
-            assert_batch_equal(codec.load_from(pay), batch(step, i))
+            assert_batch_equal(payload_file.load(pay), batch(step, i))
         if meta.exists():
             assert json.loads(meta.read_text())["bytes"] == pay.stat().st_size
     if lay.commit_path(step).exists():
@@ -389,7 +391,7 @@ def test_killed_writer_leaves_only_complete_or_incomplete_steps(tmp_path):
         for s in report.steps[-2:]:
             for i in range(2):
                 if lay.payload_path(s.step, i, 0).exists():
-                    assert codec.load_from(lay.payload_path(s.step, i, 0))["step"] == s.step
+                    assert payload_file.load(lay.payload_path(s.step, i, 0))["step"] == s.step
                 if lay.meta_path(s.step, i, 0).exists():
                     assert json.loads(lay.meta_path(s.step, i, 0).read_text())["step"] == s.step
         shutil.rmtree(root)
@@ -433,7 +435,7 @@ def test_process_dying_inside_a_write_leaves_no_partial_final_file(tmp_path, die
     assert len(temp_files(lay.root)) == 1                     # the half-written file kept its temp name
     assert lay.payload_path(1, 0, 0).exists() == (die_in == "meta")
     if die_in == "meta":
-        assert torch.equal(codec.load_from(lay.payload_path(1, 0, 0))["x"], payload["x"])
+        assert torch.equal(payload_file.load(lay.payload_path(1, 0, 0))["x"], payload["x"])
     assert not lay.meta_path(1, 0, 0).exists()
     r = st.status(1)
     assert r.status == "incomplete" and ".tmp-" in r.reason

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.layout import Layout
-from skip_harness.store.stepstore import StepStore
+from skip_harness.store.reader import StepReader
 
 from skip_harness.units import human_bytes
 
@@ -118,28 +118,28 @@ def short_path(layout: Layout, base: Path) -> str:
 # facts about a step, read cheaply (the commit record and the small meta files)
 
 
-def step_written(store: StepStore, report: _scan.StepReport) -> Optional[float]:
+def step_written(reader: StepReader, report: _scan.StepReport) -> Optional[float]:
     """When the step was written: its commit record's time, else the newest mtime of its directory."""
     created = getattr(report, "created", None)
     if created:
         return float(created)
     if report.has_commit and report.status == "complete":
         try:
-            record = store.read_commit(report.step)
+            record = reader.read_commit(report.step)
         except (CorruptStepError, OSError):
             record = None
         if record is not None and record.created:
             return record.created
-    return store.backend.modified(str(report.step)) if report.exists else None
+    return reader.backend.modified(str(report.step)) if report.exists else None
 
 
-def step_accessed(store: StepStore, report: _scan.StepReport) -> Optional[float]:
+def step_accessed(reader: StepReader, report: _scan.StepReport) -> Optional[float]:
     """When the step was last read: the newest access time of its payload files (a hit reads them; `ls`
     and the startup scan never do; `verify` and `clean` do), where the storage records reads (see
     `NamespaceBackend.last_read`). None when no payload was read since it was written."""
     if not report.exists:
         return None
-    return store.backend.last_read(report.step, [prel for _i, _r, prel, _m in store.layout.expected_rels()])
+    return reader.backend.last_read(report.step, [prel for _i, _r, prel, _m in reader.layout.expected_rels()])
 
 def default_dump_dir() -> Tuple[Path, str]:
     """Where runs write when nothing names another place, and how that was decided (for the user)."""
@@ -151,18 +151,18 @@ def default_dump_dir() -> Tuple[Path, str]:
     return path, f"the per-user default; ${DUMP_DIR_ENV} is not set"
 
 
-def step_metas(store: StepStore, step: int) -> List[Dict[str, Any]]:
+def step_metas(reader: StepReader, step: int) -> List[Dict[str, Any]]:
     """Every meta.json of a step that can be read (K x W small JSON files); unreadable ones left out."""
     out = []
-    for i, r, _p, _m in store.layout.expected_rels():
+    for i, r, _p, _m in reader.layout.expected_rels():
         try:
-            out.append(store.read_meta(step, i, r))
+            out.append(reader.read_meta(step, i, r))
         except (CorruptStepError, OSError, Exception):  # a missing/odd meta only costs the number
             continue
     return out
 
 
-def step_gen_s(store: StepStore, report: _scan.StepReport) -> Optional[float]:
+def step_gen_s(reader: StepReader, report: _scan.StepReport) -> Optional[float]:
     """Generation seconds the step's metas record (what a rerun saves by serving it)."""
     known = getattr(report, "gen_s", None)
     if known is not None:
@@ -170,7 +170,7 @@ def step_gen_s(store: StepStore, report: _scan.StepReport) -> Optional[float]:
     if not report.servable:
         return None
     total, seen = 0.0, False
-    for meta in step_metas(store, report.step):
+    for meta in step_metas(reader, report.step):
         value = meta.get("gen_s")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             total += float(value)

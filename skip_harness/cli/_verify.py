@@ -6,7 +6,7 @@ import re
 from typing import List, Optional, Tuple
 
 from skip_harness.store import scan as _scan
-from skip_harness.store.stepstore import StepStore
+from skip_harness.store.reader import StepReader
 
 _UNSAFE_ADVICE = re.compile(r"(Weights only load failed|weights_only).*", re.IGNORECASE | re.DOTALL)
 VERL_HINT = "if verl wrote it, `skip-harness import-verl VERL_DUMP_DIR DUMP_DIR --trust` converts it"
@@ -17,31 +17,31 @@ def _plain_reason(reason: str) -> str:
     return _UNSAFE_ADVICE.sub("it needs pickled code to load, which skip_harness never runs", reason).strip()
 
 
-def _looks_like_verl(store: StepStore, step: int) -> bool:
+def _looks_like_verl(reader: StepReader, step: int) -> bool:
     try:
-        meta = store.read_meta(step, 0, 0)
+        meta = reader.read_meta(step, 0, 0)
     except Exception:
         return False
     return "global_steps" in meta and meta.get("writer") is None
 
 
-def verify_step(store: StepStore, report: _scan.StepReport) -> Optional[str]:
+def verify_step(reader: StepReader, report: _scan.StepReport) -> Optional[str]:
     """None if a servable step would be served, else the reason (naming the file) it would be refused.
-    `StepStore.verify_step` (sizes and checksums of a complete step, and that every payload loads
-    safely: nothing executed, no registered type needed here); without it, the checksums and a safe
-    load of every payload here. Unverified (older) steps have no checksums: the load check only."""
+    `StepReader.verify` (sizes and checksums of a complete step, and that every payload loads
+    safely: nothing executed, no registered type needed here). Unverified (older) steps have no
+    checksums: the load check only."""
     if not report.servable:
         return None
-    reason = store.verify_step(report.step)
+    _status, reason = reader.verify(report.step)
     if reason is None:
         return None
     reason = _plain_reason(reason)
-    if report.status == "unverified" and _looks_like_verl(store, report.step):
+    if report.status == "unverified" and _looks_like_verl(reader, report.step):
         reason += f" ({VERL_HINT})"
     return reason
 
 
-def verified_steps(store: StepStore, report: _scan.NamespaceReport, tick=lambda: None
+def verified_steps(reader: StepReader, report: _scan.NamespaceReport, tick=lambda: None
                    ) -> Tuple[List[_scan.StepReport], List[Tuple[int, str]]]:
     """Every step of the report, servable ones checked by `verify_step`: those that fail become
     'corrupt' with the reason. Also returns the (step, reason) pairs that failed."""
@@ -49,7 +49,7 @@ def verified_steps(store: StepStore, report: _scan.NamespaceReport, tick=lambda:
     failed: List[Tuple[int, str]] = []
     for s in report.steps:
         if s.servable:
-            reason = verify_step(store, s)
+            reason = verify_step(reader, s)
             if reason is not None:
                 s = dataclasses.replace(s, status="corrupt", reason=reason)
                 failed.append((s.step, reason))

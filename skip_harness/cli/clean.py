@@ -147,15 +147,15 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
                     continue
                 ns.report = _scan.scan_namespace(ns.layout)
                 bar.start(f"verifying {ns.layout.root}", len(ns.report.steps))
-                ns.verified, ns.failed = verified_steps(StepStore(ns.layout), ns.report, bar.advance)
+                ns.verified, ns.failed = verified_steps(StepStore(ns.layout).reader, ns.report, bar.advance)
                 bar.finish(f"{len(ns.failed)} corrupt" if ns.failed else "")
         ages = []
         for ns in spaces:
             if ns.report is None:
                 continue
-            store = StepStore(ns.layout)
+            reader = StepStore(ns.layout).reader
             for s in ns.verified:
-                written = step_written(store, s)
+                written = step_written(reader, s)
                 ages.append(_retention.StepAge(str(ns.layout.root), s.step, s.bytes,
                                                written if written is not None else 0.0, s.servable))
         removals = _retention.plan_retention(ages, rules, time.time()) if rules.active else {}

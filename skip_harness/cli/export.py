@@ -31,6 +31,7 @@ from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store.layout import Layout
 from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack
+from skip_harness.store.reader import StepReader
 from skip_harness.store.stepstore import StepStore
 
 try:
@@ -352,12 +353,12 @@ def _union_schema(layouts: Sequence[Tuple[str, Layout]], steps: Optional[Set[int
     namespaces with different fields share one file (a field one of them lacks is null there)."""
     schemas: List[pa.Schema] = []
     for name, layout in layouts:
-        store = StepStore(layout)
+        reader = StepStore(layout).reader
         for s in _scan.scan_namespace(layout).steps:
             if not s.servable or (steps is not None and s.step not in steps):
                 continue
             try:
-                payload = store.read_inner(s.step, 0, 0)
+                payload = reader.read_inner(s.step, 0, 0)
             except (CorruptStepError, SkipHarnessError):
                 continue
             where = str(layout.payload_path(s.step, 0, 0))
@@ -379,16 +380,6 @@ def _union_schema(layouts: Sequence[Tuple[str, Layout]], steps: Optional[Set[int
     return pa.schema([unified.field(n) for n in names])
 
 
-def _checksum_reason(store: StepStore, step: int) -> Optional[str]:
-    full = getattr(store, "verify_step", None)
-    if full is not None:
-        try:
-            return full(step, load=False)
-        except TypeError:  # a verify_step without `load`
-            pass
-    return store.verify_checksums(step)
-
-
 def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "parquet",
                  steps: Optional[Set[int]] = None,
                  on_namespace: Callable[[str, int], None] = lambda name, n: None,
@@ -406,13 +397,13 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     jf = open(tmp, "w", encoding="utf-8") if fmt == "jsonl" else None
     try:
         for name, layout in layouts:
-            store = StepStore(layout)
+            reader = StepStore(layout).reader
             report = _scan.scan_namespace(layout)
             chosen = [s for s in report.steps if steps is None or s.step in steps]
             on_namespace(name, len(chosen))
             for s in chosen:
                 try:
-                    _export_step(store, s, name, sink, jf, result)
+                    _export_step(reader, s, name, sink, jf, result)
                 finally:
                     on_step()
         if sink is not None:
@@ -438,21 +429,21 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     return result
 
 
-def _export_step(store: StepStore, s: _scan.StepReport, name: str, sink: Optional[_ParquetSink], jf,
+def _export_step(reader: StepReader, s: _scan.StepReport, name: str, sink: Optional[_ParquetSink], jf,
                  result: ExportResult) -> None:
     if not s.servable:
         result.skipped.append((name, s.step, f"{s.status}: {s.reason}"))
         return
     if s.status == "complete":
-        reason = _checksum_reason(store, s.step)
+        _status, reason = reader.verify(s.step, load=False)   # sizes and checksums; loading is next
         if reason is not None:
             result.skipped.append((name, s.step, f"corrupt: {reason}"))
             return
-    lay = store.layout
+    lay = reader.layout
     batches = []
     for i, r, _p, _m in lay.expected_rels():   # load the step whole first: a bad file skips all of it
         try:
-            batches.append((i, r, store.read_inner(s.step, i, r)))
+            batches.append((i, r, reader.read_inner(s.step, i, r)))
         except (CorruptStepError, SkipHarnessError) as exc:
             result.skipped.append((name, s.step, f"cannot be loaded safely: {exc}"))
             return

@@ -40,7 +40,7 @@ class StepRow:
     written: Optional[float]
     gen_s: Optional[float]
     accessed: Optional[float] = None   # last read (the commit record's access time; see step_accessed)
-    logical: Optional[int] = None      # bytes at full width (StepStore.logical_bytes; more than bytes when compressed)
+    logical: Optional[int] = None      # bytes at full width (StepReader.logical_bytes; more than bytes when compressed)
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class NamespaceView:
 
 
 def view(layout: Layout, steps: Sequence[_scan.StepReport]) -> NamespaceView:
-    store = StepStore(layout)
-    return NamespaceView(layout, [StepRow(s, step_written(store, s), step_gen_s(store, s), step_accessed(store, s),
-                                          store.logical_bytes(s.step, s.bytes) if s.servable else None)
+    reader = StepStore(layout).reader
+    return NamespaceView(layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s), step_accessed(reader, s),
+                                          reader.logical_bytes(s.step, s.bytes) if s.servable else None)
                                   for s in steps])
 
 
@@ -249,7 +249,7 @@ def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) ->
         for lay in layouts:
             report = _scan.scan_namespace(lay)
             bar.start(f"verifying {lay.root}", len(report.steps))
-            checked, failed = verified_steps(StepStore(lay), report, bar.advance)
+            checked, failed = verified_steps(StepStore(lay).reader, report, bar.advance)
             bar.finish(f"{len(failed)} corrupt" if failed else "")
             views.append(view(lay, checked))
     n_corrupt = sum(v.counts()["corrupt"] for v in views)

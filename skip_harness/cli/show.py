@@ -367,21 +367,21 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
     meta: Dict[str, Any] = {}
     status = record = None
     if target.layout is not None:
-        store = StepStore(target.layout)
+        reader = StepStore(target.layout).reader
         status = _scan.classify_step(target.layout, target.step)
         try:
-            meta = store.read_meta(target.step, target.inner, target.rank)
+            meta = reader.read_meta(target.step, target.inner, target.rank)
         except CorruptStepError:
             meta = {}
         try:
-            record = store.read_commit(target.step)
+            record = reader.read_commit(target.step)
         except CorruptStepError:
             record = None
     else:
         meta = payload_file.sibling_meta(target.payload)
     try:
         if target.layout is not None:         # a cache file: the verified read a hit uses
-            payload = StepStore(target.layout).read_inner(target.step, target.inner, target.rank)
+            payload = StepStore(target.layout).reader.read_inner(target.step, target.inner, target.rank)
         else:                                 # a file named on its own, outside any namespace
             payload = payload_file.load(target.payload)
     except (CodecError, CorruptStepError, OSError) as exc:

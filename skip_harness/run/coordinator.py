@@ -27,7 +27,7 @@ from skip_harness.run.dist import DistContext
 from skip_harness.errors import CodecError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.run.stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REFUSED, SHORT_STEP, WRITE_FAILED
-from skip_harness.store.stepstore import StepStore
+from skip_harness.store.writer import StepWriter
 
 _STOP = object()
 
@@ -114,7 +114,7 @@ class CommitCoordinator:
 
     def __init__(
         self,
-        store: StepStore,
+        store: StepWriter,
         dist: DistContext,
         fingerprint: Optional[Fingerprint],
         writer: Writer,

@@ -226,9 +226,9 @@ class SkipHarness:
         store = StepStore(layout, pool=pool,
                           form=codec.stored_form(self.settings.compression, self.settings.compression_level))
         writer = Writer(self.settings.max_pending_writes, background=self.settings.async_write)
-        self._coordinator = CommitCoordinator(store, dist, self.fingerprint, writer, self._fault,
+        self._coordinator = CommitCoordinator(store.writer, dist, self.fingerprint, writer, self._fault,
                                               report_write=self.callbacks.on_write)
-        self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
+        self._prefetcher = Prefetcher(store.reader, dist.rank, enabled=self.settings.prefetch)
         self._runner = StepRunner(
             self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks, set(servable),
             read_only=read_only, call_digest=self._call_digest,
@@ -261,7 +261,7 @@ class SkipHarness:
             source = step
         else:
             raise HarnessUsageError(f"step {step} was not cached (caching was off for it)")
-        return codec.merge(self._runner.store.read_step(source, self._runner.dist.rank))
+        return codec.merge(self._runner.store.reader.read_step(source, self._runner.dist.rank))
 
     def flush(self) -> None:
         """Wait until this rank's queued writes are durable."""

@@ -1,7 +1,7 @@
 """Loading a step to serve, now or one step ahead in the background.
 
 :func:`load_step` verifies this rank's files of a step (sizes and checksums against its commit
-record) and loads its K mini-batches, reading each file once (`StepStore.read_served`).
+record) and loads its K mini-batches, reading each file once (`StepReader.read_served`).
 :class:`Prefetcher` runs it for the next hit step on one reader thread while the trainer trains on the current one — bounded to one step ahead,
 cancelled at close. It only reads; what it found is reported on the trainer's thread.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from skip_harness.codec import UnregisteredTypeError
-from skip_harness.store.stepstore import StepStore
+from skip_harness.store.reader import StepReader
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,12 @@ class Loaded:
         return sum(float(m.get("gen_s", 0.0) or 0.0) for m in self.metas)
 
 
-def load_step(store: StepStore, step: int, rank: int) -> Loaded:
+def load_step(reader: StepReader, step: int, rank: int) -> Loaded:
     """Verify and load this rank's K mini-batches of `step`; never raises for a bad step. A step holding a
     type this process has not registered is not bad: UnregisteredTypeError propagates (a usage error)."""
     t0 = time.perf_counter()
     try:
-        status, reason, batches, metas = store.read_served(step, rank)
+        status, reason, batches, metas = reader.read_served(step, rank)
     except (OSError, ValueError) as exc:
         status, reason = "corrupt", str(exc)
     if reason is not None:
@@ -56,8 +56,8 @@ def load_step(store: StepStore, step: int, rank: int) -> Loaded:
 class Prefetcher:
     """At most one step loaded ahead, on one reader thread."""
 
-    def __init__(self, store: StepStore, rank: int, enabled: bool = True):
-        self.store = store
+    def __init__(self, reader: StepReader, rank: int, enabled: bool = True):
+        self.reader = reader
         self.rank = rank
         self.enabled = enabled
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -70,7 +70,7 @@ class Prefetcher:
         self.cancel()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skip_harness-prefetch")
-        self._ahead = (step, self._pool.submit(load_step, self.store, step, self.rank))
+        self._ahead = (step, self._pool.submit(load_step, self.reader, step, self.rank))
 
     def take(self, step: int) -> Loaded:
         """`step` loaded: the background result when it was loaded ahead, else loaded now."""
@@ -85,7 +85,7 @@ class Prefetcher:
                 return Loaded(step, reason=f"prefetch failed: {type(exc).__name__}: {exc}")
         if ahead is not None:
             ahead[1].cancel()
-        return load_step(self.store, step, self.rank)
+        return load_step(self.reader, step, self.rank)
 
     def cancel(self) -> None:
         ahead, self._ahead = self._ahead, None

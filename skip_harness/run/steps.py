@@ -164,7 +164,7 @@ class StepRunner:
                     # a step that failed verification is handled as skip.rollout_tq.cleanup says
                     for error in set_aside(self.store.layout, step, failed, Cleanup.quarantine.value).errors:
                         self._fault(str(self.store.layout.step_dir(step)), f"could not quarantine the step: {error}")
-                self.store.clear_step(step)
+                self.store.writer.clear_step(step)
             except (OSError, SkipHarnessError) as exc:   # an object store out of reach: warn, go on
                 self._fault(str(self.store.layout.step_dir(step)), f"could not clear the old step: {exc}")
         self.dist.barrier()

@@ -407,7 +407,7 @@ class CleanupPlan:
                 continue
             try:
                 if item.action == Cleanup.delete.value:
-                    freed += store.clear_step(item.step)
+                    freed += store.writer.clear_step(item.step)
                 elif item.action == Cleanup.quarantine.value:
                     dst = _quarantine(layout, item.step)
                     moved += item.bytes
