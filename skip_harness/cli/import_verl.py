@@ -18,7 +18,7 @@ the same mini-batch the verl plug-in (`skip_harness.integrations.verl`) records,
 imported steps. A V0 `DataProto` is stored as the codec's registered DataProto kind.
 
 K is not in verl's key: it is the number of inner directories of the namespace's complete steps (1 for
-the flat forms). Steps are written with `StepStore.write_inner` + `commit` (fingerprint None: a verl
+the flat forms). Steps are written with `StepWriter.write_inner` + `commit` (fingerprint None: a verl
 cache records no generator fingerprint, and such steps serve any run) into the matching namespace,
 which carries `_K{K}_W1` when K > 1. A verl step that cannot be converted (a missing payload or meta,
 fewer inner directories than K, a meta that does not parse, a trajectory count that disagrees with the
@@ -38,7 +38,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from skip_harness.store import lock as _lock
 from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.store.backend import namespace_of
@@ -284,30 +283,22 @@ def _same_dir(a: Path, b: Path) -> bool:
 def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result: ImportResult,
                       on_step: Callable[[], None]) -> None:
     ns_lock = None
-    if layout.is_url:     # an object store: its lease, through the namespace's backend
-        if not dry_run:
-            try:
-                ns_lock = namespace_of(layout).lock(0)
-            except LockHeldError as exc:
-                result.refused.append((layout.root, str(exc)))
-                return
-            if ns_lock.read_only:
-                raise VerlImportError(f"DUMP_DIR cannot be written: {layout.root}: this credential may only read")
-    elif dry_run:
-        holder = _lock.probe(layout) if layout.root.is_dir() else None
+    backend = namespace_of(layout)          # its lock file, or its lease on an object store
+    if dry_run:
+        holder = backend.holder()           # touches nothing
         if holder is not None:
             result.refused.append((layout.root, f"namespace {layout.root} is in use by {holder}"))
             return
     else:
-        ns_lock = _lock.NamespaceLock(layout, timeout=0)
         try:
-            os.makedirs(layout.root, exist_ok=True)
-            ns_lock.acquire()
+            ns_lock = backend.lock(0)
         except LockHeldError as exc:
             result.refused.append((layout.root, str(exc)))
             return
-        except (_lock.ReadOnlyCache, PermissionError) as exc:
-            raise VerlImportError(f"DUMP_DIR cannot be written: {exc}") from None
+        except OSError as exc:
+            raise VerlImportError(f"DUMP_DIR cannot be written: {layout.root}: {exc.strerror or exc}") from None
+        if ns_lock.read_only:
+            raise VerlImportError(f"DUMP_DIR cannot be written: {layout.root}: {ns_lock.why or 'this process may only read it'}")
     try:
         existing = {s.step: s for s in _scan.scan_namespace(layout).steps}
         store = StepStore(layout)
@@ -344,7 +335,7 @@ def _convert_step(store: StepStore, vstep: VerlStep, existing: Optional[_scan.St
                   result: ImportResult) -> None:
     layout = store.layout
     if existing is not None:   # an incomplete or corrupt step of ours: rewrite it whole
-        store.clear_step(vstep.step)
+        store.writer.clear_step(vstep.step)
     entries = []
     trajectories = 0
     try:
@@ -358,13 +349,13 @@ def _convert_step(store: StepStore, vstep: VerlStep, existing: Optional[_scan.St
             if problem is not None:
                 raise VerlImportError(problem)
             trajectories += _trajectories(obj)
-            entries += store.write_inner(vstep.step, inner, 0, obj,
+            entries += store.writer.write_inner(vstep.step, inner, 0, obj,
                                          {"source": "verl" if vstep.kind == "v1" else "verl-v0",
                                           "verl_meta": meta, "verl_payload": str(payload_path)})
             del obj
-        store.commit(vstep.step, entries, None)
+        store.writer.commit(vstep.step, entries, None)
     except (SkipHarnessError, OSError, ValueError) as exc:
-        store.clear_step(vstep.step)   # nothing half-converted stays behind
+        store.writer.clear_step(vstep.step)   # nothing half-converted stays behind
         result.failed.append((vstep.path, vstep.step, str(exc)))
         return
     result.converted.append((layout.root, vstep.step, trajectories))

@@ -1,17 +1,16 @@
 """What happens before the first `sample`: lock the namespace, scan it, handle what an earlier run left.
 
-Orchestration only: the disk is touched through :mod:`lock` and :mod:`scan`. A namespace that cannot
+Orchestration only: the namespace is held through its backend (`store.backend`) and scanned by `scan`. A namespace that cannot
 be written (a finished cache on a read-only mount) is scanned only: no lock, no cleanup, no writes.
 A Hydra callback that did the startup before the task function hands its result over here
 (:func:`hand_over`); the harness then takes it (:func:`take_over`) instead of locking a second time.
 """
 from __future__ import annotations
 
-import errno
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Optional, Tuple, Union
+from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from skip_harness.config import Cleanup, OnMismatch, RolloutTQConfig
 from skip_harness.run.dist import DistContext
@@ -19,11 +18,10 @@ from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUs
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
 from skip_harness.store.backend import Hold, namespace_of
-from skip_harness.store.lock import NamespaceLock, ReadOnlyCache, new_run_token
+from skip_harness.store.lock import new_run_token
 from skip_harness.store.scan import CleanupItem, CleanupPlan, CleanupResult, NamespaceReport, plan_cleanup, scan_namespace
 from skip_harness.units import human_bytes
 
-_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,7 @@ class StartupResult:
     report: NamespaceReport
     cleanup: Optional[CleanupResult]
     cleanup_action: str
-    lock: Union[NamespaceLock, Hold, None] = field(default=None, repr=False, compare=False)
+    lock: Optional[Hold] = field(default=None, repr=False, compare=False)
     read_only: bool = False
     read_only_reason: str = ""
 
@@ -108,40 +106,24 @@ def _steps(steps) -> str:
 
 
 def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Optional[float] = None) -> StartupResult:
-    """Lock, scan, and clean (per `skip.rollout_tq.cleanup`) one namespace.
+    """Lock, scan, and clean (per `skip.rollout_tq.cleanup`) one namespace, through its backend (a
+    lock file on POSIX, a lease object on an object store).
 
     Raises LockHeldError (another process, or another harness of this process, holds it) and
-    ConfigError for a dump_dir that cannot be used at all. A read-only namespace is scanned only."""
+    ConfigError for a dump_dir that cannot be used at all. A namespace this process may only read
+    (a read-only mount, a read-only credential) is scanned only: no lock, no cleanup, no writes."""
     timeout = settings.lock_timeout if timeout is None else timeout
     action = settings.cleanup.value
-    if layout.is_url:
-        return _prepare_through_backend(layout, action, timeout)
-    lock = NamespaceLock(layout, timeout=timeout)
-    try:
-        lock.acquire()
-    except ReadOnlyCache as exc:
-        return StartupResult(layout, scan_namespace(layout), None, action, None, True, exc.reason)
-    except OSError as exc:  # not a directory, no flock on this filesystem...
-        if exc.errno in _READ_ONLY_ERRNOS:
-            return StartupResult(layout, scan_namespace(layout), None, action, None, True, exc.strerror or str(exc))
-        raise ConfigError(
-            "skip.rollout_tq.dump_dir", f"cannot use {layout.root} for the rollout cache: {exc.strerror or exc}"
-        ) from None
-    return _scan_and_clean(layout, action, lock)
-
-
-def _prepare_through_backend(layout: Layout, action: str, timeout: float) -> StartupResult:
-    """`prepare_namespace` for a namespace off POSIX (an object store): its backend's lock (a lease;
-    a credential that may only read gets a read-only hold), then the same scan and cleanup."""
     try:
         backend = namespace_of(layout)
         hold = backend.lock(timeout)
     except (LockHeldError, ConfigError):
         raise
-    except SkipHarnessError as exc:
-        raise ConfigError("skip.rollout_tq.dump_dir", f"cannot use {layout.url} for the rollout cache: {exc}") from None
+    except (SkipHarnessError, OSError) as exc:   # not a directory, no flock there, a link as .lock, ...
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError("skip.rollout_tq.dump_dir", f"cannot use {layout.url} for the rollout cache: {why}") from None
     if hold.read_only:
-        why = backend.writable() or "this credential may only read the bucket"
+        why = hold.why or backend.writable() or "this process may only read it"
         return StartupResult(layout, scan_namespace(layout), None, action, None, True, why)
     return _scan_and_clean(layout, action, hold)
 

@@ -100,6 +100,7 @@ class Hold(abc.ABC):
     `lost` is set when another run took it over (a lease expired): stop writing."""
 
     read_only: bool = False
+    why: str = ""            # with read_only: why this process may not write there, for the message
 
     @property
     def lost(self) -> bool:
@@ -187,7 +188,13 @@ class NamespaceBackend(abc.ABC):
     @abc.abstractmethod
     def lock(self, timeout: float = 0.0) -> Hold:
         """Hold the namespace for writing (LockHeldError naming the holder after `timeout` seconds).
-        A namespace this process may only read gives a Hold with `read_only`: serve, write nothing."""
+        A namespace this process may only read gives a Hold with `read_only` (and `why`): serve,
+        write nothing. Any other failure to reach it raises a SkipHarnessError or an OSError."""
+
+    def holder(self) -> Optional[str]:
+        """Who holds the namespace now, described for a message, or None -- without creating,
+        writing or taking anything (a dry run asks this)."""
+        return None
 
     @abc.abstractmethod
     def writable(self) -> Optional[str]:

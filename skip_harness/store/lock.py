@@ -44,7 +44,8 @@ TIMEOUT_KEY = "skip.rollout_tq.lock_timeout"
 DUMP_DIR_KEY = "skip.rollout_tq.dump_dir"
 RUN_MARKER_PREFIX = ".run-marker-"
 
-_READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_READ_ONLY_ERRNOS = READ_ONLY_ERRNOS
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")

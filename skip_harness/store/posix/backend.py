@@ -40,9 +40,10 @@ def stamp_of(st: os.stat_result) -> str:
 
 
 class _FileHold(Hold):
-    def __init__(self, lock: Optional[_lock.NamespaceLock], read_only: bool = False):
+    def __init__(self, lock: Optional[_lock.NamespaceLock], read_only: bool = False, why: str = ""):
         self._lock = lock
         self.read_only = read_only
+        self.why = why
 
     def release(self) -> None:
         lock, self._lock = self._lock, None
@@ -305,12 +306,22 @@ class PosixNamespace(NamespaceBackend):
     # ---- the namespace
 
     def lock(self, timeout: float = 0.0) -> Hold:
+        """The namespace's lock file (flock), the directory created if needed. A read-only mount or a
+        directory this process may not write gives a read-only Hold; a `.lock` that is a link raises
+        UnsafeLockFileError, a path that is not a directory an OSError."""
         lock = _lock.NamespaceLock(self.layout, timeout)
         try:
             lock.acquire()
-        except _lock.ReadOnlyCache:
-            return _FileHold(None, read_only=True)
+        except _lock.ReadOnlyCache as exc:
+            return _FileHold(None, read_only=True, why=exc.reason)
+        except OSError as exc:
+            if exc.errno in _lock.READ_ONLY_ERRNOS:
+                return _FileHold(None, read_only=True, why=exc.strerror or str(exc))
+            raise
         return _FileHold(lock)
+
+    def holder(self) -> Optional[str]:
+        return _lock.probe(self.layout) if os.path.isdir(self.root) else None
 
     def writable(self) -> Optional[str]:
         probe = self.root
