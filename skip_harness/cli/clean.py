@@ -11,8 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from rich.markup import escape
 from rich.table import Table
 
-from skip_harness.store import lock as _lock
-from skip_harness.store.backend import namespace_of
+from skip_harness.store.backend import Hold, namespace_of
 from skip_harness.store import retention as _retention
 from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError
@@ -39,7 +38,7 @@ RETENTION_STATUS = "retention"   # what a step removed by a retention rule is li
 @dataclass
 class _Namespace:
     layout: Layout
-    lock: Optional[_lock.NamespaceLock] = None
+    lock: Optional[Hold] = None
     refused: Optional[str] = None        # locked by a running job
     read_only: Optional[str] = None      # the namespace cannot be written
     report: Optional[_scan.NamespaceReport] = None
@@ -48,32 +47,24 @@ class _Namespace:
 
 
 def _take(layout: Layout, dry_run: bool) -> _Namespace:
+    """The namespace held for cleaning, through its backend (its lock file, or its lease on an object
+    store); a dry run takes nothing and only asks who holds it."""
     ns = _Namespace(layout)
-    if layout.is_url:     # an object store: its lease, through the namespace's backend
-        if not dry_run:
-            try:
-                hold = namespace_of(layout).lock(0)
-            except LockHeldError as exc:
-                ns.refused = str(exc)
-                return ns
-            if hold.read_only:
-                ns.read_only = f"{layout.root}: this credential may only read; nothing can be removed there"
-            else:
-                ns.lock = hold
-        return ns
+    backend = namespace_of(layout)
     if dry_run:
-        holder = _lock.probe(layout)   # touches nothing
+        holder = backend.holder()      # touches nothing
         if holder is not None:
             ns.refused = f"namespace {layout.root} is in use by {holder}"
         return ns
-    lock = _lock.NamespaceLock(layout, timeout=0)
     try:
-        lock.acquire()
-        ns.lock = lock
+        hold = backend.lock(0)
     except LockHeldError as exc:
         ns.refused = str(exc)
-    except _lock.ReadOnlyCache as exc:
-        ns.read_only = f"{exc}; nothing can be removed there"
+        return ns
+    if hold.read_only:
+        ns.read_only = f"{layout.root}: cannot be written ({hold.why or 'this process may only read it'}); nothing can be removed there"
+    else:
+        ns.lock = hold
     return ns
 
 
