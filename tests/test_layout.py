@@ -108,3 +108,14 @@ def test_lock_and_quarantine_paths():
     assert lay.lock_path == Path("/ns/.lock")
     assert lay.lock_holder_path == Path("/ns/.lock.holder.json")
     assert lay.quarantine_dir == Path("/ns/.quarantine")
+
+
+def test_the_older_k1_form_is_resolved_in_one_place(tmp_path):
+    k1, k2 = Layout(tmp_path / "a", K=1, W=2), Layout(tmp_path / "b", K=2, W=1)
+    have = {"0/tq_batch_rank1.pt", "0/meta_rank1.json", "tq_batch_rank0.pt", "meta_rank0.json"}.__contains__
+    assert k1.stored_rels(0, 0, have) == ("tq_batch_rank0.pt", "meta_rank0.json")
+    assert k1.stored_rels(0, 1, have) == ("0/tq_batch_rank1.pt", "0/meta_rank1.json")
+    assert k1.stored_rels(0, 1, lambda rel: False) == ("tq_batch_rank1.pt", "meta_rank1.json")
+    assert k2.stored_rels(0, 0, lambda rel: True) == ("0/tq_batch.pt", "0/meta.json")
+    assert [k1.position_of(r) for r in ("tq_batch_rank1.pt", "0/tq_batch_rank1.pt", "meta_rank1.json")] == [(0, 1), (0, 1), None]
+    assert k2.position_of("1/tq_batch.pt") == (1, 0) and k2.position_of("tq_batch.pt") is None

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack
 from skip_harness.store import payload_file
+from skip_harness.store.paths import payload_rel_at
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CodecError, CorruptStepError
 from skip_harness.store.layout import Layout, UrlPath, parse_namespace_leaf, parse_step_name
@@ -65,13 +66,9 @@ def _enclosing_namespace(path: Path) -> Optional[Tuple[Layout, int, int, int]]:
         if kw is None or step is None:
             continue
         layout = Layout(ns, K=kw[0], W=kw[1])
-        for i, r, prel, _m in layout.expected_rels():
-            if layout.step_dir(step) / prel == path:
-                return layout, step, i, r
-        if kw[0] == 1:
-            for r in range(kw[1]):
-                if layout.step_dir(step) / layout.legacy_k1_rel(r)[0] == path:
-                    return layout, step, 0, r
+        where = layout.position_of("/".join(parts[len(parts) - depth + 1:]))
+        if where is not None:
+            return layout, step, where[0], where[1]
     return None
 
 
@@ -118,10 +115,7 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
         raise CliError(f"INNER {inner} is outside 0..{layout.K - 1} (K={layout.K} in {layout.root})")
     if not 0 <= rank < layout.W:
         raise CliError(f"--rank {rank} is outside 0..{layout.W - 1} (W={layout.W} in {layout.root})")
-    payload = layout.payload_path(step, inner, rank)
-    if layout.K == 1 and not layout.is_url and not payload.exists() and (layout.step_dir(step) / layout.legacy_k1_rel(rank)[0]).exists():
-        payload = layout.step_dir(step) / layout.legacy_k1_rel(rank)[0]
-    return Target(payload, layout, step, inner, rank)
+    return Target(layout.step_dir(step) / payload_rel_at(layout, step, inner, rank), layout, step, inner, rank)
 
 
 def _ranges(steps: List[int]) -> str:

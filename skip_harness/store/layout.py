@@ -16,7 +16,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 PAYLOAD_NAME = "tq_batch.pt"
 META_NAME = "meta.json"
@@ -217,6 +217,28 @@ class Layout:
     def legacy_k1_rel(self, rank: int) -> Tuple[str, str]:
         """For K = 1: the `{step}/0/...` form some older caches use (payload, meta), relative."""
         return f"0/{payload_name(rank, self.W)}", f"0/{meta_name(rank, self.W)}"
+
+    def stored_rels(self, inner_index: int, rank: int, present: Callable[[str], bool]) -> Tuple[str, str]:
+        """(payload rel, meta rel) of (inner_index, rank) as a step stores them -- the one place the
+        older K = 1 layout is resolved: for K = 1, the `0/` form when the payload is not at its own
+        place (`present(rel)`: whether the step holds `rel`) and the `0/` one is."""
+        rels = self.payload_rel(inner_index, rank), self.meta_rel(inner_index, rank)
+        if self.K == 1 and not present(rels[0]):
+            legacy = self.legacy_k1_rel(rank)
+            if present(legacy[0]):
+                return legacy
+        return rels
+
+    def position_of(self, rel: str) -> Optional[Tuple[int, int]]:
+        """(inner_index, rank) of the payload stored at `rel` in a step (either K = 1 form), else None."""
+        for i, r, prel, _m in self.expected_rels():
+            if rel == prel:
+                return i, r
+        if self.K == 1:
+            for r in range(self.W):
+                if rel == self.legacy_k1_rel(r)[0]:
+                    return 0, r
+        return None
 
     def expected_rels(self, ranks: Optional[range] = None) -> Iterator[Tuple[int, int, str, str]]:
         """(inner_index, rank, payload_rel, meta_rel) for every file a step needs."""

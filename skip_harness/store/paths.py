@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Tuple
 
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store.posix.fileops import describe_mode
@@ -50,20 +50,21 @@ def real_file(layout: Layout, step: int, rel: str) -> Path:
         raise CorruptStepError(path, "missing") from None
     return path
 
-def existing_rel(layout: Layout, step: int, rel: str, legacy_rel: str) -> str:
-    """`rel`, or for K = 1 the older `0/` form `legacy_rel` when that is what exists."""
-    if layout.is_url:       # an object store never held the older form
-        return rel
-    if layout.K == 1 and not os.path.lexists(layout.step_dir(step) / rel):
-        if os.path.lexists(layout.step_dir(step) / legacy_rel):
-            return legacy_rel
-    return rel
+def stored_rels_at(layout: Layout, step: int, inner_index: int, rank: int) -> Tuple[str, str]:
+    """(payload rel, meta rel) of (inner_index, rank) as step `step` holds them on disk
+    (`Layout.stored_rels`; an object store never held the older K = 1 form)."""
+    if layout.is_url:
+        return layout.payload_rel(inner_index, rank), layout.meta_rel(inner_index, rank)
+    step_dir = layout.step_dir(step)
+    return layout.stored_rels(inner_index, rank, lambda rel: os.path.lexists(step_dir / rel))
+
 
 def payload_rel_at(layout: Layout, step: int, inner_index: int, rank: int) -> str:
-    return existing_rel(layout, step, layout.payload_rel(inner_index, rank), layout.legacy_k1_rel(rank)[0])
+    return stored_rels_at(layout, step, inner_index, rank)[0]
+
 
 def meta_rel_at(layout: Layout, step: int, inner_index: int, rank: int) -> str:
-    return existing_rel(layout, step, layout.meta_rel(inner_index, rank), layout.legacy_k1_rel(rank)[1])
+    return stored_rels_at(layout, step, inner_index, rank)[1]
 
 
 def without_path(message: str, path: Path) -> str:

@@ -26,8 +26,9 @@ from skip_harness.store.backend import NamespaceBackend
 from skip_harness.store.bufferpool import BufferPool, Lease
 from skip_harness.store.layout import COMMIT_NAME, PAYLOAD_NAME, Layout
 from skip_harness.store.paths import (
-    check_position, existing_rel, meta_rel_at, payload_rel_at, real_file, without_path,
+    check_position, meta_rel_at, payload_rel_at, real_file, without_path,
 )
+from skip_harness.store.posix.backend import PosixNamespace
 from skip_harness.store.posix.fileops import checksum_bytes
 from skip_harness.store.status import CommitRecord, FileEntry, StepReport, classify_step, expected_rels, parse_commit
 
@@ -201,14 +202,14 @@ class StepReader:
     def _loads(self, step: int, wanted: Optional[set]) -> Optional[str]:
         """None if every payload (of `wanted` ranks) would load safely, else the reason naming it."""
         layout = self.layout
-        for i, r, prel, _mrel in expected_rels(layout):
+        for i, r, _prel, _mrel in expected_rels(layout):
             if wanted is not None and r not in wanted:
                 continue
             try:
-                if layout.is_url:         # no local file to check: the verified read and a decode
+                if not isinstance(self.backend, PosixNamespace):   # no local file: the verified read and a decode
                     self.read_inner(step, i, r)
                     continue
-                payload_file.check(real_file(layout, step, existing_rel(layout, step, prel, layout.legacy_k1_rel(r)[0])))
+                payload_file.check(real_file(layout, step, payload_rel_at(layout, step, i, r)))
             except (CorruptStepError, codec.CodecError) as exc:
                 return str(exc)
         return None
@@ -283,9 +284,9 @@ class StepReader:
         if record is None:
             return None
         entries = {e.rel: e for e in record.files}
-        for rel in (self.layout.payload_rel(inner_index, rank), self.layout.legacy_k1_rel(rank)[0]):
-            if rel in entries:
-                return entries[rel]
+        rel = self.layout.stored_rels(inner_index, rank, entries.__contains__)[0]
+        if rel in entries:
+            return entries[rel]
         raise CorruptStepError(self.layout.commit_path(step),
                                f"lists no entry for {self.layout.payload_rel(inner_index, rank)}")
 

@@ -1,7 +1,7 @@
 """The records of a step and its status, from directory listings and lstat plus its commit record.
 
 Status of a step (K and W come from the Layout), by `classify_step`; checksums are read by
-`StepStore.verify_*` only:
+`StepReader` only (its verified reads and `verify`):
 - complete:   commit.json parses, its K/W match, it lists every needed file, and every file it lists is
               a regular file with the listed size;
 - corrupt:    commit.json exists but does not parse / validate, or a listed file is missing or has
@@ -252,11 +252,8 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None,
     missing: List[str] = []
     empty: List[str] = []
     metas: List[str] = []
-    for _i, r, prel, mrel in expected_rels(layout):
-        if prel not in files and layout.K == 1:
-            legacy_p, legacy_m = layout.legacy_k1_rel(r)
-            if legacy_p in files:
-                prel, mrel = legacy_p, legacy_m
+    for i, r, _p, _m in expected_rels(layout):
+        prel, mrel = layout.stored_rels(i, r, files.__contains__)
         for rel in (prel, mrel):
             if rel not in files:
                 missing.append(rel)
