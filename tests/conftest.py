@@ -38,9 +38,9 @@ def write_step(store, step: int, fingerprint=None, commit: bool = True, inners=N
     entries = []
     for i in range(lay.K) if inners is None else inners:
         for r in range(lay.W) if ranks is None else ranks:
-            entries += store.write_inner(step, i, r, batch(step, i, r), {"note": "test"})
+            entries += store.writer.write_inner(step, i, r, batch(step, i, r), {"note": "test"})
     if commit:
-        store.commit(step, entries, fingerprint)
+        store.writer.commit(step, entries, fingerprint)
     return entries
 
 

@@ -103,8 +103,8 @@ def test_bench_scan_namespace_is_complete_and_verifies(tmp_path):
     assert report.steps == scan_namespace(layout, use_index=False).steps
     store = StepStore(layout)
     for step in (1, 13, 25):
-        assert store.verify_step(step) is None
-    a, b = store.read_inner(1, 3, 0), store.read_inner(25, 3, 0)
+        assert store.reader.verify(step)[1] is None
+    a, b = store.reader.read_inner(1, 3, 0), store.reader.read_inner(25, 3, 0)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     timing = bench.bench_scan(layout, 25, warm_runs=1)
     assert set(timing) >= {"first_s", "s", "full_s"}

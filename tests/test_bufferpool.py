@@ -65,8 +65,8 @@ def test_copier_copies_every_byte(nbytes):
 
 def _write_in_child(root: str, payload, q) -> None:
     st = StepStore(Layout(__import__("pathlib").Path(root), K=1, W=1))
-    st.commit(2, st.write_inner(2, 0, 0, payload, {}), None)
-    q.put(st.verify(2))
+    st.writer.commit(2, st.writer.write_inner(2, 0, 0, payload, {}), None)
+    q.put(st.reader.verify(2)[1])
 
 
 def test_a_forked_child_writes_after_its_parent_copied_and_computed(tmp_path):
@@ -74,7 +74,7 @@ def test_a_forked_child_writes_after_its_parent_copied_and_computed(tmp_path):
     child here runs no torch op of its own: those would hang too)."""
     st = StepStore(Layout(tmp_path / "ns", K=1, W=1))
     big = {"x": torch.randn(3 << 20)}
-    st.commit(1, st.write_inner(1, 0, 0, big, {}), None)     # the parent used the copier...
+    st.writer.commit(1, st.writer.write_inner(1, 0, 0, big, {}), None)     # the parent used the copier...
     torch.mm(torch.randn(256, 256), torch.randn(256, 256))   # ...and torch's intra-op threads
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
@@ -182,7 +182,7 @@ def test_a_step_that_changes_status_while_read_is_never_served_empty(tmp_path, m
     from skip_harness.store.status import StepReport
 
     st = StepStore(Layout(tmp_path / "ns", K=1, W=1))
-    st.commit(1, st.write_inner(1, 0, 0, {"x": torch.ones(3)}, {}), None)
+    st.writer.commit(1, st.writer.write_inner(1, 0, 0, {"x": torch.ones(3)}, {}), None)
     from skip_harness.store import reader as reader_mod
 
     real = reader_mod.classify_step
@@ -197,7 +197,7 @@ def test_a_step_that_changes_status_while_read_is_never_served_empty(tmp_path, m
         return report
 
     monkeypatch.setattr(reader_mod, "classify_step", status)
-    got_status, reason, batches, _ = st.read_served(1, 0)
+    got_status, reason, batches, _ = st.reader.read_served(1, 0)
     assert got_status == "incomplete" and reason == "incomplete: being rewritten" and batches == []
 
 

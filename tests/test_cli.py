@@ -69,8 +69,8 @@ def test_ls_shows_mode_seed_and_generation_seconds(tmp_path, capsys):
     store = StepStore(NamespaceKey("e", "p", 8, 2, 4, 4).layout(tmp_path))
     fp = Fingerprint({"trainer.v1.trainer_mode": "colocate_async", "seed": 7})
     for step, gen_s in ((1, 1.25), (2, 2.5)):
-        entries = store.write_inner(step, 0, 0, {"x": torch.ones(2)}, {"gen_s": gen_s})
-        store.commit(step, entries, fp)
+        entries = store.writer.write_inner(step, 0, 0, {"x": torch.ones(2)}, {"gen_s": gen_s})
+        store.writer.commit(step, entries, fp)
     code, out, _ = run(capsys, "ls", str(tmp_path))
     row = table_rows(out)[0]
     assert code == 0 and row[3:5] == ["colocate_async", "7"] and row[11] == "3.8s"
@@ -106,7 +106,7 @@ def test_verify_exit_codes(cache, capsys):
     assert {s["status"] for s in json.loads(out)["namespaces"][0]["steps"]} == {"complete"}
     # incomplete and unverified steps are reported, not failures
     a.layout.commit_path(4).unlink()
-    a.clear_step(4)
+    a.writer.clear_step(4)
     code, out, _ = run(capsys, "verify", str(dump))
     assert code == 0 and "incomplete" in out and "unverified" in out
 
@@ -225,7 +225,7 @@ def recommit_with(store, step, payload_bytes_writer):
         for rel in (prel, mrel):
             size, digest = checksum_file(lay.step_dir(step) / rel)
             entries.append(FileEntry(rel, size, digest))
-    store.commit(step, entries, None)
+    store.writer.commit(step, entries, None)
 
 
 def test_verify_reports_a_payload_safe_loading_refuses_and_clean_removes_it(cache, capsys, tmp_path):

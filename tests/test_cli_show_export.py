@@ -51,11 +51,11 @@ def cache(tmp_path):
         entries = []
         for inner in (0, 1):
             payloads[(step, inner)] = rollout(step, inner)
-            entries += store.write_inner(step, inner, 0, payloads[(step, inner)], {"gen_s": 0.5 + step})
-        store.commit(step, entries, fp)
+            entries += store.writer.write_inner(step, inner, 0, payloads[(step, inner)], {"gen_s": 0.5 + step})
+        store.writer.commit(step, entries, fp)
     td_store = StepStore(NamespaceKey("tdexp", "proj", 4, 1, 3, 3).layout(dump))
     td = tensordict.TensorDict({"ids": torch.arange(12).reshape(4, 3), "r": torch.ones(4)}, batch_size=[4])
-    td_store.commit(1, td_store.write_inner(1, 0, 0, td, {}), None)
+    td_store.writer.commit(1, td_store.writer.write_inner(1, 0, 0, td, {}), None)
     return dump, store, payloads, td_store, td
 
 
@@ -269,8 +269,8 @@ def test_export_names_the_rank_of_every_shard(tmp_path, capsys):
     store = StepStore(NamespaceKey("w2", "proj", 4, 1, 3, 3, K=1, W=2).layout(tmp_path / "dump"))
     entries = []
     for rank in (0, 1):
-        entries += store.write_inner(1, 0, rank, {"r": torch.full((3,), float(rank)), "who": f"rank{rank}"}, {})
-    store.commit(1, entries, None)
+        entries += store.writer.write_inner(1, 0, rank, {"r": torch.full((3,), float(rank)), "who": f"rank{rank}"}, {})
+    store.writer.commit(1, entries, None)
     out_path = tmp_path / "w2.jsonl"
     code, out, err = run(capsys, "export", str(tmp_path / "dump"), "-o", str(out_path))
     assert code == 0, err
@@ -285,7 +285,7 @@ def test_show_counts_each_byte_once_in_nested_containers(tmp_path, capsys):
     td = tensordict.TensorDict({"ids": torch.zeros(4, 3, dtype=torch.int64)}, batch_size=[4])   # 96 B
     payload = {"batch": td, "more": {"deeper": {"r": torch.zeros(4)}},                         # 16 B
                "tags": [{"a": 1}, {"a": 2}, {"a": 3}]}                                           # 3 x 8 B
-    store.commit(1, store.write_inner(1, 0, 0, payload, {}), None)
+    store.writer.commit(1, store.writer.write_inner(1, 0, 0, payload, {}), None)
     code, out, _ = run(capsys, "show", str(store.layout.root), "--json")
     sizes = {r["key"]: r["bytes"] for r in json.loads(out)["structure"]}
     assert code == 0
@@ -295,7 +295,7 @@ def test_show_counts_each_byte_once_in_nested_containers(tmp_path, capsys):
 
 def test_export_jsonl_writes_nan_as_null(tmp_path, capsys):
     store = StepStore(NamespaceKey("nan", "proj", 2, 1, 3, 3).layout(tmp_path / "dump"))
-    store.commit(1, store.write_inner(1, 0, 0, {"r": torch.tensor([1.5, float("nan")])}, {}), None)
+    store.writer.commit(1, store.writer.write_inner(1, 0, 0, {"r": torch.tensor([1.5, float("nan")])}, {}), None)
     out_path = tmp_path / "n.jsonl"
     assert run(capsys, "export", str(tmp_path / "dump"), "-o", str(out_path))[0] == 0
     assert [json.loads(line)["r"] for line in out_path.read_text().splitlines()] == [1.5, None]

@@ -145,12 +145,12 @@ def test_store_files_are_smaller_by_the_ratio_the_bench_reports(tmp_path):
     sizes = {}
     for name in ("none", "zstd"):
         store = StepStore(Layout(tmp_path / name, K=1, W=1), form=codec.stored_form(name, bench.ZSTD_LEVEL))
-        entries = store.write_inner(1, 0, 0, payload, {})
-        store.commit(1, entries, None)
+        entries = store.writer.write_inner(1, 0, 0, payload, {})
+        store.writer.commit(1, entries, None)
         sizes[name] = entries[0].bytes
-        [back] = store.read_step(1, 0)
+        [back] = store.reader.read_step(1, 0)
         assert all(same(payload[k], back[k]) for k in payload if isinstance(payload[k], torch.Tensor))
-        meta = store.read_meta(1, 0, 0)
+        meta = store.reader.read_meta(1, 0, 0)
         assert meta["compression"] == name and meta["logical_bytes"] == sizes["none"]
     # the store writes what the bench measures (same data, same form) ...
     assert sizes["zstd"] / ratios["verl_bytes"] == pytest.approx(ratios["zstd"], rel=0.02)
@@ -167,7 +167,7 @@ def _zstd_store(tmp_path: Path, steps=(1,)) -> StepStore:
     bench = load_bench()
     store = StepStore(NamespaceKey("zstd", "proj", 8, 1, 2, 2).layout(tmp_path / "dump"), form=ZSTD)
     for step in steps:
-        store.commit(step, store.write_inner(step, 0, 0, bench.make_payload(8, seed=step), {}), None)
+        store.writer.commit(step, store.writer.write_inner(step, 0, 0, bench.make_payload(8, seed=step), {}), None)
     return store
 
 
@@ -196,7 +196,7 @@ def test_a_flipped_byte_in_a_chunk_is_found_by_verify_without_decompressing(tmp_
     flip(path, _chunk_offset(path, "payload['input_ids']"))
     calls = []
     monkeypatch.setattr(tensorfile, "_decompress_one", lambda view, task: calls.append(task))
-    reason = store.verify(1)
+    reason = store.reader.verify(1)[1]
     assert reason is not None and str(path) in reason and "checksum" in reason
     assert calls == []                                   # the checksum alone found it
     monkeypatch.undo()
@@ -219,7 +219,7 @@ def test_a_damaged_chunk_is_a_corrupt_step_naming_its_field(tmp_path):
         if entry["rel"] == store.layout.payload_rel(0, 0):
             entry["checksum"] = digest
     commit.write_text(json.dumps(doc))
-    status, reason, batches, _ = store.read_served(1, 0)
+    status, reason, batches, _ = store.reader.read_served(1, 0)
     assert status == "corrupt" and batches == [] and "payload['input_ids']: zstd chunk" in reason and str(path) in reason
 
 
@@ -261,7 +261,7 @@ def test_a_run_finds_a_flipped_byte_cleans_the_step_and_regenerates_it(tmp_path)
     assert again.generated == [2]                        # 1 and 3 served; 2 cleaned and generated again
     for step in (1, 3):
         assert all(same(batches[step][k], served[step][k]) for k in batches[step] if isinstance(batches[step][k], torch.Tensor))
-    assert StepStore(layout).verify(2) is None           # rewritten whole
+    assert StepStore(layout).reader.verify(2)[1] is None           # rewritten whole
 
 
 def test_format_2_files_still_load(tmp_path):
@@ -378,15 +378,15 @@ def test_ls_shows_stored_and_full_width_bytes(tmp_path, capsys):
     from skip_harness.cli import main
     store = _zstd_store(tmp_path, steps=(1, 2))
     plain = StepStore(NamespaceKey("plain", "proj", 8, 1, 2, 2).layout(tmp_path / "dump"))
-    plain.commit(1, plain.write_inner(1, 0, 0, load_bench().make_payload(8, seed=1), {}), None)
+    plain.writer.commit(1, plain.writer.write_inner(1, 0, 0, load_bench().make_payload(8, seed=1), {}), None)
     code = main(["ls", str(tmp_path / "dump"), "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     by_path = {ns["path"]: ns for ns in json.loads(out)["namespaces"]}
     zstd, raw = by_path[str(store.layout.root)], by_path[str(plain.layout.root)]
-    full = [store.read_meta(s, 0, 0)["logical_bytes"] for s in (1, 2)]
+    full = [store.reader.read_meta(s, 0, 0)["logical_bytes"] for s in (1, 2)]
     for step, logical in zip(zstd["steps"], full):
-        assert step["logical_bytes"] - step["bytes"] == logical - store.read_meta(step["step"], 0, 0)["bytes"]
+        assert step["logical_bytes"] - step["bytes"] == logical - store.reader.read_meta(step["step"], 0, 0)["bytes"]
     assert zstd["total_logical_bytes"] > 3 * zstd["total_bytes"]
     assert raw["total_logical_bytes"] == raw["total_bytes"]            # stored raw: the same figure
     code = main(["ls", str(tmp_path / "dump")])

@@ -125,7 +125,7 @@ def test_written_batch_is_what_sample_returned_even_if_changed_in_place(tmp_path
     original = batch["x"].clone()
     batch["x"].add_(100.0)
     h.close()
-    stored = StepStore(h.layout).read_inner(1, 0, 0)
+    stored = StepStore(h.layout).reader.read_inner(1, 0, 0)
     assert torch.equal(stored["x"], original)
 
 
@@ -186,7 +186,7 @@ def test_corrupt_payload_is_warned_and_regenerated_whole(tmp_path, caplog):
     assert h2.outcome(1) == "miss"
     assert str(h2.layout.step_dir(1)) in caplog.text
     assert [(s, i) for s, i, _ in t2.generated] == [(1, 0), (1, 1)]
-    assert StepStore(h2.layout).verify(1) is None
+    assert StepStore(h2.layout).reader.verify(1)[1] is None
 
 
 def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
@@ -203,7 +203,7 @@ def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
     assert [(s, i) for s, i, _ in t2.generated] == [(1, 0), (1, 1), (1, 2)]
     g = torch.Generator().manual_seed(10 * 1 + 0)
     assert torch.equal(out[1][0]["x"], torch.randn(4, 3, generator=g))
-    assert torch.equal(StepStore(h2.layout).read_inner(1, 0, 0)["x"], out[1][0]["x"])
+    assert torch.equal(StepStore(h2.layout).reader.read_inner(1, 0, 0)["x"], out[1][0]["x"])
 
 
 @pytest.mark.parametrize("cleanup", ["off", "quarantine"])
@@ -216,7 +216,7 @@ def test_cleanup_off_and_quarantine_rewrite_from_inner_zero(tmp_path, cleanup):
     h2, t2 = make(tmp_path, 2, cleanup=cleanup)
     out = run_steps(h2, t2, [1], 2)
     assert h2.outcome(1) == "miss"
-    stored = StepStore(h2.layout).read_inner(1, 0, 0)
+    stored = StepStore(h2.layout).reader.read_inner(1, 0, 0)
     assert torch.equal(stored["x"], out[1][0]["x"])
     quarantined = list(h2.layout.quarantine_dir.glob("*")) if h2.layout.quarantine_dir.exists() else []
     assert len(quarantined) == (1 if cleanup == "quarantine" else 0)

@@ -124,10 +124,10 @@ def test_converts_both_layouts_into_committed_steps(verl_cache, tmp_path, capsys
     assert {s.step: s.status for s in scan_namespace(flat.layout).steps} == {1: "complete", 2: "complete"}
     assert {s.step: s.status for s in scan_namespace(k2.layout).steps} == {1: "complete", 2: "complete"}
     for step in (1, 2):
-        assert_same(flat.read_inner(step, 0, 0), payloads[("flat", step, 0)])
+        assert_same(flat.reader.read_inner(step, 0, 0), payloads[("flat", step, 0)])
         for inner in (0, 1):
-            assert_same(k2.read_inner(step, inner, 0), payloads[("k2", step, inner)])
-        meta = k2.read_meta(step, 1, 0)
+            assert_same(k2.reader.read_inner(step, inner, 0), payloads[("k2", step, inner)])
+        meta = k2.reader.read_meta(step, 1, 0)
         assert meta["source"] == "verl" and meta["verl_meta"]["num_trajectories"] == 4
     # the result verifies (sizes, checksums, safe load) and a second import changes nothing
     assert run(capsys, "verify", str(dump))[0] == 0
@@ -198,4 +198,4 @@ def test_the_current_layout_with_one_inner_directory_is_k1(tmp_path, capsys):
     assert store.layout.root.name == "GBS2_N2_in7_out4"
     assert {s.step: s.status for s in scan_namespace(store.layout).steps} == {5: "complete"}
     assert store.layout.payload_path(5, 0, 0) == store.layout.step_dir(5) / "tq_batch.pt"
-    assert_same(store.read_inner(5, 0, 0), saved)
+    assert_same(store.reader.read_inner(5, 0, 0), saved)

@@ -132,9 +132,9 @@ def _every_status_behind_the_index(st, tmp_path):
     lay = st.layout
     for step in range(1, 13):
         write_step(st, step, fingerprint=FP)
-    entries = st.write_inner(20, 0, 0, {"x": 1}, {"gen_s": 1.0})
-    entries += st.write_inner(20, 1, 0, {"x": 2}, {"gen_s": 1.0})
-    st.commit(20, entries, FP, gen_s=2.0)
+    entries = st.writer.write_inner(20, 0, 0, {"x": 1}, {"gen_s": 1.0})
+    entries += st.writer.write_inner(20, 1, 0, {"x": 2}, {"gen_s": 1.0})
+    st.writer.commit(20, entries, FP, gen_s=2.0)
     write_legacy(lay, 13)                                      # unverified (no commit record)
     write_step(st, 14, inners=[0], commit=False)               # incomplete: interrupted run
     write_step(st, 15)
@@ -232,7 +232,7 @@ def test_cleanup_forgets_the_steps_it_removes(tmp_path):
     p = st.layout.payload_path(2, 0, 0)
     p.write_bytes(p.read_bytes()[:-1] + b"\x00")
     report = scan_namespace(st.layout)
-    plan_cleanup(report, "quarantine", extra=[(2, st.verify_step(2))]).execute()
+    plan_cleanup(report, "quarantine", extra=[(2, st.reader.verify(2)[1])]).execute()
     assert sorted(index.read(st.layout)) == [1, 3]
     after = scan_namespace(st.layout)
     assert after.index_note is None and [s.step for s in after.steps] == [1, 3]

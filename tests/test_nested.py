@@ -264,14 +264,14 @@ def jagged_cache(tmp_path):
     payloads = [v1_payload(3, 1), v1_payload(4, 2)]
     entries = []
     for inner, p in enumerate(payloads):
-        entries += store.write_inner(1, inner, 0, p, {"gen_s": 0.1})
-    store.commit(1, entries, None)
+        entries += store.writer.write_inner(1, inner, 0, p, {"gen_s": 0.1})
+    store.writer.commit(1, entries, None)
     return store, payloads
 
 
 def test_hit_path_and_read_inner_serve_jagged_batches(jagged_cache):
     store, payloads = jagged_cache
-    status, reason, batches, metas = store.read_served(1, 0)
+    status, reason, batches, metas = store.reader.read_served(1, 0)
     assert status == "complete" and reason is None and len(batches) == 2
     for want, got in zip(payloads, batches):
         assert_td_equal(want["tensordict"], got["tensordict"])
@@ -280,10 +280,10 @@ def test_hit_path_and_read_inner_serve_jagged_batches(jagged_cache):
     del batches, metas                          # the pool buffer outlives the lease while views exist
     store.pool.acquire(1 << 20).release()
     assert_nested_equal(payloads[0]["tensordict"].get("prompts"), served)
-    assert_td_equal(payloads[1]["tensordict"], store.read_inner(1, 1, 0)["tensordict"])
-    merged = codec.merge(store.read_step(1, 0))
+    assert_td_equal(payloads[1]["tensordict"], store.reader.read_inner(1, 1, 0)["tensordict"])
+    merged = codec.merge(store.reader.read_step(1, 0))
     assert merged["tensordict"].batch_size == torch.Size([7]) and merged["keys"] == payloads[0]["keys"] + payloads[1]["keys"]
-    assert store.verify_step(1) is None
+    assert store.reader.verify(1)[1] is None
 
 
 def run_cli(capsys, *argv):

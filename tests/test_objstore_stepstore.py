@@ -31,12 +31,12 @@ def test_written_committed_and_served_from_the_bucket(store, s3_server, s3_bucke
     assert f"dump/{LEAF}/2/0/tq_batch.pt" in keys and f"dump/{LEAF}/2/commit.json" not in keys
     assert store.status(1).status == "complete" and store.status(2).status == "incomplete"
     assert store.status(3).status == "incomplete" and not store.status(3).exists
-    status, reason, batches, metas = store.read_served(1, 0)
+    status, reason, batches, metas = store.reader.read_served(1, 0)
     assert (status, reason) == ("complete", None)
     for i in range(2):
         assert_batch_equal(batches[i], batch(1, i))
-        assert_batch_equal(store.read_inner(1, i, 0), batch(1, i))
-    assert store.verify(1) is None          # verify_step(load=True) still opens a local file: S
+        assert_batch_equal(store.reader.read_inner(1, i, 0), batch(1, i))
+    assert store.reader.verify(1) == ("complete", None)   # the load check on a bucket: the verified read and a decode
     assert not (tmp_path / "never-written").exists()
 
 
@@ -47,20 +47,20 @@ def test_a_changed_byte_in_the_bucket_is_refused(store, s3_server, s3_bucket):
     body = bytearray(s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
     body[-1] ^= 0x01
     s3.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
-    status, reason, batches, _ = store.read_served(4, 0)
+    status, reason, batches, _ = store.reader.read_served(4, 0)
     assert status == "corrupt" and "checksum" in reason and key.split("/", 1)[1] in reason and batches == []
-    assert "checksum" in store.verify(4)
+    assert "checksum" in store.reader.verify(4)[1]
 
 
 def test_a_rewrite_uncommits_first_and_clear_removes_the_record_first(store, s3_server, s3_bucket):
     write_step(store, 5)
-    store.write_inner(5, 0, 0, batch(50, 0), {"note": "rewrite"})   # the step is being rewritten
+    store.writer.write_inner(5, 0, 0, batch(50, 0), {"note": "rewrite"})   # the step is being rewritten
     assert f"dump/{LEAF}/5/commit.json" not in s3_server.keys(s3_bucket)
     assert store.status(5).status == "incomplete"
-    entries = store.write_inner(5, 1, 0, batch(50, 1), {"note": "rewrite"})
-    store.commit(5, list(store.write_inner(5, 0, 0, batch(50, 0), {})) + list(entries), None)
+    entries = store.writer.write_inner(5, 1, 0, batch(50, 1), {"note": "rewrite"})
+    store.writer.commit(5, list(store.writer.write_inner(5, 0, 0, batch(50, 0), {})) + list(entries), None)
     assert store.status(5).status == "complete"
-    assert_batch_equal(store.read_served(5, 0)[2][1], batch(50, 1))
-    assert store.clear_step(5) > 0 and s3_server.keys(s3_bucket, f"dump/{LEAF}/5/") == []
+    assert_batch_equal(store.reader.read_served(5, 0)[2][1], batch(50, 1))
+    assert store.writer.clear_step(5) > 0 and s3_server.keys(s3_bucket, f"dump/{LEAF}/5/") == []
     record = json.loads(store.backend.read_small("5/commit.json") or b"null")
     assert record is None

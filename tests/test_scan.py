@@ -106,7 +106,7 @@ def test_scan_does_not_read_checksums(tmp_path):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     assert status(st, 1).status == "complete"      # same size; verify is what reads checksums
-    assert st.verify(1) is not None
+    assert st.reader.verify(1)[1] is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_p
     p.write_bytes(bytes(data))
     report = scan_namespace(st.layout)
     assert report.counts()["complete"] == 2          # sizes match: only the checksum tells
-    reason = st.verify_step(2)
+    reason = st.reader.verify(2)[1]
     plan = plan_cleanup(report, Cleanup(action), extra=[(2, reason), (99, "not a step here")])
     assert [(i.step, i.status, i.reason, i.action) for i in plan.items] == [(2, "corrupt", reason, action)]
     result = plan.execute()

@@ -46,18 +46,18 @@ def test_write_commit_verify_read(tmp_path, K, W):
         assert e.bytes == len(data) and e.checksum == xxhash.xxh3_128_hexdigest(data)
     report = st.status(4)
     assert report.status == "complete" and report.fingerprint == fp and report.has_commit
-    assert st.verify(4) is None
+    assert st.reader.verify(4)[1] is None
     for i in range(K):
         for r in range(W):
-            assert_batch_equal(st.read_inner(4, i, r), batch(4, i, r))
-            meta = st.read_meta(4, i, r)
+            assert_batch_equal(st.reader.read_inner(4, i, r), batch(4, i, r))
+            meta = st.reader.read_meta(4, i, r)
             assert meta["note"] == "test" and meta["writer"] == "skip_harness"
             assert (meta["step"], meta["inner_index"], meta["rank"], meta["K"], meta["W"]) == (4, i, r, K, W)
             pay = st.layout.payload_path(4, i, r)
             assert meta["bytes"] == pay.stat().st_size
             assert meta["checksum"] == xxhash.xxh3_128_hexdigest(pay.read_bytes())
             assert isinstance(meta["created"], float)
-    record = st.read_commit(4)
+    record = st.reader.read_commit(4)
     assert (record.step, record.K, record.W, record.fingerprint) == (4, K, W, fp)
     assert sorted(record.files, key=lambda e: e.rel) == sorted(entries, key=lambda e: e.rel)
     doc = json.loads(st.layout.commit_path(4).read_text())
@@ -80,31 +80,31 @@ def test_positions_are_checked(tmp_path):
     st = make(tmp_path, K=2, W=1)
     for args in ((-1, 0, 0), (True, 0, 0), (1.0, 0, 0), (1, 2, 0), (1, 0, 1), (1, -1, 0)):
         with pytest.raises(HarnessUsageError):
-            st.write_inner(*args, payload={}, meta={})
+            st.writer.write_inner(*args, payload={}, meta={})
     # step 0 is a step (0-based trainers)
     write_step(st, 0)
-    assert st.verify_step(0) is None and st.read_step(0, 0)[1]["tag"] == "s0i1r0"
+    assert st.reader.verify(0)[1] is None and st.reader.read_step(0, 0)[1]["tag"] == "s0i1r0"
 
 
 def test_commit_refuses_missing_entries_and_wrong_sizes(tmp_path):
     st = make(tmp_path, K=2)
     entries = write_step(st, 1, commit=False)
     with pytest.raises(HarnessUsageError, match="1/tq_batch.pt"):
-        st.commit(1, [e for e in entries if e.rel != "1/tq_batch.pt"], None)
+        st.writer.commit(1, [e for e in entries if e.rel != "1/tq_batch.pt"], None)
     bad = [FileEntry(e.rel, e.bytes + 1, e.checksum) if e.rel == "0/meta.json" else e for e in entries]
     with pytest.raises(CorruptStepError, match="0/meta.json"):
-        st.commit(1, bad, None)
+        st.writer.commit(1, bad, None)
     with pytest.raises(HarnessUsageError, match="unsafe"):
-        st.commit(1, entries + [FileEntry("../../x", 1, "ab")], None)
+        st.writer.commit(1, entries + [FileEntry("../../x", 1, "ab")], None)
     assert not st.layout.commit_path(1).exists()
-    st.commit(1, entries, None)
+    st.writer.commit(1, entries, None)
     assert st.status(1).status == "complete"
 
 
 def test_rewriting_a_committed_step_removes_its_commit_record_first(tmp_path):
     st = make(tmp_path, K=2)
     write_step(st, 1)
-    st.write_inner(1, 0, 0, {"new": torch.ones(1)}, {})
+    st.writer.write_inner(1, 0, 0, {"new": torch.ones(1)}, {})
     assert not st.layout.commit_path(1).exists()
     assert st.status(1).status == "incomplete"
 
@@ -117,10 +117,11 @@ def test_verify_detects_a_flipped_byte(tmp_path):
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     assert st.status(1).status == "complete"            # same size: the scan cannot tell
-    reason = st.verify(1)
-    assert reason is not None and str(path) in reason and "checksum" in reason
-    assert st.verify(1, ranks=[0]) is None               # rank 0's files are intact
-    assert st.verify(1, ranks=[1]) is not None
+    status, reason = st.reader.verify(1, load=False)
+    assert status == "corrupt" and reason is not None and str(path) in reason and "checksum" in reason
+    assert st.reader.verify(1) == (status, reason)                 # the load check comes after the checksums
+    assert st.reader.verify(1, ranks=[0]) == ("complete", None)   # rank 0's files are intact
+    assert st.reader.verify(1, ranks=[1])[1] is not None
 
 
 def test_verify_detects_a_flipped_byte_in_a_meta_file(tmp_path):
@@ -129,17 +130,20 @@ def test_verify_detects_a_flipped_byte_in_a_meta_file(tmp_path):
     path = st.layout.meta_path(2, 0, 0)
     text = path.read_text()
     path.write_text(text.replace('"test"', '"tesT"'))
-    assert "meta.json" in st.verify(2)
+    status, reason = st.reader.verify(2)
+    assert status == "corrupt" and "meta.json" in reason
 
 
 def test_verify_reports_incomplete_and_corrupt(tmp_path):
     st = make(tmp_path, K=2)
     write_step(st, 1, inners=[0], commit=False)
-    assert st.verify(1).startswith("incomplete")
+    status, reason = st.reader.verify(1)
+    assert status == "incomplete" and reason.startswith("incomplete")
     write_step(st, 2)
     with open(st.layout.payload_path(2, 0, 0), "ab") as f:
         f.write(b"x")
-    assert st.verify(2).startswith("corrupt")
+    status, reason = st.reader.verify(2, load=False)
+    assert status == "corrupt" and reason.startswith("corrupt")
 
 
 def test_read_inner_of_a_damaged_payload_raises_corrupt_step_error(tmp_path):
@@ -148,10 +152,10 @@ def test_read_inner_of_a_damaged_payload_raises_corrupt_step_error(tmp_path):
     path = st.layout.payload_path(1, 0, 0)
     path.write_bytes(b"\0" * path.stat().st_size)
     with pytest.raises(CorruptStepError) as err:
-        st.read_inner(1, 0, 0)
+        st.reader.read_inner(1, 0, 0)
     assert err.value.path == path
     with pytest.raises(CorruptStepError, match="missing"):
-        st.read_inner(2, 0, 0)
+        st.reader.read_inner(2, 0, 0)
 
 
 @pytest.mark.parametrize("form", ["", "0/"])
@@ -159,16 +163,16 @@ def test_legacy_k1_step_is_unverified_and_loads(tmp_path, form):
     st = make(tmp_path, K=1)
     payloads = write_legacy(st.layout, 3, form)
     assert st.status(3).status == "unverified"
-    assert st.read_commit(3) is None
-    assert st.verify(3) is None
-    assert_batch_equal(st.read_inner(3, 0, 0), payloads[(0, 0)])
-    assert st.read_meta(3, 0, 0) == {"global_steps": 3}
+    assert st.reader.read_commit(3) is None
+    assert st.reader.verify(3) == ("unverified", None) == st.reader.verify(3, load=False)
+    assert_batch_equal(st.reader.read_inner(3, 0, 0), payloads[(0, 0)])
+    assert st.reader.read_meta(3, 0, 0) == {"global_steps": 3}
 
 
 def test_read_commit_validates(tmp_path):
     st = make(tmp_path, K=2)
     write_step(st, 1)
-    assert st.read_commit(2) is None
+    assert st.reader.read_commit(2) is None
     path = st.layout.commit_path(1)
     doc = json.loads(path.read_text())
     for mutate, reason in [
@@ -182,10 +186,10 @@ def test_read_commit_validates(tmp_path):
         mutate(d)
         path.write_text(json.dumps(d))
         with pytest.raises(CorruptStepError, match=reason):
-            st.read_commit(1)
+            st.reader.read_commit(1)
     path.write_text("{not json")
     with pytest.raises(CorruptStepError, match="does not parse"):
-        st.read_commit(1)
+        st.reader.read_commit(1)
 
 
 def test_clear_step_unlinks_the_commit_record_first(tmp_path, monkeypatch):
@@ -198,14 +202,14 @@ def test_clear_step_unlinks_the_commit_record_first(tmp_path, monkeypatch):
         raise OSError("interrupted")
 
     monkeypatch.setattr(shutil, "rmtree", interrupted)
-    assert st.clear_step(1) == size
+    assert st.writer.clear_step(1) == size
     assert not st.layout.step_dir(1).exists()            # renamed away before removal
     (trash,) = [p for p in st.layout.root.iterdir() if p.name.startswith(".trash-")]
     assert not (trash / "commit.json").exists()          # the commit record went first
     assert (trash / "0" / "tq_batch.pt").exists()        # the rest was still there when removal stopped
     monkeypatch.undo()
-    assert st.clear_step(2) > 0 and not st.layout.step_dir(2).exists()
-    assert st.clear_step(2) == 0 and st.clear_step(99) == 0
+    assert st.writer.clear_step(2) > 0 and not st.layout.step_dir(2).exists()
+    assert st.writer.clear_step(2) == 0 and st.writer.clear_step(99) == 0
     report = scan_namespace(st.layout)
     assert report.steps == () and len(report.leftovers) == 1   # the interrupted removal's trash
 
@@ -222,10 +226,10 @@ def test_symlinked_step_dir_is_never_followed(tmp_path):
     (outside / "meta.json").write_text("{}")
     assert st.status(1).status == "incomplete"
     with pytest.raises(CorruptStepError, match="symlink"):
-        st.read_inner(1, 0, 0)
+        st.reader.read_inner(1, 0, 0)
     with pytest.raises(CorruptStepError, match="symlink"):
-        st.read_commit(1)
-    assert st.verify(1) is not None
+        st.reader.read_commit(1)
+    assert st.reader.verify(1)[1] is not None
     # writing replaces the link by a real directory; nothing is written outside
     write_step(st, 1)
     assert not link.is_symlink() and link.is_dir()
@@ -234,7 +238,7 @@ def test_symlinked_step_dir_is_never_followed(tmp_path):
     assert st.status(1).status == "complete"
     # clearing a linked step removes the link only
     os.symlink(outside, st.layout.step_dir(2))
-    assert st.clear_step(2) > 0
+    assert st.writer.clear_step(2) > 0
     assert not os.path.lexists(st.layout.step_dir(2)) and (outside / "sentinel").exists()
 
 
@@ -250,7 +254,7 @@ def test_symlinked_inner_dir_is_never_followed(tmp_path):
     write_step(st, 1)
     assert os.listdir(outside) == ["sentinel"]
     assert not (step_dir / "1").is_symlink()
-    assert st.status(1).status == "complete" and st.verify(1) is None
+    assert st.status(1).status == "complete" and st.reader.verify(1)[1] is None
 
 
 def test_payload_file_that_is_a_symlink_is_not_read(tmp_path):
@@ -262,7 +266,7 @@ def test_payload_file_that_is_a_symlink_is_not_read(tmp_path):
     pay.unlink()
     os.symlink(target, pay)
     with pytest.raises(CorruptStepError, match="symlink"):
-        st.read_inner(1, 0, 0)
+        st.reader.read_inner(1, 0, 0)
     assert st.status(1).status == "incomplete"
 
 
@@ -299,8 +303,8 @@ def _instrument(monkeypatch, fail_at):
 def _protocol(st, step):
     entries = []
     for i in range(st.layout.K):
-        entries += st.write_inner(step, i, 0, batch(step, i), {"note": "x"})
-    st.commit(step, entries, Fingerprint({"seed": 1}))
+        entries += st.writer.write_inner(step, i, 0, batch(step, i), {"note": "x"})
+    st.writer.commit(step, entries, Fingerprint({"seed": 1}))
 
 
 def _check_no_partial_final_files(st, step):
@@ -335,13 +339,13 @@ def test_write_interrupted_at_every_point(tmp_path, monkeypatch, K):
         assert report.status in ("complete", "incomplete"), (fail_at, failed_op, report)
         assert (report.status == "complete") == committed, (fail_at, failed_op, report)
         if committed:  # only the very last directory fsync can fail after the commit record is in place
-            assert st.verify(1) is None
+            assert st.reader.verify(1)[1] is None
         _check_no_partial_final_files(st, 1)
         assert temp_files(st.layout.root) == [], (fail_at, failed_op)
         # the step can be written again from inner index 0
-        st.clear_step(1)
+        st.writer.clear_step(1)
         _protocol(st, 1)
-        assert st.status(1).status == "complete" and st.verify(1) is None
+        assert st.status(1).status == "complete" and st.reader.verify(1)[1] is None
 
 
 KILL_WRITER = textwrap.dedent(
@@ -358,8 +362,8 @@ KILL_WRITER = textwrap.dedent(
         for i in range(2):
             # many small tensors: most of the time goes into writing, so kills land mid-file
             payload = {"many": [torch.randn(64, generator=g) for _ in range(3000)], "step": step}
-            entries += st.write_inner(step, i, 0, payload, {"step": step})
-        st.commit(step, entries, None)
+            entries += st.writer.write_inner(step, i, 0, payload, {"step": step})
+        st.writer.commit(step, entries, None)
         sys.stdout.write(f"{step}\\n"); sys.stdout.flush()
         step += 1
     """
@@ -386,7 +390,7 @@ def test_killed_writer_leaves_only_complete_or_incomplete_steps(tmp_path):
         assert report.by_status("complete")
         st = StepStore(lay)
         for s in report.by_status("complete"):
-            assert st.verify(s.step) is None
+            assert st.reader.verify(s.step)[1] is None
         # even in the step that was being written, no file under its final name is partial
         for s in report.steps[-2:]:
             for i in range(2):
@@ -424,7 +428,7 @@ def test_process_dying_inside_a_write_leaves_no_partial_final_file(tmp_path, die
         store_mod.HashingWriter.write = write
         if die_in == "payload":
             os.pwrite = pwrite
-        st.write_inner(1, 0, 0, payload, {"note": "x"})
+        st.writer.write_inner(1, 0, 0, payload, {"note": "x"})
         os._exit(0)
 
     proc = multiprocessing.get_context("fork").Process(target=child)
@@ -439,13 +443,13 @@ def test_process_dying_inside_a_write_leaves_no_partial_final_file(tmp_path, die
     assert not lay.meta_path(1, 0, 0).exists()
     r = st.status(1)
     assert r.status == "incomplete" and ".tmp-" in r.reason
-    st.clear_step(1)
+    st.writer.clear_step(1)
     write_step(st, 1)
-    assert st.verify(1) is None
+    assert st.reader.verify(1)[1] is None
 
 
 # --------------------------------------------------------------------------------------------
-# verify_step: checksums and a safe load; module hygiene
+# verify: checksums and a safe load; module hygiene
 
 
 class _Evil:
@@ -470,59 +474,102 @@ def _replace_payload_keeping_the_commit_valid(st, step, rel, content: bytes):
     return path
 
 
-def test_verify_step_refuses_a_payload_that_needs_pickled_code_even_when_checksums_match(tmp_path):
+def test_verify_refuses_a_payload_that_needs_pickled_code_even_when_checksums_match(tmp_path):
     st = make(tmp_path, K=2, W=2)
     write_step(st, 1)
     mark = tmp_path / "pwned"
     buf = tmp_path / "evil.pt"
     torch.save({"x": torch.ones(1), "e": _Evil(str(mark))}, buf)
     path = _replace_payload_keeping_the_commit_valid(st, 1, "1/tq_batch_rank1.pt", buf.read_bytes())
-    assert st.verify_checksums(1) is None and st.verify_status(1) == ("complete", None)
-    reason = st.verify_step(1)
-    assert reason is not None and reason.count(str(path)) == 1 and "pickled code" in reason
+    assert st.reader.verify(1, load=False) == ("complete", None)   # sizes and checksums alone cannot tell
+    status, reason = st.reader.verify(1)
+    assert status == "corrupt" and reason is not None and reason.count(str(path)) == 1 and "pickled code" in reason
     assert "weights_only" not in reason and "False" not in reason
-    assert st.verify_step(1, ranks=[0]) is None        # only rank 1's shard is bad
-    assert st.verify_step(1, ranks=[1]) == reason
-    assert st.verify_step(1, load=False) is None       # sizes and checksums alone cannot tell
+    assert st.reader.verify(1, ranks=[0]) == ("complete", None)   # only rank 1's shard is bad
+    assert st.reader.verify(1, ranks=[1]) == ("corrupt", reason)
     with pytest.raises(CorruptStepError) as err:
-        st.read_inner(1, 1, 1)
+        st.reader.read_inner(1, 1, 1)
     assert str(err.value).count(str(path)) == 1 and "weights_only" not in str(err.value)
     assert not mark.exists()
 
 
-def test_verify_step_checks_sizes_checksums_and_status(tmp_path):
+def test_verify_checks_sizes_checksums_and_status(tmp_path):
     st = make(tmp_path, K=2)
     write_step(st, 1)
     write_step(st, 2)
     write_step(st, 3, commit=False)
-    assert st.verify_step(1) is None
+    assert st.reader.verify(1) == ("complete", None)
     p = st.layout.payload_path(2, 1, 0)
     data = bytearray(p.read_bytes())
     data[-1] ^= 0xFF
     p.write_bytes(bytes(data))
-    assert "checksum" in st.verify_step(2) and str(p) in st.verify_step(2)
-    assert st.verify_step(3).startswith("incomplete")
+    status, reason = st.reader.verify(2)
+    assert status == "corrupt" and "checksum" in reason and str(p) in reason
+    assert st.reader.verify(3)[0] == "incomplete" and st.reader.verify(3)[1].startswith("incomplete")
     # an older cache (no checksums): only the load check applies
     legacy = make(tmp_path / "old", K=1)
     write_legacy(legacy.layout, 4)
-    assert st.verify_step(1) is None and legacy.verify_step(4) is None
+    assert st.reader.verify(1)[1] is None and legacy.reader.verify(4) == ("unverified", None)
     torch.save({"e": _Evil(str(tmp_path / "pwned"))}, legacy.layout.payload_path(4, 0, 0))
-    assert "pickled code" in legacy.verify_step(4)
+    status, reason = legacy.reader.verify(4)
+    assert status == "corrupt" and "pickled code" in reason
+    assert legacy.reader.verify(4, load=False) == ("unverified", None)   # no checksums: nothing to tell without loading
     assert not (tmp_path / "pwned").exists()
 
 
-def test_verify_step_needs_no_registered_type_and_read_says_what_to_register(tmp_path):
+def test_verify_needs_no_registered_type_and_read_says_what_to_register(tmp_path):
     import collections
 
     Row = collections.namedtuple("Row", ["ids"])
     codec.register_type(Row)
     st = make(tmp_path)
-    entries = st.write_inner(1, 0, 0, {"row": Row(torch.arange(3))}, {})
-    st.commit(1, entries, None)
+    entries = st.writer.write_inner(1, 0, 0, {"row": Row(torch.arange(3))}, {})
+    st.writer.commit(1, entries, None)
     codec.unregister_type(Row)
-    assert st.verify_step(1) is None       # e.g. `skip-harness verify`, which registers nothing
+    assert st.reader.verify(1)[1] is None       # e.g. `skip-harness verify`, which registers nothing
     with pytest.raises(codec.UnregisteredTypeError, match=r"register_type\(Row\)"):
-        st.read_inner(1, 0, 0)             # not a corrupt step: the reader must register the type
+        st.reader.read_inner(1, 0, 0)             # not a corrupt step: the reader must register the type
+
+
+def test_step_store_is_split_by_job(tmp_path):
+    """StepStore is the opened namespace: writing is its writer's job, reading and verifying its
+    reader's; none of the old methods is left on it to forward."""
+    from skip_harness.store.reader import StepReader
+    from skip_harness.store.writer import StepWriter
+
+    st = make(tmp_path)
+    assert isinstance(st.writer, StepWriter) and isinstance(st.reader, StepReader)
+    assert st.writer.backend is st.backend is st.reader.backend and st.writer.pool is st.pool is st.reader.pool
+    for name in ("write_inner", "stage_inner", "commit", "clear_step", "read_commit", "read_served", "read_inner",
+                 "read_step", "read_meta", "logical_bytes", "verify", "verify_status", "verify_checksums",
+                 "verify_step"):
+        assert not hasattr(st, name), name
+    assert [n for n in ("verify_status", "verify_checksums", "verify_step") if hasattr(st.reader, n)] == []
+
+
+def test_read_meta_reads_through_the_backend_on_posix_too(tmp_path, monkeypatch):
+    st = make(tmp_path, K=2)
+    write_step(st, 1)
+    keys = []
+    real = type(st.backend).read_small
+
+    def read_small(self, key):
+        keys.append(key)
+        return real(self, key)
+
+    monkeypatch.setattr(type(st.backend), "read_small", read_small)
+    assert st.reader.read_meta(1, 1, 0)["note"] == "test"
+    assert keys == ["1/1/meta.json"]
+    path = st.layout.meta_path(1, 0, 0)
+    path.unlink()
+    path.symlink_to(st.layout.meta_path(1, 1, 0))          # never followed
+    with pytest.raises(CorruptStepError) as err:
+        st.reader.read_meta(1, 0, 0)
+    assert err.value.path == path and "symlink" in str(err.value)
+    st.layout.meta_path(1, 1, 0).write_text("[1]")
+    with pytest.raises(CorruptStepError, match="not a JSON object") as err:
+        st.reader.read_meta(1, 1, 0)
+    assert err.value.path == st.layout.meta_path(1, 1, 0)
 
 
 def test_store_does_no_logging(tmp_path, caplog):
@@ -536,7 +583,7 @@ def test_store_does_no_logging(tmp_path, caplog):
     with caplog.at_level("DEBUG"):
         write_step(st, 1)                  # rewrites a committed step, replaces a linked inner dir
         write_step(st, 2)                  # replaces a linked step dir
-        st.clear_step(1)
+        st.writer.clear_step(1)
     assert caplog.records == []
     assert os.listdir(outside) == []
     assert not hasattr(store_mod, "logger") and not hasattr(store_mod, "new_hasher")
@@ -550,13 +597,13 @@ def test_store_does_no_logging(tmp_path, caplog):
 @pytest.mark.slow  # a subprocess (imports torch): seconds, more on a busy machine
 def test_commit_records_generation_seconds_and_time_for_the_scan(tmp_path):
     st = make(tmp_path)
-    entries = st.write_inner(1, 0, 0, batch(1, 0), {})
+    entries = st.writer.write_inner(1, 0, 0, batch(1, 0), {})
     t0 = time.time()
-    record = st.commit(1, entries, None, gen_s=1.25)
-    assert record.gen_s == 1.25 and st.read_commit(1).gen_s == 1.25
+    record = st.writer.commit(1, entries, None, gen_s=1.25)
+    assert record.gen_s == 1.25 and st.reader.read_commit(1).gen_s == 1.25
     rep = classify_step(st.layout, 1)
     assert rep.gen_s == 1.25 and abs(rep.created - t0) < 60
-    meta = st.read_meta(1, 0, 0)
+    meta = st.reader.read_meta(1, 0, 0)
     assert meta["format"] == codec.FORMAT_VERSION
 
 
@@ -565,7 +612,7 @@ def test_stage_inner_copies_the_payload_once_and_completes_on_another_thread(tmp
 
     st = make(tmp_path, K=2)
     x = torch.arange(10.0)
-    staged = [st.stage_inner(1, i, 0, {"x": x, "i": i}, {"gen_s": 0.5}) for i in range(2)]
+    staged = [st.writer.stage_inner(1, i, 0, {"x": x, "i": i}, {"gen_s": 0.5}) for i in range(2)]
     x.fill_(-1)                                  # the trainer changes its batch right after sample
     assert not temp_files(st.layout.root) and not st.layout.payload_path(1, 0, 0).exists()  # nothing written yet
     results = []
@@ -573,14 +620,14 @@ def test_stage_inner_copies_the_payload_once_and_completes_on_another_thread(tmp
     t.start()
     t.join()
     entries = [e for pair in results for e in pair]
-    st.commit(1, entries, None)
-    assert st.verify_step(1) is None and not temp_files(st.layout.root)
-    assert torch.equal(st.read_inner(1, 1, 0)["x"], torch.arange(10.0))
-    assert st.read_meta(1, 0, 0)["gen_s"] == 0.5
+    st.writer.commit(1, entries, None)
+    assert st.reader.verify(1)[1] is None and not temp_files(st.layout.root)
+    assert torch.equal(st.reader.read_inner(1, 1, 0)["x"], torch.arange(10.0))
+    assert st.reader.read_meta(1, 0, 0)["gen_s"] == 0.5
     with pytest.raises(HarnessUsageError, match="already"):
         staged[0].complete()
     with pytest.raises(codec.UnregisteredTypeError):   # an unregistered dataclass: refused, nothing left
-        st.stage_inner(3, 0, 0, {"a": Fingerprint()}, {})
+        st.writer.stage_inner(3, 0, 0, {"a": Fingerprint()}, {})
     assert not temp_files(st.layout.root)
 
 
@@ -608,10 +655,10 @@ def test_payloads_are_written_and_read_past_the_page_cache(tmp_path, monkeypatch
     direct = sorted(_kind(n) for n, flags in opened if flags & os.O_DIRECT)
     assert direct == ["tq_batch", "tq_batch"]                       # payloads only; meta and commit buffered
     opened.clear()
-    status, reason, batches, metas = st.read_served(1, 0)
+    status, reason, batches, metas = st.reader.read_served(1, 0)
     assert (status, reason, len(batches), len(metas)) == ("complete", None, 2, 2)
     assert sorted(_kind(n) for n, flags in opened if flags & os.O_DIRECT) == ["tq_batch", "tq_batch"]
-    assert torch.equal(batches[1]["x"], st.read_inner(1, 1, 0)["x"])
+    assert torch.equal(batches[1]["x"], st.reader.read_inner(1, 1, 0)["x"])
 
 
 @pytest.mark.parametrize("refused_at", ["open", "io"])
@@ -653,9 +700,9 @@ def test_without_o_direct_payloads_go_through_the_page_cache_and_leave_it(tmp_pa
     write_step(st, 1)
     assert len(refused) == 2
     assert advised == [("tq_batch", os.POSIX_FADV_DONTNEED)] * 2
-    status, reason, batches, _ = st.read_served(1, 0)
+    status, reason, batches, _ = st.reader.read_served(1, 0)
     assert (status, reason) == ("complete", None) and len(refused) == 4
-    assert torch.equal(batches[0]["x"], st.read_inner(1, 0, 0)["x"])
+    assert torch.equal(batches[0]["x"], st.reader.read_inner(1, 0, 0)["x"])
     advised.clear()
     write_step(StepStore(st.layout, drop_written_pages=False), 2)
     assert advised == []
@@ -677,7 +724,7 @@ def test_a_hit_reads_and_parses_the_commit_record_once(tmp_path, monkeypatch):
             return _real(*a, **kw)
 
         monkeypatch.setattr(mod, "parse_commit", counting)
-    status, reason, batches, metas = st.read_served(1, 0)
+    status, reason, batches, metas = st.reader.read_served(1, 0)
     assert (status, reason, len(batches), len(metas)) == ("complete", None, 2, 2)
     assert len(parsed) == 1, parsed
 
@@ -692,8 +739,8 @@ def test_merged_export_show_and_verify_read_a_committed_payload_verified(tmp_pat
     data[-3] ^= 0xFF                                   # inside the last tensor's bytes
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptStepError, match="checksum") as exc:
-        st.read_inner(1, 1, 0)
+        st.reader.read_inner(1, 1, 0)
     assert str(path) in str(exc.value)
     with pytest.raises(CorruptStepError, match="checksum"):
-        st.read_step(1, 0)
-    assert_batch_equal(st.read_inner(1, 0, 0), batch(1, 0, 0))
+        st.reader.read_step(1, 0)
+    assert_batch_equal(st.reader.read_inner(1, 0, 0), batch(1, 0, 0))

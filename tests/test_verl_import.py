@@ -139,7 +139,7 @@ def test_a_v0_dataproto_cache_imports(cluster, tmp_path, capsys):
     assert [(d["step"], d["trajectories"]) for d in doc["converted"]] == [(3, 4)]
     store = StepStore(NamespaceKey(rig.EXPERIMENT, rig.PROJECT, 4, 2, 8, 6).layout(dump))
     assert {s.step: s.status for s in scan_namespace(store.layout).steps} == {3: "complete"}
-    got, want = store.read_inner(3, 0, 0), made["out"]
+    got, want = store.reader.read_inner(3, 0, 0), made["out"]
     assert isinstance(got, DataProto)
     for k in want.batch.keys():
         assert torch.equal(got.batch[k], want.batch[k])

@@ -1,7 +1,7 @@
 """The namespace index: a hint that makes the startup scan cost milliseconds, never the truth.
 
 `{namespace}/.index.jsonl` holds a header line and one JSON line per committed step, appended (and
-fsync'ed) by `StepStore.commit` after the step's commit record is durable. A line records what the
+fsync'ed) by `StepWriter.commit` after the step's commit record is durable. A line records what the
 full scan would report for the step (bytes, fingerprint, creation time, generation seconds) and a
 *stamp*: inode and mtime of the step directory and of each inner directory, and inode, size and mtime
 of the commit record. Any change to a step's directory entries (a commit record removed or rewritten,

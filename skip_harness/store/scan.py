@@ -444,7 +444,7 @@ def plan_cleanup(report: NamespaceReport, action, extra: Iterable[Tuple[int, str
     """Plan to handle every incomplete and corrupt step: `Cleanup.delete`, `Cleanup.quarantine`, or
     `Cleanup.off` (an empty plan); the action's value ("delete", ...) works too. `extra` holds
     (step, reason) pairs of steps to handle as corrupt although the scan found them servable --
-    checksum failures found by `StepStore.verify_step` or at run time. Leftover '.trash-'/'.tmp-'
+    checksum failures found by `StepReader.verify` or at run time. Leftover '.trash-'/'.tmp-'
     debris is deleted by both delete and quarantine."""
     try:
         action = Cleanup(action)

@@ -53,19 +53,3 @@ class StepStore:
     def status(self, step: int) -> StepReport:
         """The step's StepReport (directory listings and lstat only; see `classify_step`)."""
         return classify_step(self.layout, step, backend=self.backend)
-
-    # ---- TEMPORARY forwarders (removed once the tests call writer / reader)
-    def write_inner(self, *a, **k): return self.writer.write_inner(*a, **k)
-    def stage_inner(self, *a, **k): return self.writer.stage_inner(*a, **k)
-    def commit(self, *a, **k): return self.writer.commit(*a, **k)
-    def clear_step(self, *a, **k): return self.writer.clear_step(*a, **k)
-    def read_commit(self, *a, **k): return self.reader.read_commit(*a, **k)
-    def read_served(self, *a, **k): return self.reader.read_served(*a, **k)
-    def read_inner(self, *a, **k): return self.reader.read_inner(*a, **k)
-    def read_step(self, *a, **k): return self.reader.read_step(*a, **k)
-    def read_meta(self, *a, **k): return self.reader.read_meta(*a, **k)
-    def logical_bytes(self, *a, **k): return self.reader.logical_bytes(*a, **k)
-    def verify(self, step, ranks=None): return self.reader.verify(step, ranks, load=False)[1]
-    def verify_status(self, step, ranks=None): return self.reader.verify(step, ranks, load=False)
-    def verify_checksums(self, step, ranks=None): return self.reader.verify(step, ranks, load=False)[1]
-    def verify_step(self, step, ranks=None, *, load=True): return self.reader.verify(step, ranks, load=load)[1]
