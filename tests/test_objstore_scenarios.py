@@ -55,6 +55,13 @@ def committed(server, bucket, prefix) -> list:
                   if k.endswith("/commit.json") and k[len(prefix):].split("/")[0].isdigit())
 
 
+def index_steps(s3, bucket, key) -> list:
+    """The steps the namespace index object lists (entry lines are JSON arrays led by the step)."""
+    lines = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode().splitlines()
+    assert json.loads(lines[0]).get("stamp") == "etag", lines[0]
+    return sorted(x[0] for x in map(json.loads, lines[1:]) if isinstance(x, list))
+
+
 def assert_nothing_local(tmp_path):
     assert not (tmp_path / "s3:").exists(), "the s3:// URL was taken for a local path"
 
@@ -76,7 +83,14 @@ def test_demo_twice_every_step_hits_identically(tmp_path, s3_server):
     bucket = s3_server.create_bucket()
     url = f"s3://{bucket}/x"
     train(tmp_path, s3_server, url, run="first")
+    # the run indexed its commits once, when it gave the namespace back; the rerun's startup takes
+    # every step from that index (fresh: it rewrites nothing) and commits nothing new
+    s3 = s3_server.boto3()
+    index_key = f"x/{NS}/.index.jsonl"
+    assert index_steps(s3, bucket, index_key) == [1, 2, 3, 4]
+    etag = s3.head_object(Bucket=bucket, Key=index_key)["ETag"]
     train(tmp_path, s3_server, url, run="again")
+    assert s3.head_object(Bucket=bucket, Key=index_key)["ETag"] == etag
     first, again = metrics(tmp_path / "first"), metrics(tmp_path / "again")
     assert [r["cache"] for r in first] == ["miss"] * 4 and [r["cache"] for r in again] == ["hit"] * 4
     assert training_metrics(first) == training_metrics(again)
@@ -110,13 +124,14 @@ def test_k4_killed_mid_step_then_rerun_cleans_and_never_mixes(tmp_path, s3_serve
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    # no OS releases a killed run's lease on an object store: the rerun waits for it to expire (ttl 30 s)
-    train(tmp_path, s3_server, url, *mode, "skip.rollout_tq.lock_timeout=90", run="resumed")
+    # no OS releases a killed run's lease on an object store, but its holder was a process of this
+    # host that is gone: the rerun takes the lease over at once (lock_timeout 0: no waiting out the ttl)
+    train(tmp_path, s3_server, url, *mode, "skip.rollout_tq.lock_timeout=0", run="resumed")
     rows = metrics(tmp_path / "resumed")
     assert rows[0]["cache"] == "hit" and rows[-1]["cache"] == "miss"
     assert training_metrics(rows) == training_metrics(metrics(tmp_path / "uncached"))
     log = (tmp_path / "resumed" / "train.log").read_text()
-    assert "took over the expired lease" in log, log[-3000:]
+    assert "took over the lease of dead holder" in log and f"(pid {proc.pid} on host" in log, log[-3000:]
     assert "incomplete" in log and f"[{partial}" in log.split("incomplete", 1)[1][:200], log[-3000:]
     assert_steps_whole(s3_server, bucket, prefix)
     assert committed(s3_server, bucket, prefix) == list(range(1, 31))
@@ -235,6 +250,9 @@ def test_cli_on_the_bucket(tmp_path, s3_server):
     assert code == 0, err
     [ns] = json.loads(out)["namespaces"]
     assert [s["status"] for s in ns["steps"]] == ["complete"] * 3 and ns["path"].startswith(url)
+    assert index_steps(s3_server.boto3(), bucket, f"x/{NS}/.index.jsonl") == [1, 2, 3]
+    code, again, err = cli(s3_server, "ls", url, "--json")        # from the index: the same answer
+    assert code == 0 and json.loads(again)["namespaces"] == json.loads(out)["namespaces"], err
     code, out, err = cli(s3_server, "verify", url, "--json")
     assert code == 0, err
     code, out, err = cli(s3_server, "show", f"{url}/{NS}", "2")
@@ -255,6 +273,10 @@ def test_cli_on_the_bucket(tmp_path, s3_server):
     assert code == 0, err
     assert committed(s3_server, bucket, f"x/{NS}/") == [1, 3]
     assert any(k.startswith(f"x/{NS}/.quarantine/2-") for k in s3_server.keys(bucket))
+    code, out, err = cli(s3_server, "ls", url, "--json")          # the set-aside step is not indexed back
+    assert code == 0, err
+    assert [s["step"] for s in json.loads(out)["namespaces"][0]["steps"]] == [1, 3]
+    assert index_steps(s3_server.boto3(), bucket, f"x/{NS}/.index.jsonl") == [1, 3]
     # import-verl into the bucket
     sys.path.insert(0, str(REPO / "tests"))
     from test_import_verl import verl_batch, write_verl_step
