@@ -45,3 +45,49 @@ def test_the_public_import_names_still_work():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------------------- who opens files
+
+_FILE_CALLS = {"open", "fdopen", "scandir", "listdir", "walk", "iterdir", "read_bytes", "read_text",
+               "write_bytes", "write_text", "mmap", "lstat", "load"}
+# Files outside the cache, opened by the code that owns them: (module, call) -> what the file is.
+_NOT_THE_CACHE = {
+    ("skip_harness/cli/export.py", "open"): "the export's own output file",
+    ("skip_harness/demo/run.py", "open"): "the demo's metrics.jsonl",
+    ("skip_harness/integrations/hydra.py", "write_text"): "a sweep job's failure record",
+    ("skip_harness/integrations/hydra.py", "read_text"): "a sweep job's failure record",
+    ("skip_harness/codec/tensorfile.py", "load"): "torch.load of bytes already in memory (io.BytesIO)",
+}
+
+
+def _file_calls(path: Path):
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+        if name not in _FILE_CALLS:
+            continue
+        if name == "load" and not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                                   and f.value.id in ("torch", "pickle")):
+            continue            # json.loads and friends are not file calls; torch.load / pickle.load are
+        yield name, node.lineno
+
+
+def test_nothing_outside_the_store_opens_a_cache_file():
+    """The storage seam, checked: outside skip_harness/store/ no module opens, lists, maps or loads a
+    file, except the few files that are not the cache (each named above with what it is)."""
+    found = []
+    for path in sorted((ROOT / "skip_harness").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("skip_harness/store/"):
+            continue
+        for name, line in _file_calls(path):
+            if (rel, name) not in _NOT_THE_CACHE:
+                found.append(f"{rel}:{line}: {name}(...)")
+    assert not found, "file access outside skip_harness/store/:\n" + "\n".join(found)
+    # the check sees what it looks for: the store itself is full of it
+    assert sum(1 for p in (ROOT / "skip_harness" / "store").rglob("*.py") for _ in _file_calls(p)) > 20
