@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from skip_harness.codec import UnregisteredTypeError
+from skip_harness.errors import SkipHarnessError
 from skip_harness.store.reader import StepReader
 
 
@@ -26,6 +27,7 @@ class Loaded:
     unverified: bool = False
     seconds: float = 0.0
     reason: Optional[str] = None
+    unavailable: bool = False     # the storage could not be reached: a miss, but nothing wrong with the step
 
     @property
     def ok(self) -> bool:
@@ -41,13 +43,18 @@ class Loaded:
 
 
 def load_step(reader: StepReader, step: int, rank: int) -> Loaded:
-    """Verify and load this rank's K mini-batches of `step`; never raises for a bad step. A step holding a
-    type this process has not registered is not bad: UnregisteredTypeError propagates (a usage error)."""
+    """Verify and load this rank's K mini-batches of `step`; never raises for a bad step or a storage
+    out of reach (an object store down: `unavailable`, the step is not blamed). A step holding a type
+    this process has not registered is not bad: UnregisteredTypeError propagates (a usage error)."""
     t0 = time.perf_counter()
     try:
         status, reason, batches, metas = reader.read_served(step, rank)
+    except UnregisteredTypeError:
+        raise
     except (OSError, ValueError) as exc:
         status, reason = "corrupt", str(exc)
+    except SkipHarnessError as exc:     # e.g. ObjectStoreUnavailable, ObjectAccessDenied
+        return Loaded(step, seconds=time.perf_counter() - t0, reason=f"cannot be read now: {exc}", unavailable=True)
     if reason is not None:
         return Loaded(step, seconds=time.perf_counter() - t0, reason=reason)
     return Loaded(step, batches, metas, status == "unverified", time.perf_counter() - t0)

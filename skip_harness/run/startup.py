@@ -7,6 +7,7 @@ A Hydra callback that did the startup before the task function hands its result 
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from skip_harness.store.lock import new_run_token
 from skip_harness.store.scan import CleanupItem, CleanupPlan, CleanupResult, NamespaceReport, plan_cleanup, scan_namespace
 from skip_harness.units import human_bytes
 
+logger = logging.getLogger("skip_harness.run.startup")
 
 
 @dataclass(frozen=True)
@@ -239,10 +241,17 @@ def _check_shared(dist: DistContext, layout: Layout, token: Optional[str]) -> No
     if token is None:
         return
     backend = namespace_of(layout)
-    seen = dist.gather((backend.sees_run_marker(token, wait=2.0), socket.gethostname()))
+    try:
+        sees, why = backend.sees_run_marker(token, wait=2.0), ""
+    except (SkipHarnessError, OSError) as exc:      # said in the stop below, after every rank gathered
+        sees, why = False, f" ({exc})"
+    seen = dist.gather((sees, socket.gethostname(), why))
     if dist.is_main:
-        backend.remove_run_marker(token)
-    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(seen) if not ok]
+        try:
+            backend.remove_run_marker(token)
+        except (SkipHarnessError, OSError) as exc:
+            logger.warning("%s: could not remove the run marker: %s", layout.root, exc)
+    blind = [f"rank {r} on {host}{why}" for r, (ok, host, why) in enumerate(seen) if not ok]
     if blind:
         raise ConfigError(
             "skip.rollout_tq.dump_dir",

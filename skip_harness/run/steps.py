@@ -134,9 +134,12 @@ class StepRunner:
             if not loaded.ok:
                 self._fault(str(self.store.layout.step_dir(decision.source_step)),
                             f"{loaded.reason}; step {decision.source_step} is not served and is regenerated whole")
-            # rank 0 sets the step aside as skip.rollout_tq.cleanup says, whichever rank found the fault
-            reasons = [r for r in self.dist.gather(loaded.reason) if r is not None]
-            self._failed[decision.source_step] = reasons[0]
+            # rank 0 sets the step aside as skip.rollout_tq.cleanup says, whichever rank found the fault;
+            # a storage out of reach is no fault of the step: a plain miss, nothing set aside
+            found = self.dist.gather(None if loaded.ok else (loaded.reason, loaded.unavailable))
+            faults = [f[0] for f in found if f is not None and not f[1]]
+            if faults:
+                self._failed[decision.source_step] = faults[0]
             excluded.add(decision.source_step)
             self.servable.discard(decision.source_step)
         state = _StepState(decision)
