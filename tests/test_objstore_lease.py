@@ -235,3 +235,18 @@ def test_a_live_or_foreign_holder_is_still_waited_out(client):
     b = lease(client, "run-B").acquire()
     assert b.read()[0].holder == "run-B"
     b.release()
+
+
+def test_holder_is_read_without_taking_anything(s3_bucket):
+    """What a dry run (`clean --dry-run`, `import-verl --dry-run`) asks: who holds the namespace, and
+    nothing written."""
+    ns = ObjectNamespace(f"s3://{s3_bucket}/exp_proj/GBS8_N2_in16_out32")
+    assert ns.holder() is None
+    assert lease(ns.client, "probe").read() == (None, None)      # asking created no lease
+    a = lease(ns.client, "run-A").acquire()
+    try:
+        said = ns.holder()
+        assert said is not None and "run-A" in said and f"pid {os.getpid()}" in said
+    finally:
+        a.release()
+    assert ns.holder() is None                 # released: an expired record holds nothing

@@ -24,7 +24,6 @@ GBS...`): `{step}/[{i}/]tq_batch[_rank{r}].pt`, `.../meta[_rank{r}].json`, `{ste
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -373,6 +372,18 @@ class ObjectNamespace(NamespaceBackend):
     def lock(self, timeout: float = 0.0) -> Hold:
         lease = self.acquire(timeout)
         return LeaseHold(self, lease, read_only=lease is None)
+
+    def holder(self) -> Optional[str]:
+        """The holder of a lease that has not expired (and whose process is not known dead), read
+        without writing anything; None when nobody holds the namespace or the lease cannot be read."""
+        lease = self.lease()
+        try:
+            record, _etag = lease.read()
+        except ObjectStoreError:
+            return None
+        if record is None or record.expires_at + lease.skew_s <= time.time() or lease.holder_dead(record):
+            return None
+        return record.describe()
 
     def writable(self) -> Optional[str]:
         """What is known without writing: a credential found read-only (a denied write or lease)."""
