@@ -1154,6 +1154,9 @@ def render_table(r: Dict[str, Any]) -> str:
                                ("object store: training step, miss vs off", "s3_step_overhead_ratio"),
                                ("object store: training step, hit vs memory", "s3_hit_overhead_ratio"))
             if key in r)
+        + (row("object store: miss vs the put floor beside it", f"{r['s3_step_overhead_ratio']:.3f}",
+               f"{r['s3_step_floor_ratio']:.3f}", f"{r['s3_step_vs_floor_ratio']:.3f}")
+           if "s3_step_vs_floor_ratio" in r else "")
         + row("miss async vs the durable-copy floor beside it", f"{r['step_overhead_ratio']:.3f}",
               f"{r['step_floor_ratio']:.3f}", f"{r['step_vs_floor_ratio']:.3f}", tgt("step_vs_floor_ratio"))
         + "\n"

@@ -17,7 +17,12 @@ that speed moves with the machine's load. Target: both <= 1.1.
 `scripts/bench.py` (computing about four bare puts long) with caching on into an s3:// dump_dir
 (async writes: the puts stay off the critical path) over the same step with caching off, blocks
 interleaved; and `s3_hit_overhead_ratio`: a step served from the bucket (prefetched) over the step
-with its batch already in memory. `scripts/bench.py` calls `bench_s3(...)` and `bench_s3_steps(...)`.
+with its batch already in memory. Beside them, the floor of any miss to this server
+(`s3_step_floor_ratio`: each step's batch copied once and put whole on a background thread -- no
+checksum, meta.json or commit record -- over caching off) and `s3_step_vs_floor_ratio`: the miss over
+that floor. moto runs on this machine's cores, so receiving a put takes CPU from the step; the floor
+shows how much of the miss's cost is that. `scripts/bench.py` calls `bench_s3(...)` and
+`bench_s3_steps(...)`.
 """
 from __future__ import annotations
 
@@ -150,6 +155,45 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
         return res
 
 
+def _floor_block(payload: Any, compute: Any, steps: int, client: Any) -> List[float]:
+    """The floor of any miss to this object store, timed like a training block: each step's batch
+    copied once into a buffer (the copy any write needs before the trainer may change its batch), then
+    put whole with the same library on a background thread, one put in flight at a time -- no
+    checksum, no meta.json, no commit record. Seconds of each step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore as obs
+    import torch
+    from bench import SyntheticTrainer, iter_tensors, tensor_bytes, touch
+
+    trainer = SyntheticTrainer(payload)
+    nbytes = tensor_bytes(payload)
+    buffers = [bytearray(nbytes), bytearray(nbytes)]
+    pending = None
+    per_step: List[float] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="bench-s3-floor") as pool:
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            trainer.prepare_data(step)
+            batch = trainer.sample(step)
+            if pending is not None:
+                pending.result()              # one put in flight, as the writer's queue allows
+            buf = buffers[step % 2]
+            flat, off = torch.frombuffer(buf, dtype=torch.uint8), 0
+            for t in iter_tensors(batch):
+                n = t.numel() * t.element_size()
+                flat[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+                off += n
+            pending = pool.submit(obs.put, client.store, f"floor/{step}", memoryview(buf), use_multipart=False)
+            touch(batch)
+            compute.run()
+            per_step.append(time.perf_counter() - t0)
+            del batch
+        if pending is not None:
+            pending.result()
+    return per_step
+
+
 def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path | None = None) -> Dict[str, float]:
     """The step overheads with an s3:// dump_dir (see the module doc), on a fresh moto server."""
     sys.path.insert(0, str(REPO / "scripts"))
@@ -173,14 +217,16 @@ def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path
         bare_put_s = _median(puts)
         compute = Compute()
         compute.calibrate(COMPUTE_FACTOR * bare_put_s)
-        per: Dict[str, List[float]] = {"off": [], "async": [], "hit": [], "memory": []}
+        per: Dict[str, List[float]] = {"off": [], "async": [], "floor": [], "hit": [], "memory": []}
         for r in range(rounds):
             url = f"s3://{bucket}/r{r}-{uuid.uuid4().hex[:6]}"
-            order = ["off", "async", "hit", "memory"] if r % 2 == 0 else ["memory", "off", "async", "hit"]
-            if order[0] == "memory":      # 'hit' needs the cache 'async' wrote in this round
-                order = ["memory", "off", "async", "hit"]
+            # 'hit' needs the cache 'async' wrote in this round
+            order = ["off", "async", "floor", "hit", "memory"] if r % 2 == 0 else ["memory", "floor", "off", "async", "hit"]
             for mode in order:
-                times, _ = run_training_block(mode, payload, compute, steps, url, keep=True)  # type: ignore[arg-type]
+                if mode == "floor":
+                    times = _floor_block(payload, compute, steps, ObjectClient(url))
+                else:
+                    times, _ = run_training_block(mode, payload, compute, steps, url, keep=True)  # type: ignore[arg-type]
                 per[mode] += times[1:]    # the first step warms up
                 if mode == "async":
                     commits = [m for m in ObjectClient(url).list() if m["path"].endswith("/commit.json")]
@@ -191,6 +237,8 @@ def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path
         for mode, times in per.items():
             res[f"s3_step_{mode}_s"] = _median(times)
         res["s3_step_overhead_ratio"] = res["s3_step_async_s"] / res["s3_step_off_s"]
+        res["s3_step_floor_ratio"] = res["s3_step_floor_s"] / res["s3_step_off_s"]
+        res["s3_step_vs_floor_ratio"] = res["s3_step_async_s"] / res["s3_step_floor_s"]
         res["s3_hit_overhead_ratio"] = res["s3_step_hit_s"] / res["s3_step_memory_s"]
         return res
 
