@@ -28,12 +28,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(tmp_path: Path, dump_dirs: List[Path], run: str, timeout: float = 400):
-    """Start two agents (node A hosts the rendezvous store), wait for both; [(returncode, output)]."""
+def two_nodes(tmp_path: Path, dump_dirs: List[Path], run: str, timeout: float = 400, envs=None):
+    """Start two agents (node A hosts the rendezvous store), wait for both; [(returncode, output)].
+    `envs`: per node, variables to set in that node's environment (e.g. another endpoint)."""
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     procs = []
     for i, dump in enumerate(dump_dirs):
         env = subprocess_env()
+        env.update((envs or [{}, {}])[i])
         for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                      "HYDRA_FULL_ERROR"):
             env.pop(name, None)

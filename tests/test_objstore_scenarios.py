@@ -296,3 +296,21 @@ def test_nodes_that_cannot_see_one_directory_are_told_of_the_object_store(tmp_pa
     assert all(code != 0 for code, _ in results), output[-5000:]
     assert "cannot see the rollout cache" in output and "skip.rollout_tq.dump_dir=s3://bucket/prefix" in output, \
         output[-5000:]
+
+
+def test_a_node_that_cannot_reach_the_object_store_stops_every_node_with_its_reason(tmp_path, s3_server, monkeypatch):
+    """W = 2 over two agents, node B pointed at an endpoint where nothing listens: the startup's
+    shared-cache check names node B's rank and why, on every node, and no node is left waiting."""
+    from test_multinode import free_port, two_nodes
+    bucket = s3_server.create_bucket()
+    url = f"s3://{bucket}/x"
+    for k, v in env_of(s3_server, SKIP_HARNESS_OBJSTORE_TIMEOUT_S="1").items():
+        monkeypatch.setenv(k, v)
+    dead = f"http://127.0.0.1:{free_port()}"
+    results = two_nodes(tmp_path, [url, url], "unreachable", timeout=300, envs=[{}, {"AWS_ENDPOINT_URL": dead}])
+    output = "\n".join(out for _, out in results)
+    assert all(code != 0 for code, _ in results), output[-5000:]
+    assert "rank 1 on" in output and "cannot see the rollout cache" in output, output[-5000:]
+    assert "unavailable" in output, output[-5000:]
+    assert "ObjectStoreUnavailable" not in output and f'File "{REPO / "skip_harness"}' not in output, \
+        output[-5000:]          # a message, not our traceback (torchrun prints its own ChildFailedError)
