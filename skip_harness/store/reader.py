@@ -61,14 +61,20 @@ class StepReader:
         CorruptStepError naming the file if it is missing, unreadable or not a JSON object."""
         check_position(self.layout, step, inner_index, rank)
         rel = meta_rel_at(self.layout, step, inner_index, rank)
+        path, data = self._read_small(step, rel, "meta file cannot be read")
+        return _parse_meta(path, data)
+
+    def _read_small(self, step: int, rel: str, cannot: str = "cannot be read") -> Tuple[Path, bytes]:
+        """(its path, its bytes) of small file `rel` of `step`, through the backend; CorruptStepError
+        naming the path when it is missing or cannot be read."""
         path = self.layout.step_dir(step) / rel
         try:
             data = self.backend.read_small(f"{int(step)}/{rel}")
         except OSError as exc:
-            raise CorruptStepError(path, f"meta file cannot be read: {exc.strerror or exc}") from None
+            raise CorruptStepError(path, f"{cannot}: {exc.strerror or exc}") from None
         if data is None:
             raise CorruptStepError(path, "missing")
-        return _parse_meta(path, data)
+        return path, data
 
     def logical_bytes(self, step: int, stored_bytes: int) -> int:
         """The step's bytes at full width: `stored_bytes` (what its files take on disk) with each
@@ -242,13 +248,7 @@ class StepReader:
 
     def _read_small_verified(self, step: int, entry: FileEntry) -> bytes:
         """A meta file (or an extra one) read whole and checked against its commit-record entry."""
-        path = self.layout.step_dir(step) / entry.rel
-        try:
-            data = self.backend.read_small(f"{int(step)}/{entry.rel}")
-        except OSError as exc:
-            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
-        if data is None:
-            raise CorruptStepError(path, "missing")
+        path, data = self._read_small(step, entry.rel)
         reason = _mismatch(path, len(data), checksum_bytes(data), entry)
         if reason is not None:
             raise CorruptStepError(path, without_path(reason, path))
