@@ -64,3 +64,29 @@ def test_a_rewrite_uncommits_first_and_clear_removes_the_record_first(store, s3_
     assert store.writer.clear_step(5) > 0 and s3_server.keys(s3_bucket, f"dump/{LEAF}/5/") == []
     record = json.loads(store.backend.read_small("5/commit.json") or b"null")
     assert record is None
+
+
+def test_a_committed_payload_in_the_previous_format_is_served_from_the_verified_bytes(store, s3_server, s3_bucket):
+    """A payload stored as the previous version's torch.save image, listed in a valid commit record:
+    decoded from the bytes the verified read brought (there is no local file to open again)."""
+    import io
+
+    import torch
+    import xxhash
+
+    write_step(store, 6)
+    old = io.BytesIO()
+    torch.save({"x": torch.arange(5)}, old)
+    data = old.getvalue()
+    s3 = s3_server.boto3()
+    s3.put_object(Bucket=s3_bucket, Key=f"dump/{LEAF}/6/1/tq_batch.pt", Body=data)
+    ckey = f"dump/{LEAF}/6/commit.json"
+    doc = json.loads(s3.get_object(Bucket=s3_bucket, Key=ckey)["Body"].read())
+    for f in doc["files"]:
+        if f["rel"] == "1/tq_batch.pt":
+            f["bytes"], f["checksum"] = len(data), xxhash.xxh3_128_hexdigest(data)
+    s3.put_object(Bucket=s3_bucket, Key=ckey, Body=json.dumps(doc).encode())
+    status, reason, batches, _ = store.reader.read_served(6, 0)
+    assert (status, reason) == ("complete", None)
+    assert batches[1]["x"].tolist() == [0, 1, 2, 3, 4]
+    assert store.reader.read_inner(6, 1, 0)["x"].tolist() == [0, 1, 2, 3, 4]

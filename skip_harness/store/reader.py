@@ -19,7 +19,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from skip_harness import codec
-from skip_harness.codec import tensorfile
 from skip_harness.errors import CorruptStepError
 from skip_harness.store import payload_file
 from skip_harness.store.backend import NamespaceBackend
@@ -121,7 +120,7 @@ class StepReader:
                         return "corrupt", reason, [], []
             batches, metas = [], []
             for i in range(K):
-                prel, mrel = payload_rel_at(self.layout, step, i, rank), meta_rel_at(self.layout, step, i, rank)
+                prel, mrel = self.layout.stored_rels(i, rank, entries.__contains__)   # as the record lists them
                 if prel not in entries or mrel not in entries:
                     return ("corrupt", f"{self.layout.commit_path(step)}: lists no entry for "
                             f"{prel if prel not in entries else mrel}", [], [])
@@ -145,10 +144,7 @@ class StepReader:
             if mapped is None:
                 return self._read_payload_checked(step, entry)
             path = self.layout.step_dir(step) / entry.rel
-            if not tensorfile.is_current_image(memoryview(mapped)):
-                mapped.close()
-                return _load_file(path)      # the previous format: torch.load(weights_only=True)
-            with _corrupt_on_codec_error(path):
+            with _corrupt_on_codec_error(path):     # either format, from the verified mapping
                 return codec.load_buffer(mapped, entry.bytes, path)   # tensors: views of the mapping
         return _load_file(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank)))
 
@@ -260,8 +256,6 @@ class StepReader:
         lease = self._read_verified(step, entry)
         size = entry.bytes
         try:
-            if not tensorfile.is_current_image(lease.view(size)):
-                return _load_file(path)          # the previous format: torch.load(weights_only=True)
             widened: List[Lease] = []
 
             def alloc(nbytes: int) -> Any:          # narrowed / compressed tensors: rebuilt in a pool buffer
