@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,10 +156,7 @@ def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
     on_disk = set(by_step)
     gone = [s for s in indexed if s not in on_disk]
     unindexed = [s.step for s in steps if s.status == "complete" and s.step not in indexed]
-    if note is None and (stale or gone or unindexed):
-        parts = [f"{len(x)} {what}" for x, what in ((stale, "changed"), (gone, "removed"), (unindexed, "unindexed"))
-                 if x]
-        note = f"index stale ({', '.join(parts)} steps)"
+    note = note or _stale_note(stale, gone, unindexed)
     if note is not None or changed:  # changed but agreeing: racy entries, rewritten with a later time
         fresh = list(trusted.values())
         for s in steps:
@@ -252,17 +248,19 @@ def _scan_listed(layout: Layout, use_index: bool = True) -> NamespaceReport:
         fresh.append(_index.url_entry(r.step, r.bytes, fp, r.created or 0.0, r.gen_s, stamp))
         if r.step not in indexed:
             unindexed.append(r.step)
-    stale = changed
-    if note is None and (stale or gone or unindexed):
-        parts = [f"{len(x)} {what}" for x, what in ((stale, "changed"), (gone, "removed"), (unindexed, "unindexed"))
-                 if x]
-        note = f"index stale ({', '.join(parts)} steps)"
+    note = note or _stale_note(changed, gone, unindexed)
     if note == "index missing" and not fresh:
         note = None              # nothing to index yet: no object is written into the namespace
     if note is not None:
         failed = _index.write_url(layout, backend, fresh)
         note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
     return NamespaceReport(layout, tuple(steps), (), note, bool(trusted))
+
+
+def _stale_note(changed: List[int], gone: List[int], unindexed: List[int]) -> Optional[str]:
+    """What the scan says of an index that no longer matches the namespace; None when it matches."""
+    parts = [f"{len(x)} {what}" for x, what in ((changed, "changed"), (gone, "removed"), (unindexed, "unindexed")) if x]
+    return f"index stale ({', '.join(parts)} steps)" if parts else None
 
 
 def _agrees(entry: _index.IndexEntry, report: StepReport) -> bool:

@@ -65,11 +65,7 @@ class LeaseHold(Hold):
     def release(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
-            if not lease.lost.is_set():
-                self._ns._flush_index_quietly()       # while the namespace is still ours
-            lease.release()
-            if self._ns.held is lease:
-                self._ns.held = None
+            self._ns.give_back(lease)
 
 
 def _corrupt(exc: ObjectStoreError) -> CorruptStepError:
@@ -364,9 +360,15 @@ class ObjectNamespace(NamespaceBackend):
 
     def release(self) -> None:
         if self.held is not None:
-            if not self.held.lost.is_set():
-                self._flush_index_quietly()           # while the namespace is still ours
-            self.held.release()
+            self.give_back(self.held)
+
+    def give_back(self, lease: Lease) -> None:
+        """Release `lease`, first adding this run's commits to the index while the namespace is still
+        ours (not when the lease was lost: another run holds it now)."""
+        if not lease.lost.is_set():
+            self._flush_index_quietly()
+        lease.release()
+        if self.held is lease:
             self.held = None
 
     def lock(self, timeout: float = 0.0) -> Hold:
