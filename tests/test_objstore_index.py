@@ -59,7 +59,7 @@ def test_second_scan_reads_no_commit_record_of_an_indexed_step(store, s3_server,
     assert "rebuilt" in first.index_note
     assert gets.commits() == [1, 2, 10]
     assert f"{prefix(store)}{INDEX_KEY}" in s3_server.keys(s3_bucket)
-    assert sorted(index.read_url(store.layout, namespace_of(store.layout))) == [1, 2, 10]
+    assert sorted(index.read(store.layout, namespace_of(store.layout))) == [1, 2, 10]
 
     gets.clear()
     second = scan_namespace(store.layout)
@@ -110,7 +110,7 @@ def test_a_removed_step_does_not_come_back(store, monkeypatch):
     report = scan_namespace(store.layout)
     assert [s.step for s in report.steps] == [1, 3] and report.index_used
     assert "1 removed" in report.index_note and "rebuilt" in report.index_note
-    assert sorted(index.read_url(store.layout, namespace_of(store.layout))) == [1, 3]
+    assert sorted(index.read(store.layout, namespace_of(store.layout))) == [1, 3]
     gets = Gets(store, monkeypatch)
     again = scan_namespace(store.layout)
     assert [s.step for s in again.steps] == [1, 3] and again.index_note is None and gets.commits() == []
@@ -200,7 +200,7 @@ def test_a_runs_commits_are_indexed_once_when_it_gives_the_namespace_back(store,
     assert puts.n == 0                                 # no commit touched the index object
     hold.release()
     assert puts.n == 1                                 # one PUT, when the run gave the namespace back
-    assert sorted(index.read_url(store.layout, ns)) == [1, 2, 3]
+    assert sorted(index.read(store.layout, ns)) == [1, 2, 3]
     gets = Gets(store, monkeypatch)
     report = scan_namespace(store.layout)
     assert report.index_used and gets.commits() == [] and report.index_note is None
@@ -218,6 +218,6 @@ def test_a_step_changed_by_another_writer_after_our_commit_is_not_indexed_from_o
     record["fingerprint"] = FP2.to_json()
     ns.client.put("2/commit.json", json.dumps(record).encode())
     hold.release()
-    assert sorted(index.read_url(store.layout, ns)) == [1]
+    assert sorted(index.read(store.layout, ns)) == [1]
     report = scan_namespace(store.layout)
     assert report.get(2).fingerprint == FP2 and report.steps == scan_namespace(store.layout, use_index=False).steps

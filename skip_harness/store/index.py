@@ -23,9 +23,10 @@ under a header that says its stamps are ETags (an index of the other kind is ign
 there is a hash over its listed objects' (rel, size, ETag) -- taken from the one LIST the scan does
 anyway -- and an entry is made only when the commit record read had the ETag the listing gave, so an
 entry describes exactly the objects its stamp covers. There is no append: commits do not touch it
-(`append`, `make_entry` and `drop` do nothing for a URL), and the startup scan rewrites the whole
-object once (`write_url`) when it found it missing, damaged or stale. A step committed during a run
-is read in full once, at the next startup, and is indexed from then on.
+(`append`, `make_entry` and `drop` do nothing for a URL): the startup scan rewrites the whole object
+once (`write_url`) when it found it missing, damaged or stale, and a run adds the steps it committed
+once, when it gives its lease back (`ObjectNamespace.flush_index`). A killed run's steps are read in
+full once, at the next startup, and are indexed from then on.
 
 This module does no logging and imports nothing from `store` or `scan`.
 """
@@ -170,24 +171,19 @@ def make_entry(layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dic
 # reading and writing
 
 
-def read(layout: Layout) -> Dict[int, IndexEntry]:
-    """{step: its latest entry}. IndexUnusable if the file is missing, for another K/W, or any line of
-    it does not parse (a torn append included: the index is then rebuilt)."""
-    path = index_path(layout)
+def read(layout: Layout, backend: Any = None) -> Dict[int, IndexEntry]:
+    """{step: its latest entry}, read through the namespace's backend (`read_index`; the POSIX one
+    unless `backend` is given -- an object store's index is one object). IndexUnusable if it is
+    missing, cannot be read, is for another K/W or stamp kind, or any line of it does not parse (a torn
+    append included: the index is then rebuilt)."""
+    backend = backend if backend is not None else PosixNamespace(layout)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise IndexUnusable("missing") from None
-    except OSError as exc:
-        raise IndexUnusable(f"cannot be opened: {exc.strerror or exc}") from None
-    try:
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read()
-    except OSError as exc:
-        raise IndexUnusable(f"cannot be read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    return parse(layout, data)
+        data = backend.read_index()
+    except Exception as exc:  # OSError, a symlink (CorruptStepError), ObjectStoreError: only a hint
+        raise IndexUnusable(f"cannot be read: {exc}") from None
+    if data is None:
+        raise IndexUnusable("missing")
+    return parse(layout, bytes(data))
 
 
 def parse(layout: Layout, data: bytes) -> Dict[int, IndexEntry]:
@@ -312,18 +308,6 @@ def url_entry(step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]], cre
               gen_s: Optional[float], stamp: Stamp) -> IndexEntry:
     """An object-store entry (`newest_mtime_ns` 0: never racy)."""
     return IndexEntry(step, nbytes, fingerprint, created, gen_s, stamp, time.time_ns(), 0)
-
-
-def read_url(layout: Layout, backend: Any) -> Dict[int, IndexEntry]:
-    """The index object of an object-store namespace, read through its backend (`read_index`).
-    IndexUnusable when it is missing, cannot be read or does not parse as this namespace's."""
-    try:
-        data = backend.read_index()
-    except Exception as exc:  # ObjectStoreError and the like: the index is only a hint
-        raise IndexUnusable(f"cannot be read: {exc}") from None
-    if data is None:
-        raise IndexUnusable("missing")
-    return parse(layout, bytes(data))
 
 
 def write_url(layout: Layout, backend: Any, entries: Iterable[IndexEntry]) -> Optional[str]:

@@ -209,7 +209,7 @@ def _scan_listed(layout: Layout, use_index: bool = True) -> NamespaceReport:
         return NamespaceReport(layout, tuple(classify(s) for s in listing.steps))
     note: Optional[str] = None
     try:
-        indexed = _index.read_url(layout, backend)
+        indexed = _index.read(layout, backend)
     except _index.IndexUnusable as exc:
         indexed, note = {}, f"index {exc}"
     fingerprints: Dict[int, Optional[Fingerprint]] = {}
