@@ -1,14 +1,27 @@
 """skip_harness: cache RL rollout mini-batches on disk by (step, inner index, rank) and serve them on reruns.
 
-The public API (imported lazily, so `import skip_harness` stays cheap)::
+The public API (imported lazily, so `import skip_harness` stays cheap; type checkers and editors see the
+real types through the TYPE_CHECKING imports below)::
 
-    from skip_harness import SkipHarness, NamespaceKey, HarnessCallback, RunSummary, StepRecord, register_type
+    from skip_harness import SkipHarness, NamespaceKey, HarnessCallback, RunSummary, StepRecord, Outcome, register_type
 """
 from __future__ import annotations
 
-from typing import Any
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+if TYPE_CHECKING:
+    from skip_harness.codec import register_type
+    from skip_harness.config import RolloutTQConfig
+    from skip_harness.run.callbacks import HarnessCallback
+    from skip_harness.run.harness import SkipHarness
+    from skip_harness.run.stats import Outcome, RunSummary, StepRecord
+    from skip_harness.store.layout import NamespaceKey
+
+try:
+    __version__ = version("skip_harness")  # the installed metadata: pyproject.toml's [project] version
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _PUBLIC = {
     "SkipHarness": "skip_harness.run.harness",
@@ -16,10 +29,11 @@ _PUBLIC = {
     "HarnessCallback": "skip_harness.run.callbacks",
     "RunSummary": "skip_harness.run.stats",
     "StepRecord": "skip_harness.run.stats",
+    "Outcome": "skip_harness.run.stats",
     "RolloutTQConfig": "skip_harness.config",
     "register_type": "skip_harness.codec",
 }
-__all__ = sorted(_PUBLIC)
+__all__ = sorted(_PUBLIC) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,8 +1,5 @@
-"""The Hydra callbacks under the name the README and conf/ use; they live in
-:mod:`skip_harness.integrations.hydra`."""
-from skip_harness.integrations.hydra import (  # noqa: F401  (re-exported)
-    FAILURE_FILE, HydraStartupCallback, SweepReport, config_composed, note_config_composed, record_job_failure,
-)
+"""Moved to :mod:`skip_harness.integrations.hydra` (this name imports with a DeprecationWarning; conf/ and
+the README name the new place)."""
+from skip_harness._moved import moved
 
-__all__ = ["FAILURE_FILE", "HydraStartupCallback", "SweepReport", "config_composed", "note_config_composed",
-           "record_job_failure"]
+__getattr__, __dir__ = moved(__name__, "skip_harness.integrations.hydra")

@@ -88,8 +88,24 @@ def test_bench_table_names_every_figure(tmp_path):
     assert "one-thread" not in proc.stdout  # asked for one thread: no second run
 
 
+BAD_OPTIONS = ((["--rows", "0"], "--rows"), (["--scan-steps", "0"], "--scan-steps"))
+
+
+def test_bench_rejects_a_bad_option_in_process(capsys):
+    """The argument checks, in-process (argparse's exit 2 and its message); the subprocess case below
+    runs one of them as a user does."""
+    bench = load_bench()
+    for bad, name in BAD_OPTIONS:
+        with pytest.raises(SystemExit) as exc:
+            bench.main(bad)
+        out, err = capsys.readouterr()
+        assert exc.value.code == 2 and name in err and "Traceback" not in err, (bad, err)
+        assert out == ""
+
+
+@pytest.mark.slow
 def test_bench_rejects_a_bad_option_without_traceback(tmp_path):
-    for bad, name in ((["--rows", "0"], "--rows"), (["--scan-steps", "0"], "--scan-steps")):
+    for bad, name in BAD_OPTIONS[:1]:
         proc = run(bad, tmp_path, timeout=120)
         assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr
         assert proc.stdout == ""

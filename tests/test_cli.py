@@ -182,6 +182,7 @@ def test_bad_dump_dir_is_a_one_line_error(tmp_path, capsys, kind):
         assert len(err.strip().splitlines()) == 1 and str(path) in err
 
 
+@pytest.mark.slow  # the installed command in subprocesses
 def test_console_entry_point_in_a_subprocess(cache, tmp_path):
     dump, a, b = cache
     proc = subprocess.run([sys.executable, "-m", "skip_harness.cli", "ls", str(dump), "--json"],

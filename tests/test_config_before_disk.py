@@ -1,6 +1,11 @@
 """The whole config is checked before the disk: every bad value, with the Hydra startup callback on,
 stops the run with one message naming the key and exit status 2 — and nothing is created or removed:
-no run directory, nothing in the cache."""
+no run directory, nothing in the cache.
+
+Every bad value is checked in-process (composed by Hydra's compose API, then the startup callback and
+`train` as scripts/train.py runs them); one case per way a run stops — a value Hydra's schema refuses while
+composing, a value our checks refuse in the job, an unknown key each way — also runs scripts/train.py in a
+real subprocess for the exit status, the message and the untouched disk."""
 from __future__ import annotations
 
 import os
@@ -10,11 +15,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from skip_harness.demo.config import register_demo_configs
+from skip_harness.demo.run import train
+from skip_harness.errors import SkipHarnessError
+from skip_harness.integrations.hydra import HydraStartupCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
-
-pytestmark = pytest.mark.slow
+CONF = ROOT / "conf"
 
 SEP4 = ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4"]
 BAD = [  # (overrides, the key the message must name)
@@ -42,44 +53,104 @@ def tree(root: Path) -> list:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def test_every_bad_value_stops_before_the_disk(tmp_path):
+def stale_cache(tmp_path: Path) -> Path:
+    """A namespace the runs would use, holding an interrupted step that cleanup would remove."""
     cache = tmp_path / "cache"
-    # A namespace the runs would use, holding an interrupted step that cleanup would remove.
     stale = cache / "sync_seed0_skip_harness_demo" / "GBS512_N8_in8_out10" / "3"
     stale.mkdir(parents=True)
     (stale / "tq_batch.pt").write_bytes(b"half a file")
+    return cache
+
+
+def refusal(overrides, run_dir: Path):
+    """What stops `scripts/train.py overrides`, in-process: ("compose", message) when Hydra's schema refuses
+    the value while composing (train.py exits 2 for it), ("job", message) when the startup callback leaves
+    it to the job and `train` raises our config error (exit 2); None when nothing refused it."""
+    register_demo_configs()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        try:
+            cfg = compose("config", ["trainer.progress=false", *overrides])
+        except ConfigCompositionException as exc:
+            return "compose", f"{exc} {exc.__cause__ or ''}"
+    HydraStartupCallback(validate="skip_harness.demo.run.validate").on_job_start(config=cfg, task_function=None)
+    try:
+        train(cfg, run_dir=run_dir)
+    except SkipHarnessError as exc:
+        return "job", str(exc)
+    return None
+
+
+def test_every_bad_value_stops_before_the_disk_in_process(tmp_path, monkeypatch):
+    cache = stale_cache(tmp_path)
+    before = tree(cache)
+    monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", str(cache))
+    paths = set()
+    for n, (overrides, key) in enumerate(BAD):
+        stopped = refusal(overrides, tmp_path / f"run{n}")
+        assert stopped is not None, (overrides, "ran")
+        where, text = stopped
+        paths.add(where)
+        assert key in text, (overrides, text)
+        assert tree(cache) == before, (overrides, tree(cache))
+        assert not (tmp_path / f"run{n}").exists(), (overrides, "a run directory was made")
+    assert paths == {"compose", "job"}  # both ways a run stops are among the cases (each runs end-to-end below)
+
+
+END_TO_END = [  # one case per way a run stops, run as a user runs it
+    (["skip.rollout_tq.action=bogus"], "skip.rollout_tq.action", "compose"),
+    (["trainer.torch_threads=0"], "trainer.torch_threads", "job"),
+]
+
+
+@pytest.mark.slow
+def test_a_bad_value_stops_train_py_with_exit_2_before_the_disk(tmp_path):
+    cache = stale_cache(tmp_path)
     before = tree(cache)
     env = {**os.environ, "SKIP_HARNESS_DUMP_DIR": str(cache)}
     env.pop("HYDRA_FULL_ERROR", None)
 
     def run(case):
-        overrides, key = case
-        out = tmp_path / f"run{BAD.index(case)}"
+        overrides, key, where = case
+        out = tmp_path / f"run{END_TO_END.index(case)}"
         proc = subprocess.run([sys.executable, str(TRAIN), f"hydra.run.dir={out}", "trainer.progress=false", *overrides],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         return case, proc
 
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(run, BAD))
-    for (overrides, key), proc in results:
+        results = list(pool.map(run, END_TO_END))
+    for n, ((overrides, key, where), proc) in enumerate(results):
+        assert refusal(overrides, tmp_path / "in-process")[0] == where  # the path this case stands for
         text = proc.stdout + proc.stderr
         assert proc.returncode != 0, (overrides, text)
         assert key in text, (overrides, text)
         assert "Traceback" not in text, (overrides, text)
         assert tree(cache) == before, (overrides, tree(cache))
         assert proc.returncode == 2, (overrides, text)
-        assert not (tmp_path / f"run{BAD.index((overrides, key))}").exists(), (overrides, "a run directory was made")
+        assert not (tmp_path / f"run{n}").exists(), (overrides, "a run directory was made")
 
 
-@pytest.mark.parametrize(
-    "override, says",
-    [
-        # Hydra's advice for an unknown key is `+key=value`; following it must not run with the key ignored
-        ("+skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin: unknown key"),
-        ("skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin"),  # Hydra's own refusal (it exits 1)
-        ("+trainer.total_trainig_steps=3", "did you mean `total_training_steps`?"),
-    ],
-)
+UNKNOWN = [
+    # Hydra's advice for an unknown key is `+key=value`; following it must not run with the key ignored
+    ("+skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin: unknown key"),
+    ("skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin"),  # Hydra's own refusal (it exits 1)
+    ("+trainer.total_trainig_steps=3", "did you mean `total_training_steps`?"),
+]
+
+
+def test_an_unknown_key_is_refused_naming_it_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", str(tmp_path / "cache"))
+    for n, (override, says) in enumerate(UNKNOWN):
+        where, text = refusal(["data.train_batch_size=8", override], tmp_path / f"run{n}")
+        assert where == ("compose" if not override.startswith("+") else "job"), (override, where)
+        assert says in text, (override, text)
+        if override.startswith("+skip"):
+            assert "did you mean `action`?" in text, text
+        assert not (tmp_path / f"run{n}").exists()
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, says", UNKNOWN[:2])  # one case per path: ours (a `+` key), Hydra's own
 def test_an_unknown_key_stops_with_exit_2_and_creates_nothing(tmp_path, override, says):
     env = {**os.environ, "SKIP_HARNESS_DUMP_DIR": str(tmp_path / "cache")}
     env.pop("HYDRA_FULL_ERROR", None)

@@ -236,6 +236,7 @@ def test_prepare_without_dispatch_starts_no_generation(accelerator):
         assert trainer.generations == settings.K
 
 
+@pytest.mark.slow  # the demo's learning over 25 steps (about a minute), not the cache
 def test_reward_rises(accelerator):
     settings = replace(SMALL, train_batch_size=16, n=8, max_prompt_length=8, max_response_length=8, n_heads=2, n_layers=2)
     _, rows = run(settings, accelerator, 25, test_freq=25)
@@ -272,6 +273,7 @@ with open({out!r} + f"/rank{{acc.process_index}}.json", "w") as f:
 """
 
 
+@pytest.mark.slow  # torchrun, two processes
 def test_two_ranks_under_torchrun(tmp_path):
     script = tmp_path / "dist_demo.py"
     script.write_text(DIST_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path)))

@@ -205,6 +205,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, pretend_nccl: b
     os._exit(0)
 
 
+@pytest.mark.slow  # two real processes
 @pytest.mark.parametrize("pretend_nccl", [False, True], ids=["gloo-default", "non-gloo-default"])
 def test_two_real_processes(tmp_path, pretend_nccl, no_launcher_env):
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), pretend_nccl), nprocs=2, join=True)
@@ -238,6 +239,7 @@ def _gpu_check(*args: str):
                           env=subprocess_env(), timeout=600)
 
 
+@pytest.mark.slow  # scripts/gpu_check.py in a subprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: run scripts/gpu_check.py itself")
 def test_gpu_check_skips_cleanly_without_a_gpu():
     proc = _gpu_check()

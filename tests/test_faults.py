@@ -286,6 +286,7 @@ FSIZE_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a run in a subprocess under RLIMIT_FSIZE
 def test_file_size_limit(tmp_path):
     """RLIMIT_FSIZE in a subprocess: writes past the limit fail with EFBIG, as on a full disk."""
     dump = tmp_path / "cache"

@@ -345,6 +345,7 @@ def test_legacy_cache_without_commit_is_served_as_unverified(tmp_path, caplog, l
     assert "1 unverified" in caplog.text and "step 1: hit (unverified" in caplog.text
 
 
+@pytest.mark.slow  # a second process
 def test_lock_held_by_another_process(tmp_path):
     h, t = make(tmp_path, 1)
     h.start()

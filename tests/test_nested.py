@@ -230,6 +230,7 @@ def test_dataproto_element_the_codec_cannot_hold_is_refused_naming_the_key():
         codec.plan(dp)
 
 
+@pytest.mark.verl  # imports verl (in a subprocess)
 def test_verl_is_imported_only_for_a_dataproto(tmp_path):
     pytest.importorskip("verl")
     dp_path = tmp_path / "dp.pt"

@@ -59,6 +59,7 @@ def test_every_tagged_readme_example_is_checked_here():
         assert f"Save this as `{file_name}` and run `python {file_name}` twice" in prose, file_name
 
 
+@pytest.mark.slow  # two runs of the README's example in subprocesses
 def test_plain_dict_example_runs_as_written_and_hits_on_the_second_run(tmp_path):
     first, again = run_example("plain-dict", tmp_path, times=2)
     assert [line.split() for line in first.stdout.splitlines()[:3]] == [
@@ -71,6 +72,7 @@ def test_plain_dict_example_runs_as_written_and_hits_on_the_second_run(tmp_path)
     assert where and where[0].split(maxsplit=1)[1].startswith(str(tmp_path / "cache" / "my_run_demo")), first.stdout
 
 
+@pytest.mark.slow  # runs the example in a subprocess
 def test_an_example_saved_beside_a_clone_named_skip_harness_fails_as_the_readme_says(tmp_path):
     """The README warns that a script saved in the folder holding the clone imports the clone's folder
     instead of the package; the message it quotes must be the one Python gives."""

@@ -30,7 +30,7 @@ from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
 from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.run.prefetch import Prefetcher
 from skip_harness.run.startup import StartupResult, start_namespace
-from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, RunStats, RunSummary
+from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.stepstore import StepStore
@@ -243,8 +243,9 @@ class SkipHarness:
             startup.release()
 
     # ----------------------------------------------------------------- queries
-    def outcome(self, step: int) -> str:
-        """What was served for `step`: 'hit', 'miss', 'repeat' or 'off'."""
+    def outcome(self, step: int) -> Outcome:
+        """What was served for `step`: Outcome.HIT, MISS, REPEAT or OFF (a str enum: equal to 'hit', 'miss',
+        'repeat', 'off')."""
         if self._runner is None:
             return OFF
         return self._runner.outcomes.get(step, OFF)

@@ -8,11 +8,29 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Dict, List, Optional
 
 from skip_harness.errors import HarnessUsageError
 
-HIT, MISS, REPEAT, OFF = "hit", "miss", "repeat", "off"
+
+class Outcome(str, Enum):
+    """What a step was served: a string-valued enum, so `outcome == "hit"`, a dict keyed by "hit", json
+    and log lines all see the plain string (`str(Outcome.HIT) == "hit"`)."""
+
+    HIT = "hit"
+    MISS = "miss"
+    REPEAT = "repeat"
+    OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+HIT, MISS, REPEAT, OFF = Outcome.HIT, Outcome.MISS, Outcome.REPEAT, Outcome.OFF
 KINDS = (HIT, REPEAT, MISS, OFF)
 
 # Why a miss was not committed (the keys of RunSummary.uncommitted_reasons).

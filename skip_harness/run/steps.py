@@ -22,7 +22,7 @@ from skip_harness.errors import HarnessUsageError, SkipHarnessError
 from skip_harness.run.policy import Decision, decide
 from skip_harness.run.prefetch import Loaded, Prefetcher
 from skip_harness.run.startup import set_aside
-from skip_harness.run.stats import HIT, MISS, OFF, READ_ONLY, RunStats, StepRecord
+from skip_harness.run.stats import HIT, MISS, OFF, READ_ONLY, Outcome, RunStats, StepRecord
 from skip_harness.store.stepstore import StepStore
 
 
@@ -65,7 +65,7 @@ class StepRunner:
         self.read_only = read_only
         self.call_digest = call_digest
         self.stats = RunStats()
-        self.outcomes: Dict[int, str] = {}
+        self.outcomes: Dict[int, Outcome] = {}
         self._states: Dict[int, _StepState] = {}
         self._order: List[int] = []  # decided steps whose record is not reported yet, in order
         self._records: Dict[int, StepRecord] = {}

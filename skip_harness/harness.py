@@ -1,0 +1,4 @@
+"""Moved to :mod:`skip_harness.run.harness` (this name imports with a DeprecationWarning)."""
+from skip_harness._moved import moved
+
+__getattr__, __dir__ = moved(__name__, "skip_harness.run.harness")
