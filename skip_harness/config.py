@@ -142,7 +142,7 @@ def _to_object(schema: type, cfg: Any, prefix: str) -> Any:
             base = OmegaConf.structured(schema)
             if cfg is not None:
                 node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(
-                    dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+                    dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)  # type: ignore[arg-type]
                 )
                 base = OmegaConf.merge(base, node)
         obj = OmegaConf.to_object(base)
@@ -181,7 +181,7 @@ def check_known_keys(schema: type, cfg: Any, prefix: str = "") -> None:
             raise ConfigError(full, f"unknown key (not in {where}); {hint}")
         kind = fields[name]
         if dataclasses.is_dataclass(kind) and isinstance(value, (dict, DictConfig)):
-            check_known_keys(kind, value, full)
+            check_known_keys(kind, value, full)  # type: ignore[arg-type]
 
 
 def settings_from(obj: Any) -> RolloutTQConfig:

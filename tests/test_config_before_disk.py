@@ -8,6 +8,7 @@ composing, a value our checks refuse in the job, an unknown key each way — als
 real subprocess for the exit status, the message and the untouched disk."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -62,17 +63,38 @@ def stale_cache(tmp_path: Path) -> Path:
     return cache
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def refusal(overrides, run_dir: Path):
-    """What stops `scripts/train.py overrides`, in-process: ("compose", message) when Hydra's schema refuses
-    the value while composing (train.py exits 2 for it), ("job", message) when the startup callback leaves
-    it to the job and `train` raises our config error (exit 2); None when nothing refused it."""
+    """What stops `scripts/train.py overrides`, in-process, as train.py's Hydra run goes: ("compose", message)
+    when Hydra's schema refuses the value while composing; ("callback", message) when the startup callback's
+    check before the run directory exits 2; ("job", message) when `train` raises our config error. None
+    when nothing refused it. (train.py exits 2 for each.)"""
     register_demo_configs()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         try:
             cfg = compose("config", ["trainer.progress=false", *overrides])
         except ConfigCompositionException as exc:
             return "compose", f"{exc} {exc.__cause__ or ''}"
-    HydraStartupCallback(validate="skip_harness.demo.run.validate").on_job_start(config=cfg, task_function=None)
+    callback = HydraStartupCallback(validate="skip_harness.demo.run.validate")
+    said = _Lines()
+    logger = logging.getLogger("skip_harness")
+    logger.addHandler(said)
+    try:
+        callback.on_run_start(config=cfg)
+    except SystemExit as exc:
+        assert exc.code == 2, exc.code
+        return "callback", "\n".join(said.lines)
+    finally:
+        logger.removeHandler(said)
+    callback.on_job_start(config=cfg, task_function=None)
     try:
         train(cfg, run_dir=run_dir)
     except SkipHarnessError as exc:
@@ -93,12 +115,12 @@ def test_every_bad_value_stops_before_the_disk_in_process(tmp_path, monkeypatch)
         assert key in text, (overrides, text)
         assert tree(cache) == before, (overrides, tree(cache))
         assert not (tmp_path / f"run{n}").exists(), (overrides, "a run directory was made")
-    assert paths == {"compose", "job"}  # both ways a run stops are among the cases (each runs end-to-end below)
+    assert paths == {"compose", "callback"}  # both ways a run stops are among the cases (each runs end-to-end below)
 
 
 END_TO_END = [  # one case per way a run stops, run as a user runs it
     (["skip.rollout_tq.action=bogus"], "skip.rollout_tq.action", "compose"),
-    (["trainer.torch_threads=0"], "trainer.torch_threads", "job"),
+    (["trainer.torch_threads=0"], "trainer.torch_threads", "callback"),
 ]
 
 
@@ -141,7 +163,7 @@ def test_an_unknown_key_is_refused_naming_it_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", str(tmp_path / "cache"))
     for n, (override, says) in enumerate(UNKNOWN):
         where, text = refusal(["data.train_batch_size=8", override], tmp_path / f"run{n}")
-        assert where == ("compose" if not override.startswith("+") else "job"), (override, where)
+        assert where == ("compose" if not override.startswith("+") else "callback"), (override, where)
         assert says in text, (override, text)
         if override.startswith("+skip"):
             assert "did you mean `action`?" in text, text

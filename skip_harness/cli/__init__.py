@@ -191,12 +191,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "show":
         from skip_harness.cli.show import cmd_show
 
-        return cmd_show(UrlPath(args.path) if is_url_text(args.path) else Path(args.path), args.step, args.inner, args.rank, args.head, args.json)
+        return cmd_show(UrlPath(args.path) if is_url_text(args.path) else Path(args.path), args.step, args.inner, args.rank, args.head, args.json)  # type: ignore[arg-type]
     where = ""
     if args.dump_dir is None:   # where runs write
         dump_dir, where = default_dump_dir()
     elif is_url_text(args.dump_dir):   # an object store: opened through store.backend, never a Path
-        dump_dir = UrlPath(args.dump_dir)
+        dump_dir = UrlPath(args.dump_dir)  # type: ignore[assignment]
     else:
         dump_dir = Path(args.dump_dir)
     if args.command == "import-verl":

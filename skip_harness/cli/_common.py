@@ -60,7 +60,7 @@ class Progress_:
 
     def __init__(self, progress: Optional[Progress]):
         self._progress = progress
-        self._task = None
+        self._task: Any = None
         self._what = ""
         self._t0 = 0.0
 
@@ -141,7 +141,7 @@ def step_accessed(reader: StepReader, report: _scan.StepReport) -> Optional[floa
         return None
     return reader.backend.last_read(report.step, [prel for _i, _r, prel, _m in reader.layout.expected_rels()])
 
-def default_dump_dir() -> Tuple[Path, str]:
+def default_dump_dir() -> Tuple[Any, str]:
     """Where runs write when nothing names another place, and how that was decided (for the user)."""
     from skip_harness.config import DUMP_DIR_ENV, RolloutTQConfig
 

@@ -101,7 +101,7 @@ def _children(obj: Any) -> Optional[List[Tuple[str, Any]]]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return [(str(k), v) for k, v in obj._asdict().items()]
+        return [(str(k), v) for k, v in obj._asdict().items()]  # type: ignore[attr-defined]  # a namedtuple
     if isinstance(obj, tuple):
         return [(str(i), v) for i, v in enumerate(obj)]
     return None

@@ -169,7 +169,7 @@ def _convert_step(store: StepStore, vstep: VerlStep, existing: Optional[_scan.St
     layout = store.layout
     if existing is not None:   # an incomplete or corrupt step of ours: rewrite it whole
         store.writer.clear_step(vstep.step)
-    entries = []
+    entries: List[Any] = []
     trajectories = 0
     try:
         for inner, payload_path, meta_path in vstep.files:

@@ -15,7 +15,6 @@ from skip_harness.store.layout import Layout
 from skip_harness.store.stepstore import StepStore
 
 from skip_harness.cli._common import (
-    SORT_KEYS,
     EXIT_CORRUPT,
     EXIT_OK,
     emit_json,

@@ -119,7 +119,8 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
 
 
 def _ranges(steps: List[int]) -> str:
-    out, run = [], []
+    out: List[str] = []
+    run: List[int] = []
     for s in sorted(steps):
         if run and s == run[-1] + 1:
             run.append(s)
@@ -172,7 +173,7 @@ def describe(obj: Any, path: str = "") -> Iterator[Tuple[str, str, str, str, int
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         kids = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        kids = list(obj._asdict().items())
+        kids = list(obj._asdict().items())  # type: ignore[attr-defined]  # a namedtuple
     elif isinstance(obj, (list, tuple)):
         shape = f"len {len(obj)}"
         kinds = {type(v).__name__ for v in obj}
@@ -226,7 +227,7 @@ def _nested_shape(t: torch.Tensor) -> str:
 
 def _nested_bytes(t: torch.Tensor) -> int:
     if t.layout == torch.jagged:
-        parts = [t.values(), t.offsets()] + ([t.lengths()] if t.lengths() is not None else [])
+        parts = [t.values(), t.offsets()] + ([t.lengths()] if t.lengths() is not None else [])  # type: ignore[attr-defined]
     else:
         parts = list(t.unbind(0))
     return sum(p.numel() * p.element_size() for p in parts)
@@ -276,7 +277,7 @@ def head_values(obj: Any, n: int, path: str = "") -> Iterator[Tuple[str, str]]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        items = list(obj._asdict().items())
+        items = list(obj._asdict().items())  # type: ignore[attr-defined]  # a namedtuple
     elif isinstance(obj, (list, tuple)):
         yield path or "(payload)", _short(list(obj[:n]), 2000)
         return
@@ -299,7 +300,7 @@ def _stored_table(stored: List[Any]) -> Table:
                     + (f" ({on_disk / logical:.3f})" if logical else ""), title_justify="left")
     for col, justify in (("field", "left"), ("dtype", "left"), ("stored as", "left"), ("compression", "left"),
                          ("bytes", "right"), ("stored", "right"), ("ratio", "right")):
-        t.add_column(col, justify=justify, overflow="fold")
+        t.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]  # rich wants a Literal
     for f in stored[:_MAX_ROWS]:
         ratio = _ratio(f)
         t.add_row(escape(f.name), f.dtype, f.stored_dtype, f.compression, human_bytes(f.logical_bytes),
@@ -403,7 +404,7 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
     t = Table(title="structure", title_justify="left")
     for col, justify in (("key", "left"), ("type", "left"), ("shape", "left"), ("dtype", "left"),
                          ("bytes", "right"), ("value", "left")):
-        t.add_column(col, justify=justify, overflow="fold")
+        t.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]  # rich wants a Literal
     for r in rows[:_MAX_ROWS]:
         t.add_row(escape(r[0]), escape(r[1]), r[2], r[3], human_bytes(r[4]) if r[4] else "", escape(r[5]))
     if len(rows) > _MAX_ROWS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from rich.markup import escape
 from rich.table import Table
@@ -118,8 +118,8 @@ def cmd_import_verl(source: Path, dump_dir: Path, trust: bool, dry_run: bool, as
         t.add_column("namespace", overflow="fold")
         t.add_column("steps " + verb, justify="right")
         t.add_column("trajectories", justify="right")
-        by_ns = {}
-        for target, step, n in result.converted:
+        by_ns: Dict[Any, Any] = {}
+        for target, _step, n in result.converted:
             steps, traj = by_ns.get(target, (0, 0))
             by_ns[target] = (steps + 1, traj + n)
         for target, (steps, traj) in by_ns.items():

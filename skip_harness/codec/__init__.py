@@ -99,7 +99,7 @@ def encode_named(payload: Any) -> Tuple[Any, Dict[int, str]]:
     return _encode(payload, "payload", walk), walk.names
 
 
-def _encode(obj: Any, where: str, active: set) -> Any:
+def _encode(obj: Any, where: str, active: _Walk) -> Any:
     if isinstance(obj, torch.Tensor) and obj.is_nested:
         return _encode_nested(obj, where, active)
     if isinstance(obj, torch.Tensor):
@@ -165,13 +165,13 @@ def _encode_nested(nt: torch.Tensor, where: str, walk: _Walk) -> Dict[str, Any]:
     dev = origin_device(nt)
     nt = nt.detach()
     if nt.layout == torch.jagged:
-        lengths = nt.lengths()
+        lengths = nt.lengths()  # type: ignore[attr-defined]  # jagged nested tensor API
         return {TAG: "jagged", "device": str(dev),
                 "values": walk.tensor(_plain_cpu_tensor(nt.values(), where + ".values()"), where + ".values()"),
-                "offsets": walk.tensor(_plain_cpu_tensor(nt.offsets(), where + ".offsets()"), where + ".offsets()"),
+                "offsets": walk.tensor(_plain_cpu_tensor(nt.offsets(), where + ".offsets()"), where + ".offsets()"),  # type: ignore[attr-defined]
                 "lengths": None if lengths is None else walk.tensor(_plain_cpu_tensor(lengths, where + ".lengths()"),
                                                                     where + ".lengths()"),
-                "ragged_idx": int(nt._ragged_idx),
+                "ragged_idx": int(nt._ragged_idx),  # type: ignore[attr-defined]
                 "min_seqlen": _cached_seqlen(nt, "_min_seqlen"), "max_seqlen": _cached_seqlen(nt, "_max_seqlen")}
     if nt.layout == torch.strided:
         return {TAG: "nested", "device": str(dev),
@@ -196,7 +196,7 @@ def _cached_seqlen(nt: torch.Tensor, attr: str) -> Any:
         return None
 
 
-def _encode_non_tensor(obj: Any, where: str, active: set) -> Any:
+def _encode_non_tensor(obj: Any, where: str, active: _Walk) -> Any:
     """A NonTensorData / MetaData (one value for its whole batch) or a NonTensorStack (one value per
     batch element, kept as nested lists with one level per batch dimension)."""
     batch_size = [int(s) for s in obj.batch_size]
@@ -221,7 +221,7 @@ def _encode_non_tensor(obj: Any, where: str, active: set) -> Any:
             "items": nested(items, 0, where)}
 
 
-def _encode_ndarray(arr: Any, where: str, active: set) -> Any:
+def _encode_ndarray(arr: Any, where: str, active: _Walk) -> Any:
     if arr.dtype.kind in "biufc" and not arr.dtype.hasobject:
         try:
             data = torch.from_numpy(np.ascontiguousarray(arr)).clone()

@@ -97,7 +97,7 @@ def cat_nested(items: Sequence[torch.Tensor]) -> torch.Tensor:
     if first.layout == torch.jagged:
         # The first one's ragged dimension (a mini-batch of one row may have been built with another:
         # torch picks the dimension whose sizes differ); rows whose other sizes differ fail in torch.cat.
-        ragged = first._ragged_idx
+        ragged = first._ragged_idx  # type: ignore[attr-defined]  # a jagged nested tensor
         if any(x.layout != torch.jagged for x in items):
             raise CodecError("nested tensors of different layouts")
         rows = [r for x in items for r in x.unbind(0)]
@@ -128,7 +128,7 @@ def _cat_tensordicts_with_nested(items: List[Any], nested: List[Any]) -> Any:
                              f"vs {sorted(map(str, _nested_keys(x)))}")
     out = torch.cat([x.exclude(*nested) for x in items], dim=0)
     for k in nested:
-        out.set(k, cat_nested([x.get(k) for x in items]))
+        out.set(k, cat_nested([x.get(k) for x in items]))  # type: ignore[attr-defined]  # a TensorDict
     return out
 
 

@@ -149,7 +149,7 @@ def registered_or_refuse(obj: Any, where: str) -> Optional[str]:
 
 def fields_of(obj: Any) -> Tuple[List[str], List[Any]]:
     if isinstance(obj, tuple):
-        names = list(type(obj)._fields)
+        names = list(type(obj)._fields)  # type: ignore[attr-defined]  # a namedtuple
         return names, list(obj)
     names = [f.name for f in dataclasses.fields(obj)]
     return names, [getattr(obj, n) for n in names]
@@ -174,9 +174,9 @@ def rebuild(name: str, names: Sequence[str], values: Sequence[Any], where: str) 
 
 def construct(cls: type, names: List[str], values: List[Any], where: str) -> Any:
     if _is_namedtuple_class(cls):
-        if names != list(cls._fields):
-            raise CodecError(f"{where}: stored fields {names} differ from {_qualified(cls)}'s {list(cls._fields)}")
-        return cls._make(values)
+        if names != list(cls._fields):  # type: ignore[attr-defined]  # a namedtuple class
+            raise CodecError(f"{where}: stored fields {names} differ from {_qualified(cls)}'s {list(cls._fields)}")  # type: ignore[attr-defined]
+        return cls._make(values)  # type: ignore[attr-defined]
     fields = dataclasses.fields(cls)
     if names != [f.name for f in fields]:
         raise CodecError(f"{where}: stored fields {names} differ from {_qualified(cls)}'s "

@@ -128,7 +128,7 @@ def _byte_view(t: torch.Tensor) -> Any:
     """The bytes of a contiguous CPU tensor, without copying them."""
     u8 = t.reshape(-1).view(torch.uint8)
     if np is not None:
-        return memoryview(u8.numpy())
+        return memoryview(u8.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
     return ctypes.string_at(u8.data_ptr(), u8.numel())  # pragma: no cover
 
 

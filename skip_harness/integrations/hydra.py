@@ -79,7 +79,7 @@ class HydraStartupCallback(Callback):
         except ConfigError as exc:
             log.error("%s (nothing was created: no run directory, nothing in the cache)", exc)
             sys.stderr.flush()
-            raise SystemExit(2)  # not an Exception: Hydra would turn it into a warning
+            raise SystemExit(2) from None  # not an Exception: Hydra would turn it into a warning
         except Exception as exc:  # noqa: BLE001 - the task function repeats the check and reports it
             log.debug("skip_harness config check deferred to the task function: %s", exc)
 
@@ -112,7 +112,7 @@ class HydraStartupCallback(Callback):
         report.on_startup(namespace=str(layout.root), startup=result)
         hand_over(result)
 
-    def on_job_end(self, config: Any, **kwargs: Any) -> None:
+    def on_job_end(self, config: Any, **kwargs: Any) -> None:  # type: ignore[override]  # job_return in kwargs
         result = self._held.pop(id(config), None)
         if result is not None and take_over(result.layout) is result:
             result.release()  # nobody took it over (the job stopped before its harness started)

@@ -175,7 +175,7 @@ class HarnessRolloutTqSkip(BaseSkip):
             self._inject_next(int(step))
         return False
 
-    def prepare_data(self, step: int, batch: Any = None, global_steps: Any = None, *args: Any, **kwargs: Any) -> None:
+    def prepare_data(self, step: int, batch: Any = None, global_steps: Any = None, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         """phase="sample" on a miss: hand the sampled mini-batch to the harness as the next inner index."""
         if self.harness is None:
             return

@@ -137,7 +137,7 @@ def _node(cfg: Any) -> Dict[str, Any]:
         return {}
     if not isinstance(node, DictConfig):
         raise ConfigError(NODE, f"must be a mapping of skip_harness settings, got {_plain(node)!r}")
-    return dict(OmegaConf.to_container(node, resolve=True))
+    return dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]  # a DictConfig: a dict
 
 
 def settings_of(local_config: Any, cfg: Any) -> Tuple[RolloutTQConfig, bool, List[str]]:

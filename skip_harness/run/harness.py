@@ -9,7 +9,7 @@ Construction only validates: nothing touches the disk before :meth:`SkipHarness.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from skip_harness import codec
 from skip_harness.run.callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback
@@ -219,7 +219,7 @@ class SkipHarness:
                 self.callbacks.on_fault(path=path, reason=reason)
             self.callbacks.on_startup(namespace=str(layout.root), startup=run.startup, quiet=run.quiet)
 
-    def _build(self, dist: DistContext, layout: Layout, servable: Sequence[int], read_only: bool) -> None:
+    def _build(self, dist: DistContext, layout: Layout, servable: Iterable[int], read_only: bool) -> None:
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Optional
 
 from skip_harness.config import Action, RolloutTQConfig
-from skip_harness.run.stats import HIT, MISS, OFF, REPEAT
+from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Decision:
     ``repeat`` (serve ``source_step`` in place of ``step``) or ``miss`` (generate and write).
     """
 
-    kind: str
+    kind: Outcome
     step: int
     source_step: Optional[int] = None
     reason: str = ""

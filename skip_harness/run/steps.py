@@ -210,7 +210,7 @@ class StepRunner:
         self.outcomes[step] = MISS
         self._start_miss(step)
         for i, (batch, meta) in enumerate(zip(served, metas)):
-            keep = {k: meta[k] for k in ("gen_s", "call_digest", "rng") if k in meta}
+            keep: Dict[str, Any] = {k: meta[k] for k in ("gen_s", "call_digest", "rng") if k in meta}
             self._stash(step, i, batch, keep)
         state.batches = []
 

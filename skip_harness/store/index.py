@@ -87,7 +87,7 @@ def index_path(layout: Layout) -> str:
 
 
 def _header(layout: Layout) -> str:
-    doc = {"skip_harness_index": INDEX_FORMAT, "K": layout.K, "W": layout.W}
+    doc: Dict[str, Any] = {"skip_harness_index": INDEX_FORMAT, "K": layout.K, "W": layout.W}
     if layout.is_url:
         doc["stamp"] = URL_STAMP      # a POSIX index (inode stamps) copied into a bucket is not this one
     return json.dumps(doc, separators=(",", ":")) + "\n"

@@ -162,9 +162,9 @@ def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
         for s in steps:
             if s.status == "complete" and s.step not in trusted:
                 fp = None if s.fingerprint is None else s.fingerprint.to_json()
-                e = _index.make_entry(layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
-                if e is not None:
-                    fresh.append(e)
+                made = _index.make_entry(layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
+                if made is not None:
+                    fresh.append(made)
         failed = _index.rewrite(layout, fresh)
         if note is not None:
             note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
@@ -319,12 +319,12 @@ def _namespaces_at_url(url: UrlPath) -> List[Layout]:
     """`namespaces_at` for an object-store URL: the namespace it names, else those its dump_dir lists."""
     kw = parse_namespace_leaf(url.name)
     if kw is not None:
-        return [Layout(url, K=kw[0], W=kw[1])]
+        return [Layout(url, K=kw[0], W=kw[1])]  # type: ignore[arg-type]  # Layout's root: a Path or a UrlPath
     out = []
     for rel in open_dump_dir(str(url)).list_namespaces():
         kw = parse_namespace_leaf(rel.rsplit("/", 1)[-1])
         if kw is not None:
-            out.append(Layout(url / rel, K=kw[0], W=kw[1]))
+            out.append(Layout(url / rel, K=kw[0], W=kw[1]))  # type: ignore[arg-type]
     return out
 
 
@@ -435,7 +435,7 @@ class CleanupPlan:
 def _quarantine(layout: Layout, step: int) -> Path:
     """Move a step entry (directory, file or link: never followed) under {namespace}/.quarantine/."""
     where = namespace_of(layout).set_aside(step, "")
-    return UrlPath(where) if layout.is_url else Path(where)
+    return UrlPath(where) if layout.is_url else Path(where)  # type: ignore[return-value]  # a UrlPath on a bucket
 
 
 def plan_cleanup(report: NamespaceReport, action, extra: Iterable[Tuple[int, str]] = ()) -> CleanupPlan:

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.fingerprint import Fingerprint
@@ -102,7 +102,7 @@ def required_rels(layout: Layout) -> Tuple[str, ...]:
     return _required_rels(layout.K, layout.W)
 
 
-def parse_commit(data: bytes, layout: Layout, step: int, path: Path) -> CommitRecord:
+def parse_commit(data: bytes, layout: Layout, step: int, path: Union[Path, str]) -> CommitRecord:
     """Parse and validate the bytes of a commit record; CorruptStepError(path, reason) if they are bad."""
 
     def bad(reason: str) -> CorruptStepError:

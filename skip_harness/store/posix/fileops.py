@@ -16,7 +16,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import xxhash
 
@@ -35,7 +35,7 @@ CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 # checksums
 
 
-def checksum_bytes(data: bytes) -> str:
+def checksum_bytes(data: Union[bytes, bytearray, memoryview, mmap.mmap]) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
