@@ -11,7 +11,6 @@ import difflib
 import os
 import typing
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any, List, Optional, Union
 
@@ -27,25 +26,7 @@ DUMP_DIR_ENV = "SKIP_HARNESS_DUMP_DIR"
 ROLLOUT_TQ_KEY = "skip.rollout_tq"
 
 
-class Action(str, Enum):
-    cache = "cache"
-    repeat = "repeat"
-
-
-class Cleanup(str, Enum):
-    delete = "delete"
-    quarantine = "quarantine"
-    off = "off"
-
-
-class OnMismatch(str, Enum):
-    error = "error"
-    regenerate = "regenerate"
-
-
-class Compression(str, Enum):
-    none = "none"
-    zstd = "zstd"
+from skip_harness.choices import Action, Cleanup, Compression, OnMismatch  # noqa: E402,F401 - a leaf the store imports too
 
 
 @dataclass

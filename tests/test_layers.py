@@ -23,15 +23,19 @@ def test_the_import_contracts_hold():
     assert "0 broken" in proc.stdout
 
 
-def test_a_bad_import_breaks_a_contract(tmp_path):
-    """The contracts can fail: the store importing the run is reported, with the offending line."""
+@pytest.mark.parametrize("module, line, reported", [
+    ("store/layout.py", "from skip_harness.run import stats", "skip_harness.store.layout -> skip_harness.run.stats"),
+    ("store/scan.py", "from skip_harness.config import Cleanup as _C", "skip_harness.store.scan -> skip_harness.config"),
+])
+def test_a_bad_import_breaks_a_contract(tmp_path, module, line, reported):
+    """The contracts can fail: the store importing the run, or config, is reported with the offending line."""
     shutil.copytree(ROOT / "skip_harness", tmp_path / "skip_harness", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    layout = tmp_path / "skip_harness" / "store" / "layout.py"
-    layout.write_text(layout.read_text() + "\nfrom skip_harness.run import stats  # noqa: E402\n")
+    path = tmp_path / "skip_harness" / module
+    path.write_text(path.read_text() + f"\n{line}  # noqa: E402\n")
     proc = _lint(tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "skip_harness.store.layout -> skip_harness.run.stats" in proc.stdout
+    assert reported in proc.stdout
 
 
 def _imports(code: str) -> subprocess.CompletedProcess:

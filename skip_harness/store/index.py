@@ -28,7 +28,9 @@ once (`write_url`) when it found it missing, damaged or stale, and a run adds th
 once, when it gives its lease back (`ObjectNamespace.flush_index`). A killed run's steps are read in
 full once, at the next startup, and are indexed from then on.
 
-This module does no logging and imports nothing from `store` or `scan`.
+This module does no logging and never imports the scan (`scan` imports it). It reads and writes through
+the namespace's backend (`store.backend`, `store.posix.backend`); the storage redesign moves that behind
+the storage interface.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from skip_harness.store import index as _index
-from skip_harness.config import Cleanup
+from skip_harness.choices import Cleanup
 from skip_harness.errors import ConfigError, SkipHarnessError
 from skip_harness.store.backend import NamespaceBackend, StepListing, namespace_of, open_dump_dir
 from skip_harness.store.fingerprint import Fingerprint
