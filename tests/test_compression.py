@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from skip_harness import SkipHarness, codec
-from skip_harness.codec import tensorfile
+from skip_harness.codec import compression, tensorfile
 from skip_harness.errors import CodecError
 from skip_harness.store import payload_file
 from skip_harness.store.layout import Layout, NamespaceKey
@@ -195,7 +195,7 @@ def test_a_flipped_byte_in_a_chunk_is_found_by_verify_without_decompressing(tmp_
     path = store.layout.payload_path(1, 0, 0)
     flip(path, _chunk_offset(path, "payload['input_ids']"))
     calls = []
-    monkeypatch.setattr(tensorfile, "_decompress_one", lambda view, task: calls.append(task))
+    monkeypatch.setattr(compression, "_decompress_one", lambda view, task: calls.append(task))
     reason = store.reader.verify(1)[1]
     assert reason is not None and str(path) in reason and "checksum" in reason
     assert calls == []                                   # the checksum alone found it
@@ -307,12 +307,12 @@ def test_a_forked_child_decompresses_in_parallel_too(tmp_path):
     with open(path, "wb") as f:
         codec.save_to(f, payload, ZSTD)
     calls = []
-    real = tensorfile._decompress_pool
-    tensorfile._decompress_pool = lambda: calls.append(1) or real()
+    real = compression._decompress_pool
+    compression._decompress_pool = lambda: calls.append(1) or real()
     try:
         assert same(payload_file.load(path)["ids"], payload["ids"])    # the parent's pool started
     finally:
-        tensorfile._decompress_pool = real
+        compression._decompress_pool = real
     assert calls, "not decompressed in parallel"
     pid = os.fork()
     if pid == 0:                                                       # pragma: no cover - the child

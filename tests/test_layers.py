@@ -83,7 +83,7 @@ _NOT_THE_CACHE = {
     ("skip_harness/demo/run.py", "open"): "the demo's metrics.jsonl",
     ("skip_harness/integrations/hydra.py", "write_text"): "a sweep job's failure record",
     ("skip_harness/integrations/hydra.py", "read_text"): "a sweep job's failure record",
-    ("skip_harness/codec/tensorfile.py", "load"): "torch.load of bytes already in memory (io.BytesIO)",
+    ("skip_harness/codec/torchsave.py", "load"): "torch.load of bytes already in memory (io.BytesIO)",
 }
 
 

@@ -14,7 +14,6 @@ import stat
 from typing import Any, Dict, List, Tuple, Union
 
 from skip_harness import codec
-from skip_harness.codec import tensorfile
 from skip_harness.errors import CodecError
 from skip_harness.store.layout import META_NAME, PAYLOAD_NAME
 
@@ -71,7 +70,7 @@ def check(path: PathLike) -> None:
     codec.check_buffer(buf, size, spath)
 
 
-def stored_fields(path: PathLike) -> List[tensorfile.StoredField]:
+def stored_fields(path: PathLike) -> List[codec.StoredField]:
     """How each tensor of the file is stored, from its header alone ([] for a torch.save file)."""
     spath = os.fspath(path)
     buf, size = _image(spath, True)

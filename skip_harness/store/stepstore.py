@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from skip_harness.codec import tensorfile
+from skip_harness.codec import StoredForm
 from skip_harness.store.backend import NamespaceBackend, namespace_of
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout
@@ -34,7 +34,7 @@ class StepStore:
     """One namespace's steps, opened: `writer` writes them, `reader` reads and verifies them."""
 
     def __init__(self, layout: Layout, *, drop_written_pages: bool = True, pool: Optional[BufferPool] = None,
-                 form: Optional[tensorfile.StoredForm] = None, backend: Optional[NamespaceBackend] = None):
+                 form: Optional[StoredForm] = None, backend: Optional[NamespaceBackend] = None):
         """`drop_written_pages`: where a payload is written through the page cache (a file system
         without O_DIRECT), let the kernel drop its pages once it is durable. `pool`: the buffers
         payloads are staged in and read into (the harness sizes one for its K; by default a small one).
@@ -46,7 +46,7 @@ class StepStore:
         self.backend: NamespaceBackend = backend if backend is not None else \
             namespace_of(layout, drop_written_pages=drop_written_pages)
         self.pool = pool if pool is not None else BufferPool()
-        self.form = form if form is not None else tensorfile.StoredForm(narrow=False)
+        self.form = form if form is not None else StoredForm(narrow=False)
         self.writer = StepWriter(layout, self.backend, self.pool, self.form)
         self.reader = StepReader(layout, self.backend, self.pool)
 

@@ -1,0 +1,205 @@
+"""How a file image's tensors are stored: integers narrowed losslessly to the narrowest dtype their
+values allow, and the bytes compressed as consecutive zstd frames of `chunk_bytes` each (written on the
+writer thread); and decompressing those chunks again, in parallel for a large file (on a load)."""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import zstandard
+
+from skip_harness.errors import CodecError
+from skip_harness.codec.fileimage import FileImage, _byte_view, _dtype_name, _how, _layout
+from skip_harness.codec.payload_kinds import np
+
+@dataclass(frozen=True)
+class StoredForm:
+    """How tensors are stored: `narrow` integer tensors into the narrowest dtype their min / max allow;
+    `zstd_level` (None: no compression) compresses every tensor in chunks of `chunk_bytes`."""
+
+    narrow: bool = True
+    zstd_level: Optional[int] = None
+    chunk_bytes: int = 1 << 22
+
+    @property
+    def transforms(self) -> bool:
+        return self.narrow or self.zstd_level is not None
+
+
+@dataclass
+class StoredImage:
+    """A file image whose tensors are stored in a `StoredForm`: `head`, then (offset, bytes-like or
+    contiguous tensor) pieces; `nbytes` in all; `logical_nbytes`, the same file at full width."""
+
+    head: bytes
+    pieces: List[Tuple[int, Any]]
+    nbytes: int
+    logical_nbytes: int
+
+
+# Narrower integer dtypes a tensor may be stored in, narrowest first (torch's other unsigned types
+# lack operators; they are only ever sources).
+_NARROW_TO = (torch.uint8, torch.int8, torch.int16, torch.int32)
+_INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                         torch.uint16, torch.uint32, torch.uint64})
+
+
+def narrowest_dtype(t: torch.Tensor) -> torch.dtype:
+    """The narrowest dtype holding every value of the integer tensor `t` exactly (its own if none)."""
+    if t.dtype not in _INT_DTYPES or t.numel() == 0:
+        return t.dtype
+    try:
+        lo, hi = (int(v) for v in torch.aminmax(t))
+    except (RuntimeError, NotImplementedError):   # unsigned dtypes without the kernel
+        arr = t.numpy()
+        lo, hi = int(arr.min()), int(arr.max())
+    for cand in _NARROW_TO:
+        if cand.itemsize >= t.dtype.itemsize:
+            break
+        info = torch.iinfo(cand)
+        if info.min <= lo and hi <= info.max:
+            return cand
+    return t.dtype
+
+
+def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: StoredForm) -> StoredImage:
+    """`image` with its tensors (contiguous CPU tensors holding `image.tensors`' values: the staged copy,
+    or the tensors themselves) narrowed and compressed as `form` says. Runs on a writer thread."""
+    cctx = zstandard.ZstdCompressor(level=form.zstd_level, write_checksum=True) if form.zstd_level is not None else None
+    entries, data = [], []
+    for t, name in zip(tensors, image.names or [None] * len(tensors)):
+        dtype = t.dtype
+        stored_dtype = narrowest_dtype(t) if form.narrow else dtype
+        chunks = None
+        if cctx is not None and t.numel():
+            frames, chunks = _compress_chunks(cctx, t.reshape(-1), stored_dtype, form.chunk_bytes)
+            raw: Any = frames
+            if sum(len(f) for f in frames) >= sum(c[1] for c in chunks):   # noise does not compress: raw
+                chunks = None
+        if chunks is None:
+            stored = t if stored_dtype == dtype else t.to(stored_dtype)
+            raw = stored.reshape(-1).view(torch.uint8)          # contiguous: the staged copy's layout
+        nbytes = sum(len(f) for f in raw) if chunks is not None else raw.numel()
+        entries.append((_dtype_name(dtype), list(t.shape), nbytes,
+                        _how(name, None if stored_dtype == dtype else _dtype_name(stored_dtype), chunks)))
+        data.append(raw)
+    head, offsets, nbytes = _layout(image.tree, entries)
+    pieces: List[Tuple[int, Any]] = []
+    for off, raw in zip(offsets, data):
+        if isinstance(raw, list):
+            for frame in raw:
+                pieces.append((off, frame))
+                off += len(frame)
+        elif raw.numel():
+            pieces.append((off, raw))
+    return StoredImage(head, pieces, nbytes, image.nbytes)
+
+
+def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, chunk_bytes: int
+                     ) -> Tuple[List[bytes], List[List[int]]]:
+    """zstd frames of `flat` stored as `stored_dtype`, `chunk_bytes` of stored bytes each; each chunk is
+    narrowed into this thread's scratch first (no full-size temporary)."""
+    per = max(1, chunk_bytes // stored_dtype.itemsize)
+    frames, chunks = [], []
+    for a in range(0, flat.numel(), per):
+        part = flat[a:a + per]
+        if stored_dtype != flat.dtype:
+            need = part.numel() * stored_dtype.itemsize
+            scratch = getattr(_scratch, "wbuf", None)
+            if scratch is None or len(scratch) < need:
+                scratch = _scratch.wbuf = bytearray(max(need, chunk_bytes))
+            narrow = torch.frombuffer(scratch, dtype=stored_dtype, count=part.numel())
+            # NumPy: on this thread alone (torch would fan out over the intra-op threads the trainer's
+            # own computation uses)
+            np.copyto(narrow.numpy(), part.numpy(), casting="unsafe")
+            part = narrow
+        view = _byte_view(part)
+        frames.append(cctx.compress(view))
+        chunks.append([len(frames[-1]), len(view)])
+    return frames, chunks
+
+
+def fill_stored(stored: StoredImage, buffer: Any) -> None:
+    """Copy a stored image into `buffer` (a writable ctypes array of at least stored.nbytes bytes)."""
+    base = ctypes.addressof(buffer)
+    ctypes.memmove(base, stored.head, len(stored.head))
+    pos = len(stored.head)
+    for off, piece in stored.pieces:
+        if off > pos:
+            ctypes.memset(base + pos, 0, off - pos)
+        if isinstance(piece, torch.Tensor):
+            ctypes.memmove(base + off, piece.data_ptr(), piece.numel())
+            pos = off + piece.numel()
+        else:
+            ctypes.memmove(base + off, piece, len(piece))
+            pos = off + len(piece)
+    if stored.nbytes > pos:
+        ctypes.memset(base + pos, 0, stored.nbytes - pos)
+
+
+_pool_lock = threading.Lock()
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_scratch = threading.local()
+_PARALLEL_FROM = 1 << 23          # decompress in parallel once a file holds this many raw bytes
+
+
+_pool_pid = 0
+
+
+def _decompress_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads chunks are decompressed on (started on first use; again in a forked child, whose
+    copy of the parent's pool has no threads)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                          thread_name_prefix="skip_harness-zstd")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def _decompress_all(view: memoryview, tasks: List[Tuple[Any, ...]]) -> None:
+    """Decompress every chunk of `tasks` ((field, chunk index, chunks, file offset, stored bytes, the
+    slice of the full-width tensor it fills, the dtype it was stored in)) into its slice; CodecError
+    naming the field and chunk of the first damaged one."""
+    total = sum(t[5].numel() * t[6].itemsize for t in tasks)      # raw bytes
+    if len(tasks) > 1 and total >= _PARALLEL_FROM:
+        errors = list(_decompress_pool().map(lambda t: _decompress_one(view, t), tasks))
+    else:
+        errors = [_decompress_one(view, t) for t in tasks]
+    for err in errors:
+        if err is not None:
+            raise CodecError(err)
+
+
+def _decompress_one(view: memoryview, task: Tuple[Any, ...]) -> Optional[str]:
+    field_name, j, n, pos, stored, dst, stored_dtype = task
+    raw = dst.numel() * stored_dtype.itemsize
+    if stored_dtype == dst.dtype:                   # straight into the tensor's memory
+        into = memoryview(dst.view(torch.uint8).numpy())
+    else:                                           # into this thread's scratch, then widened
+        scratch = getattr(_scratch, "buf", None)
+        if scratch is None or len(scratch) < raw:
+            scratch = _scratch.buf = bytearray(max(raw, 1 << 22))
+        into = memoryview(scratch)[:raw]
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(view[pos:pos + stored], read_across_frames=False)
+        got = 0
+        while got < raw:
+            k = reader.readinto(into[got:])
+            if k == 0:
+                break
+            got += k
+        extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        return f"{field_name}: zstd chunk {j + 1} of {n} cannot be decompressed ({exc})"
+    if got != raw or extra:
+        return f"{field_name}: zstd chunk {j + 1} of {n} does not hold the {raw} bytes its header says"
+    if stored_dtype != dst.dtype:            # widened with NumPy: this thread only
+        np.copyto(dst.numpy(), torch.frombuffer(scratch, dtype=stored_dtype, count=dst.numel()).numpy())
+    return None

@@ -1,0 +1,216 @@
+"""The payload file format's image (FORMAT_VERSION 3): an encoded structure laid out as a small JSON
+header followed by every tensor's bytes, and the one copy of those bytes into a buffer.
+
+    MAGIC (8 bytes) | u32 format version | u32 0 | u64 header length | header (UTF-8 JSON) | pad |
+    tensor bytes, each at a 64-byte aligned offset
+
+The header's fields are described in :mod:`skip_harness.codec.tensorfile`; how tensors are narrowed and
+compressed is :mod:`compression`'s, reading an image back :mod:`fileread`'s.
+"""
+from __future__ import annotations
+
+import base64
+import ctypes
+import dataclasses
+import functools
+import json
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from skip_harness.errors import CodecError
+from skip_harness.codec.payload_kinds import np
+
+FORMAT_VERSION = 3            # 1: torch.save of the encoded structure; 2: no `how` (both read, never written)
+MAGIC = b"\x89SKH\r\n\x1a\n"
+_PREAMBLE = struct.Struct("<8sIIQ")   # magic, format version, reserved, header length
+_ALIGN = 64
+_MAX_HEADER_BYTES = 1 << 30
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).rpartition(".")[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if name.isidentifier() and not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype) or name.startswith("q"):  # quantized dtypes are never written
+        raise CodecError(f"unknown tensor dtype {name!r}")
+    return dtype
+
+
+def _pack(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """The encoded structure as a JSON tree; every tensor is appended to `tensors` and named by index."""
+    t = type(obj)
+    if obj is None or t is bool or t is str or t is int:
+        return obj
+    if t is float:
+        return obj if math.isfinite(obj) else {"f": repr(obj)}
+    if t is list:
+        return [_pack(v, tensors) for v in obj]
+    if t is dict or t is OrderedDict:
+        return {"d" if t is dict else "o": [[k, _pack(v, tensors)] for k, v in obj.items()]}
+    if t is torch.Tensor:
+        tensors.append(obj)
+        return {"T": len(tensors) - 1}
+    if t is tuple:
+        return {"t": [_pack(v, tensors) for v in obj]}
+    if t is bytes:
+        return {"b": base64.b64encode(obj).decode("ascii")}
+    if t is complex:
+        return {"c": [_pack(obj.real, tensors), _pack(obj.imag, tensors)]}
+    raise CodecError(f"internal: encode produced a {t.__qualname__}")  # pragma: no cover
+
+
+_KEY_TYPES = (str, int, bool)
+_NONFINITE = ("nan", "inf", "-inf")
+
+
+def _unpack(node: Any, tensors: List[torch.Tensor]) -> Any:
+    """Inverse of `_pack`, validating every node (a file is untrusted input)."""
+    t = type(node)
+    if node is None or t is bool or t is str or t is int or t is float:
+        return node
+    if t is list:
+        return [_unpack(v, tensors) for v in node]
+    if t is dict and len(node) == 1:
+        ((kind, v),) = node.items()
+        if kind == "T" and type(v) is int and 0 <= v < len(tensors):
+            return tensors[v]
+        if kind in ("d", "o") and type(v) is list:
+            out = {} if kind == "d" else OrderedDict()
+            for pair in v:
+                if type(pair) is not list or len(pair) != 2 or type(pair[0]) not in _KEY_TYPES:
+                    break
+                out[pair[0]] = _unpack(pair[1], tensors)
+            else:
+                return out
+        elif kind == "t" and type(v) is list:
+            return tuple(_unpack(x, tensors) for x in v)
+        elif kind == "b" and type(v) is str:
+            try:
+                return base64.b64decode(v, validate=True)
+            except ValueError:
+                pass
+        elif kind == "c" and type(v) is list and len(v) == 2:
+            re_, im = (_unpack(x, tensors) for x in v)
+            if type(re_) is float and type(im) is float:
+                return complex(re_, im)
+        elif kind == "f" and v in _NONFINITE:
+            return float(v)
+    raise CodecError(f"malformed header: unexpected node {str(node)[:80]}")
+
+
+def _byte_view(t: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor, without copying them."""
+    u8 = t.reshape(-1).view(torch.uint8)
+    if np is not None:
+        return memoryview(u8.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+    return ctypes.string_at(u8.data_ptr(), u8.numel())  # pragma: no cover
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass
+class FileImage:
+    """An encoded structure laid out as a file: `head` (preamble, header, zero padding up to the data),
+    then each tensor's bytes at its offset in `offsets` (from the start of the file), zeros between;
+    `nbytes` in all."""
+
+    head: bytes
+    tensors: List[torch.Tensor]
+    offsets: List[int]
+    nbytes: int
+    tree: Any = None
+    names: List[Optional[str]] = field(default_factory=list)
+
+
+def plan(structure: Any, names: Optional[Dict[int, str]] = None) -> FileImage:
+    """The file image of an encoded structure in the current format (no tensor bytes copied), every
+    tensor at full width. `names`: id(tensor) -> the field it holds (recorded for messages and `show`)."""
+    tensors: List[torch.Tensor] = []
+    tree = _pack(structure, tensors)
+    tensor_names = [None if names is None else names.get(id(t)) for t in tensors]
+    entries = [(_dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), _how(n, None, None))
+               for t, n in zip(tensors, tensor_names)]
+    head, offsets, nbytes = _layout(tree, entries)
+    return FileImage(head, tensors, offsets, nbytes, tree, tensor_names)
+
+
+def _how(name: Optional[str], stored_dtype: Optional[str], chunks: Optional[list]) -> Optional[Dict[str, Any]]:
+    how: Dict[str, Any] = {}
+    if name is not None:
+        how["name"] = name
+    if stored_dtype is not None:
+        how["as"] = stored_dtype
+    if chunks is not None:
+        how["zstd"] = chunks
+    return how or None
+
+
+def _layout(tree: Any, entries: Sequence[Tuple[str, List[int], int, Optional[Dict[str, Any]]]]
+            ) -> Tuple[bytes, List[int], int]:
+    """(head, absolute offset of each tensor's stored bytes, file size) for entries (dtype, shape,
+    stored nbytes, how)."""
+    table, rel_offsets, offset, end = [], [], 0, 0
+    for dtype, shape, nbytes, how in entries:
+        table.append([dtype, shape, offset, nbytes] + ([how] if how else []))
+        rel_offsets.append(offset)
+        end = offset + nbytes
+        offset = _align(end)
+    header = json.dumps({"format": FORMAT_VERSION, "tensors": table, "tree": tree},
+                        ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+    head = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header)) + header
+    data_start = _align(len(head))
+    head += bytes(data_start - len(head))
+    return head, [data_start + o for o in rel_offsets], data_start + end
+
+
+# --------------------------------------------------------------------------------------------
+# stored forms: lossless narrowing and zstd
+
+
+def shapes_only(image: FileImage) -> FileImage:
+    """`image` holding no payload tensor (meta tensors of their shapes and dtypes in their place), so a
+    staged write does not keep the trainer's tensors alive."""
+    return dataclasses.replace(image, tensors=[torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                               for t in image.tensors])
+
+
+def staged_tensors(image: FileImage, buffer: Any) -> List[torch.Tensor]:
+    """The tensors of `image` as views of the full-width copy `pack_into` made in `buffer`."""
+    out = []
+    for t, off in zip(image.tensors, image.offsets):
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            out.append(torch.empty(t.shape, dtype=t.dtype))
+            continue
+        u8 = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=off)
+        out.append(u8.view(t.dtype).view(t.shape))
+    return out
+
+
+def pack_into(image: FileImage, buffer: Any, copy: Callable[[int, int, int], None]) -> None:
+    """Copy the file image into `buffer` (a writable ctypes array of at least image.nbytes bytes):
+    the one copy of the tensors a write needs. `copy(dst_address, src_address, nbytes)` moves the
+    bytes of contiguous tensors; other tensors are copied by torch."""
+    base = ctypes.addressof(buffer)
+    ctypes.memmove(base, image.head, len(image.head))
+    pos = len(image.head)
+    for t, off in zip(image.tensors, image.offsets):
+        if off > pos:
+            ctypes.memset(base + pos, 0, off - pos)
+        nbytes = t.numel() * t.element_size()
+        if nbytes and t.is_contiguous():
+            copy(base + off, t.data_ptr(), nbytes)
+        elif nbytes:
+            u8 = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=off)
+            u8.view(t.dtype).view(t.shape).copy_(t)
+        pos = off + nbytes
