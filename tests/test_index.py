@@ -224,7 +224,7 @@ def test_a_change_in_the_same_clock_tick_as_the_commit_is_still_seen(tmp_path):
 
 
 def test_cleanup_forgets_the_steps_it_removes(tmp_path):
-    from skip_harness.store.scan import plan_cleanup
+    from skip_harness.store.cleanup import plan_cleanup
 
     st = make(tmp_path, K=1)
     for step in (1, 2, 3):

@@ -12,11 +12,10 @@ from conftest import write_legacy, write_step
 from skip_harness.errors import ConfigError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout, NamespaceKey
+from skip_harness.store.cleanup import CleanupPlan, plan_cleanup
+from skip_harness.store.namespaces import find_namespaces
 from skip_harness.store.scan import (
-    CleanupPlan,
     classify_step,
-    find_namespaces,
-    plan_cleanup,
     scan_namespace,
 )
 from skip_harness.store.stepstore import StepStore

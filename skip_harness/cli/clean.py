@@ -13,6 +13,7 @@ from rich.table import Table
 
 from skip_harness.store.backend import Hold, namespace_of
 from skip_harness.store import retention as _retention
+from skip_harness.store import cleanup as _cleanup
 from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError
 from skip_harness.store.layout import Layout
@@ -68,21 +69,21 @@ def _take(layout: Layout, dry_run: bool) -> _Namespace:
     return ns
 
 
-def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> _scan.CleanupPlan:
+def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> _cleanup.CleanupPlan:
     """The scan's cleanup plan with the steps that failed verification added as corrupt (the store's
     `plan_cleanup(..., extra=...)`), plus the retention removals."""
     report = ns.report
-    plan = _scan.plan_cleanup(report, action, extra=list(ns.failed))
+    plan = _cleanup.plan_cleanup(report, action, extra=list(ns.failed))
     planned = set(plan.steps)
     by_step = {s.step: s for s in report.steps}
     extra = tuple(
-        _scan.CleanupItem(step, by_step[step].path, RETENTION_STATUS, reason, by_step[step].bytes, action)
+        _cleanup.CleanupItem(step, by_step[step].path, RETENTION_STATUS, reason, by_step[step].bytes, action)
         for step, reason in removals if step not in planned and step in by_step
     )
     return dataclasses.replace(plan, items=plan.items + extra) if extra else plan
 
 
-def _plan_table(ns: _Namespace, plan: _scan.CleanupPlan, base: Path, verb: str) -> Table:
+def _plan_table(ns: _Namespace, plan: _cleanup.CleanupPlan, base: Path, verb: str) -> Table:
     """One row per reason: the steps it takes (as ranges), how many, their size."""
     title = f"{short_path(ns.layout, base)}  (K={ns.layout.K} W={ns.layout.W}): {verb}"
     t = Table(title=escape(title), title_justify="left", min_width=len(title))   # the title on one line
@@ -91,7 +92,7 @@ def _plan_table(ns: _Namespace, plan: _scan.CleanupPlan, base: Path, verb: str) 
     t.add_column("why")
     t.add_column("size", justify="right")
     t.add_column("reason", overflow="fold")
-    groups: Dict[Tuple[str, str], List[_scan.CleanupItem]] = {}
+    groups: Dict[Tuple[str, str], List[_cleanup.CleanupItem]] = {}
     for i in plan.items:
         groups.setdefault((i.status, i.reason), []).append(i)
     for (status, reason), items in groups.items():

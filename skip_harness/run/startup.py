@@ -20,7 +20,8 @@ from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
 from skip_harness.store.backend import Hold, namespace_of
 from skip_harness.store.lock import new_run_token
-from skip_harness.store.scan import CleanupItem, CleanupPlan, CleanupResult, NamespaceReport, plan_cleanup, scan_namespace
+from skip_harness.store.cleanup import CleanupItem, CleanupPlan, CleanupResult, plan_cleanup
+from skip_harness.store.scan import NamespaceReport, scan_namespace
 from skip_harness.units import human_bytes
 
 logger = logging.getLogger("skip_harness.run.startup")

@@ -1,6 +1,6 @@
-"""What the startup scan finds, and what cleanup will do about it.
+"""What the startup scan finds: scan -> a frozen report. (What cleanup does about it is `cleanup`'s; where
+the namespaces are, `namespaces`'.)
 
-Scan -> frozen report; plan -> frozen plan with its expected freed size; `plan.execute()` -> result.
 Scanning reads directory listings, lstat and the small commit records, and nothing changes on disk until
 a plan is executed -- except the namespace index (`index`), a hint the scan rewrites when it finds it
 missing, corrupt or stale. Symlinks are never followed: a step or inner directory that is a link makes
@@ -16,20 +16,17 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from skip_harness.store import index as _index
-from skip_harness.choices import Cleanup
-from skip_harness.errors import ConfigError, SkipHarnessError
-from skip_harness.store.backend import NamespaceBackend, StepListing, namespace_of, open_dump_dir
+from skip_harness.store.backend import NamespaceBackend, StepListing, namespace_of
 from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout, UrlPath, is_url_text, parse_namespace_leaf, parse_step_name
-from skip_harness.store.posix.fileops import remove_entry_at, tree_bytes
+from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout, parse_step_name
+from skip_harness.store.posix.fileops import tree_bytes
 from skip_harness.store.status import STATUSES, StepReport, classify_step
-from skip_harness.store.stepstore import StepStore
 
-__all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace",
-           "find_namespaces", "CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]
+__all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace"]
+
 
 _PARALLEL_FROM = 256      # steps; below this a scan is quick enough serially
 _SCAN_THREADS = 4
@@ -295,169 +292,3 @@ def _classify_all(layout: Layout, found: List[Tuple[int, str]]) -> List[StepRepo
         with ThreadPoolExecutor(max_workers=_SCAN_THREADS, thread_name_prefix="skip_harness-scan") as pool:
             return list(pool.map(classify, found, chunksize=64))
     return [classify(item) for item in found]
-
-
-def namespaces_at(path: Path) -> List[Layout]:
-    """Namespaces at `path`: the path itself if it is a namespace, those in it if it is an
-    `{experiment}_{project}` directory, else those two levels down (a dump dir). Links are never
-    followed."""
-    if is_url_text(path):
-        return _namespaces_at_url(UrlPath(str(path)))
-    path = Path(path)
-    kw = parse_namespace_leaf(path.name)
-    if kw is not None:
-        return [Layout(path, K=kw[0], W=kw[1])]
-    direct = []
-    for child in sorted(os.scandir(path), key=lambda e: e.name):
-        kw = parse_namespace_leaf(child.name)
-        if kw is not None and child.is_dir(follow_symlinks=False):
-            direct.append(Layout(path / child.name, K=kw[0], W=kw[1]))
-    return direct + find_namespaces(path)
-
-
-def _namespaces_at_url(url: UrlPath) -> List[Layout]:
-    """`namespaces_at` for an object-store URL: the namespace it names, else those its dump_dir lists."""
-    kw = parse_namespace_leaf(url.name)
-    if kw is not None:
-        return [Layout(url, K=kw[0], W=kw[1])]  # type: ignore[arg-type]  # Layout's root: a Path or a UrlPath
-    out = []
-    for rel in open_dump_dir(str(url)).list_namespaces():
-        kw = parse_namespace_leaf(rel.rsplit("/", 1)[-1])
-        if kw is not None:
-            out.append(Layout(url / rel, K=kw[0], W=kw[1]))  # type: ignore[arg-type]
-    return out
-
-
-def find_namespaces(dump_dir: Path) -> List[Layout]:
-    """Namespaces under a local dump dir: directories {dump_dir}/{any}/{leaf} whose leaf name parses as
-    a namespace name (which gives K and W), as the POSIX backend lists them (symlinks never followed).
-    Sorted by path."""
-    dump_dir = Path(dump_dir)
-    out: List[Layout] = []
-    for rel in open_dump_dir(dump_dir).list_namespaces():
-        K, W = parse_namespace_leaf(rel.rpartition("/")[2])
-        out.append(Layout(dump_dir / rel, K=K, W=W))
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# cleanup
-
-
-@dataclass(frozen=True)
-class CleanupItem:
-    step: int
-    path: Path
-    status: str
-    reason: str
-    bytes: int
-    action: str          # "delete" | "quarantine"
-
-
-@dataclass(frozen=True)
-class CleanupResult:
-    items: Tuple[CleanupItem, ...]      # the items handled
-    freed_bytes: int                     # bytes deleted (steps and leftovers)
-    errors: Tuple[str, ...]
-    moved_bytes: int = 0                 # bytes moved under .quarantine/
-    quarantined: Tuple[Path, ...] = ()   # where each quarantined step went
-
-
-@dataclass(frozen=True)
-class CleanupPlan:
-    """What cleanup will do; nothing happens until `execute()`."""
-
-    layout: Layout
-    action: str
-    items: Tuple[CleanupItem, ...]
-    leftovers: Tuple[LeftoverEntry, ...] = ()
-
-    @property
-    def bytes(self) -> int:
-        """Bytes of the steps the plan handles (deleted or moved)."""
-        return sum(i.bytes for i in self.items)
-
-    @property
-    def expected_freed_bytes(self) -> int:
-        """Bytes that executing the plan frees (quarantined steps are moved, not freed)."""
-        steps = self.bytes if self.action == "delete" else 0
-        return steps + sum(x.bytes for x in self.leftovers)
-
-    @property
-    def steps(self) -> Tuple[int, ...]:
-        return tuple(i.step for i in self.items)
-
-    def describe(self) -> str:
-        verb = {"delete": "remove", "quarantine": "quarantine"}.get(self.action, "leave")
-        return f"{verb} {len(self.items)} steps, {self.bytes} bytes"
-
-    def execute(self) -> CleanupResult:
-        layout = self.layout
-        root = layout.root
-        done: List[CleanupItem] = []
-        errors: List[str] = []
-        quarantined: List[Path] = []
-        freed = moved = 0
-        store = StepStore(layout)
-        for item in self.items:
-            if item.path.parent != root or item.path != layout.step_dir(item.step):
-                errors.append(f"{item.path}: not a step of namespace {root}; left alone")
-                continue
-            try:
-                if item.action == Cleanup.delete.value:
-                    freed += store.writer.clear_step(item.step)
-                elif item.action == Cleanup.quarantine.value:
-                    dst = _quarantine(layout, item.step)
-                    moved += item.bytes
-                    quarantined.append(dst)
-                else:
-                    errors.append(f"{item.path}: unknown action {item.action!r}")
-                    continue
-                done.append(item)
-            except (OSError, SkipHarnessError) as exc:
-                errors.append(f"{item.path}: {item.action} failed: {exc}")
-        _index.drop(layout, (i.step for i in done))
-        if self.leftovers:
-            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                for lo in self.leftovers:
-                    if lo.path.parent != root:
-                        continue
-                    try:
-                        freed += remove_entry_at(root_fd, lo.path.name, root)
-                    except OSError as exc:
-                        errors.append(f"{lo.path}: removal failed: {exc}")
-            finally:
-                os.close(root_fd)
-        return CleanupResult(tuple(done), freed, tuple(errors), moved, tuple(quarantined))
-
-
-def _quarantine(layout: Layout, step: int) -> Path:
-    """Move a step entry (directory, file or link: never followed) under {namespace}/.quarantine/."""
-    where = namespace_of(layout).set_aside(step, "")
-    return UrlPath(where) if layout.is_url else Path(where)  # type: ignore[return-value]  # a UrlPath on a bucket
-
-
-def plan_cleanup(report: NamespaceReport, action, extra: Iterable[Tuple[int, str]] = ()) -> CleanupPlan:
-    """Plan to handle every incomplete and corrupt step: `Cleanup.delete`, `Cleanup.quarantine`, or
-    `Cleanup.off` (an empty plan); the action's value ("delete", ...) works too. `extra` holds
-    (step, reason) pairs of steps to handle as corrupt although the scan found them servable --
-    checksum failures found by `StepReader.verify` or at run time. Leftover '.trash-'/'.tmp-'
-    debris is deleted by both delete and quarantine."""
-    try:
-        action = Cleanup(action)
-    except ValueError:
-        choices = ", ".join(c.value for c in Cleanup)
-        raise ConfigError("skip.rollout_tq.cleanup", f"unknown value {action!r}; expected one of {choices}") from None
-    if action is Cleanup.off:
-        return CleanupPlan(report.layout, action.value, ())
-    reasons: Dict[int, str] = {}
-    for step, reason in extra:
-        reasons.setdefault(step, reason)
-    items = tuple(
-        CleanupItem(s.step, s.path, "corrupt" if s.servable else s.status,
-                    reasons[s.step] if s.servable else s.reason, s.bytes, action.value)
-        for s in report.steps
-        if s.status in ("incomplete", "corrupt") or (s.servable and s.step in reasons)
-    )
-    return CleanupPlan(report.layout, action.value, items, report.leftovers)

@@ -1,0 +1,55 @@
+"""Where the namespaces are: a path that is one, an `{experiment}_{project}` directory holding them, or a
+dump dir two levels above them -- local or an object-store URL. Reads listings only."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List
+
+from skip_harness.store.backend import open_dump_dir
+from skip_harness.store.layout import Layout, UrlPath, is_url_text, parse_namespace_leaf
+
+__all__ = ["namespaces_at", "find_namespaces"]
+
+
+def namespaces_at(path: Path) -> List[Layout]:
+    """Namespaces at `path`: the path itself if it is a namespace, those in it if it is an
+    `{experiment}_{project}` directory, else those two levels down (a dump dir). Links are never
+    followed."""
+    if is_url_text(path):
+        return _namespaces_at_url(UrlPath(str(path)))
+    path = Path(path)
+    kw = parse_namespace_leaf(path.name)
+    if kw is not None:
+        return [Layout(path, K=kw[0], W=kw[1])]
+    direct = []
+    for child in sorted(os.scandir(path), key=lambda e: e.name):
+        kw = parse_namespace_leaf(child.name)
+        if kw is not None and child.is_dir(follow_symlinks=False):
+            direct.append(Layout(path / child.name, K=kw[0], W=kw[1]))
+    return direct + find_namespaces(path)
+
+
+def _namespaces_at_url(url: UrlPath) -> List[Layout]:
+    """`namespaces_at` for an object-store URL: the namespace it names, else those its dump_dir lists."""
+    kw = parse_namespace_leaf(url.name)
+    if kw is not None:
+        return [Layout(url, K=kw[0], W=kw[1])]  # type: ignore[arg-type]  # Layout's root: a Path or a UrlPath
+    out = []
+    for rel in open_dump_dir(str(url)).list_namespaces():
+        kw = parse_namespace_leaf(rel.rsplit("/", 1)[-1])
+        if kw is not None:
+            out.append(Layout(url / rel, K=kw[0], W=kw[1]))  # type: ignore[arg-type]
+    return out
+
+
+def find_namespaces(dump_dir: Path) -> List[Layout]:
+    """Namespaces under a local dump dir: directories {dump_dir}/{any}/{leaf} whose leaf name parses as
+    a namespace name (which gives K and W), as the POSIX backend lists them (symlinks never followed).
+    Sorted by path."""
+    dump_dir = Path(dump_dir)
+    out: List[Layout] = []
+    for rel in open_dump_dir(dump_dir).list_namespaces():
+        K, W = parse_namespace_leaf(rel.rpartition("/")[2])
+        out.append(Layout(dump_dir / rel, K=K, W=W))
+    return out
