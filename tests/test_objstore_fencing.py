@@ -18,11 +18,12 @@ import time
 
 import pytest
 
-from s3server import s3_server  # noqa: F401  (fixture)
+from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
+from skip_harness.store.objstore.backend import ObjectNamespace
+from skip_harness.store.objstore.lease import LeaseLost
 from test_objstore_scenarios import NS, TRAIN, assert_steps_whole, committed, env_of, metrics, train
 from test_train_e2e import TINY, training_metrics
 
-pytestmark = pytest.mark.slow
 
 TTL = "3"          # SKIP_HARNESS_LEASE_TTL_S: B may take A's lease over 3 s + 2 s skew after A stopped renewing
 STEPS = "trainer.total_training_steps=60"
@@ -57,6 +58,36 @@ def _wait_for(predicate, proc, timeout=300.0, what=""):
         time.sleep(0.05)
 
 
+def test_every_write_of_a_run_past_its_ttl_renews_first_and_is_refused_once_taken_over(s3_server, s3_env, s3_bucket):
+    """Deterministic: A's renewal thread has not noticed the takeover (stopped here, as when it has not
+    woken yet after the stall); every write, delete and commit of A must find out by itself."""
+    url = f"s3://{s3_bucket}/exp_proj/GBS8_N2_in16_out32"
+    a = ObjectNamespace(url)
+    held = a.acquire(ttl_s=1.5, skew_s=0.0, holder="run-A")
+    a.write(1, "tq_batch.pt", b"a" * 10)
+    held._stop.set()
+    held._thread.join()
+    time.sleep(2.0)                                # A's ttl passes without a renewal
+    b = ObjectNamespace(url)
+    b.acquire(ttl_s=30, skew_s=0.0, holder="run-B")
+    b.remove_step(1)
+    for step in (1, 2):
+        b.write(step, "tq_batch.pt", b"b" * 10)
+        b.write_small(f"{step}/meta.json", b"{}")
+        b.commit(step, b"{}")
+    before = _objects(s3_server, s3_bucket)
+    stale = [lambda: a.uncommit(2), lambda: a.write(2, "tq_batch.pt", b"a" * 10),
+             lambda: a.write(3, "tq_batch.pt", b"a" * 10), lambda: a.write_small("2/meta.json", b"{}"),
+             lambda: a.commit(3, b"{}"), lambda: a.remove_step(1), lambda: a.set_aside(2, "stale")]
+    for op in stale:
+        with pytest.raises(LeaseLost, match="taken over by run-B"):
+            op()
+    assert _objects(s3_server, s3_bucket) == before
+    a.release()
+    b.release()
+
+
+@pytest.mark.slow
 def test_a_stalled_holder_resumed_after_a_takeover_writes_nothing(tmp_path, s3_server):
     bucket = s3_server.create_bucket()
     url, prefix = f"s3://{bucket}/x", f"x/{NS}/"
@@ -102,6 +133,7 @@ def test_a_stalled_holder_resumed_after_a_takeover_writes_nothing(tmp_path, s3_s
     assert training_metrics(runs_a) == training_metrics(metrics(tmp_path / "B"))
 
 
+@pytest.mark.slow
 def test_posix_lock_holds_across_sigstop(tmp_path, s3_server):
     """The same stall on a local dump_dir: flock is the kernel's, not a lease, so a stopped holder keeps
     the namespace: B is refused naming A, A resumes and finishes, every step whole."""
