@@ -53,7 +53,7 @@ def _clean(msg: str, secret: str) -> None:
     ("wrong secret", "credentials refused: the secret key does not match"),
     ("unknown key", "credentials refused: the server knows no such access key"),
     ("no bucket", "the bucket 'no-such-bucket' does not exist"),
-    ("nothing listens", "object store unreachable: nothing answers at http://127.0.0.1:"),
+    ("nothing listens", "object store unavailable: nothing answers at http://127.0.0.1:"),
     ("plain http", "is plain http: set AWS_ALLOW_HTTP=true"),
 ])
 def test_the_cli_says_what_is_wrong(case, cause, s3_server, s3_env, s3_bucket, monkeypatch, capsys):

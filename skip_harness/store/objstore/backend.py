@@ -106,15 +106,15 @@ class ObjectNamespace(NamespaceBackend):
         if self.held is not None:
             self.held.fence(round_trip=round_trip)
         elif self._follow is not None:
-            self._follow_fence()
+            self._follow_fence(force=round_trip)
 
-    def _follow_fence(self) -> None:
+    def _follow_fence(self, force: bool = False) -> None:
         """For a rank that writes under rank 0's lease: the lease record still names that holder and has
         not run out (by the record's expiry less a margin, timed from when we asked); read again once
         that time is up. LeaseLost once another run holds it."""
         holder = self._follow
         with self._committed_guard:
-            if time.monotonic() < self._follow_until:
+            if not force and time.monotonic() < self._follow_until:
                 return
         sent = time.monotonic()
         probe = self.lease()
@@ -130,10 +130,11 @@ class ObjectNamespace(NamespaceBackend):
             self._follow_until = sent + left
 
     def write(self, step: int, rel: str, data: Any) -> int:
-        """Put one payload (or meta) object of `step`, create-only, and check its stored size; returns
-        the size. A step's files are written only after the step was cleared (`remove_step`), so an
-        object already there is another run's: ObjectRaceLost, never an overwrite (a request of a
-        stalled run that reaches the server after another run took the namespace over writes nothing)."""
+        """Put one payload (or meta) object of `step` and check its stored size; returns the size. The
+        put is create-only: a step is normally cleared (`remove_step`) before it is written, and a
+        request of a stalled run that reaches the server after another run took the namespace over
+        (a put obstore retries) then writes nothing over that run's files. An object already there
+        (a step rewritten in place) is replaced only after a conditional renewal of the lease."""
         key = self.step_key(step, rel)
         self._writable(key)
         n = memoryview(data).nbytes
@@ -145,7 +146,13 @@ class ObjectNamespace(NamespaceBackend):
 
     def _put(self, key: str, data: Any, *, step_file: bool) -> None:
         try:
-            self.client.put(key, data, mode="create" if step_file else None)
+            try:
+                self.client.put(key, data, mode="create" if step_file else None)
+            except ObjectRaceLost:
+                # a file of a step being rewritten in place: replaced only right after a conditional
+                # renewal of the lease proved it ours (a stale run's retried put never gets here)
+                self._writable(key, round_trip=True)
+                self.client.put(key, data)
         except ObjectAccessDenied:
             self.read_only = True
             raise

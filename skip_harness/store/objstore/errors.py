@@ -155,8 +155,10 @@ def classify(exc: BaseException, url: str) -> ObjectStoreError:
     if any(s in lowered for s in _UNREACHABLE):
         m = re.search(r"(https?://[^/\s?]+)", text)
         at = m.group(1) if m else "the endpoint"
-        cause = "timed out" if "timed out" in lowered else "connection refused" if "refused" in lowered or \
-            "error sending request" in lowered else "connection failed"
-        return ObjectStoreUnavailable(url, f"object store unreachable: nothing answers at {at} ({cause}, "
-                                           "after retries); check AWS_ENDPOINT_URL and that the server runs")
+        if "timed out" in lowered:
+            what = f"{at} did not answer in time (timed out, after retries)"
+        else:
+            what = f"nothing answers at {at} (connection refused, after retries)"
+        return ObjectStoreUnavailable(url, f"object store unavailable: {what}; check AWS_ENDPOINT_URL "
+                                           "and that the server runs")
     return ObjectStoreUnavailable(url, f"object store unavailable: {detail}")
