@@ -224,6 +224,10 @@ class Lease:
         except ObjectRaceLost:
             pass
         current, seen = self.read()
+        if self._ours(current, seen):       # our create landed, its reply was lost and the retry refused
+            self.etag = seen
+            self._valid_until = sent + self.ttl_s - self.margin_s
+            return None
         if seen is None:      # released and removed between our two calls: try again next round
             return LeaseRecord("(released just now)", "?", 0, time.time(), 0.0, time.time() + 1)
         dead = False
@@ -286,18 +290,24 @@ class Lease:
             self.etag = self.client.put(self.key, self._record(time.time() + self.ttl_s),
                                         mode={"e_tag": self.etag})
         except (ObjectRaceLost, ObjectMissing):
-            self._mark_lost()
-            raise self._lost_error() from None
+            current, seen = self.read()
+            if not self._ours(current, seen):
+                self._mark_lost(current)
+                raise self._lost_error() from None
+            # our own earlier renewal reached the server after its reply was lost (a request that
+            # timed out, then landed): the record is still ours; renew on the ETag it has now
+            self.etag = self.client.put(self.key, self._record(time.time() + self.ttl_s), mode={"e_tag": seen})
         self._valid_until = sent + self.ttl_s - self.margin_s
 
-    def _mark_lost(self) -> None:
+    def _ours(self, record: Optional[LeaseRecord], etag: Optional[str]) -> bool:
+        """Whether `record` is this lease's own, not yet released (holder names are unique per run)."""
+        return (record is not None and etag is not None and record.holder == self.holder
+                and record.pid == self.pid and record.host == self.host and record.expires_at > 0)
+
+    def _mark_lost(self, current: Optional[LeaseRecord]) -> None:
         """Another run holds the lease now: say so once (naming it); nothing more is written."""
         if self.lost.is_set():
             return
-        try:
-            current, _ = self.read()
-        except ObjectStoreError:
-            current = None
         self.taken_by = current.describe() if current else "nobody (the lease object is gone)"
         self.lost.set()
         logger.warning("%s: this run's lease on the namespace was taken over by %s after this run stalled "
