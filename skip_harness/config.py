@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from skip_harness.errors import ConfigError
-from skip_harness.store.backend import is_url, local_path
+from skip_harness.store.backend import dump_dir_problem, is_url, local_path
 from skip_harness.store.layout import NamespaceKey
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
@@ -60,6 +60,8 @@ class RolloutTQConfig:
             for i, s in enumerate(self.steps):
                 if isinstance(s, bool) or not isinstance(s, int) or s < 0:
                     raise ConfigError(f"{key}.steps[{i}]", f"steps must be ints >= 0 or null, got {s!r}")
+        if self.dump_dir is not None and dump_dir_problem(self.dump_dir) is not None:
+            raise ConfigError(f"{key}.dump_dir", dump_dir_problem(self.dump_dir))
         if self.lock_timeout < 0:
             raise ConfigError(f"{key}.lock_timeout", f"must be >= 0 seconds, got {self.lock_timeout}")
         if self.max_pending_writes < 1:
@@ -81,7 +83,9 @@ class RolloutTQConfig:
         """The cache root: the explicit key, else $SKIP_HARNESS_DUMP_DIR, else the user's cache dir. A
         local one is a Path; an object-store URL (`s3://bucket/prefix`) stays the string it is (a Path
         would fold its `//`): `store.backend.open_dump_dir` opens either."""
-        for value in (self.dump_dir, os.environ.get(DUMP_DIR_ENV)):
+        for value, name in ((self.dump_dir, f"{ROLLOUT_TQ_KEY}.dump_dir"), (os.environ.get(DUMP_DIR_ENV), DUMP_DIR_ENV)):
+            if value and dump_dir_problem(value) is not None:
+                raise ConfigError(name, dump_dir_problem(value))
             if value:
                 return str(value) if is_url(value) else local_path(value)
         from platformdirs import user_cache_dir

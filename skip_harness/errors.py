@@ -41,3 +41,8 @@ class CorruptStepError(SkipHarnessError):
 
 class HarnessUsageError(SkipHarnessError):
     """The trainer used the harness in a way the contract forbids (e.g. more than K samples in a step)."""
+
+
+class CacheWritesStopped(SkipHarnessError):
+    """This run may no longer write the cache (another run took its namespace lock over while it was
+    stalled): it says so once and trains on without caching."""

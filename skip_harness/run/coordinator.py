@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from skip_harness.run.dist import DistContext
-from skip_harness.errors import CodecError
+from skip_harness.errors import CacheWritesStopped, CodecError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.run.stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REFUSED, SHORT_STEP, WRITE_FAILED
 from skip_harness.store.writer import StepWriter
@@ -147,7 +147,7 @@ class CommitCoordinator:
             self.refuse(step, inner, str(exc))
             return
         except Exception as exc:  # ENOSPC, EACCES, EIO...: a failed cache write warns and training goes on
-            self._set_failed(p, f"{WRITE_FAILED}: {type(exc).__name__}: {exc}", str(self.store.layout.inner_dir(step, inner)))
+            self._set_failed(p, f"{WRITE_FAILED}: {type(exc).__name__}: {exc}", str(self.store.layout.inner_dir(step, inner)), exc)
             return
         p.writes[inner] = self.writer.submit(_timed, staged.complete)
 
@@ -212,7 +212,8 @@ class CommitCoordinator:
         if exc is None:
             return self._finish(p, True, "")
         reason = f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}"
-        self._fault(str(self.store.layout.step_dir(p.step)), f"{reason}; step {p.step} stays uncommitted, training goes on")
+        if not isinstance(exc, CacheWritesStopped):
+            self._fault(str(self.store.layout.step_dir(p.step)), f"{reason}; step {p.step} stays uncommitted, training goes on")
         return self._finish(p, False, reason)
 
     # ---- several processes
@@ -236,7 +237,7 @@ class CommitCoordinator:
                 else:
                     outcome = None
                 committed, reason = self.dist.broadcast(outcome)
-                if not committed and self.dist.is_main:
+                if not committed and self.dist.is_main and not isinstance(p.commit.exception(), CacheWritesStopped):
                     self._fault(str(self.store.layout.step_dir(p.step)), f"{reason}; step {p.step} stays uncommitted")
             elif p.failed is None:
                 self._fault(str(self.store.layout.step_dir(p.step)),
@@ -259,17 +260,18 @@ class CommitCoordinator:
             exc = fut.exception()
             if exc is not None and p.failed is None:
                 self._set_failed(p, f"{WRITE_FAILED}: {type(exc).__name__}: {exc}",
-                                 str(self.store.layout.inner_dir(p.step, inner)))
+                                 str(self.store.layout.inner_dir(p.step, inner)), exc)
             elif exc is None and inner not in p.reported:
                 p.reported.add(inner)
                 entries, seconds = fut.result()
                 self._written(step=p.step, inner_index=inner, rank=self.dist.rank, bytes=sum(e.bytes for e in entries), seconds=seconds)
         return True
 
-    def _set_failed(self, p: _Pending, reason: str, path: str) -> None:
+    def _set_failed(self, p: _Pending, reason: str, path: str, exc: Optional[BaseException] = None) -> None:
         if p.failed is None:
             p.failed = reason
-            self._fault(path, f"{reason}; step {p.step} stays uncommitted, training goes on")
+            if not isinstance(exc, CacheWritesStopped):   # said once, where the lock was lost
+                self._fault(path, f"{reason}; step {p.step} stays uncommitted, training goes on")
 
     def _finish(self, p: _Pending, committed: bool, reason: str) -> Finished:
         self._pending.pop(p.step, None)

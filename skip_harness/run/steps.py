@@ -18,7 +18,7 @@ from skip_harness.run.callbacks import CallbackDispatcher
 from skip_harness.config import Action, Cleanup, RolloutTQConfig
 from skip_harness.run.coordinator import CommitCoordinator, Finished
 from skip_harness.run.dist import DistContext
-from skip_harness.errors import HarnessUsageError, SkipHarnessError
+from skip_harness.errors import CacheWritesStopped, HarnessUsageError, SkipHarnessError
 from skip_harness.run.policy import Decision, decide
 from skip_harness.run.prefetch import Loaded, Prefetcher
 from skip_harness.run.startup import set_aside
@@ -168,6 +168,8 @@ class StepRunner:
                     for error in set_aside(self.store.layout, step, failed, Cleanup.quarantine.value).errors:
                         self._fault(str(self.store.layout.step_dir(step)), f"could not quarantine the step: {error}")
                 self.store.writer.clear_step(step)
+            except CacheWritesStopped:
+                pass        # the run lost its lock: said once; its writes of this step fail the same way
             except (OSError, SkipHarnessError) as exc:   # an object store out of reach: warn, go on
                 self._fault(str(self.store.layout.step_dir(step)), f"could not clear the old step: {exc}")
         self.dist.barrier()

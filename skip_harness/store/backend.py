@@ -48,6 +48,8 @@ LINK = "a symlink (never followed)"
 NOT_A_DIRECTORY = "not a directory"
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME_ANY = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/*)(.*)$", re.S)
+URL_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "memory")   # the object stores' URLs
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,6 +259,25 @@ def is_url(dump_dir: Union[str, os.PathLike, None]) -> bool:
     return bool(m) and m.group(1).lower() != "file"
 
 
+def dump_dir_problem(dump_dir: Union[str, os.PathLike, None]) -> Optional[str]:
+    """Why a dump_dir cannot be used, from its text alone; None when it may be. An object store's
+    scheme without its `//` (`s3:/x`, `s3:x`, `gs:/x`) is refused rather than taken for a local folder
+    of that name, and so is a URL without a bucket (`s3://`, `s3:///x`)."""
+    if dump_dir is None or isinstance(dump_dir, os.PathLike):
+        return None
+    text = str(dump_dir)
+    m = _SCHEME_ANY.match(text)
+    if m is None or m.group(1).lower() not in URL_SCHEMES:
+        return None
+    scheme, slashes, rest = m.groups()
+    if len(slashes) < 2:
+        return (f"{text!r} looks like an object-store URL but is not one ({scheme}: needs two slashes): "
+                f"write {scheme}://BUCKET/PREFIX, or ./{text} for a local folder of that name")
+    if scheme.lower() != "memory" and (len(slashes) > 2 or not rest.partition("/")[0]):
+        return f"{text!r} names no bucket: an object-store URL is {scheme}://BUCKET/PREFIX"
+    return None
+
+
 def local_path(dump_dir: Union[str, os.PathLike]) -> Path:
     """A local dump_dir as a Path (`~` expanded, a `file://` prefix dropped)."""
     s = os.fspath(dump_dir)
@@ -269,6 +290,9 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
     """The backend for a dump_dir: a local path -> the POSIX backend; a URL with a scheme -> the
     object-store backend (`skip_harness.store.objstore`, which needs the [s3] extra). ConfigError
     naming `skip.rollout_tq.dump_dir` when the URL cannot be served here."""
+    why = dump_dir_problem(dump_dir)
+    if why is not None:
+        raise ConfigError(DUMP_DIR_KEY, why)
     if not is_url(dump_dir):
         from skip_harness.store.posix.backend import PosixDumpDir
 
@@ -287,7 +311,7 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
     except ConfigError:
         raise
     except SkipHarnessError as exc:
-        raise ConfigError(DUMP_DIR_KEY, f"{url}: {exc}") from None
+        raise ConfigError(DUMP_DIR_KEY, str(exc) if str(exc).startswith(url) else f"{url}: {exc}") from None
     except ValueError as exc:
         raise ConfigError(DUMP_DIR_KEY, f"{url}: not an object-store URL this build can open: {exc}") from None
 
@@ -316,5 +340,5 @@ def namespace_of(layout: Any, *, drop_written_pages: bool = True) -> NamespaceBa
 
 __all__ = [
     "namespace_of", "COMMIT_NAME", "DUMP_DIR_KEY", "INDEX_KEY", "DumpDir", "Hold", "NamespaceBackend", "NamespaceListing",
-    "StepListing", "StoredFile", "is_url", "local_path", "open_dump_dir",
+    "StepListing", "StoredFile", "URL_SCHEMES", "dump_dir_problem", "is_url", "local_path", "open_dump_dir",
 ]

@@ -5,7 +5,9 @@ an object-store URL is used."""
 from skip_harness.store.objstore.client import ObjectClient, aws_config, is_object_url, join_url
 from skip_harness.store.objstore.errors import (
     ObjectAccessDenied,
+    ObjectBucketMissing,
     ObjectCorrupt,
+    ObjectCredentialsRefused,
     ObjectMissing,
     ObjectRaceLost,
     ObjectStoreConfigError,
@@ -22,6 +24,6 @@ def open_dump_dir(url: str):
     return ObjectDumpDir(url)
 
 
-__all__ = ["open_dump_dir", "ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectCorrupt",
+__all__ = ["open_dump_dir", "ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectBucketMissing", "ObjectCorrupt", "ObjectCredentialsRefused",
            "ObjectMissing", "ObjectRaceLost", "ObjectStoreConfigError", "ObjectStoreError",
            "ObjectStoreForkError", "ObjectStoreUnavailable"]

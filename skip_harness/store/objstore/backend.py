@@ -24,6 +24,7 @@ GBS...`): `{step}/[{i}/]tq_batch[_rank{r}].pt`, `.../meta[_rank{r}].json`, `{ste
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from skip_harness.store.objstore.errors import (
     ObjectRaceLost,
     ObjectStoreError,
 )
-from skip_harness.store.objstore.lease import DEFAULT_TTL_S, LEASE_KEY, Lease, LeaseLost
+from skip_harness.store.objstore.lease import LEASE_KEY, Lease, LeaseExpired, LeaseLost, ttl_from_env
 
 logger = logging.getLogger("skip_harness.store.objstore")
 
@@ -82,6 +83,8 @@ class ObjectNamespace(NamespaceBackend):
         self.held: Optional[Lease] = None     # the lease this object took, if any
         self._committed: Dict[int, Tuple[bytes, str]] = {}   # step -> (commit record, its ETag) put here
         self._committed_guard = threading.Lock()
+        self._follow: Optional[str] = None    # W > 1, a rank other than 0: the holder of the lease it writes under
+        self._follow_until = 0.0
 
     def __repr__(self) -> str:
         return f"ObjectNamespace({self.url!r})"
@@ -94,27 +97,65 @@ class ObjectNamespace(NamespaceBackend):
         return join_url(self.url, key)
 
     # ------------------------------------------------------------------------------ writes
-    def _writable(self, key: str) -> None:
+    def _writable(self, key: str, *, round_trip: bool = False) -> None:
+        """Return only while this process may write `key`: not read-only, and the namespace's lease
+        still ours by our own clock (`Lease.fence`; with `round_trip`, renewed by a conditional put
+        first). A rank that does not hold the lease itself (W > 1) follows rank 0's (`_follow_fence`)."""
         if self.read_only:
             raise ObjectAccessDenied(self.key_url(key), "read-only: this credential may not write here")
-        if self.held is not None and self.held.lost.is_set():
-            raise LeaseLost(self.key_url(key), "this run lost the namespace's lease to another run: "
-                                               "nothing more is written")
+        if self.held is not None:
+            self.held.fence(round_trip=round_trip)
+        elif self._follow is not None:
+            self._follow_fence(force=round_trip)
+
+    def _follow_fence(self, force: bool = False) -> None:
+        """For a rank that writes under rank 0's lease: the lease record still names that holder and has
+        not run out (by the record's expiry less a margin, timed from when we asked); read again once
+        that time is up. LeaseLost once another run holds it."""
+        holder = self._follow
+        with self._committed_guard:
+            if not force and time.monotonic() < self._follow_until:
+                return
+        sent = time.monotonic()
+        probe = self.lease()
+        record, _ = probe.read()
+        if record is None or record.holder != holder:
+            who = record.describe() if record is not None else "nobody (the lease object is gone)"
+            raise LeaseLost(probe.url, f"the lease of this run ({holder}) is now {who}'s: nothing more is written")
+        left = record.expires_at - time.time() - min(record.ttl_s / 3, 5.0)
+        if left <= 0:
+            raise LeaseExpired(probe.url, f"the lease of this run ({holder}) ran out without renewal: "
+                                          "nothing is written until it is renewed")
+        with self._committed_guard:
+            self._follow_until = sent + left
 
     def write(self, step: int, rel: str, data: Any) -> int:
-        """Put one payload (or meta) object of `step` and check its stored size; returns the size."""
+        """Put one payload (or meta) object of `step` and check its stored size; returns the size. The
+        put is create-only: a step is normally cleared (`remove_step`) before it is written, and a
+        request of a stalled run that reaches the server after another run took the namespace over
+        (a put obstore retries) then writes nothing over that run's files. An object already there
+        (a step rewritten in place) is replaced only after a conditional renewal of the lease."""
         key = self.step_key(step, rel)
         self._writable(key)
         n = memoryview(data).nbytes
-        try:
-            self.client.put(key, data)
-        except ObjectAccessDenied:
-            self.read_only = True
-            raise
+        self._put(key, data, step_file=True)
         got = self.client.head(key)["size"]
         if got != n:
             raise ObjectCorrupt(self.key_url(key), f"stored {got} bytes, wrote {n}")
         return got
+
+    def _put(self, key: str, data: Any, *, step_file: bool) -> None:
+        try:
+            try:
+                self.client.put(key, data, mode="create" if step_file else None)
+            except ObjectRaceLost:
+                # a file of a step being rewritten in place: replaced only right after a conditional
+                # renewal of the lease proved it ours (a stale run's retried put never gets here)
+                self._writable(key, round_trip=True)
+                self.client.put(key, data)
+        except ObjectAccessDenied:
+            self.read_only = True
+            raise
 
     def write_payload(self, step: int, rel: str, buffer: Any, nbytes: int) -> int:
         view = buffer.view(nbytes) if hasattr(buffer, "view") and callable(buffer.view) else \
@@ -122,18 +163,16 @@ class ObjectNamespace(NamespaceBackend):
         return self.write(step, rel, view)
 
     def write_small(self, key: str, data: bytes) -> None:
+        """A small object: a step's (a meta file) create-only as in `write`; the index and markers
+        replace what is there."""
         self._writable(key)
-        try:
-            self.client.put(key, data)
-        except ObjectAccessDenied:
-            self.read_only = True
-            raise
+        self._put(key, data, step_file=parse_step_name(key.partition("/")[0]) is not None)
 
     def commit(self, step: int, record: bytes) -> None:
         """Write the commit record of `step`, create-only (CorruptStepError if one is there already).
         Call it only after every payload of the step is written and its size checked."""
         key = self.step_key(step, COMMIT_NAME)
-        self._writable(key)
+        self._writable(key, round_trip=True)
         try:
             etag = self.client.put(key, record, mode="create")
         except ObjectRaceLost:
@@ -145,7 +184,12 @@ class ObjectNamespace(NamespaceBackend):
         key = self.step_key(step, COMMIT_NAME)
         self._writable(key)
         self._forget(step)
-        self.client.delete([key])          # S3 answers a delete of a missing key with success
+        try:
+            self.client.head(key)              # the usual case: none there, nothing to delete
+        except ObjectMissing:
+            return
+        self._writable(key, round_trip=True)
+        self.client.delete([key])
 
     def _forget(self, step: int) -> None:
         with self._committed_guard:
@@ -326,24 +370,28 @@ class ObjectNamespace(NamespaceBackend):
         metas = list(self.client.list(self.step_key(step)))
         keys = [m["path"] for m in metas]
         if commit in keys:
+            self._writable(commit, round_trip=True)
             self.client.delete([commit])
             keys.remove(commit)
         if keys:
+            self._writable(keys[0])
             self.client.delete(keys)
         return sum(int(m["size"]) for m in metas)
 
     def set_aside(self, step: int, reason: str) -> str:
         """Copy `step` under .quarantine/ (server side), then remove it; returns where it went."""
         dest = f"{QUARANTINE_DIR}/{int(step)}-{reason}-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**9:09d}"
-        self._writable(dest)
         for key in self._step_keys(step):
+            self._writable(dest)
             self.client.copy(key, f"{dest}/{key.partition('/')[2]}")
         self.remove_step(step)
         return self.key_url(dest)
 
     # ------------------------------------------------------------------------------ lock
-    def lease(self, *, ttl_s: float = DEFAULT_TTL_S, holder: Optional[str] = None, **kw: Any) -> Lease:
-        return Lease(self.client, key=LEASE_KEY, ttl_s=ttl_s, holder=holder, **kw)
+    def lease(self, *, ttl_s: Optional[float] = None, holder: Optional[str] = None, **kw: Any) -> Lease:
+        """A lease on this namespace (not taken yet); ttl `SKIP_HARNESS_LEASE_TTL_S`, else 30 s."""
+        return Lease(self.client, key=LEASE_KEY, ttl_s=ttl_from_env() if ttl_s is None else ttl_s,
+                     holder=holder, **kw)
 
     def acquire(self, timeout: float = 0.0, **kw: Any) -> Optional[Lease]:
         """Hold the namespace (LockHeldError names the holder). A credential that may not write
@@ -394,22 +442,31 @@ class ObjectNamespace(NamespaceBackend):
         return None
 
     def put_run_marker(self, token: str) -> None:
-        self.write_small(RUN_MARKER_PREFIX + token, b"")
+        """The marker names the lease this run holds: the other ranks write under it (`_follow_fence`)."""
+        holder = self.held.holder if self.held is not None else ""
+        self.write_small(RUN_MARKER_PREFIX + token, json.dumps({"lease_holder": holder}).encode())
 
     def sees_run_marker(self, token: str, wait: float = 0.0) -> bool:
         deadline = time.monotonic() + wait
         while True:
-            try:
-                self.client.head(RUN_MARKER_PREFIX + token)
+            data = self.read_small(RUN_MARKER_PREFIX + token)
+            if data is not None:
+                try:
+                    holder = json.loads(data).get("lease_holder") if data else None
+                except ValueError:
+                    holder = None
+                if holder and self.held is None:
+                    self._follow = str(holder)
                 return True
-            except ObjectMissing:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.1)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
 
     def remove_run_marker(self, token: str) -> None:
-        if not self.read_only:
-            self.client.delete([RUN_MARKER_PREFIX + token])
+        if self.read_only or (self.held is not None and self.held.lost.is_set()):
+            return
+        self._writable(RUN_MARKER_PREFIX + token)
+        self.client.delete([RUN_MARKER_PREFIX + token])
 
 
 class ObjectDumpDir(DumpDir):

@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
+from skip_harness.store.backend import URL_SCHEMES
 from skip_harness.store.objstore.errors import (
     ObjectStoreConfigError,
     ObjectStoreError,
@@ -39,12 +40,13 @@ from skip_harness.store.objstore.errors import (
 
 logger = logging.getLogger("skip_harness.store.objstore")
 
-SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "memory")
+SCHEMES = URL_SCHEMES
 TIMEOUT_ENV = "SKIP_HARNESS_OBJSTORE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 5.0
 MAX_RETRIES = 5
-MULTIPART_FROM = 64 << 20   # single PUT below (moto and small objects), multipart above
+MULTIPART_FROM = 5 << 30    # S3's largest single PUT: below it one request, which a killed run
+                            # leaves no trace of (multipart would leave an incomplete upload behind)
 PART_SIZE = 16 << 20
 
 
@@ -175,7 +177,7 @@ def _timeout_s() -> float:
             raise ValueError
         return value
     except ValueError:
-        raise ObjectStoreConfigError(TIMEOUT_ENV, f"must be a positive number of seconds, got {raw!r}") from None
+        raise ObjectStoreConfigError(repr(raw), "must be a positive number of seconds", key=TIMEOUT_ENV) from None
 
 
 def _build_store(url: str, timeout_s: float) -> Any:
@@ -211,6 +213,9 @@ class ObjectClient:
     def __init__(self, url: str, *, timeout_s: Optional[float] = None):
         if not is_object_url(url):
             raise ObjectStoreConfigError(str(url), f"not an object-store URL (schemes: {', '.join(SCHEMES)})")
+        scheme, _, rest = str(url).partition("://")
+        if scheme.lower() != "memory" and not rest.partition("/")[0]:
+            raise ObjectStoreConfigError(str(url), f"no bucket name: an object-store URL is {scheme}://BUCKET/PREFIX")
         self.url = url.rstrip("/")
         self.timeout_s = _timeout_s() if timeout_s is None else float(timeout_s)
         try:
@@ -250,7 +255,7 @@ class ObjectClient:
         ObjectRaceLost when the key exists; `mode={"e_tag": etag}` when it changed."""
         import obstore as obs
         n = memoryview(data).nbytes
-        multipart = mode is None and n > MULTIPART_FROM
+        multipart = n > MULTIPART_FROM
         res = self._call(key, obs.put, self.store, key, data, mode=mode, use_multipart=multipart,
                          chunk_size=PART_SIZE)
         return res.get("e_tag") or ""

@@ -15,9 +15,12 @@ Messages name the URL and key and never a secret (obstore keeps credentials out 
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable, Optional
 
-from skip_harness.errors import SkipHarnessError
+from skip_harness.errors import ConfigError, SkipHarnessError
+
+DUMP_DIR_KEY = "skip.rollout_tq.dump_dir"     # the key every fatal message names (store.backend's too)
 
 
 class ObjectStoreError(SkipHarnessError):
@@ -45,8 +48,22 @@ class ObjectStoreUnavailable(ObjectStoreError):
     """The server could not be reached or kept failing after the retries: transient."""
 
 
-class ObjectStoreConfigError(ObjectStoreError):
-    """The URL or the environment cannot make a client (unknown scheme, http without AWS_ALLOW_HTTP)."""
+class ObjectStoreConfigError(ObjectStoreError, ConfigError):
+    """The URL or the environment cannot make a client (no bucket, http without AWS_ALLOW_HTTP), or
+    the store refuses it for good: a config error naming `key` (skip.rollout_tq.dump_dir unless an
+    environment variable is to blame), never a read-only run or an outage."""
+
+    def __init__(self, url: str, reason: str, *, key: str = DUMP_DIR_KEY):
+        self.url, self.reason, self.key = url, reason, key
+        Exception.__init__(self, f"{key}: {url}: {reason}")
+
+
+class ObjectCredentialsRefused(ObjectStoreConfigError):
+    """The server does not accept the credential itself (wrong secret, unknown key, expired token)."""
+
+
+class ObjectBucketMissing(ObjectStoreConfigError):
+    """The URL's bucket does not exist on the server."""
 
 
 class ObjectStoreForkError(SkipHarnessError):
@@ -72,32 +89,76 @@ def scrub(text: str) -> str:
     return text
 
 
+_CREDENTIAL_CODES = {
+    "SignatureDoesNotMatch": "the secret key does not match the access key (AWS_SECRET_ACCESS_KEY)",
+    "InvalidAccessKeyId": "the server knows no such access key (AWS_ACCESS_KEY_ID)",
+    "InvalidClientTokenId": "the server knows no such access key (AWS_ACCESS_KEY_ID)",
+    "InvalidToken": "the session token is not valid (AWS_SESSION_TOKEN)",
+    "ExpiredToken": "the session token has expired (AWS_SESSION_TOKEN)",
+    "TokenRefreshRequired": "the session token has expired (AWS_SESSION_TOKEN)",
+    "AuthorizationHeaderMalformed": "the request's signature names another region (AWS_REGION)",
+}
+_UNREACHABLE = ("error sending request", "connection refused", "tcp connect error", "dns error",
+                "operation timed out", "timed out", "connection reset", "connection closed")
+
+
+def _code(msg: str) -> str:
+    return msg.split("<Code>", 1)[1].split("<", 1)[0] if "<Code>" in msg else ""
+
+
 def _first_line(exc: BaseException) -> str:
+    """obstore's message on one line, without its debug dump (`Debug source: ...`), secrets removed."""
     msg = " ".join(str(exc).split())
-    code = ""
-    if "<Code>" in msg:
-        code = msg.split("<Code>", 1)[1].split("<", 1)[0]
+    msg = msg.split(" Debug source:", 1)[0]
+    code = _code(msg)
+    if "<Message>" in msg:
+        msg = msg.split(" - Server returned", 1)[0] + ": " + msg.split("<Message>", 1)[1].split("<", 1)[0]
     msg = msg[:300] + ("..." if len(msg) > 300 else "")
     return scrub(f"[{code}] {msg}" if code else msg)
 
 
+def _bucket(url: str) -> str:
+    return url.partition("://")[2].partition("/")[0]
+
+
 def classify(exc: BaseException, url: str) -> ObjectStoreError:
-    """The object-store error `exc` (raised by obstore for `url`) as one of our four kinds."""
+    """The object-store error `exc` (raised by obstore for `url`) as one of our kinds, its reason in
+    words: credentials refused and a missing bucket are config errors (never a read-only run or an
+    outage); a server that cannot be reached is an outage that says so."""
     from obstore import exceptions as oe
 
+    text = " ".join(str(exc).split())
+    code = _code(text)
     detail = _first_line(exc)
+    if code in _CREDENTIAL_CODES or isinstance(exc, oe.UnauthenticatedError):
+        why = _CREDENTIAL_CODES.get(code, "the server does not accept this credential")
+        return ObjectCredentialsRefused(url, f"credentials refused: {why} ({code or type(exc).__name__}); "
+                                             "no secret is shown")
+    if code == "NoSuchBucket":
+        return ObjectBucketMissing(url, f"the bucket {_bucket(url)!r} does not exist on this server "
+                                        "(create it, or fix the URL or AWS_ENDPOINT_URL)")
     if isinstance(exc, FileNotFoundError):
         return ObjectMissing(url, "no such object")
     if isinstance(exc, (oe.AlreadyExistsError, oe.PreconditionError)):
         return ObjectRaceLost(url, f"another writer was first ({type(exc).__name__})")
-    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
+    if isinstance(exc, oe.PermissionDeniedError):
         return ObjectAccessDenied(url, f"access denied: {detail}")
-    if isinstance(exc, oe.GenericError) and "Access Denied" in str(exc):
+    if isinstance(exc, oe.GenericError) and "Access Denied" in text:
         # DeleteObjects answers 200 with per-key errors: a denied bulk delete comes back generic
         return ObjectAccessDenied(url, f"access denied: {detail}")
-    if "builder error" in str(exc) or "URL scheme is not allowed" in str(exc):
+    if "builder error" in text or "URL scheme is not allowed" in text:
         return ObjectStoreConfigError(
             url, "the endpoint is plain http: set AWS_ALLOW_HTTP=true to allow it (" + detail + ")")
     if isinstance(exc, (oe.NotSupportedError, oe.InvalidPathError, oe.UnknownConfigurationKeyError)):
         return ObjectStoreConfigError(url, f"not supported here: {detail}")
+    lowered = text.lower()
+    if any(s in lowered for s in _UNREACHABLE):
+        m = re.search(r"(https?://[^/\s?]+)", text)
+        at = m.group(1) if m else "the endpoint"
+        if "timed out" in lowered:
+            what = f"{at} did not answer in time (timed out, after retries)"
+        else:
+            what = f"nothing answers at {at} (connection refused, after retries)"
+        return ObjectStoreUnavailable(url, f"object store unavailable: {what}; check AWS_ENDPOINT_URL "
+                                           "and that the server runs")
     return ObjectStoreUnavailable(url, f"object store unavailable: {detail}")

@@ -14,6 +14,14 @@ expires_at), with conditional writes deciding every race:
   writing. A transient failure is a warning and the next renewal tries again.
 - release: a conditional put of an already-expired record (obstore has no conditional delete), so a
   run that lost its lease never removes its successor's.
+- fence: every write, delete and commit of the namespace first asks `fence()`. It goes out only while
+  the lease is still ours by this process's own monotonic clock: the last successful renewal (the
+  moment its request was SENT) + ttl - `margin_s` has not passed. Past that, `fence` renews first
+  (an If-Match put); a mismatch means another run took it over: `lost`, and the write never goes out.
+  The monotonic clock keeps running while the process is stopped (SIGSTOP, a VM freeze), so a run
+  resumed after its lease expired finds out before its next request, not when its renewal thread
+  next wakes. `fence(round_trip=True)` always renews first: a commit record or a removal then follows
+  a conditional write on the lease by one request (S3 cannot condition a write on another object).
 
 A credential that may only read cannot create the lease: `ObjectAccessDenied`, which the caller
 turns into "serve complete steps, write nothing".
@@ -40,7 +48,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from skip_harness.errors import LockHeldError
+from skip_harness.errors import CacheWritesStopped, LockHeldError
 from skip_harness.store.objstore.client import ObjectClient
 from skip_harness.store.objstore.errors import ObjectMissing, ObjectRaceLost, ObjectStoreError, ObjectStoreUnavailable
 
@@ -49,6 +57,22 @@ logger = logging.getLogger("skip_harness.store.objstore")
 LEASE_KEY = ".lock"
 DEFAULT_TTL_S = 30.0
 DEFAULT_SKEW_S = 2.0
+TTL_ENV = "SKIP_HARNESS_LEASE_TTL_S"      # the ttl a run's lease gets (tests make it short)
+
+
+def ttl_from_env() -> float:
+    """The lease ttl: `SKIP_HARNESS_LEASE_TTL_S` (seconds, > 0), else 30 s."""
+    from skip_harness.store.objstore.errors import ObjectStoreConfigError
+    raw = os.environ.get(TTL_ENV)
+    if not raw:
+        return DEFAULT_TTL_S
+    try:
+        value = float(raw)
+        if not value > 0:
+            raise ValueError
+        return value
+    except ValueError:
+        raise ObjectStoreConfigError(repr(raw), "must be a positive number of seconds", key=TTL_ENV) from None
 
 
 def _host_id() -> str:
@@ -129,8 +153,13 @@ def _release_at_exit() -> None:
 atexit.register(_release_at_exit)
 
 
-class LeaseLost(ObjectStoreError):
-    """Another run took the lease over: this run must stop writing."""
+class LeaseLost(ObjectStoreError, CacheWritesStopped):
+    """Another run took the lease over: this run must stop writing (for good)."""
+
+
+class LeaseExpired(ObjectStoreUnavailable):
+    """By this process's own clock the lease has run out and it could not be renewed (the store out of
+    reach): nothing is written until a renewal succeeds."""
 
 
 class Lease:
@@ -141,6 +170,11 @@ class Lease:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be > 0 s, got {ttl_s}")
         self.client, self.key, self.ttl_s, self.skew_s = client, key, float(ttl_s), float(skew_s)
+        # how long before the end of the ttl (by our clock) we stop trusting the lease: covers the time a
+        # request takes to reach the server after `fence` let it go
+        self.margin_s = min(self.ttl_s / 3, 5.0)
+        self._valid_until = 0.0          # time.monotonic() until which the lease is ours (see fence)
+        self.taken_by: Optional[str] = None   # who took it over, once lost
         self.holder = holder or f"run-{uuid.uuid4().hex[:12]}"
         self.host, self.pid, self.host_id = socket.gethostname(), os.getpid(), _host_id()
         self.since = 0.0
@@ -181,13 +215,19 @@ class Lease:
 
     def try_acquire(self) -> Optional[LeaseRecord]:
         """Take the lease if it is free or expired: None on success, else the record in the way."""
+        sent = time.monotonic()
         self.since = time.time()
         try:
             self.etag = self.client.put(self.key, self._record(self.since + self.ttl_s), mode="create")
+            self._valid_until = sent + self.ttl_s - self.margin_s
             return None
         except ObjectRaceLost:
             pass
         current, seen = self.read()
+        if self._ours(current, seen):       # our create landed, its reply was lost and the retry refused
+            self.etag = seen
+            self._valid_until = sent + self.ttl_s - self.margin_s
+            return None
         if seen is None:      # released and removed between our two calls: try again next round
             return LeaseRecord("(released just now)", "?", 0, time.time(), 0.0, time.time() + 1)
         dead = False
@@ -195,8 +235,10 @@ class Lease:
             dead = self.holder_dead(current)
             if not dead:
                 return current
+        sent = time.monotonic()
         try:
             self.etag = self.client.put(self.key, self._record(self.since + self.ttl_s), mode={"e_tag": seen})
+            self._valid_until = sent + self.ttl_s - self.margin_s
         except (ObjectRaceLost, ObjectMissing):
             return current or LeaseRecord("(another run taking it over)", "?", 0, time.time(), 0.0, time.time() + 1)
         if dead:
@@ -225,6 +267,7 @@ class Lease:
                     "how long to wait)")
             time.sleep(min(1.0, self.ttl_s / 3, left if left is not None else 1.0))
         self.lost.clear()
+        self.taken_by = None
         self._stop.clear()
         with _held_mutex:
             _held.add(self)
@@ -235,25 +278,71 @@ class Lease:
     def renew(self) -> None:
         """Extend the lease by ttl; LeaseLost when another run took it over."""
         with self._mutex:
+            self._renew()
+
+    def _renew(self) -> None:
+        if self.lost.is_set():
+            raise self._lost_error()
+        if self.etag is None:
+            raise LeaseLost(self.url, "not held")
+        sent = time.monotonic()
+        try:
+            self.etag = self.client.put(self.key, self._record(time.time() + self.ttl_s),
+                                        mode={"e_tag": self.etag})
+        except (ObjectRaceLost, ObjectMissing):
+            current, seen = self.read()
+            if not self._ours(current, seen):
+                self._mark_lost(current)
+                raise self._lost_error() from None
+            # our own earlier renewal reached the server after its reply was lost (a request that
+            # timed out, then landed): the record is still ours; renew on the ETag it has now
+            self.etag = self.client.put(self.key, self._record(time.time() + self.ttl_s), mode={"e_tag": seen})
+        self._valid_until = sent + self.ttl_s - self.margin_s
+
+    def _ours(self, record: Optional[LeaseRecord], etag: Optional[str]) -> bool:
+        """Whether `record` is this lease's own, not yet released (holder names are unique per run)."""
+        return (record is not None and etag is not None and record.holder == self.holder
+                and record.pid == self.pid and record.host == self.host and record.expires_at > 0)
+
+    def _mark_lost(self, current: Optional[LeaseRecord]) -> None:
+        """Another run holds the lease now: say so once (naming it); nothing more is written."""
+        if self.lost.is_set():
+            return
+        self.taken_by = current.describe() if current else "nobody (the lease object is gone)"
+        self.lost.set()
+        logger.warning("%s: this run's lease on the namespace was taken over by %s after this run stalled "
+                       "past its expiry: this run writes nothing more to the cache (training goes on "
+                       "without caching)", self.url, self.taken_by)
+
+    def _lost_error(self) -> LeaseLost:
+        return LeaseLost(self.url, f"this run lost the namespace's lease: taken over by "
+                                   f"{self.taken_by or 'another run'}; nothing more is written")
+
+    def fence(self, *, round_trip: bool = False) -> None:
+        """Return only while this run may write: the lease is ours by our own clock (renewed first when
+        its time is up, or always with `round_trip`). LeaseLost when another run took it over;
+        LeaseExpired when it ran out and the store cannot be reached to renew it."""
+        with self._mutex:
+            if self.lost.is_set():
+                raise self._lost_error()
             if self.etag is None:
-                raise LeaseLost(self.url, "not held")
+                raise LeaseLost(self.url, "the namespace's lease is not held (released): nothing is written")
+            if not round_trip and time.monotonic() < self._valid_until:
+                return
             try:
-                self.etag = self.client.put(self.key, self._record(time.time() + self.ttl_s),
-                                            mode={"e_tag": self.etag})
-            except (ObjectRaceLost, ObjectMissing):
-                self.lost.set()
-                current, _ = self.read()
-                who = current.describe() if current else "nobody"
-                raise LeaseLost(self.url, f"the lease was taken over (now held by {who}): this run "
-                                          "stalled past its expiry and must stop writing") from None
+                self._renew()
+            except ObjectStoreUnavailable as exc:
+                if round_trip and time.monotonic() < self._valid_until:
+                    raise
+                raise LeaseExpired(self.url, f"the lease ran out by this run's clock and could not be "
+                                             f"renewed ({exc.reason}): nothing is written until it is") from None
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 self.renew()
-            except LeaseLost as exc:
-                logger.warning("%s", exc)
-                return
+            except LeaseLost:
+                return                   # said once, by _mark_lost
             except ObjectStoreUnavailable as exc:
                 logger.warning("%s: lease not renewed, trying again in %.0f s (%s)",
                                self.url, self.ttl_s / 3, exc.reason)
