@@ -67,6 +67,25 @@ def check_verl_version(version: str) -> None:
                           f"VERL_USE_EXTERNAL_MODULES to run verl without the plug-in")
 
 
+def trl_conflict() -> str:
+    """A sentence when the installed TRL stops verl 0.9.x from training, else "": verl imports
+    ``AutoModelForCausalLMWithValueHead`` from TRL whenever TRL is installed
+    (verl/models/transformers/monkey_patch.py:352), and TRL 1.13 removed it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        trl = version("trl")
+        if Version(trl) < Version("1.13"):
+            return ""
+    except (PackageNotFoundError, InvalidVersion):
+        return ""
+    return (f"TRL {trl} is installed: verl cannot build its FSDP actor with it (ImportError: cannot import name "
+            f"'AutoModelForCausalLMWithValueHead' from 'trl'); pip install 'trl>=1.0,<1.13' (skip_harness's "
+            f"[trl] range) or uninstall trl in verl's environment")
+
+
 try:
     from verl import __version__ as _verl_version
 except ImportError as _exc:  # pragma: no cover - depends on the installed verl
@@ -159,6 +178,9 @@ class HarnessRolloutTqSkip(BaseSkip):
             log.setLevel(logging.INFO)
         from skip_harness.run.harness import SkipHarness
 
+        conflict = trl_conflict()
+        if conflict:
+            log.warning("%s", conflict)
         self.plan = verl_config.plan_of(local_config, global_config)
         if self.plan.all_steps:
             self.steps = verl_config.EVERY_STEP

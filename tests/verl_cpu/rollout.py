@@ -14,13 +14,15 @@ small classes plug in where vLLM's do:
 
 Sampling is seeded from the OS on purpose: two runs generate different rollouts (as vLLM's do), so a
 replay that matches the recording can only have read the cache. Every ``generate`` call appends a line to
-the file named by ``actor_rollout_ref.rollout.custom.generate_log`` (when set): the tests count them.
+the file named by ``actor_rollout_ref.rollout.custom.generate_log`` (when set): the tests count them;
+``custom.generate_delay_s`` slows each call (a test's window to kill a run mid-step).
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
+import time
 from typing import Any, Dict, Optional
 
 import ray
@@ -57,6 +59,7 @@ class HFServer:
         self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.lock = threading.Lock()
         self.generate_log = _custom(config, "generate_log")
+        self.generate_delay_s = float(_custom(config, "generate_delay_s") or 0)   # widens a test's kill window
         self.global_steps = None
 
     def load_weights(self, state: Dict[str, torch.Tensor], global_steps: Optional[int] = None) -> int:
@@ -103,6 +106,8 @@ class HFServer:
                 if token == self.eos_token_id:
                     break
                 ids = torch.tensor([[token]])
+        if self.generate_delay_s:
+            time.sleep(self.generate_delay_s)
         if self.generate_log:
             with open(self.generate_log, "a") as f:
                 f.write(f"{request_id}\n")
