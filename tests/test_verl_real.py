@@ -6,7 +6,7 @@ on a CPU, through its registries). A tiny random-weight Llama, 4 prompts x 2 sam
 One chain of sync runs covers four claims, each run doing double duty (every run costs ~1-2 min of Ray and
 worker start-up):
 
-  killed  records, SIGKILLed (driver, Ray, workers) once step 1 is committed and step 2 is generating;
+  killed  records, SIGKILLed (driver, Ray, workers) once step 1 is committed and step 2 is being written;
   rerun   cleans the interrupted step 2, serves step 1 (its metrics equal the killed run's), generates 2, 3;
   replay  serves all three: 0 generate calls, verl's metrics identical to the rerun's, timing aside; the
           harness closes at the last step -- summary logged, lock released -- though Ray force-exits the
@@ -27,7 +27,7 @@ pytest.importorskip("transfer_queue")
 
 from verl_cpu import driver, recipe  # noqa: E402
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.timeout(2400)]   # minutes of Ray start-up per run
 
 STEPS = 3
 CALLS_PER_STEP = 4 * 2          # data.train_batch_size x rollout.n
@@ -73,12 +73,13 @@ def sync_chain(workdir):
     cache = work / "cache"
     ns = _namespace(cache, "sync")
 
-    def step1_committed_and_step2_generating(gen_log: Path) -> bool:
-        return (ns / "1" / "commit.json").exists() and driver.count_lines(gen_log) > CALLS_PER_STEP
+    def step1_committed_and_step2_being_written(gen_log: Path) -> bool:
+        # the writer makes the step's directory first, then the payload, its meta, the commit record
+        # (fsync'd each): killed at the first sight of it, step 2 is interrupted mid-write
+        return (ns / "2").exists() and (ns / "1" / "commit.json").exists()
 
     runs = {"killed": driver.main_ppo(work, "killed", paths, dump_dir=cache, experiment="sync",
-                                      kill_when=step1_committed_and_step2_generating,
-                                      extra=["+actor_rollout_ref.rollout.custom.generate_delay_s=0.5"])}
+                                      kill_when=step1_committed_and_step2_being_written)}
     runs["killed_state"] = sorted(p.relative_to(ns).as_posix() for p in ns.rglob("*") if p.is_file())
     for name in ("rerun", "replay"):
         runs[name] = driver.main_ppo(work, name, paths, dump_dir=cache, experiment="sync")
@@ -91,7 +92,7 @@ def test_a_killed_recording_is_rerun_cleaned_served_and_regenerated(sync_chain):
     killed, rerun = sync_chain["killed"], sync_chain["rerun"]
     state = sync_chain["killed_state"]
     assert killed.returncode == -9, killed.output[-3000:]
-    assert "1/commit.json" in state and "2/commit.json" not in state, state   # killed inside step 2
+    assert "1/commit.json" in state and "2/commit.json" not in state, state   # killed inside step 2's write
     assert sorted(killed.metrics) == [1], "verl logged step 1 only before the kill"
 
     assert rerun.returncode == 0, rerun.output[-5000:]

@@ -12,7 +12,10 @@ Everything goes through verl's registries and extension points; nothing in verl'
   them for ``cuda`` / ``npu`` only (verl/workers/engine/fsdp/transformer_impl.py:1143, 1594);
 - a rollout backend ``hf_cpu`` (:mod:`verl_cpu.rollout`): transformers' ``generate`` in a Ray actor,
   registered with ``RolloutReplicaRegistry`` and verl's server-adapter table, receiving the actor's
-  weights every step through verl's ``naive`` weight sync;
+  weights every step through verl's ``naive`` weight sync (sync, colocate_async);
+- a checkpoint engine ``ray_store`` (:mod:`verl_cpu.weights`, ``CheckpointEngineRegistry``, loaded by verl
+  through ``rollout.checkpoint_engine.custom_backend_module``): the weights to standalone replicas through
+  Ray's object store (separate_async; verl's engines need accelerators);
 
 and ONE monkeypatch, for a verl bug: ``initialize_global_process_group_ray`` builds the backend
 ``cpu:gloo,{device}:{backend}`` (verl/utils/distributed.py:89), which on CPU is ``cpu:gloo,cpu:gloo`` and

@@ -90,10 +90,11 @@ def main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Optio
     with open(out_path, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *args], cwd=workdir, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        poll_s = 0.002 if kill_when is not None else 0.2   # a kill aims at a window of milliseconds
         try:
             while True:
                 try:
-                    proc.wait(timeout=0.2)
+                    proc.wait(timeout=poll_s)
                     break
                 except subprocess.TimeoutExpired:
                     pass

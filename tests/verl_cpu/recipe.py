@@ -97,7 +97,17 @@ def overrides(paths: Dict[str, str], *, steps: int = 3, batch: int = 4, n: int =
         "+ray_kwargs.ray_init.include_dashboard=false",
     ]
     if mode == "separate_async":
-        args.append(f"trainer.v1.separate_async.parameter_sync_step={K}")
+        # standalone rollout replicas on their own "GPU" bundle, the weights through Ray's object store
+        args = [a for a in args if not a.startswith(("actor_rollout_ref.rollout.checkpoint_engine.backend=",
+                                                     "+ray_kwargs.ray_init.num_gpus=",
+                                                     "actor_rollout_ref.actor.ppo_mini_batch_size="))]
+        args += [f"trainer.v1.separate_async.parameter_sync_step={K}",
+                 f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // K}",
+                 "actor_rollout_ref.hybrid_engine=false",
+                 "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                 "actor_rollout_ref.rollout.checkpoint_engine.backend=ray_store",
+                 "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=verl_cpu.weights",
+                 "+ray_kwargs.ray_init.num_gpus=2"]
     if mode in ("colocate_async", "separate_async"):
         args.append(f"trainer.v1.{mode}.num_warmup_batches=0")
     return args + list(extra)
