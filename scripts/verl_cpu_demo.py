@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         log.info("%s: %d generate calls, %d steps logged, %.0f s", name, run.generate_calls, len(run.metrics),
                  run.wall_s)
         for line in run.lines("rollout cache summary"):
-            log.info("  %s", line.split("rollout cache summary", 1)[-1].join(["rollout cache summary", ""]))
+            log.info("  %s", line[line.index("rollout cache summary"):])
         runs.append(run)
     record, replay = runs
     diff = driver.differences(record.metrics, replay.metrics, range(1, args.steps + 1))
