@@ -106,3 +106,20 @@ def test_its_info_lines_show_under_verls_warning_root_logger(tmp_path):
         assert logger.level == logging.ERROR
     finally:
         logger.setLevel(saved)
+
+
+@pytest.mark.parametrize("version,ok", [("0.9.0", True), ("0.9.1", True), ("0.10.0.dev0", True), ("0.10.0.dev", True),
+                                        ("0.8.5", False), ("0.10.0", False), ("0.11.0", False), ("main", False)])
+def test_the_plugin_names_the_verl_versions_it_supports_and_refuses_others(plugin, version, ok):
+    if ok:
+        plugin.check_verl_version(version)
+        return
+    with pytest.raises(ImportError) as err:
+        plugin.check_verl_version(version)
+    assert f"this is verl {version}" in str(err.value) and "0.9.x, 0.10.0.dev" in str(err.value)
+
+
+def test_the_installed_verl_is_a_supported_one(plugin):
+    import verl
+
+    plugin.check_verl_version(verl.__version__)   # the CI's verl; importing the plug-in ran the same check

@@ -187,3 +187,70 @@ def test_the_config_file_route_loads_the_plugin_in_rays_workers(cluster):
     assert got == f"{PLUGIN}.HarnessRolloutTqSkip"
     plain = ray.get(rollout_tq_class_in_a_worker.remote(), timeout=180)
     assert plain == "verl.utils.skip.rollout_skip.RolloutTqSkip"   # without it, verl's own class
+
+
+def _one_step(cfg, trainer, replay, step):
+    """verl's fit order for one K = 1 step: set_step, submit, sample (verl's decorated methods)."""
+    import transfer_queue as tq
+    from verl.utils.skip import SkipManager
+
+    trainer.global_steps = step
+    SkipManager.set_step(step)
+    trainer._add_batch_to_generate()
+    batch, _ = replay.sample(global_steps=step, partition_id="train", batch_size=int(cfg.data.train_batch_size))
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
+def test_a_second_skipmanager_init_closes_the_first_harness_and_keeps_its_writes(cluster, tmp_path):
+    """verl builds its skip classes again (a driver that re-inits, a notebook, a test building the trainer
+    twice): the first harness is closed before the second starts -- its pending write of step 1 committed,
+    its lock released -- and the second serves that step. (Before: the first was only weakly held, got
+    collected unclosed, and the second stopped with LockHeldError.)"""
+    from verl.utils.skip import SkipManager
+
+    cfg = rig.compose(str(tmp_path), steps=(1, 2, 3), extra=["+skip_harness.async_write=true"])
+    try:
+        SkipManager.init(cfg)
+        first = SkipManager.skip_instances["rollout_tq"]
+        rollout = rig.StandInRollout(cfg, 1)
+        _one_step(cfg, rig.make_trainer(cfg, rollout), rig.make_buffer("sync", cfg), 1)
+        assert first.harness.outcome(1) == "miss"
+        del first   # verl keeps no other reference to the skip class it replaces
+
+        SkipManager.init(cfg)
+        second = SkipManager.skip_instances["rollout_tq"]
+        rollout = rig.StandInRollout(cfg, 2)
+        _one_step(cfg, rig.make_trainer(cfg, rollout), rig.make_buffer("sync", cfg), 1)
+        assert second.harness.outcome(1) == "hit", "the first harness's write of step 1 was lost"
+        assert rollout.calls == []
+        summary = second.close()
+        assert summary.hits == 1
+    finally:
+        rig.clear_queue()
+        for skip in list(SkipManager.skip_instances.values()):
+            if hasattr(skip, "close"):
+                skip.close()
+
+
+@pytest.mark.parametrize("steps,last", [((1, 2), 2), ((1, 2, 3), 3)])
+def test_the_harness_closes_right_after_the_last_step_it_caches(cluster, tmp_path, caplog, steps, last):
+    """Ray may end verl's TaskRunner without exit handlers (main_ppo's replay): the summary is logged and
+    the namespace released when the last listed step's last sample returns, on the recording and on the
+    replay -- not at process exit."""
+    cfg = rig.compose(str(tmp_path), steps=steps)
+    for salt in (1, 2):
+        closed_at = []
+
+        def after_sample(skip, step, inner):
+            closed_at.append((step, getattr(skip, "finished", False), any("rollout cache summary" in r.getMessage()
+                                                       for r in caplog.records)))
+
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="skip_harness"):
+            run = rig.run_steps(cfg, buffer="sync", salt=salt, steps=steps, after_sample=after_sample)
+        assert closed_at[-1] == (last, True, True), closed_at
+        assert all(not done for _, done, _ in closed_at[:-1]), closed_at
+        assert run.outcomes[last] == ("miss" if salt == 1 else "hit")
+    # released: another harness takes the namespace at once (lock_timeout 0)
+    again = rig.run_steps(cfg, buffer="sync", salt=3, steps=steps)
+    assert again.train_generations == 0

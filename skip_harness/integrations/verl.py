@@ -27,20 +27,70 @@ Roles
     loaded logs a WARNING saying verl's own class runs it.
 
 Lifecycle
-    verl's trainer has no end-of-run hook for skip classes: a step's files are committed in the
-    background while the next step generates; the run's last step (verl's total training steps) and the
-    last step of ``skip.rollout_tq.steps`` are made durable before their last ``sample`` returns; the
-    harness is closed at process exit or when verl builds a new one (``SkipManager.init`` again).
-    :func:`close_all` closes it explicitly.
+    verl's trainer has no end-of-run hook for skip classes, and Ray may end the trainer's process without
+    running exit handlers (``main_ppo``'s TaskRunner is force-exited after a replay). So the harness
+    closes -- pending writes committed, summary logged, namespace released -- right after the last
+    ``sample`` of the last step it will ever see: the run's last step (``trainer.total_training_steps``)
+    or the last step of ``skip.rollout_tq.steps``, whichever comes first, hit or miss. Steps after that
+    run as verl's own, uncached. A new ``SkipManager.init`` in the same process closes the previous
+    harness (its pending writes flushed, its lock released) before the new one starts. Process exit
+    closes whatever is still open; :func:`close_all` does so explicitly.
 """
 from __future__ import annotations
 
 import atexit
 import logging
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
+
+SUPPORTED_VERL = "0.9.x, 0.10.0.dev"
+"""verl versions whose hooks the plug-in is checked against: 0.9.0 and 0.9.1 (0.9.1 drives the CI's real
+``main_ppo`` runs), and verl main's 0.10.0.dev (checked at 1dda039: ``annotate_tq``, the decorated
+``_add_batch_to_generate`` / ``ReplayBuffer.sample`` / ``ReplayBufferAsync.sample`` and ``SkipManager`` are
+unchanged since 0.9.0; #7082's ``(KVBatchMeta, eviction_metrics)`` and #7373's ``prepare_step`` /
+``wait_for_sampleable`` are already in 0.9.1)."""
+
+
+def check_verl_version(version: str) -> None:
+    """Refuse a verl the plug-in was not checked against, naming it and the supported range."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        v = Version(version)
+        ok = v.release[:2] == (0, 9) or (v.release[:3] == (0, 10, 0) and v.is_devrelease)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise ImportError(f"skip_harness.integrations.verl supports verl {SUPPORTED_VERL} (main before "
+                          f"0.10.0); this is verl {version}: pip install 'skip_harness[verl]', or unset "
+                          f"VERL_USE_EXTERNAL_MODULES to run verl without the plug-in")
+
+
+def trl_conflict() -> str:
+    """A sentence when the installed TRL stops verl 0.9.x from training, else "": verl imports
+    ``AutoModelForCausalLMWithValueHead`` from TRL whenever TRL is installed
+    (verl/models/transformers/monkey_patch.py:352), and TRL 1.13 removed it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        trl = version("trl")
+        if Version(trl) < Version("1.13"):
+            return ""
+    except (PackageNotFoundError, InvalidVersion):
+        return ""
+    return (f"TRL {trl} is installed: verl cannot build its FSDP actor with it (ImportError: cannot import name "
+            f"'AutoModelForCausalLMWithValueHead' from 'trl'); pip install 'trl>=1.0,<1.13' (skip_harness's "
+            f"[trl] range) or uninstall trl in verl's environment")
+
+
+try:
+    from verl import __version__ as _verl_version
+except ImportError as _exc:  # pragma: no cover - depends on the installed verl
+    raise ImportError(f"skip_harness.integrations.verl needs verl (pip install 'skip_harness[verl]'): {_exc}") from _exc
+check_verl_version(_verl_version)
 
 try:
     from verl.utils.skip import rollout_skip as _verl_rollout_skip  # noqa: F401 - verl's classes register first
@@ -61,7 +111,9 @@ log = logging.getLogger("skip_harness")
 
 ROLE = "rollout_tq"
 
-_live: "weakref.WeakSet[HarnessRolloutTqSkip]" = weakref.WeakSet()
+# strong references: a harness verl replaced (SkipManager.init again) must still be closed, never collected
+# with its lock held and its writes pending
+_live: "List[HarnessRolloutTqSkip]" = []
 _live_lock = threading.Lock()
 
 
@@ -109,6 +161,7 @@ class HarnessRolloutTqSkip(BaseSkip):
     def __init__(self, local_config: Any, global_config: Any):
         super().__init__(local_config, global_config)
         self.harness = None
+        self.finished = False   # closed after the last step it serves or records
         self.plan: Optional[verl_config.VerlPlan] = None
         self._steps: Dict[int, _Step] = {}
         for role in ("rollout", "async_rollout"):
@@ -125,25 +178,27 @@ class HarnessRolloutTqSkip(BaseSkip):
             log.setLevel(logging.INFO)
         from skip_harness.run.harness import SkipHarness
 
+        conflict = trl_conflict()
+        if conflict:
+            log.warning("%s", conflict)
         self.plan = verl_config.plan_of(local_config, global_config)
         if self.plan.all_steps:
             self.steps = verl_config.EVERY_STEP
         self._generation = _Generation()
+        close_all()   # verl built a new skip class: the previous harness ends first, its lock released
         harness = SkipHarness.create(self.plan.settings, namespace=self.plan.namespace,
                                      fingerprint=self.plan.fingerprint)
         harness.wrap(self._generation, sample="sample", prepare_data="prepare_data", dispatch_kwarg="dispatch")
         self.harness = harness
         with _live_lock:
-            for other in list(_live):
-                other.close()
-            _live.add(self)
+            _live.append(self)
         log.info("skip_harness serves verl's skip.rollout_tq: %s", verl_config.describe(self.plan, self.steps))
 
     # ---------------------------------------------------------------- verl's calls (annotate_tq)
     def maybe_load_and_inject(self, step: int, new_prompt_uids: Sequence[str], partition_id: str = "train") -> bool:
         """phase="submit": decide the step; on a hit put mini-batch 0 into TransferQueue and return True
         (verl then dispatches nothing); on a miss return False (verl dispatches the rollout)."""
-        if self.harness is None or partition_id != verl_tq.PARTITION:
+        if self.harness is None or self.finished or partition_id != verl_tq.PARTITION:
             return False
         step = int(step)
         if step in self._steps:
@@ -163,7 +218,7 @@ class HarnessRolloutTqSkip(BaseSkip):
     def should_save(self, step: int, partition_id: str = "train") -> bool:
         """phase="sample", after verl's sampler ran: True on a miss (verl then calls prepare_data); on a hit
         the next cached mini-batch goes into TransferQueue for the next sample call."""
-        if self.harness is None or partition_id != verl_tq.PARTITION:
+        if self.harness is None or self.finished or partition_id != verl_tq.PARTITION:
             return False  # validation is never cached
         state = self._steps.get(int(step))
         if state is None:
@@ -173,11 +228,13 @@ class HarnessRolloutTqSkip(BaseSkip):
         state.sampled += 1
         if state.sampled < self.plan.K:
             self._inject_next(int(step))
+        elif self._is_last(int(step)):
+            self.finish()   # the last step was served: verl may end this process without exit handlers
         return False
 
     def prepare_data(self, step: int, batch: Any = None, global_steps: Any = None, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         """phase="sample" on a miss: hand the sampled mini-batch to the harness as the next inner index."""
-        if self.harness is None:
+        if self.harness is None or self.finished:
             return
         step = int(step)
         state = self._steps.get(step)
@@ -185,7 +242,7 @@ class HarnessRolloutTqSkip(BaseSkip):
         if state is not None:
             state.sampled += 1
             if state.sampled == self.plan.K and self._is_last(step):
-                self.harness.commit_finished()  # committed before verl's trainer may end the process
+                self.finish()  # committed and closed before verl's trainer may end the process
 
     def meet_precondition(self, step: int, *args: Any, **kwargs: Any) -> bool:
         """Whether `step` is (or would be) served from the cache, once decided."""
@@ -218,15 +275,23 @@ class HarnessRolloutTqSkip(BaseSkip):
     def summary(self) -> Any:
         return None if self.harness is None else self.harness.summary()
 
+    def finish(self) -> Any:
+        """After the last step this run caches: close now; later steps run as verl's own, uncached."""
+        self.finished = True
+        return self.close()
+
     def close(self) -> Any:
         """Finish writes and commits, log the summary, release the namespace lock (idempotent)."""
+        with _live_lock:
+            if self in _live:
+                _live.remove(self)
         if self.harness is None:
             return None
         return self.harness.close()
 
 
 def close_all() -> None:
-    """Close every live harness this module built (also run at process exit)."""
+    """Close every live harness this module built (also run at process exit, when the process gets one)."""
     with _live_lock:
         live = list(_live)
     for skip in live:

@@ -1,0 +1,185 @@
+"""verl 0.9.1's real trainer (``python -m verl.trainer.main_ppo``) on a CPU-only machine -- test code.
+
+Loaded by verl itself as a second external module, in every process verl starts::
+
+    VERL_USE_EXTERNAL_MODULES=skip_harness.integrations.verl,verl_cpu   (tests/ on PYTHONPATH)
+
+Everything goes through verl's registries and extension points; nothing in verl's files is edited:
+
+- a ``cpu`` platform (``verl.plugin.platform.PlatformRegistry``): verl falls back to ``nvidia`` when no
+  accelerator is found (verl/plugin/platform/platform_manager.py:115);
+- verl's FSDP / FSDP2 engines registered for device ``cpu`` (``EngineRegistry.register``): verl registers
+  them for ``cuda`` / ``npu`` only (verl/workers/engine/fsdp/transformer_impl.py:1143, 1594);
+- a rollout backend ``hf_cpu`` (:mod:`verl_cpu.rollout`): transformers' ``generate`` in a Ray actor,
+  registered with ``RolloutReplicaRegistry`` and verl's server-adapter table, receiving the actor's
+  weights every step through verl's ``naive`` weight sync (sync, colocate_async);
+- a checkpoint engine ``ray_store`` (:mod:`verl_cpu.weights`, ``CheckpointEngineRegistry``, loaded by verl
+  through ``rollout.checkpoint_engine.custom_backend_module``): the weights to standalone replicas through
+  Ray's object store (separate_async; verl's engines need accelerators);
+
+and ONE monkeypatch, for a verl bug: ``initialize_global_process_group_ray`` builds the backend
+``cpu:gloo,{device}:{backend}`` (verl/utils/distributed.py:89), which on CPU is ``cpu:gloo,cpu:gloo`` and
+torch refuses ("Duplicate device type cpu").
+"""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from types import ModuleType, SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+from verl.plugin.platform.platform_base import PlatformBase
+from verl.plugin.platform.platform_manager import PlatformRegistry
+
+log = logging.getLogger("verl_cpu")
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _zero(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+def _mem_get_info(*args: Any, **kwargs: Any):
+    pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * size
+    return pages * size, total
+
+
+class _CpuDeviceModule(ModuleType):
+    """What verl calls ``get_torch_device()`` (``torch.cuda`` on GPUs): torch.cpu plus the memory and
+    device calls verl makes, as no-ops or zeros on a CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("verl_cpu.device")
+        for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats", "ipc_collect",
+                     "set_per_process_memory_fraction"):
+            setattr(self, name, _noop)
+        for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
+            setattr(self, name, _zero)
+        self.mem_get_info = _mem_get_info
+        self.current_device = lambda: "cpu"
+        self.is_available = lambda: True
+        self.device_count = lambda: 1
+        self.manual_seed = torch.manual_seed
+        self.manual_seed_all = torch.manual_seed
+        self.get_rng_state = lambda *a, **k: torch.get_rng_state()
+        self.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        self.memory_stats = lambda *a, **k: {}
+        self.get_device_name = lambda *a, **k: "cpu"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+
+DEVICE_MODULE = _CpuDeviceModule()
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformBase):
+    """verl's platform interface on a machine without an accelerator (torch tensors on ``cpu``, gloo)."""
+
+    device_name = "cpu"
+    vendor_name = "cpu"
+    device_module = DEVICE_MODULE
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        # probed after nvidia / npu / rocm (registration order): chosen when none of them is there
+        return not torch.cuda.is_available()
+
+    def current_device(self) -> str:
+        # verl passes it where torch takes a device (``model.to(device=get_device_id())``,
+        # verl/utils/fsdp_utils.py:507): index 0 would name an accelerator
+        return "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index: Optional[int] = None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0):
+        return (None, None)
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        # verl asks Ray for "GPU" bundles; the recipe declares one (+ray_kwargs.ray_init.num_gpus=1)
+        return "GPU"
+
+    def ray_noset_envvars(self) -> list:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> Any:
+        return None
+
+
+def _register_engines() -> None:
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        if "cpu" not in EngineRegistry._engines.get(model_type, {}).get("fsdp2", {}):
+            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
+
+
+def _patch_process_group_backend() -> None:
+    """verl/utils/distributed.py:89 builds ``cpu:gloo,cpu:gloo`` on CPU; torch refuses a device twice.
+    Callers import the function by name (verl/workers/engine_workers.py:38), so this runs before they do
+    (verl imports external modules at the end of ``verl/__init__.py``)."""
+    import verl.utils.distributed as dist
+
+    original = dist.initialize_global_process_group_ray
+    if getattr(original, "_verl_cpu", False):
+        return
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
+
+    initialize_global_process_group_ray._verl_cpu = True
+    dist.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+_patch_process_group_backend()
+_register_engines()
+from verl_cpu import rollout as _rollout  # noqa: E402,F401 - registers the hf_cpu backend

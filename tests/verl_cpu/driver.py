@@ -1,0 +1,118 @@
+"""Run ``python -m verl.trainer.main_ppo`` on CPU in a subprocess and read back what it did: verl's logged
+metrics (its ``file`` logger), the rollout backend's ``generate`` calls, the plug-in's log lines."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from verl_cpu import recipe
+
+log = logging.getLogger("verl_cpu")
+
+# verl's keys that measure time or the machine, never the training: left out of comparisons
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+@dataclass
+class Run:
+    name: str
+    returncode: int
+    wall_s: float
+    generate_calls: int
+    metrics: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    output: str = ""
+
+    def lines(self, needle: str) -> List[str]:
+        return [line for line in self.output.splitlines() if needle in line]
+
+
+def comparable(metrics: Dict[int, Dict[str, float]]) -> Dict[int, Dict[str, float]]:
+    return {step: {k: v for k, v in data.items() if not any(p in k for p in VOLATILE)}
+            for step, data in metrics.items()}
+
+
+def differences(a: Dict[int, Dict[str, float]], b: Dict[int, Dict[str, float]], steps: Sequence[int]) -> List[str]:
+    """Every (step, key) whose logged value differs between two runs, timing keys aside."""
+    a, b = comparable(a), comparable(b)
+    out = []
+    for step in steps:
+        x, y = a.get(step, {}), b.get(step, {})
+        for key in sorted(set(x) | set(y)):
+            if x.get(key) != y.get(key):
+                out.append(f"step {step} {key}: {x.get(key)!r} != {y.get(key)!r}")
+    return out
+
+
+def read_metrics(path: Path) -> Dict[int, Dict[str, float]]:
+    metrics: Dict[int, Dict[str, float]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                metrics[int(record["step"])] = record["data"]
+    return metrics
+
+
+def count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Optional[Path], steps: int = 3,
+             mode: str = "sync", extra: Sequence[str] = (), kill_when: Optional[Callable[[Path], bool]] = None,
+             timeout_s: float = 900, env_extra: Optional[Dict[str, str]] = None, **overrides_kwargs) -> Run:
+    """One ``main_ppo`` run. With `dump_dir`, the plug-in caches every step there; without, caching is off.
+    `kill_when(generate_log)` is polled; when it returns True the whole run (driver, Ray, workers: its process
+    group) is SIGKILLed."""
+    workdir = Path(workdir)
+    gen_log = workdir / f"{name}.generate"
+    metrics_path = workdir / f"{name}.metrics.jsonl"
+    for p in (gen_log, metrics_path):
+        p.unlink(missing_ok=True)
+    args = recipe.overrides(paths, steps=steps, mode=mode, **overrides_kwargs)
+    args.append(f"+actor_rollout_ref.rollout.custom.generate_log={gen_log}")
+    if dump_dir is not None:
+        args += ["skip.rollout_tq.enable=true", f"skip.rollout_tq.dump_dir={dump_dir}",
+                 f"skip.rollout_tq.steps=[{','.join(str(s) for s in range(1, steps + 1))}]"]
+    args += list(extra)
+    env = recipe.environment()
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
+    if mode == "separate_async":
+        # verl 0.9.1 bug: with hybrid_engine=false, trainer_separate_async.py:181 calls logger.info(..., flush=True),
+        # a TypeError whenever INFO is on; verl's loggers read their level from VERL_LOGGING_LEVEL
+        env["VERL_LOGGING_LEVEL"] = "WARN"
+    env.update(env_extra or {})
+    out_path = workdir / f"{name}.log"
+    start = time.monotonic()
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *args], cwd=workdir, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        poll_s = 0.002 if kill_when is not None else 0.2   # a kill aims at a window of milliseconds
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=poll_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if kill_when is not None and kill_when(gen_log):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(60)
+                    break
+                if time.monotonic() - start > timeout_s:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(60)
+                    raise TimeoutError(f"main_ppo run {name} took over {timeout_s} s; see {out_path}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(60)
+    wall = time.monotonic() - start
+    return Run(name, proc.returncode, wall, count_lines(gen_log), read_metrics(metrics_path), out_path.read_text())
