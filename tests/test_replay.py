@@ -310,6 +310,7 @@ def test_diff_tells_two_runs_apart_step_by_step(tmp_path):
     assert "trajectories_differ" not in ns["steps"][0]          # checksums matched: no payload read
     assert ns["values"]["first_divergence"]["step"] == 2 and ns["values"]["first_divergence"]["key"] == "loss"
     assert ns["values"]["max_abs_diff"]["reward_mean"] == 0.0 and ns["values"]["max_abs_diff"]["loss"] > 0
+    assert "gen_s" not in ns["values"]["max_abs_diff"]            # timings left out, as the replay check does
 
     doc = compare(str(namespace_in(tmp_path / "A").root), str(namespace_in(tmp_path / "C").root))
     (ns,) = doc["namespaces"]

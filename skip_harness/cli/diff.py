@@ -9,6 +9,7 @@ same, 1 when they differ, 2 on bad input.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -16,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from skip_harness.cli._common import EXIT_OK, EXIT_USAGE, CliError, emit_json, fmt_value, stdout_console
+from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store import scan as _scan
 from skip_harness.store.layout import PAYLOAD_NAME, Layout, UrlPath, is_url_text, parse_namespace_leaf
@@ -173,13 +175,21 @@ def _content(reader_a: Any, reader_b: Any, step: int, W: int) -> Dict[str, Any]:
     return out
 
 
+def _ignored(key: str) -> bool:
+    low = key.lower()
+    return any(fnmatch.fnmatchcase(low, p) for p in DEFAULT_REPLAY_IGNORE)
+
+
 def _compare_values(a: Optional[Dict[str, float]], b: Optional[Dict[str, float]]) -> Tuple[str, Optional[Tuple[str, float, float]], Dict[str, float]]:
-    """('same' | 'differ' | 'unrecorded', the first differing key (sorted) with both values, |a - b| by key)."""
+    """('same' | 'differ' | 'unrecorded', the first differing key (in A's recorded order) with both values,
+    |a - b| by key). Timings are left out, as the replay check leaves them out by default."""
     if a is None or b is None:
         return "unrecorded", None, {}
+    a = {k: v for k, v in a.items() if not _ignored(k)}
+    b = {k: v for k, v in b.items() if not _ignored(k)}
     first = None
     diffs: Dict[str, float] = {}
-    for key in sorted(set(a) & set(b)):
+    for key in [k for k in a if k in b]:
         x, y = a[key], b[key]
         same = x == y or (math.isnan(x) and math.isnan(y))
         d = 0.0 if same else (abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf)
@@ -308,6 +318,16 @@ def _num(x: Any) -> str:
     return fmt_value(x)
 
 
+def _pair(a: Any, b: Any) -> Tuple[str, str]:
+    """Both values short, but never printed alike when they differ."""
+    sa, sb = _num(a), _num(b)
+    return (repr(a), repr(b)) if sa == sb and a != b else (sa, sb)
+
+
+def _steps(n: int) -> str:
+    return "step" if n == 1 else "steps"
+
+
 def _delta(x: Any) -> str:
     return "-" if x is None else f"{x:+.4g}"
 
@@ -336,19 +356,19 @@ def cmd_diff(a: str, b: str, as_json: bool) -> int:
             traj = "-" if td is None else f"{td} of {s.get('trajectories')}"
             values = s.get("values", "-")
             if values == "differ":
-                values = f"differ: {s['first_key']} {_num(s['a_value'])} -> {_num(s['b_value'])}"
+                values = "differ: {} {} -> {}".format(s["first_key"], *_pair(s["a_value"], s["b_value"]))
             table.add_row(str(s["step"]), s["a"] or "-", s["b"] or "-", s["rollouts"], traj,
                           _delta(s.get("reward_mean_delta")), _delta(s.get("response_length_delta")), values)
         console.print(table)
         v = p["values"]
         fd = v["first_divergence"]
         if fd is not None:
-            console.print(f"values first differ at step {fd['step']}: {fd['key']} {_num(fd['a'])} (A) vs {_num(fd['b'])} (B)")
+            console.print("values first differ at step {}: {} {} (A) vs {} (B)".format(fd["step"], fd["key"], *_pair(fd["a"], fd["b"])))
         big = {k: d for k, d in v["max_abs_diff"].items() if d}
         if big:
             console.print("largest difference per key: " + ", ".join(f"{k} {d:.3g}" for k, d in big.items()))
-        console.print(f"rollouts: {p['rollouts_same']} steps the same, {p['rollouts_differ']} differ; "
-                      f"values compared on {v['steps_compared']} steps")
+        console.print(f"rollouts: {p['rollouts_same']} {_steps(p['rollouts_same'])} the same, {p['rollouts_differ']} "
+                      f"differ; values compared on {v['steps_compared']} {_steps(v['steps_compared'])} (timings left out)")
     console.print("identical" if doc["identical"] else "the two differ")
     return EXIT_OK if doc["identical"] else EXIT_DIFFER
 
