@@ -3,7 +3,8 @@
 The public API (imported lazily, so `import skip_harness` stays cheap; type checkers and editors see the
 real types through the TYPE_CHECKING imports below)::
 
-    from skip_harness import SkipHarness, NamespaceKey, HarnessCallback, RunSummary, StepRecord, Outcome, register_type
+    from skip_harness import SkipHarness, NamespaceKey, HarnessCallback, RunSummary, StepRecord, Outcome, register_type,
+        ReplayDivergedError
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from skip_harness.codec import register_type
     from skip_harness.config import RolloutTQConfig
+    from skip_harness.errors import ReplayDivergedError
     from skip_harness.run.callbacks import HarnessCallback
     from skip_harness.run.harness import SkipHarness
     from skip_harness.run.stats import Outcome, RunSummary, StepRecord
@@ -32,9 +34,10 @@ _PUBLIC = {
     "Outcome": "skip_harness.run.stats",
     "RolloutTQConfig": "skip_harness.config",
     "register_type": "skip_harness.codec",
+    "ReplayDivergedError": "skip_harness.errors",
 }
-__all__ = ["HarnessCallback", "NamespaceKey", "Outcome", "RolloutTQConfig", "RunSummary", "SkipHarness", "StepRecord",
-           "__version__", "register_type"]  # = sorted(_PUBLIC) + __version__ (tests/test_public_face.py)
+__all__ = ["HarnessCallback", "NamespaceKey", "Outcome", "ReplayDivergedError", "RolloutTQConfig", "RunSummary",
+           "SkipHarness", "StepRecord", "__version__", "register_type"]  # = sorted(_PUBLIC) + __version__ (tests/test_public_face.py)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""The config's choices as enums (`skip.rollout_tq.action`, `cleanup`, `on_mismatch`, `compression`).
+"""The config's choices as enums (`skip.rollout_tq.action`, `cleanup`, `on_mismatch`, `compression`,
+`replay_check`).
 
 A leaf: it imports nothing of the package, so the store can name a choice without importing
 :mod:`skip_harness.config` (which sits above the store). `skip_harness.config` re-exports them.
@@ -22,6 +23,12 @@ class Cleanup(str, Enum):
 class OnMismatch(str, Enum):
     error = "error"
     regenerate = "regenerate"
+
+
+class ReplayCheck(str, Enum):
+    off = "off"
+    warn = "warn"
+    error = "error"
 
 
 class Compression(str, Enum):

@@ -46,3 +46,11 @@ class HarnessUsageError(SkipHarnessError):
 class CacheWritesStopped(SkipHarnessError):
     """This run may no longer write the cache (another run took its namespace lock over while it was
     stalled): it says so once and trains on without caching."""
+
+
+class ReplayDivergedError(SkipHarnessError):
+    """A replay's values differed from the recorded ones (with `skip.rollout_tq.replay_check=error`)."""
+
+    def __init__(self, message: str, divergence=None):
+        self.divergence = divergence
+        super().__init__(message)
