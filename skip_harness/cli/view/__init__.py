@@ -92,6 +92,8 @@ def cmd_view(targets: Sequence[str], host: str, port: Optional[int], tokenizer: 
                                            lifespan="off", timeout_graceful_shutdown=2))
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:      # uvicorn shuts down on Ctrl-C, then raises it again: the stop asked for
+        pass
     finally:
         sock.close()
     logger.info("stopped")

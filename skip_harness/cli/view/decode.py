@@ -46,7 +46,10 @@ class Decoder:
 
 
 def _load_tokenizer(name_or_path: str) -> Any:
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and (name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1):
+        raise TokenizerError(f"--tokenizer {name_or_path}: no such file or directory (give a tokenizer directory, "
+                             f"a tokenizer.json, or a name in the local Hugging Face cache; the viewer never downloads)")
     try:
         if path.is_file():                     # a tokenizer.json
             from tokenizers import Tokenizer
