@@ -131,12 +131,16 @@ class Cache:
         """The namespace's steps from its index where it vouches for them; the index is never written."""
         return _scan.scan_namespace(ns.layout, rewrite_index=False)
 
-    def namespace_view(self, ns: Namespace, report: Optional[_scan.NamespaceReport] = None) -> NamespaceView:
+    def namespace_view(self, ns: Namespace, report: Optional[_scan.NamespaceReport] = None, *,
+                       read_metas: bool = True) -> NamespaceView:
         """`ls`'s view of the namespace from its scan: when each step was written and its generation
-        seconds come from the commit records the index holds (no payload is read)."""
+        seconds come from the commit records the index holds; a step whose record does not say its
+        generation seconds has them read from its meta files, as `ls` does -- unless `read_metas` is
+        False (the overview: a 10,000-step namespace from its index alone)."""
         report = self.scan(ns) if report is None else report
         reader = self.reader(ns)
-        return NamespaceView(ns.layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s)) for s in report.steps])
+        return NamespaceView(ns.layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s) if read_metas
+                                                 else s.gen_s) for s in report.steps])
 
     def namespace_doc(self, ns: Namespace, view: Optional[NamespaceView] = None) -> Dict[str, Any]:
         """`ls --json`'s document of one namespace (without the keys that cost a read per step), plus

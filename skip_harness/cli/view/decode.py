@@ -99,6 +99,12 @@ def _ids(value: Any) -> Optional[List[int]]:
     return None
 
 
+def _length(row: Any) -> Optional[int]:
+    if isinstance(row, torch.Tensor):
+        return int(row.shape[0]) if row.dim() == 1 else None
+    return len(row) if isinstance(row, list) else None
+
+
 def _as_text(value: Any) -> Optional[str]:
     if isinstance(value, str):
         return value
@@ -131,13 +137,16 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None) -> Shown:
     b: Batch = t.batch
     j = t.index
     prompt_name, response_name = b.find(PROMPT_IDS), b.find(RESPONSE_IDS)
-    prompt_ids = _ids(b.row(prompt_name, j)) if prompt_name else None
-    response_ids = _ids(b.row(response_name, j)) if response_name else None
-    n_resp = len(response_ids) if response_ids is not None else None
-    truncated = 0
-    if response_ids is not None and limit is not None and len(response_ids) > limit:
-        truncated = len(response_ids) - limit
-        response_ids = response_ids[:limit]
+    prompt_row = b.row(prompt_name, j) if prompt_name else None
+    response_row = b.row(response_name, j) if response_name else None
+    n_prompt, n_resp = _length(prompt_row), _length(response_row)
+    prompt_cut = truncated = 0
+    if limit is not None and n_prompt is not None and n_prompt > limit:   # its end: next to the response
+        prompt_cut, prompt_row = n_prompt - limit, prompt_row[-limit:]
+    if limit is not None and n_resp is not None and n_resp > limit:       # sliced before a list is made
+        truncated, response_row = n_resp - limit, response_row[:limit]
+    prompt_ids = _ids(prompt_row) if prompt_row is not None else None
+    response_ids = _ids(response_row) if response_row is not None else None
     prompt_text_field, response_text_field = b.find(PROMPT_TEXT), b.find(RESPONSE_TEXT)
     prompt_text = decoder.text(prompt_ids) if prompt_ids is not None and decoder.active else None
     if prompt_text is None and prompt_text_field is not None:
@@ -147,6 +156,7 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None) -> Shown:
         response_text = _as_text(b.row(response_text_field, j))
     token_rows: List[TokenRow] = []
     used = {prompt_name, response_name, prompt_text_field, response_text_field}
+    used |= {k for k in b.columns if "→" in k} | {k.split("→")[0] for k in b.columns if "→" in k}
     fields: Dict[str, str] = {}
     for name in b.columns:
         if name in used:
@@ -159,5 +169,8 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None) -> Shown:
             token_rows.append(TokenRow(name, vals, min(finite) if finite else 0.0, max(finite) if finite else 0.0))
         else:
             fields[name] = _short(value)
-    return Shown(prompt_text, decoder.tokens(prompt_ids) if prompt_ids is not None else None, response_text,
+    prompt_tokens = decoder.tokens(prompt_ids) if prompt_ids is not None else None
+    if prompt_tokens is not None and prompt_cut:
+        prompt_tokens = [f"… {prompt_cut} tokens before"] + prompt_tokens
+    return Shown(prompt_text, prompt_tokens, response_text,
                  decoder.tokens(response_ids) if response_ids is not None else None, token_rows, truncated, fields)

@@ -17,8 +17,8 @@ from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last, gr
 from skip_harness.store import scan as _scan
 
 SORT_KEYS = ("stored", "reward", "advantage", "length", "group")
-GROUPS_PER_PAGE = 16
-TOKENS_ON_STEP_PAGE = 256
+ROWS_PER_PAGE = 32           # trajectories on one page of a step (its groups in order; a group may go on)
+TOKENS_ON_STEP_PAGE = 128    # response tokens of each (all of them on the trajectory's own page)
 CHART_STEPS = 200            # steps read for the rollout charts; more are sampled evenly
 VALUE_CHARTS = 12            # recorded values charted (the first keys, in sorted order)
 
@@ -34,7 +34,7 @@ class NotFound(Exception):
 def overview(cache: Cache) -> Dict[str, Any]:
     rows, views = [], []
     for ns in cache.namespaces():
-        view = cache.namespace_view(ns)
+        view = cache.namespace_view(ns, read_metas=False)
         views.append(view)
         mode, seed = cache.mode_seed(view)
         rows.append({"key": ns.key, "label": ns.label, "root_index": ns.root_index, "K": ns.layout.K,
@@ -232,10 +232,10 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
         return ctx
     table = step_table(read.batches, group_size_of(_fp_values(s)))
     rows = select(table, query, decoder)
-    groups = table.groups(rows)
-    pages = max(1, math.ceil(len(groups) / GROUPS_PER_PAGE))
+    ordered = [t for _g, members in table.groups(rows) for t in members]
+    pages = max(1, math.ceil(len(ordered) / ROWS_PER_PAGE))
     page = min(query.page, pages)
-    groups = groups[(page - 1) * GROUPS_PER_PAGE: page * GROUPS_PER_PAGE]
+    groups = table.groups(ordered[(page - 1) * ROWS_PER_PAGE: page * ROWS_PER_PAGE])
     shown_groups, all_shown = [], []
     for g, members in groups:
         items = []

@@ -35,7 +35,8 @@ GROUP_SIZE_KEYS = ("num_generations", "actor_rollout_ref.rollout.n", "rollout.n"
 
 
 def _last(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
+    """The role part of a field's name: its last dotted part (a derived field's after the arrow)."""
+    return name.rsplit(".", 1)[-1].rsplit("→", 1)[-1]
 
 
 @dataclass
@@ -95,7 +96,25 @@ def batch_of(payload: Any, inner: int, rank: int) -> Batch:
             scalars[name] = value
         else:
             scalars[name] = f"{type(value).__name__}"
+    _split_input_ids(columns)
     return Batch(inner, rank, n, columns, scalars)
+
+
+def _split_input_ids(columns: Dict[str, Any]) -> None:
+    """verl's DataProto keeps prompt and response in one `input_ids` row ([left-padded prompt, response]):
+    without a response field of its own, its last R positions (R: the response mask's width) are the
+    response, the rest the prompt (views, nothing copied)."""
+    names = {_last(k): k for k in columns}
+    ids, mask = names.get("input_ids"), next((names[m] for m in MASK if m in names), None)
+    if ids is None or mask is None or any(r in names for r in RESPONSE_IDS):
+        return
+    full, m = columns[ids], columns[mask]
+    if not (isinstance(full, torch.Tensor) and isinstance(m, torch.Tensor)) or full.is_nested or m.is_nested \
+            or full.dim() != 2 or m.dim() != 2 or not 0 < m.shape[1] < full.shape[1]:
+        return
+    R = int(m.shape[1])
+    columns[f"{ids}→prompts"] = full[:, :-R]
+    columns[f"{ids}→responses"] = full[:, -R:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,10 +133,12 @@ def _per_row_number(batch: Batch, name: Optional[str]) -> Optional[torch.Tensor]
             return torch.tensor(v, dtype=torch.float64)
         return None
     if v.is_nested:
-        return torch.stack([r.double().sum() for r in v.unbind(0)]) if batch.n else torch.zeros(0, dtype=torch.float64)
+        return torch.stack([r.sum(dtype=torch.float64) for r in v.unbind(0)]) if batch.n else torch.zeros(0, dtype=torch.float64)
     if v.dim() == 1:
         return v.double()
-    return v.reshape(v.shape[0], -1).double().sum(dim=1)
+    if not v.is_floating_point():                   # a mask, counts: summed as it is stored
+        return v.reshape(v.shape[0], -1).sum(dim=1).double()
+    return v.reshape(v.shape[0], -1).sum(dim=1, dtype=torch.float64)     # no float64 copy of the whole field
 
 
 def _row_lengths(batch: Batch, name: Optional[str]) -> Optional[torch.Tensor]:
@@ -132,14 +153,16 @@ def _row_lengths(batch: Batch, name: Optional[str]) -> Optional[torch.Tensor]:
 
 
 def _lengths(batch: Batch) -> Optional[torch.Tensor]:
+    """Response lengths: a field that stores them, else the response mask's count, else the rows' lengths."""
+    stored = batch.find(LENGTHS)
+    if stored is not None and isinstance(batch.columns[stored], torch.Tensor) and batch.columns[stored].dim() == 1 \
+            and not batch.columns[stored].is_floating_point():
+        return batch.columns[stored].long()
     mask = batch.find(MASK)
     if mask is not None:
         m = _per_row_number(batch, mask)
         if m is not None:
             return m.round().long()
-    stored = batch.find(LENGTHS)
-    if stored is not None and isinstance(batch.columns[stored], torch.Tensor) and batch.columns[stored].dim() == 1:
-        return batch.columns[stored].long()
     return _row_lengths(batch, batch.find(RESPONSE_IDS))
 
 

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence
+
+from html import escape as html_escape
+
+from markupsafe import Markup
 
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1d2330;background:#f7f8fa}
@@ -59,3 +63,30 @@ def fmt(value: Any) -> str:
             return str(value)
         return f"{value:.4g}"
     return str(value)
+
+
+def tokens_html(tokens: Sequence[str], row: Any = None, mask: Any = None) -> Markup:
+    """Token spans, each escaped, coloured by `row`'s value and struck through where `mask` is 0: built
+    here in one pass (a template loop costs ten times as much on a page of thousands of tokens)."""
+    parts: List[str] = ['<div class="tokens">']
+    add = parts.append
+    values = row.values if row is not None else ()
+    masks = mask.values if mask is not None else ()
+    name = html_escape(row.name) if row is not None else ""
+    low, span = (row.low, row.high - row.low) if row is not None else (0.0, 0.0)
+    nv, nm = len(values), len(masks)
+    for k, tok in enumerate(tokens):
+        text = html_escape(tok)
+        cls = "tok masked" if k < nm and masks[k] == 0 else "tok"
+        v = values[k] if k < nv else None
+        if v is None:
+            add(f'<span class="{cls}">{text}</span>')
+            continue
+        if span > 0:
+            t = (v - low) / span
+            bg = f"hsl({round(120 * t)},65%,{round(86 - 6 * abs(t - 0.5))}%)"
+        else:
+            bg = "hsl(120,55%,88%)" if v else "hsl(0,0%,88%)"
+        add(f'<span class="{cls}" style="background:{bg}" title="{name} = {v:.4g}">{text}</span>')
+    add("</div>")
+    return Markup("".join(parts))

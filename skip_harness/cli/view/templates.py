@@ -7,7 +7,7 @@ from __future__ import annotations
 from jinja2 import DictLoader, Environment, select_autoescape
 from markupsafe import Markup
 
-from skip_harness.cli.view.style import CSS, adv_colour, colour, fmt
+from skip_harness.cli.view.style import CSS, adv_colour, colour, fmt, tokens_html
 
 BASE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -62,11 +62,9 @@ CHARTS = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>ch
 {% if note %}<p class="note">{{ note }}</p>{% endif %}
 </body></html>"""
 
-TOKENS = """{% macro tokens(toks, row, mask) -%}
-<div class="tokens">{% for tok in toks %}{% set v = row.values[loop.index0] if row else None %}{% set m = mask.values[loop.index0] if mask else None %}<span class="tok{% if m == 0 %} masked{% endif %}"{% if row and v is not none %} style="background:{{ colour(v, row) }}" title="{{ row.name }} = {{ '%.4g'|format(v) }}"{% endif %}>{{ tok }}</span>{% endfor %}</div>
-{%- endmacro %}"""
 
-STEP = """{% extends "base" %}{% from "tokens" import tokens %}{% block title %}{{ ns.label }} step {{ step }}{% endblock %}
+
+STEP = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }}{% endblock %}
 {% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a> / step {{ step }}{% endblock %}
 {% block main %}
 <nav class="stepnav">{% if prev is not none %}<a id="prev" href="/ns/{{ ns.key }}/step/{{ prev }}">← step {{ prev }}</a>{% endif %}
@@ -94,27 +92,27 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 {% if page > 1 %}<a href="{{ page_url(page - 1) }}">previous page</a>{% endif %} {% if page < pages %}<a href="{{ page_url(page + 1) }}">next page</a>{% endif %}{% endif %}</p>
 {% for group, members in groups %}<section class="group"><h3>group <span class="mono uid">{{ group }}</span> · {{ members|length }} sample{{ "s" if members|length != 1 }}</h3>
 {% set first = members[0] %}<div class="prompt"><span class="label">prompt</span>
-{% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens(first.shown.prompt_tokens, None, None) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}</div>
+{% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens_html(first.shown.prompt_tokens, None, None) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}</div>
 <table class="samples grid-table"><thead><tr><th>trajectory</th><th>reward</th><th>advantage</th><th>length</th><th>response</th></tr></thead><tbody>
 {% for t in members %}<tr class="sample" data-ref="{{ t.traj.ref }}"><td><a class="traj-link" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">{{ t.traj.ref }}</a></td>
 <td class="num">{{ fmt(t.traj.reward) }}</td><td class="num" style="color:{{ adv_colour(t.traj.advantage) }}">{{ fmt(t.traj.advantage) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
 <td class="response">{% if t.shown.response_text is not none %}<pre class="text">{{ t.shown.response_text }}</pre>{% endif %}
-{% if t.shown.response_tokens is not none %}{{ tokens(t.shown.response_tokens, t.colour_row, t.mask_row) }}{% endif %}
+{% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.mask_row) }}{% endif %}
 {% if t.shown.truncated %}<a class="more" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">… {{ t.shown.truncated }} more tokens</a>{% endif %}</td></tr>{% endfor %}
 </tbody></table></section>{% endfor %}
 {% endif %}
 {% endblock %}"""
 
-TRAJECTORY = """{% extends "base" %}{% from "tokens" import tokens %}{% block title %}{{ ns.label }} step {{ step }} {{ traj.ref }}{% endblock %}
+TRAJECTORY = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }} {{ traj.ref }}{% endblock %}
 {% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a> / <a href="/ns/{{ ns.key }}/step/{{ step }}">step {{ step }}</a> / {{ traj.ref }}{% endblock %}
 {% block main %}
 <h1>step {{ step }}, trajectory {{ traj.ref }}</h1>
 <p id="traj-facts" class="facts">inner index {{ traj.inner }} · rank {{ traj.rank }} · index {{ traj.index }} · group <span class="mono">{{ traj.group }}</span> ·
 reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b></p>
 <h2>prompt</h2>{% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
-{% if shown.prompt_tokens is not none %}{{ tokens(shown.prompt_tokens, None, None) }}{% endif %}
+{% if shown.prompt_tokens is not none %}{{ tokens_html(shown.prompt_tokens, None, None) }}{% endif %}
 <h2>response</h2>{% if shown.response_text is not none %}<pre id="response-text" class="text">{{ shown.response_text }}</pre>{% endif %}
-{% if shown.response_tokens is not none %}<div id="response-tokens">{{ tokens(shown.response_tokens, colour_row, mask_row) }}</div>{% endif %}
+{% if shown.response_tokens is not none %}<div id="response-tokens">{{ tokens_html(shown.response_tokens, colour_row, mask_row) }}</div>{% endif %}
 {% if shown.token_rows %}<h2>per token</h2><div class="pertoken"><table id="per-token" class="grid-table small"><thead><tr><th></th>
 {% for tok in shown.response_tokens or [] %}<th class="mono">{{ tok }}</th>{% endfor %}</tr></thead><tbody>
 {% for row in shown.token_rows %}<tr><th class="mono">{{ row.name }}</th>{% for v in row.values %}<td class="num" {% if v is not none %}style="background:{{ colour(v, row) }}"{% endif %}>{{ '%.3g'|format(v) if v is not none else "-" }}</td>{% endfor %}</tr>{% endfor %}
@@ -146,8 +144,9 @@ ERROR = """{% extends "base" %}{% block title %}{{ title }}{% endblock %}
 
 def environment() -> Environment:
     env = Environment(loader=DictLoader({"base": BASE, "overview": OVERVIEW, "compare_form": COMPARE_FORM,
-                                         "namespace": NAMESPACE, "charts": CHARTS, "tokens": TOKENS, "step": STEP,
+                                         "namespace": NAMESPACE, "charts": CHARTS, "step": STEP,
                                          "trajectory": TRAJECTORY, "compare": COMPARE, "error": ERROR}),
                       autoescape=select_autoescape(default=True, default_for_string=True))
-    env.globals.update(css=Markup(CSS), colour=colour, adv_colour=adv_colour, fmt=fmt)   # our own stylesheet
+    env.globals.update(css=Markup(CSS), colour=colour, adv_colour=adv_colour, fmt=fmt,
+                       tokens_html=tokens_html)   # our own stylesheet
     return env
