@@ -93,7 +93,7 @@ class Shown:
 
 def _ids(value: Any) -> Optional[List[int]]:
     if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 1:
-        return [int(x) for x in value.tolist()]
+        return value.tolist()
     if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         return value
     return None

@@ -18,7 +18,7 @@ from skip_harness.store import scan as _scan
 
 SORT_KEYS = ("stored", "reward", "advantage", "length", "group")
 ROWS_PER_PAGE = 32           # trajectories on one page of a step (its groups in order; a group may go on)
-TOKENS_ON_STEP_PAGE = 128    # response tokens of each (all of them on the trajectory's own page)
+TOKENS_ON_STEP_PAGE = 64     # response tokens of each (all of them on the trajectory's own page)
 CHART_STEPS = 200            # steps read for the rollout charts; more are sampled evenly
 VALUE_CHARTS = 12            # recorded values charted (the first keys, in sorted order)
 

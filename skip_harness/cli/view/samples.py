@@ -49,12 +49,17 @@ class Batch:
     columns: Dict[str, Any]
     scalars: Dict[str, Any]            # fields with one value for the mini-batch
 
+    found: Dict[Tuple[str, ...], Optional[str]] = field(default_factory=dict, repr=False)
+
     def find(self, names: Sequence[str]) -> Optional[str]:
-        for wanted in names:
+        """The field playing the role `names` lists (the first name that one of the fields ends in)."""
+        key = tuple(names)
+        if key not in self.found:
+            roles = {}
             for name in self.columns:
-                if _last(name) == wanted:
-                    return name
-        return None
+                roles.setdefault(_last(name), name)
+            self.found[key] = next((roles[w] for w in names if w in roles), None)
+        return self.found[key]
 
     def row(self, name: str, j: int) -> Any:
         value = self.columns[name]
