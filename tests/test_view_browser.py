@@ -177,6 +177,7 @@ def test_untrusted_text_never_runs(page, tmp_path):
     dump = tmp_path / "cache"
     batch = demo_batch(1, texts=[XSS[j % 2] for j in range(6)])
     batch["uid"] = [XSS[1]] * 2 + [XSS[0]] * 2 + ["u3"] * 2
+    batch[XSS[1]] = torch.zeros(6)                                   # a field's name
     write_namespace(dump, "xss", {1: batch})
     ns = "0/xss/GBS6_N2_in4_out5"
     with viewer(tmp_path, str(dump)) as v:
