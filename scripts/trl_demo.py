@@ -133,6 +133,7 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
                                                               "gen_s_spent", "gen_s_saved")}
         result["outcomes"] = {s: harness.outcome(s) for s in range(opts.steps)}
         result["namespace"] = str(harness.layout.root)
+        result["replay"] = summary.replay_line
         result["K"] = harness.K
     return result
 

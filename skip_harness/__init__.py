@@ -2,7 +2,8 @@
 
 The public API (imported lazily, so `import skip_harness` stays cheap)::
 
-    from skip_harness import SkipHarness, NamespaceKey, HarnessCallback, RunSummary, StepRecord, register_type
+    from skip_harness import SkipHarness, NamespaceKey, HarnessCallback, RunSummary, StepRecord, register_type,
+        ReplayDivergedError
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ _PUBLIC = {
     "StepRecord": "skip_harness.run.stats",
     "RolloutTQConfig": "skip_harness.config",
     "register_type": "skip_harness.codec",
+    "ReplayDivergedError": "skip_harness.errors",
 }
 __all__ = sorted(_PUBLIC)
 

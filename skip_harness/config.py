@@ -43,6 +43,17 @@ class OnMismatch(str, Enum):
     regenerate = "regenerate"
 
 
+class ReplayCheck(str, Enum):
+    off = "off"
+    warn = "warn"
+    error = "error"
+
+
+# Values left out of the replay check by default: timings, throughput and memory (never bit-identical).
+DEFAULT_REPLAY_IGNORE = ("*_s", "*time*", "*timing*", "*throughput*", "*per_second*", "*memory*", "perf/*",
+                         "*_ms", "*_sec*")
+
+
 class Compression(str, Enum):
     none = "none"
     zstd = "zstd"
@@ -72,6 +83,12 @@ class RolloutTQConfig:
     compression: Compression = Compression.none
     # zstd level (1..22; negative levels are zstd's fast modes, down to -7); 1: the bench's choice.
     compression_level: int = 1
+    # Compare a served step's reported values with the recorded ones (docs/replay_check.md): off, warn, error.
+    replay_check: ReplayCheck = ReplayCheck.warn
+    replay_rtol: float = 0.0
+    replay_atol: float = 0.0
+    # Value keys left out of the check (fnmatch patterns, case-insensitive): timings by default.
+    replay_ignore: List[str] = field(default_factory=lambda: list(DEFAULT_REPLAY_IGNORE))
 
     def __post_init__(self) -> None:
         key = ROLLOUT_TQ_KEY
@@ -85,8 +102,12 @@ class RolloutTQConfig:
             raise ConfigError(f"{key}.max_pending_writes", f"must be >= 1, got {self.max_pending_writes}")
         if not -7 <= self.compression_level <= 22:
             raise ConfigError(f"{key}.compression_level", f"must be in -7..22 (zstd's levels), got {self.compression_level}")
+        for name in ("replay_rtol", "replay_atol"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{key}.{name}", f"must be >= 0, got {getattr(self, name)}")
         for name, enum in (
-            ("action", Action), ("cleanup", Cleanup), ("on_mismatch", OnMismatch), ("compression", Compression)
+            ("action", Action), ("cleanup", Cleanup), ("on_mismatch", OnMismatch), ("compression", Compression),
+            ("replay_check", ReplayCheck),
         ):
             value = getattr(self, name)
             if not isinstance(value, enum):

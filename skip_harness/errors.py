@@ -41,3 +41,11 @@ class CorruptStepError(SkipHarnessError):
 
 class HarnessUsageError(SkipHarnessError):
     """The trainer used the harness in a way the contract forbids (e.g. more than K samples in a step)."""
+
+
+class ReplayDivergedError(SkipHarnessError):
+    """A replay's values differed from the recorded ones (with `skip.rollout_tq.replay_check=error`)."""
+
+    def __init__(self, message: str, divergence=None):
+        self.divergence = divergence
+        super().__init__(message)

@@ -19,7 +19,9 @@ import torch
 
 pytest.importorskip("trl")
 
+from replay_rig import namespace_in, serve_other_rollouts  # noqa: E402
 from skip_harness.errors import ConfigError, HarnessUsageError  # noqa: E402
+from skip_harness.store.stepstore import StepStore  # noqa: E402
 from skip_harness.integrations import trl as integration  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +96,24 @@ def test_demo_replay_is_bit_identical_and_skips_generation(recorded):
 
 
 @pytest.mark.slow
+def test_the_replay_check_reports_every_step_reproduced(recorded):
+    replay = json.loads((recorded.workdir / "replay.json").read_text())
+    assert replay["replay"].startswith(f"replay: {STEPS} of {STEPS} served steps reproduced ("), replay["replay"]
+    values = StepStore(namespace_in(recorded.dump_dir)).reader.read_values(1)
+    assert {"loss", "learning_rate", "reward", "grad_norm"} <= set(values)   # the log_history entry of optimizer step 2
+
+
+@pytest.mark.slow
+def test_other_rollouts_at_step_3_are_reported_as_a_divergence_at_step_3(recorded, tmp_path):
+    dump_dir = _copy_cache(recorded, tmp_path)
+    serve_other_rollouts(namespace_in(dump_dir), src=2, dst=3)
+    record, stderr = _run("replay", recorded.workdir, dump_dir, tmp_path)
+    assert record["summary"]["hits"] == STEPS
+    assert record["replay"].startswith("replay diverged at step 3 ("), record["replay"]
+    assert "nothing in it explains this" in stderr
+
+
+@pytest.mark.slow
 def test_evaluation_generation_is_never_cached(recorded):
     report = recorded.report
     # the demo evaluates every 2 steps: those generations run on the replay too
@@ -109,7 +129,7 @@ def test_learning_rate_and_beta_change_still_replay(recorded, tmp_path):
     # training-side arguments are not in the fingerprint: every step hits, rewards and completion
     # statistics (from the recorded rollouts) are identical, the training values are not
     dump_dir = _copy_cache(recorded, tmp_path)
-    record, _ = _run("replay", recorded.workdir, dump_dir, tmp_path, "--lr", "5e-3", "--beta", "0.04")
+    record, stderr = _run("replay", recorded.workdir, dump_dir, tmp_path, "--lr", "5e-3", "--beta", "0.04")
     baseline = json.loads((recorded.workdir / "replay.json").read_text())
     assert record["summary"]["hits"] == STEPS and record["summary"]["misses"] == 0
     assert record["generation_calls"].get("train", 0) == 0
@@ -120,6 +140,9 @@ def test_learning_rate_and_beta_change_still_replay(recorded, tmp_path):
     assert [e["learning_rate"] for e in new] != [e["learning_rate"] for e in old]
     assert any(a["grad_norm"] != b["grad_norm"] or a["loss"] != b["loss"] for a, b in zip(new[1:], old[1:]))
     assert all("kl" in e for e in new) and not any("kl" in e for e in old)  # beta > 0: a KL term, recomputed
+    # the replay check (log_history entries recorded with their steps) says so, naming the learning rate
+    assert record["replay"].startswith("replay diverged at step "), record["replay"]
+    assert "trl.learning_rate: 0.001 -> 0.005" in stderr and "trl.beta: 0.0 -> 0.04" in stderr
 
 
 @pytest.mark.slow

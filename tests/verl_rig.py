@@ -235,8 +235,9 @@ class RunResult:
 
 
 def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validate_at: Sequence[int] = (),
-              after_sample=None) -> RunResult:
-    """verl's step loop for `steps` (fit's order: set_step, submit, K samples, validation, kv_clear)."""
+              after_sample=None, after_step=None) -> RunResult:
+    """verl's step loop for `steps` (fit's order: set_step, submit, K samples, validation, kv_clear);
+    `after_step(step, sampled)` where fit logs the step's metrics (its Sampled mini-batches)."""
     import transfer_queue as tq
     from verl.utils.skip import SkipManager
 
@@ -262,6 +263,8 @@ def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validat
                 tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
             if step in validate_at:
                 result.validation.append(validate(trainer, replay, rollout, step))
+            if after_step is not None:
+                after_step(step, [s for s in result.sampled if s.step == step])
     finally:
         result.rollout_calls = rollout.calls
         harness = getattr(skip, "harness", None)   # None: verl's own class, or caching off

@@ -7,12 +7,13 @@
     skip-harness show PATH [STEP [INNER]] [--rank R] [--head N] [--json]
     skip-harness export [DUMP_DIR] -o OUT [--format parquet|jsonl] [--namespace NS ...] [--steps 1,3,5-9]
     skip-harness import-verl VERL_DUMP_DIR [DUMP_DIR] --trust [--dry-run] [--json]
+    skip-harness diff A B [--json]
     skip-harness view [DUMP_DIR | NAMESPACE ...] [--host 127.0.0.1] [--port N] [--tokenizer NAME_OR_PATH] [--open]
 
 Exit codes: 0 fine; 1 a corrupt step (verify, show, export), a failed removal (clean) or a verl step that
 could not be converted (import-verl); 2 bad usage,
 a path that is not there, or import-verl without --trust; 3 a namespace was locked by a running job
-(clean, import-verl; other namespaces are still handled). DUMP_DIR may be the cache root, one
+(clean, import-verl; other namespaces are still handled). diff: 0 identical, 1 they differ, 2 bad input. DUMP_DIR may be the cache root, one
 `{experiment}_{project}` directory, or one namespace directory; without it, the directory runs write to
 ($SKIP_HARNESS_DUMP_DIR, else the per-user cache directory), named in the output. Tables go to stdout; progress bars go
 to stderr when it is a terminal (plain log lines otherwise); errors are one line on stderr.
@@ -144,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     iv.add_argument("--dry-run", action="store_true", help="list what would be converted; loads nothing")
     iv.add_argument("--json", action="store_true", help="print one JSON document")
 
+    df = sub.add_parser("diff", help="two namespaces or cache roots step by step: rollouts, recorded values, config")
+    df.add_argument("a", metavar="A", help="a namespace or a cache root (a path or an object-store URL)")
+    df.add_argument("b", metavar="B", help="the same kind of thing as A")
+    df.add_argument("--json", action="store_true", help="print one JSON document")
+
     vw = sub.add_parser("view", help="a read-only web viewer of the cache (extra [view])")
     vw.add_argument("targets", metavar="DUMP_DIR | NAMESPACE", nargs="*",
                     help="cache roots, group directories or namespaces (local or s3://); default: where runs write")
@@ -200,6 +206,10 @@ def _restore_logging(saved) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "diff":
+        from skip_harness.cli.diff import cmd_diff
+
+        return cmd_diff(args.a, args.b, args.json)
     if args.command == "show":
         from skip_harness.cli.show import cmd_show
 

@@ -124,6 +124,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
         if bar is not None:
             bar.set_postfix(cache=row["cache"], loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", refresh=False)
             bar.update(1)
+        harness.observe(step, **metrics)   # recorded with a generated step; checked on a served one
 
     t0 = time.perf_counter()
     if bar is not None:

@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 
-from skip_harness.errors import ConfigError, HarnessUsageError
+from skip_harness.errors import ConfigError, HarnessUsageError, ReplayDivergedError
 
 log = logging.getLogger("skip_harness")
 
@@ -177,6 +177,25 @@ def generation_fingerprint(trainer: Any) -> Dict[str, Any]:
         values["trl.generation_config"] = digest(json.dumps(gen, sort_keys=True, default=str))
     values["trl.eos_token_ids"] = _jsonable(list(getattr(trainer, "eos_token_ids", []) or []))
     return values
+
+
+#: TrainingArguments fields that say where and how a run reports, not what it trains: left out of the
+#: training-side config recorded with each step's values (a replay names the training keys that changed).
+NOT_TRAINING_ARGS = (
+    "output_dir", "logging_dir", "run_name", "report_to", "push_to_hub", "disable_tqdm", "overwrite_output_dir",
+    "hub_*", "logging_*", "save_*", "eval_*", "log_*", "dataloader_*", "ddp_*", "resume_from_checkpoint",
+    "local_rank", "tpu_*", "deepspeed", "accelerator_config", "fsdp*", "full_determinism", "skip_memory_metrics",
+)
+
+
+def training_config(trainer: Any) -> Dict[str, Any]:
+    """The training side of a GRPOTrainer's arguments (``trl.<name>``): what the generation fingerprint
+    leaves out, less where the run writes and reports (`NOT_TRAINING_ARGS`)."""
+    import fnmatch
+
+    raw = trainer.args.to_dict() if hasattr(trainer.args, "to_dict") else dict(vars(trainer.args))
+    return {f"trl.{name}": _jsonable(value) for name, value in sorted(raw.items())
+            if name not in GENERATION_ARGS and not any(fnmatch.fnmatchcase(name, p) for p in NOT_TRAINING_ARGS)}
 
 
 def namespace_for(trainer: Any, experiment_name: str, project_name: str, K: int) -> Dict[str, Any]:
@@ -329,6 +348,7 @@ def attach(
         namespace=namespace_for(trainer, experiment_name, project_name, K),
         fingerprint=values,
         callbacks=callbacks,
+        training_config=training_config(trainer),
     )
 
     original = getattr(trainer, GENERATION_METHOD)
@@ -360,6 +380,21 @@ def attach(
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if not self.done:
                 harness.start()
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            # the log_history entry of an optimizer step (not the end-of-training totals, not an evaluation):
+            # recorded with, or checked against, the generation step it trained on (global_step - 1)
+            if self.done or not logs or "loss" not in logs or "train_runtime" in logs:
+                return
+            try:
+                harness.observe(state.global_step - 1, **logs)
+            except ReplayDivergedError:       # replay_check=error: the run stops here, closed and reported
+                self.done = True
+                try:
+                    harness.close()
+                finally:
+                    detach()
+                raise
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.done:

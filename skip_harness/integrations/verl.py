@@ -237,3 +237,4 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
+from skip_harness.integrations import verl_values  # noqa: E402,F401 - verl's logged metrics reach the replay check

@@ -10,6 +10,7 @@ that verl never reads (add it with ``+skip_harness.cleanup=quarantine`` on the c
       lock_timeout: 30
       all_steps: true              # cache every step (verl's skip.rollout_tq.steps lists steps one by one)
       fingerprint_keys: [reward.custom_reward_function.path]   # more keys that shape the rollouts
+      replay_check: error          # stop at a replay's first divergence (off | warn | error; docs/replay_check.md)
 
 A bad value stops the run before any work with one message naming the key (``skip_harness.cleanup``,
 ``skip.rollout_tq.action``, ``trainer.v1.separate_async.parameter_sync_step`` ...).

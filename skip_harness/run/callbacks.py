@@ -42,6 +42,11 @@ class HarnessCallback:
     def on_fault(self, *, path: str, reason: str, **kwargs: Any) -> None:
         """A fault was handled (failed write, failed verification, short step...)."""
 
+    def on_replay_divergence(self, *, step: int, key: str, recorded: float, now: float, **kwargs: Any) -> None:
+        """A served step's reported value differed from the recorded one: the replay's first divergence
+        (``divergence`` is a :class:`skip_harness.run.replay.Divergence`; ``config_changes`` the
+        training-side keys whose values differ from the recorded run's, as (key, recorded, now))."""
+
     def on_end(self, *, summary: RunSummary, **kwargs: Any) -> None:
         """The harness closed."""
 
@@ -84,6 +89,9 @@ class CallbackDispatcher(HarnessCallback):
     def on_fault(self, **kwargs: Any) -> None:
         self._notify("on_fault", **kwargs)
 
+    def on_replay_divergence(self, **kwargs: Any) -> None:
+        self._notify("on_replay_divergence", **kwargs)
+
     def on_end(self, **kwargs: Any) -> None:
         self._notify("on_end", **kwargs)
 
@@ -125,6 +133,12 @@ class LoggingCallback(HarnessCallback):
         prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
         self.log.warning("%s%s: %s", prefix, path, reason)
 
+    def on_replay_divergence(self, *, step: int, key: str, recorded: float, now: float, **kwargs: Any) -> None:
+        if self.rank == 0:
+            divergence = kwargs.get("divergence")
+            self.log.warning("%s", divergence.describe() if divergence is not None
+                             else f"replay diverged at step {step}: {key} {recorded} recorded, {now} now")
+
     def on_end(self, *, summary: RunSummary, **kwargs: Any) -> None:
         self._info("%s", describe_summary(summary, self.namespace, self.world_size))
 
@@ -158,6 +172,9 @@ def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size:
         f"), {s.off} uncached; read {human_bytes(s.bytes_read)}, wrote {human_bytes(s.bytes_written)}{ranks}; "
         f"generation {s.gen_s_spent:.1f}s spent, {s.gen_s_saved:.1f}s saved; loading {s.load_s:.1f}s"
     )
+    replay = getattr(s, "replay_line", "")
+    if replay:
+        line += f"; {replay}"
     return line + (f"; cache in {namespace}" if namespace else "")
 
 

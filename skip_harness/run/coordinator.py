@@ -96,6 +96,7 @@ class Finished:
     committed: bool
     reason: str
     bytes: int
+    created: Optional[float] = None   # a committed step's commit record time (rank 0), its values bind to it
 
 
 @dataclass
@@ -129,6 +130,7 @@ class CommitCoordinator:
         self._fault = report_fault
         self._written = report_write
         self._pending: Dict[int, _Pending] = {}
+        self._recordings: List[tuple] = []   # (step, future) of values written after their step's commit
 
     # ---- the trainer's calls
     def begin(self, step: int) -> None:
@@ -210,7 +212,7 @@ class CommitCoordinator:
     def _commit_outcome(self, p: _Pending) -> Finished:
         exc = p.commit.exception() if p.commit is not None else None
         if exc is None:
-            return self._finish(p, True, "")
+            return self._finish(p, True, "", p.commit.result().created)
         reason = f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}"
         self._fault(str(self.store.layout.step_dir(p.step)), f"{reason}; step {p.step} stays uncommitted, training goes on")
         return self._finish(p, False, reason)
@@ -228,10 +230,12 @@ class CommitCoordinator:
             gathered = self.dist.gather(local)
             committed, reason = False, p.failed or OTHER_RANK_FAILED
             if all(g is not None for g in gathered):
+                created = None
                 if self.dist.is_main:
                     p.commit = self.writer.submit(self._commit, p.step, [e for part in gathered for e in part], p.gen_s)
                     _wait(p.commit)
                     exc = p.commit.exception()
+                    created = None if exc is not None else p.commit.result().created
                     outcome = (exc is None, "" if exc is None else f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}")
                 else:
                     outcome = None
@@ -241,7 +245,7 @@ class CommitCoordinator:
             elif p.failed is None:
                 self._fault(str(self.store.layout.step_dir(p.step)),
                             f"{OTHER_RANK_FAILED} to write its shard; step {p.step} is not committed")
-            out.append(self._finish(p, committed, reason))
+            out.append(self._finish(p, committed, reason, created if committed else None))
         return out
 
     # ---- shared
@@ -271,9 +275,37 @@ class CommitCoordinator:
             p.failed = reason
             self._fault(path, f"{reason}; step {p.step} stays uncommitted, training goes on")
 
-    def _finish(self, p: _Pending, committed: bool, reason: str) -> Finished:
+    def _finish(self, p: _Pending, committed: bool, reason: str, created: Optional[float] = None) -> Finished:
         self._pending.pop(p.step, None)
-        return Finished(p.step, committed, reason, self._bytes(p))
+        return Finished(p.step, committed, reason, self._bytes(p), created)
+
+    # ---- what a committed step produced (store.values): written after its commit, never part of it
+    def record_values(self, step: int, values: Dict[str, float], commit_created: float, config: Optional[str]) -> None:
+        """Write a committed step's reported values on the writer thread (queued behind its commit)."""
+        self._check_recordings()
+        fut = self.writer.submit(self.store.write_values, step, values, commit_created, config)
+        self._recordings.append((step, fut))
+
+    def record_config(self, digest: str, flat: Dict[str, Any]) -> None:
+        """Write the run's training-side config (flattened) on the writer thread."""
+        self._recordings.append((None, self.writer.submit(self.store.write_training_config, digest, flat)))
+
+    def _check_recordings(self, wait: bool = False) -> None:
+        """Report (warn) a values write that failed: the step stays complete, only unchecked later."""
+        keep = []
+        for step, fut in self._recordings:
+            if wait:
+                _wait(fut)
+            if not fut.done():
+                keep.append((step, fut))
+                continue
+            exc = fut.exception()
+            if exc is not None:
+                where = self.store.layout.root if step is None else self.store.layout.step_dir(step)
+                what = "the training-side config" if step is None else f"step {step}'s values"
+                self._fault(str(where), f"could not record {what}: {type(exc).__name__}: {exc}; "
+                            "the step stays complete, a replay leaves it unchecked")
+        self._recordings = keep
 
     @staticmethod
     def _bytes(p: _Pending) -> int:
@@ -286,7 +318,10 @@ class CommitCoordinator:
         return total
 
     def close(self, timeout: Optional[float] = 600.0) -> bool:
-        return self.writer.close(timeout)
+        stopped = self.writer.close(timeout)
+        if stopped:
+            self._check_recordings(wait=True)
+        return stopped
 
 
 def _timed(fn: Callable[..., Any], *args: Any) -> tuple:

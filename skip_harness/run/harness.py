@@ -9,6 +9,8 @@ Construction only validates: nothing touches the disk before :meth:`SkipHarness.
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from skip_harness import codec
@@ -29,11 +31,13 @@ from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
 from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.run.prefetch import Prefetcher
+from skip_harness.run.replay import ValuesTracker
 from skip_harness.run.startup import StartupResult, start_namespace
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.stepstore import StepStore
+from skip_harness.store.values import flatten_config
 
 _DEFAULT = object()
 
@@ -62,6 +66,7 @@ class SkipHarness:
         callbacks: Sequence[HarnessCallback] = (),
         dist: Optional[DistContext] = None,
         check_world_size: Optional[Callable[[int], None]] = None,
+        training_config: Any = None,
     ):
         self.settings = settings
         self.fingerprint = fingerprint
@@ -77,6 +82,8 @@ class SkipHarness:
         self._runner: Optional[StepRunner] = None
         self._coordinator: Optional[CommitCoordinator] = None
         self._prefetcher: Optional[Prefetcher] = None
+        self._values: Optional[ValuesTracker] = None
+        self._training_config = None if training_config is None else flatten_config(training_config)
         self.callbacks = CallbackDispatcher(self._user_callbacks)
 
     # ----------------------------------------------------------------- construction
@@ -89,15 +96,18 @@ class SkipHarness:
         fingerprint: Union[Mapping[str, Any], Fingerprint, None] = None,
         callbacks: Sequence[HarnessCallback] = (),
         dist: Optional[DistContext] = None,
+        training_config: Any = None,
     ) -> "SkipHarness":
         """For any trainer: `settings` are `skip.rollout_tq`'s keys (a dict, an OmegaConf node, a
         RolloutTQConfig or None), `namespace` names the cache directly (experiment_name, project_name,
         K and whichever of train_batch_size, n, max_prompt_length, max_response_length the trainer
-        has), `fingerprint` the values that shape the rollouts apart from the learned weights."""
+        has), `fingerprint` the values that shape the rollouts apart from the learned weights, and
+        `training_config` the rest (learning rate, loss, ...: a nested mapping, recorded flattened, so
+        that a replay's divergence names what changed)."""
         if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
             fingerprint = Fingerprint.from_values(fingerprint)
         return cls(settings_from(settings), namespace_key_from(namespace), fingerprint=fingerprint,
-                   callbacks=callbacks, dist=dist)
+                   callbacks=callbacks, dist=dist, training_config=training_config)
 
     @classmethod
     def from_config(
@@ -114,7 +124,8 @@ class SkipHarness:
         fingerprint = Fingerprint.from_config(cfg, fingerprint_keys) if fingerprint_keys else None
         gbs = int(select_key(cfg, "data.train_batch_size", why="each sample takes train_batch_size / (K x W) prompts"))
         return cls(rollout_tq_from(cfg), key, fingerprint=fingerprint, callbacks=callbacks, dist=dist,
-                   check_world_size=lambda W: check_batch_split(gbs, key.K, W))
+                   check_world_size=lambda W: check_batch_split(gbs, key.K, W),
+                   training_config=training_side(cfg, fingerprint_keys))
 
     @property
     def enabled(self) -> bool:
@@ -229,9 +240,11 @@ class SkipHarness:
         self._coordinator = CommitCoordinator(store.writer, dist, self.fingerprint, writer, self._fault,
                                               report_write=self.callbacks.on_write)
         self._prefetcher = Prefetcher(store.reader, dist.rank, enabled=self.settings.prefetch)
+        self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
+                                     dist.is_main and not read_only, self._training_config)
         self._runner = StepRunner(
             self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks, set(servable),
-            read_only=read_only, call_digest=self._call_digest,
+            read_only=read_only, call_digest=self._call_digest, on_committed=self._values.committed,
         )
 
     def _fault(self, path: str, reason: str) -> None:
@@ -277,8 +290,37 @@ class SkipHarness:
             self._runner.settle()
 
     def summary(self) -> RunSummary:
-        """The run's counts so far (this rank's records)."""
-        return (self._runner.stats if self._runner is not None else RunStats()).summary()
+        """The run's counts so far (this rank's records); `.replay_line` says whether the served steps
+        reproduced their recorded values."""
+        summary = (self._runner.stats if self._runner is not None else RunStats()).summary()
+        if self._values is not None:
+            summary = dataclasses.replace(summary, replay=self._values.report())
+        return summary
+
+    # ----------------------------------------------------------------- what each step produced
+    def observe(self, step: int, /, **values: Any) -> None:
+        """Report what the trainer produced for `step` (its metrics), after the step trained: numbers
+        (ints, floats, bools, numpy scalars, one-element tensors); anything else is left out. On a step
+        generated and committed, they are recorded with it (on the writer thread, after its commit); on a
+        step served from the cache, compared with the recorded ones (`skip.rollout_tq.replay_check`):
+        the first divergence is a WARNING, or with `error` a ReplayDivergedError raised here. May be
+        called several times for one step (values are merged). Does nothing before the harness started,
+        after close, when caching is off, or for a step the harness did not decide."""
+        if self._values is None or self._closed or not self.enabled:
+            return
+        step = operator.index(step)
+        outcome = self.outcome(step)
+        if outcome == OFF:
+            return
+        self._values.observe(step, outcome, values)
+
+    def set_training_config(self, config: Any) -> None:
+        """The run's training-side config (what the fingerprint leaves out: learning rate, loss,
+        clipping...), a nested mapping recorded flattened once per run, so that a replay's divergence
+        names the keys that changed. `from_config` sets it from the whole config."""
+        self._training_config = None if config is None else flatten_config(config)
+        if self._values is not None:
+            self._values.set_training_config(self._training_config)
 
     # ----------------------------------------------------------------- shutdown
     def close(self) -> RunSummary:
@@ -310,3 +352,20 @@ class SkipHarness:
         self.close()
 
 
+
+
+_NOT_TRAINING_SIDE = ("skip", "skip_harness", "hydra")
+
+
+def training_side(cfg: Any, fingerprint_keys: Sequence[str] = ()) -> dict:
+    """A whole config flattened, less what the fingerprint holds (those keys and what is under them) and
+    the harness's own settings: the training side a replay may change."""
+    flat = flatten_config(cfg)
+    fp = tuple(fingerprint_keys)
+
+    def kept(key: str) -> bool:
+        if key.split(".", 1)[0] in _NOT_TRAINING_SIDE:
+            return False
+        return not any(key == k or key.startswith(k + ".") for k in fp)
+
+    return {k: v for k, v in flat.items() if kept(k)}

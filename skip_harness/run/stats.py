@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from skip_harness.errors import HarnessUsageError
 
@@ -65,6 +65,13 @@ class RunSummary:
     gen_s_spent: float
     gen_s_saved: float
     load_s: float
+    replay: Any = None      # a run.replay.ReplayReport: did the served steps reproduce their recorded values
+
+    @property
+    def replay_line(self) -> str:
+        """`replay: 20 of 20 served steps reproduced (9 values each)`, or where the replay diverged;
+        '' when no served step reported values."""
+        return "" if self.replay is None else self.replay.describe()
 
     @property
     def steps(self) -> int:

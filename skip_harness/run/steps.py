@@ -53,6 +53,7 @@ class StepRunner:
         *,
         read_only: bool = False,
         call_digest: Optional[Callable[[tuple, dict], str]] = None,
+        on_committed: Optional[Callable[[int, Optional[float]], None]] = None,
     ):
         self.settings = settings
         self.store = store
@@ -64,6 +65,7 @@ class StepRunner:
         self.servable = set(servable)
         self.read_only = read_only
         self.call_digest = call_digest
+        self.on_committed = on_committed
         self.stats = RunStats()
         self.outcomes: Dict[int, str] = {}
         self._states: Dict[int, _StepState] = {}
@@ -252,6 +254,8 @@ class StepRunner:
                 done = dataclasses.replace(done, bytes=self._step_bytes(done.step))
                 self.servable.add(done.step)
                 self.callbacks.on_commit(step=done.step, bytes=done.bytes)
+                if self.on_committed is not None:
+                    self.on_committed(done.step, done.created)
             self._finish(done.step, _miss_record(done.step, self._states[done.step], self.K, done))
 
     def _end_short_steps(self, before: Optional[int] = None) -> None:

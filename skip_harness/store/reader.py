@@ -30,6 +30,7 @@ from skip_harness.store.paths import (
 from skip_harness.store.posix.backend import PosixNamespace
 from skip_harness.store.posix.fileops import checksum_bytes
 from skip_harness.store.status import CommitRecord, FileEntry, StepReport, classify_step, expected_rels, parse_commit
+from skip_harness.store.values import StepValues, ValuesStore
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit('.', 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
 
@@ -89,6 +90,32 @@ class StepReader:
             if type(logical) is int and type(stored) is int and logical >= 0 and stored >= 0:
                 total += logical - stored
         return total
+
+    # ---- what the step produced (store.values)
+
+    def read_values(self, step: int) -> Optional[Dict[str, float]]:
+        """The values the trainer reported for `step` when it was recorded ({key: float}); None when
+        none were recorded, or they belong to another write of the step (the step was removed and
+        written again since), or the step has no valid commit record."""
+        recorded = self.read_step_values(step)
+        return None if recorded is None else dict(recorded.values)
+
+    def read_step_values(self, step: int) -> Optional[StepValues]:
+        """`read_values` with what else was recorded: the training-side config's digest and when."""
+        recorded = ValuesStore(self.backend).read_step(step)
+        if recorded is None:
+            return None
+        try:
+            record = self.read_commit(step)
+        except (CorruptStepError, OSError):
+            return None
+        if record is None or recorded.commit_created != record.created:
+            return None
+        return recorded
+
+    def read_training_config(self, digest: Optional[str]) -> Optional[Dict[str, Any]]:
+        """The flattened training-side config recorded under `digest` (None when absent)."""
+        return None if not digest else ValuesStore(self.backend).read_config(digest)
 
     # ---- payloads
 

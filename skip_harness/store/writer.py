@@ -26,6 +26,7 @@ from skip_harness.store.layout import Layout
 from skip_harness.store.paths import check_position, check_step
 from skip_harness.store.posix.fileops import checksum_bytes
 from skip_harness.store.status import WRITER_NAME, CommitRecord, FileEntry, is_safe_rel, required_rels
+from skip_harness.store.values import ValuesStore
 
 
 class StagedInner:
@@ -180,6 +181,17 @@ class StepWriter:
         nbytes = sum(e.bytes for e in record.files) + len(data)
         index.append(layout, index.make_entry(layout, step, nbytes, fp_json, record.created, record.gen_s))
         return record
+
+    def write_values(self, step: int, values: Mapping[str, float], commit_created: Optional[float],
+                     config: Optional[str] = None) -> None:
+        """Record what the trainer reported for a committed step (`store.values`), bound to its commit
+        record (`commit_created`: the record's creation time); outside the record, so the step stays
+        complete whether or not this lands."""
+        ValuesStore(self.backend).write_step(step, values, commit_created=commit_created, config=config)
+
+    def write_training_config(self, digest: str, flat: Mapping[str, Any]) -> None:
+        """Record the run's flattened training-side config under its digest."""
+        ValuesStore(self.backend).write_config(digest, flat)
 
     def clear_step(self, step: int) -> int:
         """Remove a step so it can be rewritten: commit record first, then everything else; a step

@@ -1,0 +1,264 @@
+"""Did the replay reproduce? What each step produced, recorded on a miss and checked on a hit.
+
+The trainer reports a step's values (`SkipHarness.observe(step, **values)`, on its own thread). For a
+step it generated (a miss), the values are recorded with the step once it is committed -- on the
+writer thread, after the commit and apart from it (`store.values`), so a step without values is still
+complete. For a step served from the cache (a hit), they are compared with the recorded ones
+(`skip.rollout_tq.replay_check`, `replay_rtol`, `replay_atol`, `replay_ignore`): the first difference
+is one `Divergence`, told to the callbacks (`on_replay_divergence`; the logging one warns), naming the
+step, the key, both values and the training-side config keys whose values differ from the recorded
+run's; with `replay_check=error` it then stops the run (`ReplayDivergedError`). `ReplayReport` is what
+the summary says.
+
+Only numbers are recorded and compared (ints, floats, bools, numpy scalars, one-element tensors); any
+other value is left out (said once per key at DEBUG). Rank 0 records; every rank checks (a trainer's
+reported values are the same on every rank), rank 0 speaks.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+
+from skip_harness.config import ReplayCheck, RolloutTQConfig
+from skip_harness.errors import ReplayDivergedError
+from skip_harness.run.stats import HIT, MISS
+from skip_harness.store.values import config_changes, config_digest, numbers_of
+
+log = logging.getLogger("skip_harness")
+
+
+def _fmt(x: Optional[float]) -> str:
+    if x is None:
+        return "none"
+    return f"{x:.6g}"
+
+
+def _pair(a: float, b: float) -> Tuple[str, str]:
+    """Both numbers short, but never printed alike when they differ."""
+    sa, sb = _fmt(a), _fmt(b)
+    if sa == sb and a != b:
+        return repr(a), repr(b)
+    return sa, sb
+
+
+def _cfg_value(v: Any) -> str:
+    return "(absent)" if v is None else str(v)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first value of a replay that differed from the recorded one."""
+
+    step: int
+    key: str
+    recorded: float
+    now: float
+    config_changes: Tuple[Tuple[str, Any, Any], ...] = ()
+    config_known: bool = True           # whether the recorded run's config was recorded too
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    @property
+    def explained(self) -> bool:
+        """Whether the training-side config differs from the recorded run's (a change that may explain it)."""
+        return bool(self.config_changes)
+
+    def short(self) -> str:
+        a, b = _pair(self.recorded, self.now)
+        return f"{self.key} {a} recorded, {b} now"
+
+    def describe(self) -> str:
+        tol = "exact" if not self.rtol and not self.atol else f"replay_rtol {self.rtol:g}, replay_atol {self.atol:g}"
+        line = f"replay diverged at step {self.step}: {self.short()} ({tol})"
+        if self.config_changes:
+            shown = "; ".join(f"{k}: {_cfg_value(a)} -> {_cfg_value(b)}" for k, a, b in self.config_changes[:8])
+            more = f" and {len(self.config_changes) - 8} more" if len(self.config_changes) > 8 else ""
+            return (f"{line}; the training-side config differs from the recorded run's: {shown}{more} "
+                    "(an intended change explains a divergence)")
+        if not self.config_known:
+            return (f"{line}; no training-side config was recorded with these values, so nothing says whether "
+                    "a config change explains it")
+        return (f"{line}; the training-side config is the recorded run's: nothing in it explains this (other "
+                "rollouts than recorded, a nondeterministic kernel, another library version?)")
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """What the replay check found: served (hit) steps whose values were reported, how many of them had
+    recorded values to compare and reproduced, and the first divergence."""
+
+    check: str = ReplayCheck.warn.value
+    served: int = 0
+    checked: int = 0
+    reproduced: int = 0
+    values_each: Tuple[int, int] = (0, 0)          # fewest, most values compared in a step
+    divergence: Optional[Divergence] = None
+    reproduced_before: int = 0
+
+    @property
+    def unchecked(self) -> int:
+        return self.served - self.checked
+
+    def describe(self) -> str:
+        """`replay: 20 of 20 served steps reproduced (9 values each)`, `replay diverged at step 7 (loss
+        0.1234 recorded, 0.124 now); 6 steps reproduced before it`, or '' when nothing was served."""
+        if self.served == 0:
+            return ""
+        if self.check == ReplayCheck.off.value:
+            return f"replay: {self.served} served {_steps(self.served)}, not checked (skip.rollout_tq.replay_check=off)"
+        d = self.divergence
+        if d is not None:
+            return (f"replay diverged at step {d.step} ({d.short()}); {self.reproduced_before} "
+                    f"{_steps(self.reproduced_before)} reproduced before it")
+        lo, hi = self.values_each
+        each = f"{lo} values each" if lo == hi else f"{lo} to {hi} values each"
+        line = f"replay: {self.reproduced} of {self.served} served {_steps(self.served)} reproduced"
+        if self.checked:
+            line += f" ({each})"
+        if self.unchecked:
+            line += f"; {self.unchecked} unchecked (no recorded values)"
+        return line
+
+
+def _steps(n: int) -> str:
+    return "step" if n == 1 else "steps"
+
+
+def _same(recorded: float, now: float, rtol: float, atol: float) -> bool:
+    if recorded == now:
+        return True
+    if math.isnan(recorded) or math.isnan(now):
+        return math.isnan(recorded) and math.isnan(now)
+    if math.isinf(recorded) or math.isinf(now):
+        return False
+    return abs(now - recorded) <= atol + rtol * abs(recorded)
+
+
+@dataclass
+class _Served:
+    compared: int = 0
+    diverged: bool = False
+
+
+class ValuesTracker:
+    """Records a miss step's values once it is committed; checks a hit step's against the recorded ones.
+    Trainer's thread only (writes go to the coordinator's writer thread)."""
+
+    def __init__(self, settings: RolloutTQConfig, reader: Any, coordinator: Any, callbacks: Any, is_main: bool,
+                 training_config: Optional[Mapping[str, Any]] = None):
+        self.settings = settings
+        self.check = ReplayCheck(settings.replay_check)
+        self.reader = reader
+        self.coordinator = coordinator
+        self.callbacks = callbacks
+        self.is_main = is_main
+        self._ignore = [p.lower() for p in settings.replay_ignore]
+        self.set_training_config(training_config)
+        self._config_written = False
+        self._pending: Dict[int, Dict[str, float]] = {}       # a miss's values waiting for its commit
+        self._committed: Dict[int, float] = {}                 # a committed miss: its commit record's time
+        self._recorded: Dict[int, Dict[str, float]] = {}      # what was recorded for a committed miss
+        self._served: Dict[int, _Served] = {}
+        self._recorded_configs: Dict[str, Optional[Dict[str, Any]]] = {}
+        self._left_out: Set[str] = set()
+        self.divergence: Optional[Divergence] = None
+
+    def set_training_config(self, flat: Optional[Mapping[str, Any]]) -> None:
+        self.training_config = None if flat is None else dict(flat)
+        self.config_digest = None if flat is None else config_digest(self.training_config)
+        self._config_written = False
+
+    # ---- the trainer's calls
+    def observe(self, step: int, outcome: str, values: Mapping[str, Any]) -> None:
+        numbers, left_out = numbers_of(values)
+        for key in left_out:
+            if key not in self._left_out:
+                self._left_out.add(key)
+                log.debug("observe: %r is not a number (%s); left out of the replay check",
+                          key, type(values[key]).__name__)
+        if outcome == MISS:
+            self._record(step, numbers)
+        elif outcome == HIT and self.check != ReplayCheck.off:
+            self._compare(step, numbers)
+        elif outcome == HIT:
+            self._served.setdefault(step, _Served())
+
+    def committed(self, step: int, created: Optional[float]) -> None:
+        """A miss step's commit record landed (rank 0 knows `created`): record what it produced."""
+        if created is None or not self.is_main:
+            return
+        self._committed[step] = created
+        pending = self._pending.pop(step, None)
+        if pending is not None:
+            self._write(step, pending)
+
+    # ---- recording
+    def _record(self, step: int, numbers: Dict[str, float]) -> None:
+        if not self.is_main or not numbers:
+            return
+        if step in self._committed:
+            merged = {**self._recorded.get(step, {}), **numbers}
+            self._write(step, merged)
+        else:
+            self._pending[step] = {**self._pending.get(step, {}), **numbers}
+
+    def _write(self, step: int, values: Dict[str, float]) -> None:
+        self._recorded[step] = values
+        if self.training_config is not None and not self._config_written:
+            self._config_written = True
+            self.coordinator.record_config(self.config_digest, self.training_config)
+        self.coordinator.record_values(step, values, self._committed[step], self.config_digest)
+
+    # ---- checking
+    def _ignored(self, key: str) -> bool:
+        low = key.lower()
+        return any(fnmatch.fnmatchcase(low, p) for p in self._ignore)
+
+    def _compare(self, step: int, numbers: Dict[str, float]) -> None:
+        served = self._served.setdefault(step, _Served())
+        if self.divergence is not None:
+            return                         # past the first divergence nothing is compared
+        recorded = self.reader.read_step_values(step)
+        if recorded is None:
+            return
+        rtol, atol = float(self.settings.replay_rtol), float(self.settings.replay_atol)
+        for key in [k for k in numbers if k in recorded.values and not self._ignored(k)]:   # as reported
+            served.compared += 1
+            if not _same(recorded.values[key], numbers[key], rtol, atol):
+                served.diverged = True
+                self._diverged(Divergence(step, key, recorded.values[key], numbers[key],
+                                          *self._changes(recorded.config), rtol=rtol, atol=atol))
+                return
+
+    def _changes(self, digest: Optional[str]) -> Tuple[Tuple[Tuple[str, Any, Any], ...], bool]:
+        if digest is None or self.training_config is None:
+            return (), False
+        if digest not in self._recorded_configs:
+            self._recorded_configs[digest] = self.reader.read_training_config(digest)
+        then = self._recorded_configs[digest]
+        if then is None:
+            return (), False
+        return tuple(config_changes(then, self.training_config)), True
+
+    def _diverged(self, d: Divergence) -> None:
+        self.divergence = d
+        self.callbacks.on_replay_divergence(divergence=d, step=d.step, key=d.key, recorded=d.recorded, now=d.now,
+                                            config_changes=d.config_changes)
+        if self.check == ReplayCheck.error:
+            raise ReplayDivergedError(f"{d.describe()}; stopping (skip.rollout_tq.replay_check=error)", d)
+
+    # ---- the report
+    def report(self) -> ReplayReport:
+        checked = {s: v for s, v in self._served.items() if v.compared}
+        div = self.divergence
+        reproduced = [s for s, v in checked.items() if not v.diverged]
+        counts = [v.compared for s, v in checked.items() if not v.diverged] or [0]
+        before = sum(1 for s in reproduced if div is None or s < div.step)
+        return ReplayReport(self.check.value, len(self._served), len(checked), len(reproduced),
+                            (min(counts), max(counts)), div, before)
+
+
+__all__ = ["Divergence", "ReplayReport", "ValuesTracker"]

@@ -1,0 +1,240 @@
+"""What each step produced: the values a trainer reported for it, and the run's training-side config.
+
+Kept beside the steps, outside their commit records, so a committed step without values is complete
+and simply unchecked, and caches written before values existed load as they did:
+
+    {namespace}/.values/{step}.json          the step's values, bound to its commit record
+    {namespace}/.values/config-{digest}.json the training-side config they were recorded under (flattened)
+
+A step's values document names the commit record it belongs to (the record's creation time): a step
+removed and written again by another run is no longer the step those values describe, and
+`StepReader.read_values` then answers None rather than values of other rollouts. Every file is JSON
+(never pickle), written whole through the namespace's backend (`write_small`: a temporary name, fsync
+and rename on POSIX; one PUT on an object store), so a reader sees the old file, the new one, or none.
+Non-finite numbers are stored as the strings "NaN", "Infinity" and "-Infinity".
+
+This module does no logging: it raises or returns, and the harness reports.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import xxhash
+
+from skip_harness.store.backend import NamespaceBackend
+
+VALUES_DIR = ".values"
+VALUES_FORMAT = 1
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def values_key(step: int) -> str:
+    return f"{VALUES_DIR}/{int(step)}.json"
+
+
+def config_key(digest: str) -> str:
+    return f"{VALUES_DIR}/config-{digest}.json"
+
+
+@dataclass(frozen=True)
+class StepValues:
+    """A step's recorded values: `values` by key, the commit record they belong to (its creation
+    time), the digest of the training-side config they were recorded under, and when."""
+
+    step: int
+    values: Dict[str, float]
+    commit_created: Optional[float]
+    config: Optional[str]
+    recorded: float
+
+
+# --------------------------------------------------------------------------------------------
+# numbers and configs
+
+
+def as_number(value: Any) -> Optional[float]:
+    """`value` as a float when it is a number (int, float, bool, a numpy scalar, a one-element tensor or
+    array); None for anything else (a string, None, a list, a tensor of several elements)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    size = getattr(value, "size", None)
+    numel = getattr(value, "numel", None)
+    try:
+        n = numel() if callable(numel) else (size if isinstance(size, int) else None)
+    except Exception:  # noqa: BLE001 - not a tensor after all
+        n = None
+    if callable(item) and n == 1:
+        try:
+            out = item()
+        except Exception:  # noqa: BLE001
+            return None
+        return float(out) if isinstance(out, (int, float)) else None
+    return None
+
+
+def numbers_of(values: Mapping[str, Any]) -> Tuple[Dict[str, float], List[str]]:
+    """(the numeric values as floats, the keys left out because they are not numbers)."""
+    kept: Dict[str, float] = {}
+    left_out: List[str] = []
+    for key, value in values.items():
+        number = as_number(value)
+        if number is None:
+            left_out.append(str(key))
+        else:
+            kept[str(key)] = number
+    return kept, left_out
+
+
+def _encode(x: float) -> Any:
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return x
+
+
+def _decode(x: Any) -> Optional[float]:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return _NON_FINITE.get(x) if isinstance(x, str) else None
+
+
+def flatten_config(obj: Any, prefix: str = "") -> Dict[str, Any]:
+    """A nested config (dicts, lists, an OmegaConf node, a dataclass) as {dotted key: leaf}; leaves are
+    JSON scalars, anything else its text. Lists are kept whole, as JSON text."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(obj, (DictConfig, ListConfig)):
+            obj = OmegaConf.to_container(obj, resolve=False)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    out: Dict[str, Any] = {}
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, Mapping) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
+                out.update(flatten_config(v, key))
+            else:
+                out[key] = _leaf(v)
+        return out
+    if prefix:
+        out[prefix] = _leaf(obj)
+    return out
+
+
+def _leaf(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return _encode(v)
+    if hasattr(v, "value") and isinstance(getattr(v, "value"), (str, int)):    # an Enum
+        return v.value
+    try:
+        return json.dumps(v, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def config_digest(flat: Mapping[str, Any]) -> str:
+    """A short digest of a flattened config (its canonical JSON)."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(dict(flat), sort_keys=True, default=str).encode())
+
+
+def config_changes(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """(key, recorded value, value now) for every key whose value differs (absent: None), sorted."""
+    out = []
+    for key in sorted(set(recorded) | set(now)):
+        a, b = recorded.get(key), now.get(key)
+        if a != b:
+            out.append((key, a, b))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the files
+
+
+class ValuesStore:
+    """The values files of one namespace, through its backend (safe from any thread)."""
+
+    def __init__(self, backend: NamespaceBackend):
+        self.backend = backend
+
+    def write_step(self, step: int, values: Mapping[str, float], *, commit_created: Optional[float],
+                   config: Optional[str] = None) -> None:
+        """Store the step's values whole, replacing earlier ones atomically."""
+        doc = {
+            "format": VALUES_FORMAT,
+            "step": int(step),
+            "commit_created": commit_created,
+            "config": config,
+            "recorded": time.time(),
+            "values": {str(k): _encode(float(v)) for k, v in values.items()},
+        }
+        self.backend.write_small(values_key(step), (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
+
+    def read_step(self, step: int) -> Optional[StepValues]:
+        """The step's values document as stored (not checked against the commit record); None when
+        there is none or it does not parse (a values file is never a fault of the step)."""
+        try:
+            data = self.backend.read_small(values_key(step))
+        except Exception:  # noqa: BLE001 - unreadable values: the step is simply unchecked
+            return None
+        if data is None:
+            return None
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(doc, dict) or doc.get("format") != VALUES_FORMAT or doc.get("step") != int(step):
+            return None
+        raw = doc.get("values")
+        if not isinstance(raw, dict):
+            return None
+        values = {}
+        for k, v in raw.items():
+            x = _decode(v)
+            if x is not None:
+                values[str(k)] = x
+        created = doc.get("commit_created")
+        created = float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else None
+        config = doc.get("config") if isinstance(doc.get("config"), str) else None
+        recorded = doc.get("recorded") if isinstance(doc.get("recorded"), (int, float)) else 0.0
+        return StepValues(int(step), values, created, config, float(recorded))
+
+    def write_config(self, digest: str, flat: Mapping[str, Any]) -> None:
+        """Store a flattened training-side config under its digest (once: it never changes)."""
+        doc = {"format": VALUES_FORMAT, "digest": digest, "config": dict(flat)}
+        self.backend.write_small(config_key(digest),
+                                 (json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+    def read_config(self, digest: str) -> Optional[Dict[str, Any]]:
+        """The flattened config stored under `digest`; None when absent or unreadable."""
+        try:
+            data = self.backend.read_small(config_key(digest))
+            doc = json.loads(data) if data is not None else None
+        except Exception:  # noqa: BLE001
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+            return None
+        return doc["config"]
+
+
+__all__ = [
+    "VALUES_DIR", "StepValues", "ValuesStore", "as_number", "config_changes", "config_digest", "config_key",
+    "flatten_config", "numbers_of", "values_key",
+]
