@@ -8,6 +8,7 @@
     skip-harness export [DUMP_DIR] -o OUT [--format parquet|jsonl] [--namespace NS ...] [--steps 1,3,5-9]
     skip-harness import-verl VERL_DUMP_DIR [DUMP_DIR] --trust [--dry-run] [--json]
     skip-harness diff A B [--json]
+    skip-harness view [DUMP_DIR | NAMESPACE ...] [--host 127.0.0.1] [--port N] [--tokenizer NAME_OR_PATH] [--open]
 
 Exit codes: 0 fine; 1 a corrupt step (verify, show, export), a failed removal (clean) or a verl step that
 could not be converted (import-verl); 2 bad usage,
@@ -148,6 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("a", metavar="A", help="a namespace or a cache root (a path or an object-store URL)")
     df.add_argument("b", metavar="B", help="the same kind of thing as A")
     df.add_argument("--json", action="store_true", help="print one JSON document")
+
+    vw = sub.add_parser("view", help="a read-only web viewer of the cache (extra [view])")
+    vw.add_argument("targets", metavar="DUMP_DIR | NAMESPACE", nargs="*",
+                    help="cache roots, group directories or namespaces (local or s3://); default: where runs write")
+    vw.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
+    vw.add_argument("--port", type=_int_at_least(0, "--port"), default=None, metavar="N",
+                    help="port (default 8765; 0 picks a free one)")
+    vw.add_argument("--tokenizer", metavar="NAME_OR_PATH",
+                    help="decode token ids with this tokenizer (a local directory or tokenizer.json, or a name "
+                         "in the local Hugging Face cache; never downloaded)")
+    vw.add_argument("--open", action="store_true", help="open the viewer in a web browser")
     return p
 
 
@@ -202,6 +214,10 @@ def _run(args: argparse.Namespace) -> int:
         from skip_harness.cli.show import cmd_show
 
         return cmd_show(UrlPath(args.path) if is_url_text(args.path) else Path(args.path), args.step, args.inner, args.rank, args.head, args.json)  # type: ignore[arg-type]
+    if args.command == "view":
+        from skip_harness.cli.view import cmd_view
+
+        return cmd_view(args.targets, args.host, args.port, args.tokenizer, args.open)
     where = ""
     if args.dump_dir is None:   # where runs write
         dump_dir, where = default_dump_dir()

@@ -77,16 +77,19 @@ class NamespaceReport:
 # scanning
 
 
-def scan_namespace(layout: Layout, *, use_index: bool = True) -> NamespaceReport:
+def scan_namespace(layout: Layout, *, use_index: bool = True, rewrite_index: bool = True) -> NamespaceReport:
     """Classify every step of a namespace. Only int-named entries are steps; '.lock', '.quarantine' and
     the like are ignored; '.trash-'/'.tmp-' debris is reported as leftovers.
 
     With `use_index` (the default) a committed step whose index entry still matches the disk is taken
     from the index; every other step is classified in full, and an index found missing, corrupt or
     stale is rewritten (`report.index_note` says so, for the caller's INFO line). The result is the
-    one a full scan (`use_index=False`, which neither reads nor writes the index) gives."""
+    one a full scan (`use_index=False`, which neither reads nor writes the index) gives.
+
+    `rewrite_index=False` (a reader beside a running job: `skip-harness view`) uses the index but never
+    writes it: the steps it cannot vouch for are classified in full, and the note says it is stale."""
     with _gc_paused():
-        return _scan_namespace(layout, use_index)
+        return _scan_namespace(layout, use_index, rewrite_index)
 
 
 @contextlib.contextmanager
@@ -102,9 +105,9 @@ def _gc_paused():
             gc.enable()
 
 
-def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
+def _scan_namespace(layout: Layout, use_index: bool, rewrite_index: bool = True) -> NamespaceReport:
     if layout.is_url:
-        return _scan_listed(layout, use_index)
+        return _scan_listed(layout, use_index, rewrite_index)
     root = layout.root
     leftovers: List[LeftoverEntry] = []
     try:
@@ -154,7 +157,7 @@ def _scan_namespace(layout: Layout, use_index: bool) -> NamespaceReport:
     gone = [s for s in indexed if s not in on_disk]
     unindexed = [s.step for s in steps if s.status == "complete" and s.step not in indexed]
     note = note or _stale_note(stale, gone, unindexed)
-    if note is not None or changed:  # changed but agreeing: racy entries, rewritten with a later time
+    if rewrite_index and (note is not None or changed):  # changed but agreeing: racy, rewritten later-stamped
         fresh = list(trusted.values())
         for s in steps:
             if s.status == "complete" and s.step not in trusted:
@@ -190,7 +193,7 @@ class _Listed:
         return data
 
 
-def _scan_listed(layout: Layout, use_index: bool = True) -> NamespaceReport:
+def _scan_listed(layout: Layout, use_index: bool = True, rewrite_index: bool = True) -> NamespaceReport:
     """A namespace off POSIX (an object store): one listing of every step; a committed step whose
     index entry's stamp (its objects' rel, size and ETag) matches that listing is taken from the
     entry, every other step is classified from the listing and its commit record. The index object
@@ -248,7 +251,7 @@ def _scan_listed(layout: Layout, use_index: bool = True) -> NamespaceReport:
     note = note or _stale_note(changed, gone, unindexed)
     if note == "index missing" and not fresh:
         note = None              # nothing to index yet: no object is written into the namespace
-    if note is not None:
+    if note is not None and rewrite_index:
         failed = _index.write_url(layout, backend, fresh)
         note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
     return NamespaceReport(layout, tuple(steps), (), note, bool(trusted))

@@ -1,0 +1,240 @@
+"""The viewer's speed, as ratios (issue 24): `python scripts/bench_view.py [--quick] [--json] [--work DIR]`
+
+- view_step_ratio      time to the first byte of a step page (`GET /ns/{key}/step/1` from a running
+                       `skip-harness view`) over a bare verified read of that step (`StepReader.read_served`),
+                       for the benchmark's batch (1024 trajectories x 4096 tokens, about 112 MiB; target <= 1.5).
+- view_overview_ratio  time to the first byte of the overview (`GET /`) of a cache holding the 10,000-step
+                       x K = 4 namespace over its indexed scan (`scan_namespace` with the index; target <= 1.5).
+
+Both sides are warm (page cache, index present) and interleaved; each figure is a median. The viewer is
+the real command in its own process, reached over HTTP on 127.0.0.1. `--quick` (CI): 64 trajectories and
+1,000 steps. The batch and the scan namespace are built as scripts/bench.py builds them (copied here,
+so the two scripts stay independent).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from skip_harness.store.layout import COMMIT_NAME, Layout  # noqa: E402
+from skip_harness.store.scan import scan_namespace  # noqa: E402
+from skip_harness.store.stepstore import StepStore  # noqa: E402
+
+log = logging.getLogger("skip_harness.bench_view")
+MiB = 1 << 20
+PROMPT_LEN, RESPONSE_LEN, VOCAB, SCAN_K = 1024, 3072, 151_936, 4
+
+
+# --------------------------------------------------------------------------------------------
+# the batch and the 10,000-step namespace, as scripts/bench.py makes them
+
+
+def zipf_token_ids(shape: Tuple[int, ...], g: torch.Generator, vocab: int = VOCAB) -> torch.Tensor:
+    ranks = torch.pow(float(vocab), torch.rand(shape, generator=g, dtype=torch.float64)).long().clamp_(1, vocab) - 1
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(151_936))
+    return perm[ranks]
+
+
+def make_payload(rows: int, seed: int = 0, prompt_len: int = PROMPT_LEN, response_len: int = RESPONSE_LEN) -> Dict[str, Any]:
+    P, R, B = prompt_len, response_len, max(1, rows)
+    g = torch.Generator().manual_seed(seed)
+    prompt_len_t = torch.randint(P // 4, P + 1, (B, 1), generator=g)
+    response_len_t = torch.randint(R // 8, R + 1, (B, 1), generator=g)
+    prompt_mask = torch.arange(P).flip(0).unsqueeze(0) < prompt_len_t
+    response_mask = torch.arange(R).unsqueeze(0) < response_len_t
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    input_ids = zipf_token_ids((B, P + R), g) * attention_mask
+    rmask = response_mask.float()
+    old_log_probs = -torch.rand(B, R, generator=g) * 6 * rmask
+    scores = torch.rand(B, generator=g)
+    token_level_rewards = torch.zeros(B, R)
+    token_level_rewards[torch.arange(B), response_len_t.squeeze(1) - 1] = scores
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask.long(),
+            "old_log_probs": old_log_probs, "token_level_rewards": token_level_rewards, "scores": scores,
+            "response_length": response_len_t.squeeze(1), "uid": [f"{i // 8:08x}" for i in range(B)],
+            "data_source": ["bench/sort_digits" if i % 2 else "bench/gsm8k" for i in range(B)], "global_steps": 1}
+
+
+def build_scan_namespace(root: Path, steps: int, K: int = SCAN_K) -> Layout:
+    """`steps` committed steps x K: step 1 written through StepStore, the others hard links to its files
+    with their own commit records (what a scan sees after a real run)."""
+    layout = Layout(root, K=K, W=1)
+    store = StepStore(layout)
+    g = torch.Generator().manual_seed(2)
+    entries = []
+    for i in range(K):
+        small = {"input_ids": torch.randint(0, VOCAB, (4, 16), generator=g), "old_log_probs": torch.randn(4, 16, generator=g)}
+        entries += store.writer.write_inner(1, i, 0, small, {"bench": "scan"})
+    record = store.writer.commit(1, entries, None)
+    first = layout.step_dir(1)
+    inner_names = sorted({str(Path(e.rel).parent) for e in record.files} - {"."})
+    for step in range(2, steps + 1):
+        d = layout.step_dir(step)
+        d.mkdir()
+        for name in inner_names:
+            (d / name).mkdir()
+        for e in record.files:
+            os.link(first / e.rel, d / e.rel)
+        doc = dataclasses.replace(record, step=step).to_json()
+        (d / COMMIT_NAME).write_bytes((json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
+    return layout
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+class Viewer:
+    """`skip-harness view ROOT --port 0` in its own process."""
+
+    def __init__(self, root: Path, work: Path):
+        self.err = work / f"view-{time.monotonic_ns()}.err"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        with open(self.err, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "skip_harness.cli", "view", str(root), "--port", "0"],
+                                         stdout=subprocess.DEVNULL, stderr=err, env=env)
+        deadline = time.monotonic() + 120
+        while True:
+            m = re.search(r"at http://127\.0\.0\.1:(\d+)/ \(read-only", self.err.read_text())
+            if m:
+                self.port = int(m.group(1))
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"skip-harness view did not start: {self.err.read_text()}")
+            time.sleep(0.1)
+
+    def ttfb(self, path: str) -> float:
+        """Seconds from sending the request to its first byte (the status line); the body is then read."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            t0 = time.perf_counter()
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            dt = time.perf_counter() - t0
+            body = resp.read()
+            if resp.status != 200:
+                raise SystemExit(f"GET {path}: {resp.status} {body[:400]!r}")
+            return dt
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def interleave(arms: Dict[str, Callable[[], float]], repeats: int) -> Dict[str, List[float]]:
+    for fn in arms.values():      # warm-up
+        fn()
+    out: Dict[str, List[float]] = {k: [] for k in arms}
+    names = list(arms)
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            out[name].append(arms[name]())
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+    def run() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return run
+
+
+def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
+    cache = work / "cache"
+    step_ns = Layout(cache / "bench_view" / "GBS1024_N8_in1024_out3072", K=1, W=1)
+    store = StepStore(step_ns)
+    payload = make_payload(rows)
+    entries = store.writer.write_inner(1, 0, 0, payload, {"bench": "view"})
+    store.writer.commit(1, entries, None)
+    nbytes = sum(e.bytes for e in entries)
+    del payload
+    log.info("step of %.1f MiB written; building %d steps x K=%d", nbytes / MiB, steps, SCAN_K)
+    big = build_scan_namespace(work / "scan" / "bench_scan" / f"GBS8_N1_in16_out16_K{SCAN_K}_W1", steps)
+    scan_namespace(big)                           # builds the index, as the first run after a training would
+    reader = StepStore(step_ns).reader
+
+    def bare_read() -> None:
+        status, reason, batches, _ = reader.read_served(1, 0)
+        if reason is not None:
+            raise SystemExit(f"the bench step does not verify: {reason}")
+
+    def indexed_scan() -> None:
+        report = scan_namespace(big)
+        if report.counts()["complete"] != steps or not report.index_used:
+            raise SystemExit(f"the indexed scan found {report.counts()} (index used: {report.index_used})")
+
+    out: Dict[str, Any] = {"payload_mib": round(nbytes / MiB, 1), "rows": rows, "steps": steps}
+    viewer = Viewer(cache, work)
+    try:
+        t = interleave({"page": lambda: viewer.ttfb("/ns/0/bench_view/GBS1024_N8_in1024_out3072/step/1"),
+                        "bare": timed(bare_read)}, repeats)
+        out.update(view_step_ttfb_s=median(t["page"]), bare_read_s=median(t["bare"]))
+    finally:
+        viewer.stop()
+    viewer = Viewer(work / "scan", work)
+    try:
+        t = interleave({"page": lambda: viewer.ttfb("/"), "scan": timed(indexed_scan)}, repeats)
+        out.update(view_overview_ttfb_s=median(t["page"]), indexed_scan_s=median(t["scan"]))
+    finally:
+        viewer.stop()
+    out["view_step_ratio"] = out["view_step_ttfb_s"] / out["bare_read_s"]
+    out["view_overview_ratio"] = out["view_overview_ttfb_s"] / out["indexed_scan_s"]
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CI: 64 trajectories, 1,000 steps, 3 repeats")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--work", type=Path, help="where to build the caches (default: a temporary directory)")
+    p.add_argument("--repeats", type=int, help="timed runs per side (default 7, --quick 3)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="bench_view: %(message)s", stream=sys.stderr)
+    rows, steps = (64, 1000) if args.quick else (1024, 10_000)
+    repeats = args.repeats or (3 if args.quick else 7)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_view-"))
+    try:
+        result = bench(work, rows, steps, repeats)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+    else:
+        sys.stdout.write(
+            f"view_step_ratio      {result['view_step_ratio']:.2f}  (target <= 1.5)  step page first byte "
+            f"{result['view_step_ttfb_s'] * 1000:.0f} ms vs verified read {result['bare_read_s'] * 1000:.0f} ms "
+            f"of {result['payload_mib']} MiB ({rows} trajectories)\n"
+            f"view_overview_ratio  {result['view_overview_ratio']:.2f}  (target <= 1.5)  overview first byte "
+            f"{result['view_overview_ttfb_s'] * 1000:.0f} ms vs indexed scan {result['indexed_scan_s'] * 1000:.0f} ms "
+            f"({steps} steps x K={SCAN_K})\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

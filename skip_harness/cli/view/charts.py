@@ -1,0 +1,79 @@
+"""Charts over steps, drawn on the server as SVG (no script, no network): a line of a value per step,
+with a band for its spread where there is one; each point is a link to its step."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from html import escape
+from typing import Callable, List, Optional, Sequence
+
+WIDTH, HEIGHT = 560, 180
+PAD_L, PAD_R, PAD_T, PAD_B = 52, 12, 22, 26
+
+
+@dataclass(frozen=True)
+class Point:
+    step: int
+    value: float
+    low: Optional[float] = None      # the band (mean - std, min ...), when the value has a spread
+    high: Optional[float] = None
+
+
+def _finite(x: Optional[float]) -> bool:
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _fmt(x: float) -> str:
+    if x == 0:
+        return "0"
+    if abs(x) >= 1000 or abs(x) < 0.01:
+        return f"{x:.3g}"
+    return f"{x:.3f}".rstrip("0").rstrip(".")
+
+
+def line_chart(title: str, points: Sequence[Point], href: Callable[[int], str], *, css_id: str = "") -> str:
+    """One chart as an <svg> element: `title` on top, a point per step linking to `href(step)`."""
+    pts = [p for p in points if _finite(p.value)]
+    ident = f' id="{escape(css_id)}"' if css_id else ""
+    head = (f'<svg{ident} class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
+            f'width="{WIDTH}" height="{HEIGHT}" role="img" aria-label="{escape(title)}">'
+            f'<text x="{PAD_L}" y="14" class="chart-title">{escape(title)}</text>')
+    if not pts:
+        return head + f'<text x="{PAD_L}" y="{HEIGHT // 2}" class="chart-empty">no values</text></svg>'
+    lows = [p.low for p in pts if _finite(p.low)]
+    highs = [p.high for p in pts if _finite(p.high)]
+    y_min = min([p.value for p in pts] + lows)
+    y_max = max([p.value for p in pts] + highs)
+    if y_max == y_min:
+        y_min, y_max = y_min - 0.5, y_max + 0.5
+    s_min, s_max = pts[0].step, pts[-1].step
+    span = max(s_max - s_min, 1)
+
+    def x(step: int) -> float:
+        return PAD_L + (step - s_min) / span * (WIDTH - PAD_L - PAD_R) if s_max != s_min else (PAD_L + WIDTH - PAD_R) / 2
+
+    def y(v: float) -> float:
+        return PAD_T + (y_max - v) / (y_max - y_min) * (HEIGHT - PAD_T - PAD_B)
+
+    parts: List[str] = [head]
+    for v in (y_min, (y_min + y_max) / 2, y_max):      # axis: three labels and grid lines
+        parts.append(f'<line x1="{PAD_L}" x2="{WIDTH - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" class="grid"/>'
+                     f'<text x="{PAD_L - 4}" y="{y(v) + 4:.1f}" class="axis" text-anchor="end">{_fmt(v)}</text>')
+    parts.append(f'<text x="{PAD_L}" y="{HEIGHT - 6}" class="axis">step {s_min}</text>'
+                 f'<text x="{WIDTH - PAD_R}" y="{HEIGHT - 6}" class="axis" text-anchor="end">step {s_max}</text>')
+    band = [p for p in pts if _finite(p.low) and _finite(p.high)]
+    if len(band) >= 2:
+        upper = " ".join(f"{x(p.step):.1f},{y(p.high):.1f}" for p in band)
+        lower = " ".join(f"{x(p.step):.1f},{y(p.low):.1f}" for p in reversed(band))
+        parts.append(f'<polygon points="{upper} {lower}" class="band"/>')
+    if len(pts) >= 2:
+        parts.append('<polyline class="line" points="'
+                     + " ".join(f"{x(p.step):.1f},{y(p.value):.1f}" for p in pts) + '"/>')
+    r = 3.5 if len(pts) <= 200 else 2
+    for p in pts:
+        spread = f" ({_fmt(p.low)} .. {_fmt(p.high)})" if _finite(p.low) and _finite(p.high) else ""
+        parts.append(f'<a href="{escape(href(p.step))}" target="_top" class="point" data-step="{p.step}">'
+                     f'<circle cx="{x(p.step):.1f}" cy="{y(p.value):.1f}" r="{r}"/>'
+                     f'<title>step {p.step}: {_fmt(p.value)}{escape(spread)}</title></a>')
+    parts.append("</svg>")
+    return "".join(parts)

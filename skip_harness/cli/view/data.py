@@ -1,0 +1,207 @@
+"""What the viewer reads, and only how the store lets it: read-only scans, verified step reads.
+
+Every namespace is found as `ls` finds it (`namespaces_at`) and scanned with the index but never
+rewriting it (`scan_namespace(rewrite_index=False)`): the viewer writes nothing, takes no lock, and
+can run beside a training job on the same namespace. A step's mini-batches come from
+`StepReader.read_served` -- the verified read a hit uses (sizes and checksums against the commit
+record in the pass that reads them, nothing unpickled); a step that is incomplete or corrupt is
+reported with its reason and none of its bytes.
+
+The recorded per-step values (`StepReader.read_values`) and `skip-harness diff`'s `compare` come
+from the replay check; where this checkout does not have them yet, the pages leave those parts out.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from skip_harness.cli._common import mode_and_seed, step_gen_s, step_written
+from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
+from skip_harness.errors import CorruptStepError, SkipHarnessError
+from skip_harness.store import scan as _scan
+from skip_harness.store.backend import namespace_of
+from skip_harness.store.bufferpool import BufferPool
+from skip_harness.store.layout import Layout, UrlPath, is_url_text
+from skip_harness.store.reader import StepReader
+
+try:   # the replay check's recorded values (skip_harness.store.values, read by StepReader.read_values)
+    from skip_harness.store import values as _recorded_values
+except ImportError:   # a checkout without the replay check: no values charts
+    _recorded_values = None
+try:   # `skip-harness diff`'s comparison, the same dict `diff --json` prints
+    from skip_harness.cli.diff import compare as _diff_compare
+except ImportError:   # a checkout without `skip-harness diff`: compare shows the rollouts only
+    _diff_compare = None
+
+logger = logging.getLogger("skip_harness.cli.view")
+
+Where = Union[Path, UrlPath]
+
+# ls --json keys the viewer leaves out: `accessed` (a stat per payload) and `logical_bytes` (every meta.json
+# read) cost a read per step, and the overview of a 10,000-step namespace comes from its index alone.
+_COSTLY_KEYS = ("accessed", "logical_bytes", "total_logical_bytes")
+
+
+def as_where(text: str) -> Where:
+    return UrlPath(text) if is_url_text(text) else Path(text)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """One namespace the viewer serves: `key` is its URL segment (`{root}/{group}/{leaf}`)."""
+
+    key: str
+    root_index: int
+    layout: Layout
+
+    @property
+    def group(self) -> str:
+        return self.layout.root.parent.name
+
+    @property
+    def leaf(self) -> str:
+        return self.layout.root.name
+
+    @property
+    def label(self) -> str:
+        return f"{self.group}/{self.leaf}"
+
+
+@dataclass(frozen=True)
+class StepRead:
+    """One step as the verified read found it: the mini-batches of every rank, or why there are none."""
+
+    namespace: Namespace
+    step: int
+    status: str                        # complete | unverified | incomplete | corrupt | missing
+    reason: Optional[str]              # None when the step was read
+    batches: List[Tuple[int, int, Any]]   # (inner index, rank, mini-batch)
+    metas: List[Tuple[int, int, Dict[str, Any]]]
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+def _reader(layout: Layout) -> StepReader:
+    """A reader of the namespace (no writer is built: the viewer never writes)."""
+    return StepReader(layout, namespace_of(layout), BufferPool())
+
+
+class Cache:
+    """The caches the viewer was started on: each root a dump dir, a group directory or a namespace."""
+
+    def __init__(self, roots: Sequence[Where]):
+        self.roots = list(roots)
+        self._lock = threading.Lock()
+        self._readers: Dict[str, StepReader] = {}
+
+    # ---- namespaces
+
+    def namespaces(self) -> List[Namespace]:
+        out = []
+        for i, root in enumerate(self.roots):
+            try:
+                layouts = _scan.namespaces_at(root)
+            except (OSError, SkipHarnessError) as exc:
+                logger.warning("%s: cannot list its namespaces: %s", root, exc)
+                continue
+            for lay in layouts:
+                out.append(Namespace(f"{i}/{lay.root.parent.name}/{lay.root.name}", i, lay))
+        return out
+
+    def namespace(self, key: str) -> Optional[Namespace]:
+        """The namespace named by `key`, found by listing (a key never becomes a path by itself)."""
+        for ns in self.namespaces():
+            if ns.key == key:
+                return ns
+        return None
+
+    def reader(self, ns: Namespace) -> StepReader:
+        with self._lock:
+            reader = self._readers.get(ns.key)
+            if reader is None or reader.layout != ns.layout:
+                reader = self._readers[ns.key] = _reader(ns.layout)
+            return reader
+
+    def scan(self, ns: Namespace) -> _scan.NamespaceReport:
+        """The namespace's steps from its index where it vouches for them; the index is never written."""
+        return _scan.scan_namespace(ns.layout, rewrite_index=False)
+
+    def namespace_view(self, ns: Namespace, report: Optional[_scan.NamespaceReport] = None, *,
+                       read_metas: bool = True) -> NamespaceView:
+        """`ls`'s view of the namespace from its scan: when each step was written and its generation
+        seconds come from the commit records the index holds; a step whose record does not say its
+        generation seconds has them read from its meta files, as `ls` does -- unless `read_metas` is
+        False (the overview: a 10,000-step namespace from its index alone)."""
+        report = self.scan(ns) if report is None else report
+        reader = self.reader(ns)
+        return NamespaceView(ns.layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s) if read_metas
+                                                 else s.gen_s) for s in report.steps])
+
+    def namespace_doc(self, ns: Namespace, view: Optional[NamespaceView] = None) -> Dict[str, Any]:
+        """`ls --json`'s document of one namespace (without the keys that cost a read per step), plus
+        the viewer's `key`."""
+        view = self.namespace_view(ns) if view is None else view
+        doc = namespace_json(view)
+        for k in _COSTLY_KEYS:
+            doc.pop(k, None)
+        for s in doc["steps"]:
+            for k in _COSTLY_KEYS:
+                s.pop(k, None)
+        doc["key"] = ns.key
+        doc["root"] = str(self.roots[ns.root_index])
+        return doc
+
+    def mode_seed(self, view: NamespaceView) -> Tuple[Any, Any]:
+        return mode_and_seed([s for s in view.steps if s.servable])
+
+    # ---- one step
+
+    def read_step(self, ns: Namespace, step: int) -> StepRead:
+        """Every mini-batch of `step` (all K inner indices of every rank) by the verified read."""
+        reader = self.reader(ns)
+        batches: List[Tuple[int, int, Any]] = []
+        metas: List[Tuple[int, int, Dict[str, Any]]] = []
+        status = "complete"
+        for rank in range(ns.layout.W):
+            try:
+                status, reason, got, got_metas = reader.read_served(step, rank)
+            except CorruptStepError as exc:
+                status, reason = "corrupt", str(exc)
+            except (SkipHarnessError, OSError) as exc:   # an unregistered type, an unreachable store
+                status, reason = "unreadable", f"{type(exc).__name__}: {exc}"
+            if reason is not None:
+                return StepRead(ns, step, status, reason, [], [])
+            batches += [(i, rank, b) for i, b in enumerate(got)]
+            metas += [(i, rank, m) for i, m in enumerate(got_metas)]
+        return StepRead(ns, step, status, None, batches, metas)
+
+    # ---- what the replay check recorded
+
+    @property
+    def has_values(self) -> bool:
+        return _recorded_values is not None
+
+    def values(self, ns: Namespace, step: int) -> Optional[Dict[str, float]]:
+        """The values the trainer reported for `step` (its metrics), None when none were recorded."""
+        if _recorded_values is None:
+            return None
+        try:
+            return self.reader(ns).read_values(step)
+        except (CorruptStepError, SkipHarnessError, OSError, ValueError) as exc:
+            logger.warning("%s: recorded values of step %d cannot be read: %s", ns.layout.root, step, exc)
+            return None
+
+    @property
+    def has_diff(self) -> bool:
+        return _diff_compare is not None
+
+    def diff(self, a: Namespace, b: Namespace) -> Optional[Dict[str, Any]]:
+        """`skip-harness diff --json`'s document for two namespaces; None without `skip-harness diff`."""
+        if _diff_compare is None:
+            return None
+        return _diff_compare(str(a.layout.root), str(b.layout.root))

@@ -1,0 +1,354 @@
+"""What each page and its JSON twin hold, built from the cache (no HTTP here): the overview, a
+namespace, its charts, a step (filtered, sorted, grouped, one page of groups), a trajectory, compare."""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from skip_harness.cli._common import fmt_ago, fmt_seconds, fmt_value, human_bytes
+from skip_harness.cli.listing import grand_total
+from skip_harness.cli.show import describe
+from skip_harness.cli.view import charts
+from skip_harness.cli.view.data import Cache, Namespace, StepRead
+from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
+from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last, group_size_of, step_table
+from skip_harness.store import scan as _scan
+
+SORT_KEYS = ("stored", "reward", "advantage", "length", "group")
+ROWS_PER_PAGE = 32           # trajectories on one page of a step (its groups in order; a group may go on)
+TOKENS_ON_STEP_PAGE = 64     # response tokens of each (all of them on the trajectory's own page)
+CHART_STEPS = 200            # steps read for the rollout charts; more are sampled evenly
+VALUE_CHARTS = 12            # recorded values charted (the first keys, in sorted order)
+
+
+class NotFound(Exception):
+    """A namespace, step or trajectory the cache does not have; the message says which."""
+
+
+# --------------------------------------------------------------------------------------------
+# overview and namespace
+
+
+def overview(cache: Cache) -> Dict[str, Any]:
+    rows, views = [], []
+    for ns in cache.namespaces():
+        view = cache.namespace_view(ns, read_metas=False)
+        views.append(view)
+        mode, seed = cache.mode_seed(view)
+        rows.append({"key": ns.key, "label": ns.label, "root_index": ns.root_index, "K": ns.layout.K,
+                     "W": ns.layout.W, "mode": fmt_value(mode), "seed": fmt_value(seed), "counts": view.counts(),
+                     "size": human_bytes(view.bytes), "written": fmt_ago(view.written), "gen": fmt_seconds(view.gen_s)})
+    return {"rows": rows, "statuses": _scan.STATUSES, "total": grand_total(views),
+            "roots": [str(r) for r in cache.roots]}
+
+
+def overview_json(cache: Cache) -> Dict[str, Any]:
+    """`ls --json`'s document (`dump_dir`, `namespaces`, `total_bytes`), each namespace with its `key`."""
+    docs = [cache.namespace_doc(ns) for ns in cache.namespaces()]
+    return {"dump_dir": str(cache.roots[0]) if len(cache.roots) == 1 else None,
+            "roots": [str(r) for r in cache.roots], "namespaces": docs,
+            "total_bytes": sum(d["total_bytes"] for d in docs)}
+
+
+def namespace(cache: Cache, ns: Namespace) -> Dict[str, Any]:
+    report = cache.scan(ns)
+    view = cache.namespace_view(ns, report)
+    doc = cache.namespace_doc(ns, view)
+    mode, seed = cache.mode_seed(view)
+    steps = [{"step": r.report.step, "status": r.report.status, "size": human_bytes(r.report.bytes),
+              "written": fmt_ago(r.written), "gen": fmt_seconds(r.gen_s), "reason": r.report.reason,
+              "fingerprint": None if r.report.fingerprint is None else r.report.fingerprint.digest} for r in view.rows]
+    servable = [s.step for s in report.steps if s.servable]
+    return {"ns": ns, "doc": doc, "mode": fmt_value(mode), "seed": fmt_value(seed), "size": human_bytes(view.bytes),
+            "steps": steps, "note": report.index_note, "ns_rows": compare_choices(cache), "pick_a": ns.key,
+            "pick_b": _other(cache, ns.key), "pick_step": servable[-1] if servable else 1}
+
+
+def compare_choices(cache: Cache) -> List[Dict[str, Any]]:
+    return [{"key": n.key, "label": n.label, "root_index": n.root_index} for n in cache.namespaces()]
+
+
+def _other(cache: Cache, key: str) -> str:
+    keys = [n.key for n in cache.namespaces()]
+    return next((k for k in keys if k != key), key)
+
+
+class Summaries:
+    """Each step's summary (reward and length statistics), kept while its commit record's time and size
+    stay the same, so charts read a step once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: Dict[Tuple[str, int], Tuple[Any, Dict[str, Any]]] = {}
+
+    def get(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, Any]]:
+        stamp = (s.created, s.bytes, s.status)
+        with self._lock:
+            kept = self._kept.get((ns.key, s.step))
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        read = cache.read_step(ns, s.step)
+        if not read.ok:
+            return None
+        table = step_table(read.batches, group_size_of(_fp_values(s)))
+        summary = table.summary()
+        del read, table
+        with self._lock:
+            self._kept[(ns.key, s.step)] = (stamp, summary)
+        return summary
+
+
+def _fp_values(s: Optional[_scan.StepReport]) -> Optional[Dict[str, Any]]:
+    return None if s is None or s.fingerprint is None else dict(s.fingerprint.values)
+
+
+def chart_steps(steps: Sequence[int], budget: int = CHART_STEPS) -> List[int]:
+    if len(steps) <= budget:
+        return list(steps)
+    picked = {steps[round(i * (len(steps) - 1) / (budget - 1))] for i in range(budget)}
+    return sorted(picked)
+
+
+def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries) -> Dict[str, Any]:
+    report = cache.scan(ns)
+    servable = [s for s in report.steps if s.servable]
+    picked = set(chart_steps([s.step for s in servable]))
+    reward, length = [], []
+    for s in servable:
+        if s.step not in picked:
+            continue
+        sm = summaries.get(cache, ns, s)
+        if sm is None:
+            continue
+        if sm["reward_mean"] is not None:
+            std = sm["reward_std"] or 0.0
+            reward.append(charts.Point(s.step, sm["reward_mean"], sm["reward_mean"] - std, sm["reward_mean"] + std))
+        if sm["length_mean"] is not None:
+            length.append(charts.Point(s.step, sm["length_mean"], sm["length_min"], sm["length_max"]))
+
+    def href(step: int) -> str:
+        return f"/ns/{ns.key}/step/{step}"
+
+    svgs = [charts.line_chart("reward: mean ± std per step", reward, href, css_id="chart-reward"),
+            charts.line_chart("response length: mean (min .. max)", length, href, css_id="chart-length")]
+    values: Dict[str, List[charts.Point]] = {}
+    if cache.has_values:
+        for s in servable:
+            if s.step not in picked:
+                continue
+            for k, v in (cache.values(ns, s.step) or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    values.setdefault(k, []).append(charts.Point(s.step, float(v)))
+    for n, k in enumerate(sorted(values)[:VALUE_CHARTS]):
+        svgs.append(charts.line_chart(f"recorded: {k}", values[k], href, css_id=f"chart-value-{n}"))
+    note = None
+    if len(picked) < len(servable):
+        note = f"charts from {len(picked)} of {len(servable)} steps, evenly spaced"
+    return {"charts": svgs, "note": note, "values": sorted(values)}
+
+
+# --------------------------------------------------------------------------------------------
+# a step
+
+
+@dataclass
+class StepQuery:
+    q: str = ""
+    min_reward: str = ""
+    max_reward: str = ""
+    sort: str = "stored"
+    order: str = "asc"
+    color: str = ""
+    page: int = 1
+
+    @classmethod
+    def from_params(cls, params: Any) -> "StepQuery":
+        page = params.get("page", "1")
+        sort = params.get("sort", "stored")
+        return cls(params.get("q", "")[:200], params.get("min_reward", ""), params.get("max_reward", ""),
+                   sort if sort in SORT_KEYS else "stored", "desc" if params.get("order") == "desc" else "asc",
+                   params.get("color", ""), int(page) if page.isdigit() and int(page) > 0 else 1)
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text) if text.strip() else None
+    except ValueError:
+        return None
+
+
+def _search_text(t: Trajectory, decoder: Decoder) -> str:
+    s = show(t, decoder)
+    parts = [t.group, t.ref, s.prompt_text or "", s.response_text or "",
+             " ".join(s.response_tokens or []), " ".join(s.prompt_tokens or [])]
+    return "\n".join(parts).lower()
+
+
+def select(table: StepTable, query: StepQuery, decoder: Decoder) -> List[Trajectory]:
+    rows = list(table.trajectories)
+    lo, hi = _number(query.min_reward), _number(query.max_reward)
+    if lo is not None:
+        rows = [t for t in rows if t.reward is not None and t.reward >= lo]
+    if hi is not None:
+        rows = [t for t in rows if t.reward is not None and t.reward <= hi]
+    if query.q:
+        needle = query.q.lower()
+        rows = [t for t in rows if needle in _search_text(t, decoder)]
+    if query.sort != "stored":
+        def key(t: Trajectory) -> Tuple[int, Any]:
+            v = getattr(t, query.sort)
+            return (v is None, v if v is not None else 0)
+        rows.sort(key=key, reverse=query.order == "desc")
+        if query.order == "desc":      # missing values last either way
+            rows.sort(key=lambda t: getattr(t, query.sort) is None)
+    return rows
+
+
+def token_row(shown: Shown, name: str) -> Optional[TokenRow]:
+    return next((r for r in shown.token_rows if r.name == name), None)
+
+
+def colour_keys(shown: Sequence[Shown]) -> List[str]:
+    names: Dict[str, None] = {}
+    for s in shown:
+        names.update(dict.fromkeys(r.name for r in s.token_rows))
+    plain = [n for n in names if _last(n) not in MASK]
+    return plain + [n for n in names if n not in plain]
+
+
+def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder: Decoder) -> Dict[str, Any]:
+    report = cache.scan(ns)
+    s = report.get(step)
+    if s is None:
+        raise NotFound(f"{ns.layout.root}: no step {step}")
+    steps = [r.step for r in report.steps]
+    at = steps.index(step)
+    read = cache.read_step(ns, step)
+    ctx: Dict[str, Any] = {"ns": ns, "step": step, "read": read, "prev": steps[at - 1] if at > 0 else None,
+                           "next": steps[at + 1] if at + 1 < len(steps) else None}
+    if not read.ok:
+        return ctx
+    table = step_table(read.batches, group_size_of(_fp_values(s)))
+    rows = select(table, query, decoder)
+    ordered = [t for _g, members in table.groups(rows) for t in members]
+    pages = max(1, math.ceil(len(ordered) / ROWS_PER_PAGE))
+    page = min(query.page, pages)
+    groups = table.groups(ordered[(page - 1) * ROWS_PER_PAGE: page * ROWS_PER_PAGE])
+    shown_groups, all_shown = [], []
+    for g, members in groups:
+        items = []
+        for t in members:
+            sh = show(t, decoder, TOKENS_ON_STEP_PAGE)
+            all_shown.append(sh)
+            items.append({"traj": t, "shown": sh})
+        shown_groups.append((g, items))
+    keys = colour_keys(all_shown)
+    color = query.color if query.color in keys else (keys[0] if keys else "")
+    mask = next((k for k in keys if _last(k) in MASK), None)
+    for _g, items in shown_groups:
+        for it in items:
+            it["colour_row"] = token_row(it["shown"], color) if color else None
+            it["mask_row"] = token_row(it["shown"], mask) if mask else None
+    metas = {(i, r): m for i, r, m in read.metas}
+    minibatches = []
+    for i, r, payload in read.batches:
+        b = next(t.batch for t in table.trajectories if (t.inner, t.rank) == (i, r)) if table.trajectories else None
+        gen = metas.get((i, r), {}).get("gen_s")
+        minibatches.append({"inner": i, "rank": r, "n": b.n if b else 0,
+                            "gen": fmt_seconds(gen) if isinstance(gen, (int, float)) else "-",
+                            "fields": ", ".join(b.columns) if b else ""})
+
+    def page_url(n: int) -> str:
+        from urllib.parse import urlencode
+
+        params = {k: v for k, v in vars(query).items() if v not in ("", None)}
+        params["page"] = n
+        return f"/ns/{ns.key}/step/{step}?{urlencode(params)}"
+
+    ctx.update(vars(query))
+    ctx.update(table=table, summary=table.summary(), groups=shown_groups, shown_count=len(rows), page=page,
+               pages=pages, page_url=page_url, sort_keys=SORT_KEYS, colour_keys=keys, color=color,
+               minibatches=minibatches, decoder_name=decoder.name)
+    return ctx
+
+
+def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
+    """The step: each mini-batch's `meta` and `structure` (as `show --json` gives them) and every trajectory's
+    group, reward, advantage and length; an unreadable step's `status` and `reason` only."""
+    report = cache.scan(ns)
+    s = report.get(step)
+    if s is None:
+        raise NotFound(f"{ns.layout.root}: no step {step}")
+    read = cache.read_step(ns, step)
+    doc: Dict[str, Any] = {"namespace": str(ns.layout.root), "key": ns.key, "step": step, "K": ns.layout.K,
+                           "W": ns.layout.W, "status": read.status, "reason": read.reason}
+    if not read.ok:
+        return doc
+    table = step_table(read.batches, group_size_of(_fp_values(s)))
+    metas = {(i, r): m for i, r, m in read.metas}
+    doc["mini_batches"] = [{"inner_index": i, "rank": r, "meta": metas.get((i, r), {}),
+                            "structure": [dict(zip(("key", "type", "shape", "dtype", "bytes", "value"), row))
+                                          for row in describe(payload)]} for i, r, payload in read.batches]
+    doc["summary"] = table.summary()
+    doc["advantage_computed"] = table.advantage_computed
+    doc["trajectories"] = [{"ref": t.ref, "inner_index": t.inner, "rank": t.rank, "trajectory_index": t.index,
+                            "group": t.group, "reward": t.reward, "advantage": t.advantage, "length": t.length}
+                           for t in table.trajectories]
+    return doc
+
+
+def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decoder) -> Dict[str, Any]:
+    report = cache.scan(ns)
+    s = report.get(step)
+    if s is None:
+        raise NotFound(f"{ns.layout.root}: no step {step}")
+    read = cache.read_step(ns, step)
+    if not read.ok:
+        raise NotFound(f"step {step} of {ns.layout.root} is {read.status}: {read.reason}")
+    table = step_table(read.batches, group_size_of(_fp_values(s)))
+    t = table.find(ref)
+    if t is None:
+        raise NotFound(f"step {step} of {ns.layout.root} has no trajectory {ref} (inner.rank.index)")
+    shown = show(t, decoder)
+    keys = colour_keys([shown])
+    mask = next((k for k in keys if _last(k) in MASK), None)
+    return {"ns": ns, "step": step, "traj": t, "shown": shown, "advantage_computed": table.advantage_computed,
+            "colour_row": token_row(shown, keys[0]) if keys else None,
+            "mask_row": token_row(shown, mask) if mask else None}
+
+
+# --------------------------------------------------------------------------------------------
+# compare
+
+
+def _brief(t: Optional[Trajectory], decoder: Decoder) -> Tuple[Optional[List[str]], str]:
+    if t is None:
+        return None, "-"
+    s = show(t, decoder, 64)
+    text = s.response_text if s.response_text is not None else " ".join(s.response_tokens or [])
+    return s.response_tokens, text
+
+
+def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decoder) -> Dict[str, Any]:
+    sides, tables = [], []
+    for ns in (a, b):
+        s = cache.scan(ns).get(step)
+        read = cache.read_step(ns, step) if s is not None else StepRead(ns, step, "missing", f"no step {step}", [], [])
+        table = step_table(read.batches, group_size_of(_fp_values(s))) if read.ok else None
+        tables.append(table)
+        sides.append({"ns": ns, "read": read, "summary": table.summary() if table else None})
+    rows, same = [], 0
+    if tables[0] is not None and tables[1] is not None:
+        refs = list(dict.fromkeys([t.ref for t in tables[0].trajectories] + [t.ref for t in tables[1].trajectories]))
+        for ref in refs:
+            ta, tb = tables[0].find(ref), tables[1].find(ref)
+            toks_a, text_a = _brief(ta, decoder)
+            toks_b, text_b = _brief(tb, decoder)
+            equal = ta is not None and tb is not None and toks_a == toks_b and ta.reward == tb.reward
+            same += equal
+            rows.append({"ref": ref, "reward_a": ta.reward if ta else None, "reward_b": tb.reward if tb else None,
+                         "text_a": text_a, "text_b": text_b, "same": equal})
+    return {"sides": sides, "rows": rows, "same": same, "step": step, "ns_rows": compare_choices(cache),
+            "pick_a": a.key, "pick_b": b.key, "pick_step": step}

@@ -1,0 +1,299 @@
+"""A step's mini-batches as trajectories: which field is the prompt, the response, the reward, the group.
+
+Trainers name their fields differently -- the demo (`prompts`, `responses`, `rewards`, `uid`,
+`old_logprobs`, `response_mask`), verl (a TensorDict of jagged tensors under `tensordict`: `prompts`,
+`responses`, `rollout_log_probs`, `rm_scores`, a `uid` stack, trajectory `keys` `{uid}_{session}_{i}`),
+TRL (`completion_ids` and `logprobs` flat, split by `lengths`) -- so a field is recognised by the last
+part of its name, among the names below. Everything per trajectory (reward, advantage, length, group)
+is computed for the whole step with tensor operations; tokens are turned into Python lists only for
+the trajectories a page shows.
+
+A step without stored advantages gets GRPO's: each reward minus its group's mean, over the group's
+standard deviation (+1e-6), marked `computed`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from skip_harness.cli.export import _batch_length, _leaves
+
+PROMPT_IDS = ("prompts", "prompt_ids", "prompt_input_ids", "prompt_tokens", "query_ids")
+RESPONSE_IDS = ("responses", "completion_ids", "response_ids", "response_tokens")
+PROMPT_TEXT = ("raw_prompt", "prompt", "prompt_text", "prompts_text", "question", "query")
+RESPONSE_TEXT = ("response_text", "completion", "completions", "completion_text", "response", "text")
+REWARD = ("rewards", "reward", "scores", "score", "token_level_rewards", "token_level_scores", "rm_scores")
+ADVANTAGE = ("advantages", "advantage")
+MASK = ("response_mask", "completion_mask", "loss_mask")
+GROUP = ("uid", "prompt_uid", "group", "group_id", "prompt_id")
+LENGTHS = ("lengths", "response_length", "response_lengths")
+KEYS = ("keys",)           # verl's trajectory keys {uid}_{session}_{index}
+GROUP_SIZE_KEYS = ("num_generations", "actor_rollout_ref.rollout.n", "rollout.n", "n")
+
+
+def _last(name: str) -> str:
+    """The role part of a field's name: its last dotted part (a derived field's after the arrow)."""
+    return name.rsplit(".", 1)[-1].rsplit("→", 1)[-1]
+
+
+@dataclass
+class Batch:
+    """One mini-batch's per-trajectory columns: {field name: tensor / nested tensor / list} of length n."""
+
+    inner: int
+    rank: int
+    n: int
+    columns: Dict[str, Any]
+    scalars: Dict[str, Any]            # fields with one value for the mini-batch
+
+    found: Dict[Tuple[str, ...], Optional[str]] = field(default_factory=dict, repr=False)
+
+    def find(self, names: Sequence[str]) -> Optional[str]:
+        """The field playing the role `names` lists (the first name that one of the fields ends in)."""
+        key = tuple(names)
+        if key not in self.found:
+            roles = {}
+            for name in self.columns:
+                roles.setdefault(_last(name), name)
+            self.found[key] = next((roles[w] for w in names if w in roles), None)
+        return self.found[key]
+
+    def row(self, name: str, j: int) -> Any:
+        value = self.columns[name]
+        if isinstance(value, torch.Tensor):
+            return value[j]
+        return value[j]
+
+
+def _split_flat(leaves: List[Tuple[str, Any]]) -> Tuple[Optional[int], List[Tuple[str, Any]]]:
+    """TRL's generation payload: flat token fields and `lengths`; split them into one row per trajectory."""
+    lengths = next((v for k, v in leaves if _last(k) == "lengths" and isinstance(v, torch.Tensor) and v.dim() == 1
+                    and not v.is_floating_point()), None)
+    if lengths is None or lengths.numel() == 0:
+        return None, leaves
+    total, sizes = int(lengths.sum()), [int(x) for x in lengths.tolist()]
+    out = []
+    for k, v in leaves:
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == total and total != len(sizes):
+            v = list(torch.split(v, sizes))
+        out.append((k, v))
+    return len(sizes), out
+
+
+def batch_of(payload: Any, inner: int, rank: int) -> Batch:
+    leaves = list(_leaves(payload))
+    n, leaves = _split_flat(leaves)
+    if n is None:
+        n = _batch_length(payload, leaves)
+    columns: Dict[str, Any] = {}
+    scalars: Dict[str, Any] = {}
+    for name, value in leaves:
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and int(value.shape[0]) == n:
+            columns[name] = value
+        elif isinstance(value, list) and len(value) == n:
+            columns[name] = value
+        elif isinstance(value, torch.Tensor) and value.dim() == 0:
+            scalars[name] = value.item()
+        elif value is None or isinstance(value, (int, float, str, bool)):
+            scalars[name] = value
+        else:
+            scalars[name] = f"{type(value).__name__}"
+    _split_input_ids(columns)
+    return Batch(inner, rank, n, columns, scalars)
+
+
+def _split_input_ids(columns: Dict[str, Any]) -> None:
+    """verl's DataProto keeps prompt and response in one `input_ids` row ([left-padded prompt, response]):
+    without a response field of its own, its last R positions (R: the response mask's width) are the
+    response, the rest the prompt (views, nothing copied)."""
+    names = {_last(k): k for k in columns}
+    ids, mask = names.get("input_ids"), next((names[m] for m in MASK if m in names), None)
+    if ids is None or mask is None or any(r in names for r in RESPONSE_IDS):
+        return
+    full, m = columns[ids], columns[mask]
+    if not (isinstance(full, torch.Tensor) and isinstance(m, torch.Tensor)) or full.is_nested or m.is_nested \
+            or full.dim() != 2 or m.dim() != 2 or not 0 < m.shape[1] < full.shape[1]:
+        return
+    R = int(m.shape[1])
+    columns[f"{ids}→prompts"] = full[:, :-R]
+    columns[f"{ids}→responses"] = full[:, -R:]
+
+
+# --------------------------------------------------------------------------------------------
+# per-trajectory values, vectorised
+
+
+def _per_row_number(batch: Batch, name: Optional[str]) -> Optional[torch.Tensor]:
+    """A float per trajectory: the field itself, or its sum over tokens (a per-token reward)."""
+    if name is None:
+        return None
+    v = batch.columns[name]
+    if isinstance(v, list):
+        if all(isinstance(x, torch.Tensor) for x in v):
+            return torch.stack([x.double().sum() for x in v]) if v else torch.zeros(0, dtype=torch.float64)
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            return torch.tensor(v, dtype=torch.float64)
+        return None
+    if v.is_nested:
+        return torch.stack([r.sum(dtype=torch.float64) for r in v.unbind(0)]) if batch.n else torch.zeros(0, dtype=torch.float64)
+    if v.dim() == 1:
+        return v.double()
+    if not v.is_floating_point():                   # a mask, counts: summed as it is stored
+        return v.reshape(v.shape[0], -1).sum(dim=1).double()
+    return v.reshape(v.shape[0], -1).sum(dim=1, dtype=torch.float64)     # no float64 copy of the whole field
+
+
+def _row_lengths(batch: Batch, name: Optional[str]) -> Optional[torch.Tensor]:
+    if name is None:
+        return None
+    v = batch.columns[name]
+    if isinstance(v, list):
+        return torch.tensor([len(x) for x in v], dtype=torch.int64)
+    if v.is_nested:
+        return torch.tensor([int(r.shape[0]) for r in v.unbind(0)], dtype=torch.int64)
+    return torch.full((batch.n,), int(v.shape[1]) if v.dim() > 1 else 1, dtype=torch.int64)
+
+
+def _lengths(batch: Batch) -> Optional[torch.Tensor]:
+    """Response lengths: a field that stores them, else the response mask's count, else the rows' lengths."""
+    stored = batch.find(LENGTHS)
+    if stored is not None and isinstance(batch.columns[stored], torch.Tensor) and batch.columns[stored].dim() == 1 \
+            and not batch.columns[stored].is_floating_point():
+        return batch.columns[stored].long()
+    mask = batch.find(MASK)
+    if mask is not None:
+        m = _per_row_number(batch, mask)
+        if m is not None:
+            return m.round().long()
+    return _row_lengths(batch, batch.find(RESPONSE_IDS))
+
+
+def _groups(batch: Batch, group_size: Optional[int]) -> List[str]:
+    name = batch.find(GROUP)
+    if name is not None:
+        v = batch.columns[name]
+        if isinstance(v, torch.Tensor) and not v.is_nested and v.dim() == 1:
+            return [str(x) for x in v.tolist()]
+        if isinstance(v, list) and all(isinstance(x, (str, int)) for x in v):
+            return [str(x) for x in v]
+    keys = batch.find(KEYS)
+    if keys is not None and all(isinstance(k, str) for k in batch.columns[keys]):
+        return [k.split("_", 1)[0] for k in batch.columns[keys]]
+    if group_size and group_size > 0:
+        return [f"{batch.inner}.{batch.rank}.{j // group_size}" for j in range(batch.n)]
+    return [f"{batch.inner}.{batch.rank}.{j}" for j in range(batch.n)]
+
+
+@dataclass
+class Trajectory:
+    """One row of the step: where it is, its group, and its per-trajectory numbers."""
+
+    inner: int
+    rank: int
+    index: int                 # in its mini-batch
+    group: str
+    reward: Optional[float]
+    advantage: Optional[float]
+    length: Optional[int]
+    batch: Batch = field(repr=False)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.inner}.{self.rank}.{self.index}"
+
+
+@dataclass
+class StepTable:
+    trajectories: List[Trajectory]
+    advantage_computed: bool
+    fields: List[str]              # every per-trajectory field name, in order of first appearance
+    scalars: Dict[str, Any]
+
+    def groups(self, rows: Sequence[Trajectory]) -> List[Tuple[str, List[Trajectory]]]:
+        """`rows` by group, groups in order of first appearance."""
+        out: Dict[str, List[Trajectory]] = {}
+        for t in rows:
+            out.setdefault(t.group, []).append(t)
+        return list(out.items())
+
+    def find(self, ref: str) -> Optional[Trajectory]:
+        for t in self.trajectories:
+            if t.ref == ref:
+                return t
+        return None
+
+    def summary(self) -> Dict[str, Optional[float]]:
+        rewards = [t.reward for t in self.trajectories if t.reward is not None and math.isfinite(t.reward)]
+        lengths = [t.length for t in self.trajectories if t.length is not None]
+        return {"trajectories": len(self.trajectories), "groups": len({t.group for t in self.trajectories}),
+                "reward_mean": _mean(rewards), "reward_std": _std(rewards),
+                "reward_min": min(rewards) if rewards else None, "reward_max": max(rewards) if rewards else None,
+                "length_mean": _mean(lengths), "length_min": min(lengths) if lengths else None,
+                "length_max": max(lengths) if lengths else None}
+
+
+def _mean(xs: Sequence[float]) -> Optional[float]:
+    return float(sum(xs) / len(xs)) if xs else None
+
+
+def _std(xs: Sequence[float]) -> Optional[float]:
+    if len(xs) < 2:
+        return 0.0 if xs else None
+    m = sum(xs) / len(xs)
+    return float(math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)))
+
+
+def _listed(t: Optional[torch.Tensor]) -> List[Any]:
+    return [] if t is None else t.tolist()
+
+
+def step_table(batches: Sequence[Tuple[int, int, Any]], group_size: Optional[int] = None) -> StepTable:
+    """Every trajectory of a step's mini-batches ((inner, rank, payload)), in stored order."""
+    rows: List[Trajectory] = []
+    fields: Dict[str, None] = {}
+    scalars: Dict[str, Any] = {}
+    stored_advantage = True
+    for inner, rank, payload in batches:
+        b = batch_of(payload, inner, rank)
+        fields.update(dict.fromkeys(b.columns))
+        scalars.update({f"{inner}.{rank}:{k}": v for k, v in b.scalars.items()})
+        rewards = _listed(_per_row_number(b, b.find(REWARD)))
+        advantages = _per_row_number(b, b.find(ADVANTAGE))
+        stored_advantage = stored_advantage and advantages is not None
+        adv = _listed(advantages)
+        lengths = _listed(_lengths(b))
+        groups = _groups(b, group_size)
+        for j in range(b.n):
+            rows.append(Trajectory(inner, rank, j, groups[j], rewards[j] if rewards else None,
+                                   adv[j] if adv else None, int(lengths[j]) if lengths else None, b))
+    computed = False
+    if not stored_advantage and any(t.reward is not None for t in rows):
+        _grpo_advantages(rows)
+        computed = True
+    return StepTable(rows, computed, list(fields), scalars)
+
+
+def _grpo_advantages(rows: List[Trajectory]) -> None:
+    by_group: Dict[str, List[Trajectory]] = {}
+    for t in rows:
+        if t.reward is not None:
+            by_group.setdefault(t.group, []).append(t)
+    for members in by_group.values():
+        rewards = [t.reward for t in members]
+        mean, std = sum(rewards) / len(rewards), _std(rewards) or 0.0
+        for t in members:
+            t.advantage = (t.reward - mean) / (std + 1e-6)
+
+
+def group_size_of(fingerprint_values: Optional[Dict[str, Any]]) -> Optional[int]:
+    """Samples per prompt, from the fingerprint (TRL's `num_generations`, verl's `rollout.n`)."""
+    if not fingerprint_values:
+        return None
+    for wanted in GROUP_SIZE_KEYS:
+        for key, value in fingerprint_values.items():
+            if (key == wanted or key.endswith("." + wanted)) and isinstance(value, int) and value > 0:
+                return value
+    return None

@@ -1,0 +1,152 @@
+"""The pages' HTML: Jinja2 templates with autoescaping on, so every value from a cache -- rollouts are
+untrusted text -- is escaped. Only the server's own SVG charts are marked safe (charts.py escapes
+what it puts in them). No script: sorting, filtering and search are query parameters, so every view is
+a plain URL."""
+from __future__ import annotations
+
+from jinja2 import DictLoader, Environment, select_autoescape
+from markupsafe import Markup
+
+from skip_harness.cli.view.style import CSS, adv_colour, colour, fmt, tokens_html
+
+BASE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{% block title %}{% endblock %} · skip-harness view</title>
+<style>{{ css }}</style></head>
+<body><header><a href="/" class="brand">skip-harness view</a>
+<span class="crumbs">{% block crumbs %}{% endblock %}</span></header>
+<main>{% block main %}{% endblock %}</main></body></html>"""
+
+OVERVIEW = """{% extends "base" %}{% block title %}cache{% endblock %}
+{% block main %}
+<h1>Rollout cache</h1>
+<p class="roots">{% for r in roots %}<span class="root">[{{ loop.index0 }}] {{ r }}</span>{% endfor %}</p>
+{% if not rows %}<p class="empty">No skip_harness namespaces here yet.</p>{% else %}
+<table id="namespaces" class="grid-table"><thead><tr><th>namespace</th><th>K</th><th>W</th><th>mode</th><th>seed</th>
+{% for s in statuses %}<th>{{ s }}</th>{% endfor %}<th>size</th><th>last written</th><th>gen stored</th></tr></thead><tbody>
+{% for r in rows %}<tr><td><a class="ns-link" href="/ns/{{ r.key }}">{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</a></td>
+<td class="num">{{ r.K }}</td><td class="num">{{ r.W }}</td><td>{{ r.mode }}</td><td class="num">{{ r.seed }}</td>
+{% for s in statuses %}<td class="num status-{{ s }}{% if r.counts[s] %} nonzero{% endif %}">{{ r.counts[s] }}</td>{% endfor %}
+<td class="num">{{ r.size }}</td><td>{{ r.written }}</td><td class="num">{{ r.gen }}</td></tr>{% endfor %}
+</tbody></table>
+<p id="totals" class="totals">{{ total }}</p>{% endif %}
+{% if ns_rows|length >= 2 %}{% include "compare_form" %}{% endif %}
+{% endblock %}"""
+
+COMPARE_FORM = """<form class="compare-form" action="/compare" method="get"><b>compare</b>
+<select name="a">{% for r in ns_rows %}<option value="{{ r.key }}"{% if r.key == pick_a %} selected{% endif %}>{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</option>{% endfor %}</select>
+with <select name="b">{% for r in ns_rows %}<option value="{{ r.key }}"{% if r.key == pick_b %} selected{% endif %}>{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</option>{% endfor %}</select>
+at step <input name="step" type="number" min="0" value="{{ pick_step }}" size="5"> <button type="submit">compare</button></form>"""
+
+NAMESPACE = """{% extends "base" %}{% block title %}{{ ns.label }}{% endblock %}
+{% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a>{% endblock %}
+{% block main %}
+<h1>{{ ns.label }}</h1>
+<p class="facts">{{ doc.path }} · K={{ doc.K }} W={{ doc.W }} · mode {{ mode }} · seed {{ seed }} ·
+{% for s, n in doc.counts.items() %}{{ n }} {{ s }}{% if not loop.last %}, {% endif %}{% endfor %} · {{ size }}
+· <a href="/api/ns/{{ ns.key }}">JSON</a></p>
+{% if note %}<p class="note">{{ note }}</p>{% endif %}
+<iframe id="charts" src="/ns/{{ ns.key }}/charts" title="charts over steps" loading="eager"></iframe>
+{% if ns_rows|length >= 2 %}{% include "compare_form" %}{% endif %}
+<table id="steps" class="grid-table"><thead><tr><th>step</th><th>status</th><th>size</th><th>written</th><th>gen</th><th>fingerprint</th><th>reason</th></tr></thead><tbody>
+{% for s in steps %}<tr class="status-{{ s.status }}"><td class="num"><a class="step-link" href="/ns/{{ ns.key }}/step/{{ s.step }}">{{ s.step }}</a></td>
+<td>{{ s.status }}</td><td class="num">{{ s.size }}</td><td>{{ s.written }}</td><td class="num">{{ s.gen }}</td>
+<td class="mono">{{ s.fingerprint or "-" }}</td><td class="reason">{{ s.reason or "" }}</td></tr>{% endfor %}
+</tbody></table>
+{% endblock %}"""
+
+CHARTS = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>charts</title><style>{{ css }}</style></head>
+<body class="charts-frame">
+{% for svg in charts %}{{ svg|safe }}{% endfor %}
+{% if note %}<p class="note">{{ note }}</p>{% endif %}
+</body></html>"""
+
+
+
+STEP = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }}{% endblock %}
+{% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a> / step {{ step }}{% endblock %}
+{% block main %}
+<nav class="stepnav">{% if prev is not none %}<a id="prev" href="/ns/{{ ns.key }}/step/{{ prev }}">← step {{ prev }}</a>{% endif %}
+<h1>step {{ step }}</h1>{% if next is not none %}<a id="next" href="/ns/{{ ns.key }}/step/{{ next }}">step {{ next }} →</a>{% endif %}
+<a href="/api/ns/{{ ns.key }}/step/{{ step }}">JSON</a></nav>
+{% if read.reason %}<div id="refused" class="refused status-{{ read.status }}"><b>{{ read.status }}</b>: {{ read.reason }}
+<p>The viewer shows only steps that pass the verified read; nothing of this step's payload is shown.</p></div>
+{% else %}
+<p id="summary" class="facts">{{ read.status }} · {{ summary.trajectories }} trajectories in {{ summary.groups }} groups ·
+reward mean {{ fmt(summary.reward_mean) }} ± {{ fmt(summary.reward_std) }} (min {{ fmt(summary.reward_min) }}, max {{ fmt(summary.reward_max) }}) ·
+length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% if table.advantage_computed %} · advantages computed (GRPO: group-normalised reward){% endif %}
+{% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
+<table id="minibatches" class="grid-table small"><thead><tr><th>inner index</th><th>rank</th><th>trajectories</th><th>generation</th><th>fields</th></tr></thead><tbody>
+{% for mb in minibatches %}<tr><td class="num">{{ mb.inner }}</td><td class="num">{{ mb.rank }}</td><td class="num">{{ mb.n }}</td><td class="num">{{ mb.gen }}</td><td class="mono">{{ mb.fields }}</td></tr>{% endfor %}
+</tbody></table>
+<form id="controls" class="controls" method="get" action="/ns/{{ ns.key }}/step/{{ step }}">
+<label>search <input name="q" value="{{ q }}" placeholder="text, token ids or group"></label>
+<label>reward ≥ <input name="min_reward" value="{{ min_reward }}" size="6"></label>
+<label>≤ <input name="max_reward" value="{{ max_reward }}" size="6"></label>
+<label>sort <select name="sort">{% for k in sort_keys %}<option{% if k == sort %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
+<label>order <select name="order">{% for k in ("asc", "desc") %}<option{% if k == order %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
+<label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
+<button type="submit">apply</button> <a href="/ns/{{ ns.key }}/step/{{ step }}">reset</a></form>
+<p class="facts" id="shown">{{ shown_count }} of {{ summary.trajectories }} trajectories shown{% if pages > 1 %} · page {{ page }} of {{ pages }}
+{% if page > 1 %}<a href="{{ page_url(page - 1) }}">previous page</a>{% endif %} {% if page < pages %}<a href="{{ page_url(page + 1) }}">next page</a>{% endif %}{% endif %}</p>
+{% for group, members in groups %}<section class="group"><h3>group <span class="mono uid">{{ group }}</span> · {{ members|length }} sample{{ "s" if members|length != 1 }}</h3>
+{% set first = members[0] %}<div class="prompt"><span class="label">prompt</span>
+{% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens_html(first.shown.prompt_tokens, None, None) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}</div>
+<table class="samples grid-table"><thead><tr><th>trajectory</th><th>reward</th><th>advantage</th><th>length</th><th>response</th></tr></thead><tbody>
+{% for t in members %}<tr class="sample" data-ref="{{ t.traj.ref }}"><td><a class="traj-link" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">{{ t.traj.ref }}</a></td>
+<td class="num">{{ fmt(t.traj.reward) }}</td><td class="num" style="color:{{ adv_colour(t.traj.advantage) }}">{{ fmt(t.traj.advantage) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
+<td class="response">{% if t.shown.response_text is not none %}<pre class="text">{{ t.shown.response_text }}</pre>{% endif %}
+{% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.mask_row) }}{% endif %}
+{% if t.shown.truncated %}<a class="more" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">… {{ t.shown.truncated }} more tokens</a>{% endif %}</td></tr>{% endfor %}
+</tbody></table></section>{% endfor %}
+{% endif %}
+{% endblock %}"""
+
+TRAJECTORY = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }} {{ traj.ref }}{% endblock %}
+{% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a> / <a href="/ns/{{ ns.key }}/step/{{ step }}">step {{ step }}</a> / {{ traj.ref }}{% endblock %}
+{% block main %}
+<h1>step {{ step }}, trajectory {{ traj.ref }}</h1>
+<p id="traj-facts" class="facts">inner index {{ traj.inner }} · rank {{ traj.rank }} · index {{ traj.index }} · group <span class="mono">{{ traj.group }}</span> ·
+reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b></p>
+<h2>prompt</h2>{% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
+{% if shown.prompt_tokens is not none %}{{ tokens_html(shown.prompt_tokens, None, None) }}{% endif %}
+<h2>response</h2>{% if shown.response_text is not none %}<pre id="response-text" class="text">{{ shown.response_text }}</pre>{% endif %}
+{% if shown.response_tokens is not none %}<div id="response-tokens">{{ tokens_html(shown.response_tokens, colour_row, mask_row) }}</div>{% endif %}
+{% if shown.token_rows %}<h2>per token</h2><div class="pertoken"><table id="per-token" class="grid-table small"><thead><tr><th></th>
+{% for tok in shown.response_tokens or [] %}<th class="mono">{{ tok }}</th>{% endfor %}</tr></thead><tbody>
+{% for row in shown.token_rows %}<tr><th class="mono">{{ row.name }}</th>{% for v in row.values %}<td class="num" {% if v is not none %}style="background:{{ colour(v, row) }}"{% endif %}>{{ '%.3g'|format(v) if v is not none else "-" }}</td>{% endfor %}</tr>{% endfor %}
+</tbody></table></div>{% endif %}
+<h2>other fields</h2><table id="fields" class="grid-table small"><tbody>
+{% for k, v in shown.fields.items() %}<tr><th class="mono">{{ k }}</th><td class="mono">{{ v }}</td></tr>{% endfor %}</tbody></table>
+{% endblock %}"""
+
+COMPARE = """{% extends "base" %}{% block title %}compare step {{ step }}{% endblock %}
+{% block crumbs %}/ compare step {{ step }}{% endblock %}
+{% block main %}
+<h1>compare at step {{ step }}</h1>
+{% include "compare_form" %}
+<div class="side-by-side">{% for side in sides %}<section class="side" id="side-{{ loop.index0 }}">
+<h2><a href="/ns/{{ side.ns.key }}/step/{{ step }}">{% if roots|length > 1 %}[{{ side.ns.root_index }}] {% endif %}{{ side.ns.label }}</a></h2>
+{% if side.read.reason %}<p class="refused"><b>{{ side.read.status }}</b>: {{ side.read.reason }}</p>
+{% else %}<p class="facts">{{ side.summary.trajectories }} trajectories · reward mean {{ fmt(side.summary.reward_mean) }} ± {{ fmt(side.summary.reward_std) }} · length mean {{ fmt(side.summary.length_mean) }}</p>{% endif %}
+</section>{% endfor %}</div>
+{% if rows %}<h2>trajectories</h2><p id="diff-summary" class="facts">{{ same }} of {{ rows|length }} trajectories identical (response tokens and reward); {{ rows|length - same }} differ</p>
+<table id="diff" class="grid-table"><thead><tr><th>trajectory</th><th>reward A</th><th>reward B</th><th>response A</th><th>response B</th></tr></thead><tbody>
+{% for r in rows %}<tr class="{{ 'same' if r.same else 'differs' }}"><td>{{ r.ref }}</td><td class="num">{{ fmt(r.reward_a) }}</td><td class="num">{{ fmt(r.reward_b) }}</td>
+<td class="response mono">{{ r.text_a }}</td><td class="response mono">{{ r.text_b }}</td></tr>{% endfor %}</tbody></table>{% endif %}
+{% if diff is not none %}<h2>skip-harness diff</h2><pre id="diff-doc" class="text">{{ diff }}</pre>{% endif %}
+{% endblock %}"""
+
+ERROR = """{% extends "base" %}{% block title %}{{ title }}{% endblock %}
+{% block main %}<h1>{{ title }}</h1><p class="refused">{{ message }}</p><p><a href="/">back to the cache</a></p>{% endblock %}"""
+
+
+def environment() -> Environment:
+    env = Environment(loader=DictLoader({"base": BASE, "overview": OVERVIEW, "compare_form": COMPARE_FORM,
+                                         "namespace": NAMESPACE, "charts": CHARTS, "step": STEP,
+                                         "trajectory": TRAJECTORY, "compare": COMPARE, "error": ERROR}),
+                      autoescape=select_autoescape(default=True, default_for_string=True))
+    env.globals.update(css=Markup(CSS), colour=colour, adv_colour=adv_colour, fmt=fmt,
+                       tokens_html=tokens_html)   # our own stylesheet
+    return env

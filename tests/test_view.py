@@ -1,0 +1,233 @@
+"""skip-harness view, in process (Starlette's test client; the browser tests are test_view_browser.py):
+the JSON API has `ls --json`'s shapes, a step's trajectories are grouped and valued as GRPO does for the
+demo's, TRL's and verl's field names, a damaged step is shown by its reason only, every field is
+escaped, and nothing in the cache is written or locked."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+pytest.importorskip("jinja2")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from conftest import HolderProcess  # noqa: E402
+from skip_harness.cli import main  # noqa: E402
+from skip_harness.cli.view.app import build_app  # noqa: E402
+from skip_harness.cli.view.data import Cache  # noqa: E402
+from skip_harness.cli.view.decode import Decoder  # noqa: E402
+from skip_harness.store import index as _index  # noqa: E402
+from skip_harness.store import scan as _scan  # noqa: E402
+from view_rig import XSS, demo_batch, snapshot, subprocess_env, trl_payload, verl_payload, write_namespace  # noqa: E402
+
+
+def client(*roots, decoder=None) -> TestClient:
+    return TestClient(build_app(Cache(list(roots)), decoder or Decoder(), ["testserver"]), raise_server_exceptions=True)
+
+
+def key(layout, root_index: int = 0) -> str:
+    return f"{root_index}/{layout.root.parent.name}/{layout.root.name}"
+
+
+@pytest.fixture
+def demo(tmp_path):
+    dump = tmp_path / "cache"
+    a = write_namespace(dump, "demo_a", {s: demo_batch(s) for s in (1, 2, 3)})
+    b = write_namespace(dump, "demo_b", {s: demo_batch(s + (s == 2)) for s in (1, 2, 3)})
+    return dump, a, b
+
+
+def test_the_api_has_ls_json_shapes(demo, capsys):
+    dump, a, b = demo
+    assert main(["ls", str(dump), "--json"]) == 0
+    ls = json.loads(capsys.readouterr().out)
+    api = client(dump).get("/api/namespaces").json()
+    assert api["dump_dir"] == ls["dump_dir"] and api["total_bytes"] == ls["total_bytes"]
+    assert [n["path"] for n in api["namespaces"]] == [n["path"] for n in ls["namespaces"]]
+    for got, want in zip(api["namespaces"], ls["namespaces"]):
+        for k in ("K", "W", "counts", "total_bytes", "written", "gen_s", "mode", "seed"):
+            assert got[k] == want[k], k
+        assert [{k: s[k] for k in ("step", "status", "bytes", "reason", "fingerprint", "written", "gen_s")}
+                for s in got["steps"]] == \
+               [{k: s[k] for k in ("step", "status", "bytes", "reason", "fingerprint", "written", "gen_s")}
+                for s in want["steps"]]
+    one = client(dump).get(f"/api/ns/{key(a)}").json()
+    assert one["path"] == str(a.root) and [s["step"] for s in one["steps"]] == [1, 2, 3]
+    assert main(["show", str(a.root), "2", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    step = client(dump).get(f"/api/ns/{key(a)}/step/2").json()
+    assert step["mini_batches"][0]["structure"] == shown["structure"]
+    assert step["mini_batches"][0]["meta"] == shown["meta"]
+
+
+def test_a_step_is_grouped_by_uid_with_grpo_advantages(demo):
+    dump, a, _ = demo
+    batch = demo_batch(2)
+    doc = client(dump).get(f"/api/ns/{key(a)}/step/2").json()
+    rows = doc["trajectories"]
+    assert [r["group"] for r in rows] == [str(u) for u in batch["uid"].tolist()]
+    assert [r["length"] for r in rows] == batch["response_mask"].sum(1).tolist()
+    assert [r["reward"] for r in rows] == pytest.approx(batch["rewards"].double().tolist())
+    assert doc["advantage_computed"] is True
+    for g in set(r["group"] for r in rows):
+        rewards = torch.tensor([r["reward"] for r in rows if r["group"] == g], dtype=torch.float64)
+        want = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        assert [r["advantage"] for r in rows if r["group"] == g] == pytest.approx(want.tolist())
+    t = client(dump).get(f"/api/ns/{key(a)}/step/2/t/0.0.3").json()
+    assert t["response_tokens"] == [str(x) for x in batch["responses"][3].tolist()]
+    assert t["per_token"]["old_logprobs"] == pytest.approx(batch["old_logprobs"][3].double().tolist())
+    assert t["per_token"]["response_mask"] == batch["response_mask"][3].double().tolist()
+    html = client(dump).get(f"/ns/{key(a)}/step/2?sort=reward&order=desc").text
+    best = max(range(6), key=lambda j: batch["rewards"][j].item())
+    assert html.index(f'data-ref="0.0.{best}"') < min(html.index(f'data-ref="0.0.{j}"') for j in range(6) if j != best)
+    page = client(dump).get(f"/ns/{key(a)}/step/2?min_reward=2").text
+    assert "0 of 6 trajectories shown" in page
+    nav = client(dump).get(f"/ns/{key(a)}/step/2").text
+    assert f'href="/ns/{key(a)}/step/1"' in nav and f'href="/ns/{key(a)}/step/3"' in nav
+
+
+def test_trl_and_verl_field_names(tmp_path):
+    pytest.importorskip("tensordict")
+    dump = tmp_path / "cache"
+    trl = write_namespace(dump, "trl_run", {1: trl_payload(1)}, fingerprint={"trl.num_generations": 3})
+    verl = write_namespace(dump, "verl_run", {1: verl_payload(1)})
+    c = client(dump)
+    doc = c.get(f"/api/ns/{key(trl)}/step/1").json()
+    assert [r["length"] for r in doc["trajectories"]] == [3, 2, 4]
+    assert len({r["group"] for r in doc["trajectories"]}) == 1          # num_generations=3: one prompt
+    t = c.get(f"/api/ns/{key(trl)}/step/1/t/0.0.2").json()
+    assert t["response_tokens"] == ["10", "11", "12", "13"]
+    assert t["per_token"]["logprobs"] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    doc = c.get(f"/api/ns/{key(verl)}/step/1").json()
+    rows = doc["trajectories"]
+    assert [r["group"] for r in rows] == ["uA", "uA", "uB", "uB"]
+    assert [r["length"] for r in rows] == [2, 3, 1, 4]
+    assert [r["reward"] for r in rows] == pytest.approx([0.25, 0.5, 0.75, 1.0])   # rm_scores summed
+    t = c.get(f"/api/ns/{key(verl)}/step/1/t/0.0.3").json()
+    assert t["prompt_tokens"] == ["4", "5"] and t["response_tokens"] == ["20", "21", "22", "23"]
+    assert set(t["per_token"]) >= {"tensordict.rollout_log_probs", "tensordict.response_mask"}
+    assert c.get(f"/ns/{key(verl)}/step/1").status_code == 200
+    assert c.get(f"/ns/{key(trl)}/step/1/t/0.0.0").status_code == 200
+
+
+def test_a_damaged_step_shows_its_reason_never_its_bytes(tmp_path):
+    dump = tmp_path / "cache"
+    secret = "PAYLOAD-TEXT-NEVER-SHOWN"
+    lay = write_namespace(dump, "bad", {1: demo_batch(1, texts=[secret] * 6), 2: demo_batch(2, texts=[secret] * 6)})
+    write_namespace(dump, "bad", {3: demo_batch(3, texts=[secret] * 6)}, commit=False)
+    payload = lay.step_dir(2) / "tq_batch.pt"
+    data = bytearray(payload.read_bytes())
+    data[-3] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    c = client(dump)
+    assert secret in c.get(f"/ns/{key(lay)}/step/1").text
+    for step, status, why in ((2, "corrupt", "checksum"), (3, "incomplete", "")):
+        page = c.get(f"/ns/{key(lay)}/step/{step}").text
+        assert f"<b>{status}</b>" in page and why in page and secret not in page
+        doc = c.get(f"/api/ns/{key(lay)}/step/{step}").json()
+        assert doc["status"] == status and doc["reason"] and "trajectories" not in doc
+        assert c.get(f"/api/ns/{key(lay)}/step/{step}/t/0.0.0").status_code == 404
+    assert c.get(f"/ns/{key(lay)}/step/9").status_code == 404
+
+
+def test_every_field_is_escaped(tmp_path):
+    dump = tmp_path / "cache"
+    texts = [XSS[j % 2] for j in range(6)]
+    batch = demo_batch(1, texts=texts)
+    batch["uid"] = [XSS[1]] * 3 + ["u2"] * 3
+    batch[XSS[0]] = torch.zeros(6)
+    lay = write_namespace(dump, "x", {1: batch})
+    c = client(dump)
+    for url in (f"/ns/{key(lay)}/step/1", f"/ns/{key(lay)}/step/1/t/0.0.0", f"/ns/{key(lay)}/step/1/t/0.0.1",
+                f"/ns/{key(lay)}/step/1?q={XSS[1]}"):
+        page = c.get(url).text
+        for bad in XSS:
+            assert bad not in page
+        assert "&lt;script&gt;window.__xss = 1&lt;/script&gt;" in page or "&#34;&gt;&lt;img" in page
+        assert "<script" not in page and "onerror=" not in page.replace("onerror=&#34;", "")
+    assert c.get(f"/ns/{key(lay)}/step/1").headers["content-security-policy"].startswith("default-src 'none'")
+
+
+def test_nothing_is_written_or_locked_beside_a_running_job(tmp_path):
+    dump = tmp_path / "cache"
+    lay = write_namespace(dump, "busy", {s: demo_batch(s) for s in (1, 2)})
+    write_namespace(dump, "busy", {3: demo_batch(3)}, commit=False)
+    _index.remove(lay)                      # a missing index: a scan that may write would rebuild it
+    holder = HolderProcess(lay)             # a training run holds the namespace
+    try:
+        before = snapshot(dump)
+        c = client(dump)
+        for url in ("/", "/api/namespaces", f"/ns/{key(lay)}", f"/ns/{key(lay)}/charts", f"/ns/{key(lay)}/step/1",
+                    f"/ns/{key(lay)}/step/3", f"/api/ns/{key(lay)}/step/2", f"/ns/{key(lay)}/step/2/t/0.0.0",
+                    f"/compare?a={key(lay)}&b={key(lay)}&step=1"):
+            assert c.get(url).status_code == 200, url
+        assert snapshot(dump) == before
+        assert not (lay.root / _index.INDEX_NAME).exists()
+    finally:
+        holder.kill()
+
+
+def test_a_scan_that_may_not_write_leaves_a_stale_index_alone(tmp_path):
+    lay = write_namespace(tmp_path / "cache", "ns", {s: demo_batch(s) for s in (1, 2, 3)})
+    _scan.scan_namespace(lay)
+    index = (lay.root / _index.INDEX_NAME).read_bytes()
+    write_namespace(tmp_path / "cache", "ns", {4: demo_batch(4)})
+    _index.rewrite(lay, [e for s, e in _index.read(lay).items() if s != 2])   # stale: step 2 and 4 unindexed
+    stale = (lay.root / _index.INDEX_NAME).read_bytes()
+    report = _scan.scan_namespace(lay, rewrite_index=False)
+    assert [s.step for s in report.steps if s.status == "complete"] == [1, 2, 3, 4]
+    assert "stale" in report.index_note and "rebuilt" not in report.index_note
+    assert (lay.root / _index.INDEX_NAME).read_bytes() == stale != index
+    _scan.scan_namespace(lay)                                     # a run's scan still rebuilds it
+    assert (lay.root / _index.INDEX_NAME).read_bytes() != stale
+
+
+def test_charts_link_every_point_to_its_step(demo):
+    dump, a, _ = demo
+    svg = client(dump).get(f"/ns/{key(a)}/charts").text
+    for s in (1, 2, 3):
+        assert f'href="/ns/{key(a)}/step/{s}" target="_top"' in svg
+    means = [demo_batch(s)["rewards"].double().mean().item() for s in (1, 2, 3)]
+    assert all(math.isfinite(m) for m in means)
+    assert 'id="chart-reward"' in svg and 'id="chart-length"' in svg
+
+
+def test_compare_shows_which_trajectories_differ(demo):
+    dump, a, b = demo
+    c = client(dump)
+    doc = c.get(f"/api/compare?a={key(a)}&b={key(b)}&step=1").json()
+    assert all(r["same"] for r in doc["trajectories"]) and len(doc["trajectories"]) == 6
+    doc = c.get(f"/api/compare?a={key(a)}&b={key(b)}&step=2").json()
+    assert not any(r["same"] for r in doc["trajectories"])
+    assert "0 of 6 trajectories identical" in c.get(f"/compare?a={key(a)}&b={key(b)}&step=2").text
+
+
+def test_a_tokenizer_decodes_the_ids(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {c: i for i, c in enumerate("0123456789abcdefghijklmnopqrstuvwxyz")}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="a"))
+    tok.decoder = tokenizers.decoders.Fuse()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    dump = tmp_path / "cache"
+    lay = write_namespace(dump, "tok", {1: demo_batch(1)})
+    batch = demo_batch(1)
+    t = client(dump, decoder=Decoder(str(tmp_path / "tokenizer.json"))).get(f"/api/ns/{key(lay)}/step/1/t/0.0.0").json()
+    assert t["response_text"] == "".join("0123456789abc"[i] for i in batch["responses"][0].tolist())
+
+
+@pytest.mark.slow
+def test_a_missing_tokenizer_stops_the_viewer_in_one_line(tmp_path):
+    dump = tmp_path / "cache"
+    write_namespace(dump, "tok", {1: demo_batch(1)})
+    proc = subprocess.run([sys.executable, "-m", "skip_harness.cli", "view", str(dump), "--tokenizer",
+                           str(tmp_path / "no-such-tokenizer")], capture_output=True, text=True,
+                          env=subprocess_env({"HF_HUB_OFFLINE": "1"}), timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tokenizer" in lines[0] and "never downloads" in lines[0], proc.stderr
