@@ -88,7 +88,7 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
     sys.path.insert(0, str(REPO / "tests"))
     import obstore as obs
     import xxhash
-    from bench import make_payload
+    from _benchlib import make_payload
 
     from skip_harness.store.bufferpool import BufferPool
     from skip_harness.store.layout import Layout
@@ -164,7 +164,7 @@ def _floor_block(payload: Any, compute: Any, steps: int, client: Any) -> List[fl
 
     import obstore as obs
     import torch
-    from bench import SyntheticTrainer, iter_tensors, tensor_bytes, touch
+    from _benchlib import SyntheticTrainer, iter_tensors, tensor_bytes, touch
 
     trainer = SyntheticTrainer(payload)
     nbytes = tensor_bytes(payload)
@@ -199,7 +199,7 @@ def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path
     sys.path.insert(0, str(REPO / "scripts"))
     sys.path.insert(0, str(REPO / "tests"))
     import obstore as obs
-    from bench import COMPUTE_FACTOR, Compute, make_payload, run_training_block
+    from _benchlib import COMPUTE_FACTOR, Compute, make_payload, run_training_block
 
     from skip_harness.store.objstore.client import ObjectClient
     from skip_harness.store.objstore.payloads import encode

@@ -1,0 +1,216 @@
+"""The benchmark's training-step arms (scripts/bench.py): a trainer's step with caching off, a miss
+written asynchronously or in the step, a hit, verl's torch.save, and the durable-copy floor -- all open
+at once and taking turns step by step, so a machine whose load changes slows every arm alike."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from _benchlib import (
+    COMPUTE_FACTOR, BenchError, Compute, SyntheticTrainer, _split_mode, iter_tensors, log, make_harness, median,
+    run_training_block, tensor_bytes, touch,
+)
+
+class StepArm:
+    """One arm of the training-step comparison, open throughout. `produce(step)` is the arm's
+    prepare_data + sample (with whatever write it does inside the step), timed together with touching
+    the batch and the compute; `settle(step)` then finishes, untimed, what the step left in flight, so
+    that no arm's write runs into another arm's step. CPU seconds are every thread's, writes included."""
+
+    mode = ""
+
+    def __init__(self) -> None:
+        self.times: List[float] = []
+        self.cpu: List[float] = []
+        self.flush_s: List[float] = []
+
+    def produce(self, step: int) -> Any:
+        raise NotImplementedError
+
+    def settle(self, step: int) -> None:
+        pass
+
+    def step(self, step: int, compute: Compute) -> None:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        batch = self.produce(step)
+        touch(batch)
+        compute.run()
+        self.times.append(time.perf_counter() - t0)
+        del batch
+        t1 = time.perf_counter()
+        self.settle(step)
+        self.flush_s.append(time.perf_counter() - t1)
+        self.cpu.append(time.process_time() - c0)
+
+    def close(self, steps: int) -> None:
+        pass
+
+
+class FloorArm(StepArm):
+    """The physical floor of any durable miss, side by side with the harness: each step's batch copied
+    once into a reused buffer on the trainer's thread (the copy a write needs before the trainer may
+    change its batch, by the same copier the store uses), then written and fsynced on a background
+    thread with O_DIRECT, straight from that buffer -- no checksum, no meta.json, no commit record,
+    no directory work. Labelled `floor` in the results."""
+
+    mode = "floor"
+
+    def __init__(self, payload: Any, dump_dir: Path):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from skip_harness.store.bufferpool import BufferPool, round_up
+
+        super().__init__()
+        self.dir = dump_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.trainer = SyntheticTrainer(payload)
+        self.nbytes = tensor_bytes(payload)
+        self.buffers = BufferPool(max_free=2)
+        self.round_up = round_up
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-floor-writer")
+        self.future = None
+        self.written = 0
+
+    def _write(self, lease: Any, step: int) -> None:
+        fd = os.open(self.dir / f"{step}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+        try:
+            view, end, done = lease.view(), self.round_up(self.nbytes), 0
+            while done < end:
+                done += os.pwrite(fd, view[done:end], done)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            lease.release()
+        self.written += 1
+
+    def produce(self, step: int) -> Any:
+        batch = self.trainer.sample(step)
+        lease = self.buffers.acquire(self.nbytes)
+        base, off = ctypes.addressof(lease.array), 0
+        for t in iter_tensors(batch):
+            n = t.numel() * t.element_size()
+            self.buffers.copier.copy(base + off, t.data_ptr(), n)
+            off += n
+        self.future = self.pool.submit(self._write, lease, step)
+        return batch
+
+    def settle(self, step: int) -> None:
+        self.future.result()
+
+    def close(self, steps: int) -> None:
+        self.pool.shutdown(wait=True)
+        self.buffers.close()
+        if self.written != steps:
+            raise BenchError(f"floor writes: {self.written} of {steps} were written")
+
+
+class VerlArm(StepArm):
+    """A miss as verl's rollout skip writes it: `torch.save` of the batch to its file inside the step,
+    synchronously (no fsync, no checksum). Labelled `verl` in the results."""
+
+    mode = "verl"
+
+    def __init__(self, payload: Any, dump_dir: Path):
+        super().__init__()
+        self.dir = dump_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.trainer = SyntheticTrainer(payload)
+
+    def produce(self, step: int) -> Any:
+        batch = self.trainer.sample(step)
+        torch.save(batch, self.dir / f"{step}.pt")
+        return batch
+
+    def settle(self, step: int) -> None:
+        # The dirty pages written back and dropped now, so that the kernel's writeback never lands in
+        # another arm's step.
+        fd = os.open(self.dir / f"{step}.pt", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def close(self, steps: int) -> None:
+        written = len(list(self.dir.glob("*.pt")))
+        if written != steps:
+            raise BenchError(f"verl-style writes: {written} of {steps} were written")
+
+
+class TrainingArm(StepArm):
+    """An arm with its own SkipHarness (or caching off), trainer and namespace."""
+
+    def __init__(self, mode: str, payload: Any, dump_dir: Path):
+        super().__init__()
+        self.label = mode
+        mode, compression = _split_mode(mode)
+        self.mode = mode
+        self.harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir,
+                                    compression)
+        self.trainer = SyntheticTrainer(payload, in_memory=mode == "memory")
+        self.harness.wrap(self.trainer)
+        self.harness.start()
+
+    def produce(self, step: int) -> Any:
+        self.trainer.prepare_data(step)
+        return self.trainer.sample(step)
+
+    def settle(self, step: int) -> None:
+        self.harness.flush()
+
+    def close(self, steps: int) -> None:
+        summary = self.harness.close()
+        expected = {"off": "off", "memory": "off", "hit": "hit"}.get(self.mode, "miss")
+        outcomes = {self.harness.outcome(s) for s in range(1, steps + 1)}
+        if outcomes != {expected}:
+            raise BenchError(f"caching {self.mode}: steps were {sorted(outcomes)}, expected every one to be a {expected}")
+        if self.mode in ("async", "sync") and summary.misses != steps:
+            raise BenchError(f"caching {self.mode}: {summary.misses} of {steps} steps were committed")
+        if self.mode == "hit" and self.trainer.generated:
+            raise BenchError(f"caching hit: {self.trainer.generated} generations ran on hit steps")
+
+
+def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds: int, threads: int,
+                modes: Sequence[str] = ("off", "async", "sync")) -> Dict[str, float]:
+    """Per-step medians of the training-step arms `modes`. Every arm is open at once and the arms take
+    turns step by step (A B C, C B A, ...), so a machine whose load changes slows every arm alike; the
+    first step of each arm is a warm-up and not counted."""
+    compute = Compute()
+    compute_s = compute.calibrate(COMPUTE_FACTOR * bare_save_s)
+    log.info("synthetic step on %d thread(s): %d matmuls, %.3f s of compute (%.1fx a bare durable save of %.3f s)",
+             threads, compute.iters, compute_s, compute_s / bare_save_s, bare_save_s)
+    total = 1 + steps * rounds
+    for hit in ("hit", "hit_zstd"):  # the caches the hit arms read: written once, untimed
+        if hit in modes:
+            run_training_block("async", payload, Compute(8), total, work / f"steps_{hit}", keep=True,
+                               compression=_split_mode(hit)[1])
+    special = {"floor": FloorArm, "verl": VerlArm}
+    arms = {m: special[m](payload, work / f"steps_{m}") if m in special else TrainingArm(m, payload, work / f"steps_{m}")
+            for m in modes}
+    try:
+        for step in range(1, total + 1):
+            order = list(modes) if step % 2 else list(reversed(modes))
+            for mode in order:
+                arms[mode].step(step, compute)
+            if step > 1 and (step - 1) % steps == 0:
+                log.info("training steps on %d thread(s), %d/%d: %s per step (medians)", threads, step - 1, total - 1,
+                         ", ".join(f"{m} {median(arms[m].times[1:]):.3f} s" for m in modes))
+    finally:
+        for arm in arms.values():
+            if isinstance(arm, TrainingArm):
+                arm.harness.close()
+    for arm in arms.values():
+        arm.close(total)
+    for m in modes:
+        shutil.rmtree(work / f"steps_{m}", ignore_errors=True)
+    out = {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}
+    out.update({f"{m}_cpu_s": median(arms[m].cpu[1:]) for m in modes})
+    out.update({f"{m}_flush_s": median(arms[m].flush_s[1:]) for m in modes})
+    return out
