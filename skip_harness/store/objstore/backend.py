@@ -6,8 +6,11 @@ GBS...`): `{step}/[{i}/]tq_batch[_rank{r}].pt`, `.../meta[_rank{r}].json`, `{ste
 `.lock` (the lease), `.quarantine/...`.
 
 - There is no rename on an object store, and a PUT is atomic (readers see no object or all of it),
-  so a payload is put at its final key and its size checked with a HEAD before anything counts on
-  it.
+  so a payload is put at its final key, create-only, and its size checked with a HEAD before
+  anything counts on it.
+- Fencing: every write, delete and commit first asks the lease (`_writable`): it goes out only while
+  the lease is ours by this process's own clock; a commit record and the deletion of one follow a
+  conditional renewal of the lease (docs/storage.md, "The lease").
 - The commit record is the last object of a step, written create-only (`If-None-Match: *`) after
   every payload of the step is written and its size checked: a second committer is told, never
   silently overwrites. A step with payloads and no commit record is incomplete.
