@@ -155,10 +155,12 @@ def classify(exc: BaseException, url: str) -> ObjectStoreError:
     if any(s in lowered for s in _UNREACHABLE):
         m = re.search(r"(https?://[^/\s?]+)", text)
         at = m.group(1) if m else "the endpoint"
-        if "timed out" in lowered:
+        if "connectionrefused" in lowered.replace(" ", "") or "connection refused" in lowered:
+            what = f"nothing answers at {at} (connection refused, after retries)"
+        elif "timed out" in lowered or "timedout" in lowered.replace(" ", "") or "kind: timeout" in lowered:
             what = f"{at} did not answer in time (timed out, after retries)"
         else:
-            what = f"nothing answers at {at} (connection refused, after retries)"
+            what = f"no answer from {at} (the connection failed, after retries)"
         return ObjectStoreUnavailable(url, f"object store unavailable: {what}; check AWS_ENDPOINT_URL "
                                            "and that the server runs")
     return ObjectStoreUnavailable(url, f"object store unavailable: {detail}")
