@@ -123,7 +123,7 @@ def test_a_read_only_credential_serves_a_refused_one_is_an_error(s3_server, s3_e
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["wrong secret", "s3:/x"])
+@pytest.mark.parametrize("case", ["wrong secret"])      # "s3:/x" too when run by hand (CI time: the config test covers it)
 def test_train_stops_with_the_message_and_writes_nothing(case, tmp_path, s3_server):
     from test_objstore_scenarios import TRAIN, env_of
     from test_train_e2e import TINY
