@@ -37,7 +37,7 @@ import xxhash
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.backend import (
-    COMMIT_NAME, DumpDir, Hold, NamespaceBackend, NamespaceListing, StepListing, StoredFile,
+    COMMIT_NAME, DUMP_DIR_KEY, DumpDir, Hold, NamespaceBackend, NamespaceListing, StepListing, StoredFile,
 )
 from skip_harness.store.layout import parse_namespace_leaf, parse_step_name
 from skip_harness.store.objstore.client import ObjectClient, join_url
@@ -47,6 +47,7 @@ from skip_harness.store.objstore.errors import (
     ObjectMissing,
     ObjectRaceLost,
     ObjectStoreError,
+    ObjectStoreUnavailable,
 )
 from skip_harness.store.objstore.lease import LEASE_KEY, Lease, LeaseExpired, LeaseLost, ttl_from_env
 
@@ -486,6 +487,12 @@ class ObjectDumpDir(DumpDir):
         return ObjectNamespace(join_url(self.url, rel))
 
     def list_namespaces(self) -> List[str]:
+        try:
+            return self._list_namespaces()
+        except ObjectStoreUnavailable as exc:     # the first request to the dump_dir: name the key
+            raise ObjectStoreUnavailable(exc.url, exc.reason, key=DUMP_DIR_KEY) from None
+
+    def _list_namespaces(self) -> List[str]:
         out = []
         for group in self.client.list_dirs(None):
             if group.startswith("."):

@@ -19,17 +19,17 @@ import re
 from typing import Iterable, Optional
 
 from skip_harness.errors import ConfigError, SkipHarnessError
-
-DUMP_DIR_KEY = "skip.rollout_tq.dump_dir"     # the key every fatal message names (store.backend's too)
+from skip_harness.store.backend import DUMP_DIR_KEY   # the key every fatal message names
 
 
 class ObjectStoreError(SkipHarnessError):
     """Base of the object-store errors; `url` is the object's full URL."""
 
-    def __init__(self, url: str, reason: str):
+    def __init__(self, url: str, reason: str, *, key: Optional[str] = None):
         self.url = url
         self.reason = reason
-        super().__init__(f"{url}: {reason}")
+        self.key = key            # the config key to name, where the failure is the dump_dir's as a whole
+        super().__init__(f"{key}: {url}: {reason}" if key else f"{url}: {reason}")
 
 
 class ObjectMissing(ObjectStoreError):
