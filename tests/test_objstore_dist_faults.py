@@ -64,6 +64,7 @@ def test_two_ranks_with_the_server_paused_mid_commit_commit_once_or_not_at_all(t
             first.wait()
     assert first.returncode == 0, out[-5000:]
     assert "unavailable" in out, out[-5000:]          # the outage reached the run
+    assert "taken over" not in out, out[-5000:]       # a renewal that landed after its reply was lost is ours
     [(prefix, committed)] = _commits(s3_server, bucket).items()
     assert prefix.endswith("_W2/"), prefix
     assert 0 < len(committed) < STEPS, committed

@@ -74,8 +74,7 @@ def test_the_cli_says_what_is_wrong(case, cause, s3_server, s3_env, s3_bucket, m
     msg = _ls(url, capsys)
     assert cause in msg, msg
     assert url in msg, msg
-    if case != "nothing listens":           # an outage is not a config error; the run names the key (below)
-        assert msg.startswith("skip.rollout_tq.dump_dir: "), msg
+    assert msg.startswith("skip.rollout_tq.dump_dir: "), msg
     _clean(msg, secret)
     _clean(msg, "not-the-secret-at-all")
     assert s3_server.keys(s3_bucket) == []
@@ -123,7 +122,7 @@ def test_a_read_only_credential_serves_a_refused_one_is_an_error(s3_server, s3_e
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["wrong secret", "s3:/x"])
+@pytest.mark.parametrize("case", ["wrong secret"])      # "s3:/x" too when run by hand (CI time: the config test covers it)
 def test_train_stops_with_the_message_and_writes_nothing(case, tmp_path, s3_server):
     from test_objstore_scenarios import TRAIN, env_of
     from test_train_e2e import TINY

@@ -26,7 +26,8 @@ from test_train_e2e import TINY, training_metrics
 
 
 TTL = "3"          # SKIP_HARNESS_LEASE_TTL_S: B may take A's lease over 3 s + 2 s skew after A stopped renewing
-STEPS = "trainer.total_training_steps=60"
+N = 30
+STEPS = f"trainer.total_training_steps={N}"
 WRITES = re.compile(r'"(PUT|POST|DELETE|PATCH) (\S+) HTTP/[\d.]+" (\d+)')
 
 
@@ -104,7 +105,7 @@ def test_a_stalled_holder_resumed_after_a_takeover_writes_nothing(tmp_path, s3_s
         b = train(tmp_path, s3_server, url, STEPS, run="B", SKIP_HARNESS_LEASE_TTL_S=TTL)
         assert "took over the expired lease of run-" in b.stdout + b.stderr
         b_holder = json.loads(s3_server.boto3().get_object(Bucket=bucket, Key=f"{prefix}.lock")["Body"].read())["holder"]
-        assert committed(s3_server, bucket, prefix) == list(range(1, 61))
+        assert committed(s3_server, bucket, prefix) == list(range(1, N + 1))
         before = _objects(s3_server, bucket)
         log_from = s3_server.log.stat().st_size
         a.send_signal(signal.SIGCONT)
@@ -129,7 +130,7 @@ def test_a_stalled_holder_resumed_after_a_takeover_writes_nothing(tmp_path, s3_s
     assert len(taken) == 1 and b_holder in taken[0], taken
     assert "Traceback" not in out
     runs_a = metrics(tmp_path / "A")
-    assert len(runs_a) == 60                      # A trained to the end, without caching
+    assert len(runs_a) == N                      # A trained to the end, without caching
     assert training_metrics(runs_a) == training_metrics(metrics(tmp_path / "B"))
 
 
@@ -157,5 +158,5 @@ def test_posix_lock_holds_across_sigstop(tmp_path, s3_server):
             a.kill()
             a.wait()
     assert a.returncode == 0, out[-4000:]
-    assert sorted(int(p.parent.name) for p in ns.glob("*/commit.json")) == list(range(1, 61))
+    assert sorted(int(p.parent.name) for p in ns.glob("*/commit.json")) == list(range(1, N + 1))
     assert not (tmp_path / "B" / "metrics.jsonl").exists() or not metrics(tmp_path / "B")

@@ -6,8 +6,11 @@ GBS...`): `{step}/[{i}/]tq_batch[_rank{r}].pt`, `.../meta[_rank{r}].json`, `{ste
 `.lock` (the lease), `.quarantine/...`.
 
 - There is no rename on an object store, and a PUT is atomic (readers see no object or all of it),
-  so a payload is put at its final key and its size checked with a HEAD before anything counts on
-  it.
+  so a payload is put at its final key, create-only, and its size checked with a HEAD before
+  anything counts on it.
+- Fencing: every write, delete and commit first asks the lease (`_writable`): it goes out only while
+  the lease is ours by this process's own clock; a commit record and the deletion of one follow a
+  conditional renewal of the lease (docs/storage.md, "The lease").
 - The commit record is the last object of a step, written create-only (`If-None-Match: *`) after
   every payload of the step is written and its size checked: a second committer is told, never
   silently overwrites. A step with payloads and no commit record is incomplete.
@@ -34,7 +37,7 @@ import xxhash
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.backend import (
-    COMMIT_NAME, DumpDir, Hold, NamespaceBackend, NamespaceListing, StepListing, StoredFile,
+    COMMIT_NAME, DUMP_DIR_KEY, DumpDir, Hold, NamespaceBackend, NamespaceListing, StepListing, StoredFile,
 )
 from skip_harness.store.layout import parse_namespace_leaf, parse_step_name
 from skip_harness.store.objstore.client import ObjectClient, join_url
@@ -44,6 +47,7 @@ from skip_harness.store.objstore.errors import (
     ObjectMissing,
     ObjectRaceLost,
     ObjectStoreError,
+    ObjectStoreUnavailable,
 )
 from skip_harness.store.objstore.lease import LEASE_KEY, Lease, LeaseExpired, LeaseLost, ttl_from_env
 
@@ -483,6 +487,12 @@ class ObjectDumpDir(DumpDir):
         return ObjectNamespace(join_url(self.url, rel))
 
     def list_namespaces(self) -> List[str]:
+        try:
+            return self._list_namespaces()
+        except ObjectStoreUnavailable as exc:     # the first request to the dump_dir: name the key
+            raise ObjectStoreUnavailable(exc.url, exc.reason, key=DUMP_DIR_KEY) from None
+
+    def _list_namespaces(self) -> List[str]:
         out = []
         for group in self.client.list_dirs(None):
             if group.startswith("."):

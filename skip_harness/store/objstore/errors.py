@@ -19,17 +19,17 @@ import re
 from typing import Iterable, Optional
 
 from skip_harness.errors import ConfigError, SkipHarnessError
-
-DUMP_DIR_KEY = "skip.rollout_tq.dump_dir"     # the key every fatal message names (store.backend's too)
+from skip_harness.store.backend import DUMP_DIR_KEY   # the key every fatal message names
 
 
 class ObjectStoreError(SkipHarnessError):
     """Base of the object-store errors; `url` is the object's full URL."""
 
-    def __init__(self, url: str, reason: str):
+    def __init__(self, url: str, reason: str, *, key: Optional[str] = None):
         self.url = url
         self.reason = reason
-        super().__init__(f"{url}: {reason}")
+        self.key = key            # the config key to name, where the failure is the dump_dir's as a whole
+        super().__init__(f"{key}: {url}: {reason}" if key else f"{url}: {reason}")
 
 
 class ObjectMissing(ObjectStoreError):
@@ -155,10 +155,12 @@ def classify(exc: BaseException, url: str) -> ObjectStoreError:
     if any(s in lowered for s in _UNREACHABLE):
         m = re.search(r"(https?://[^/\s?]+)", text)
         at = m.group(1) if m else "the endpoint"
-        if "timed out" in lowered:
+        if "connectionrefused" in lowered.replace(" ", "") or "connection refused" in lowered:
+            what = f"nothing answers at {at} (connection refused, after retries)"
+        elif "timed out" in lowered or "timedout" in lowered.replace(" ", "") or "kind: timeout" in lowered:
             what = f"{at} did not answer in time (timed out, after retries)"
         else:
-            what = f"nothing answers at {at} (connection refused, after retries)"
+            what = f"no answer from {at} (the connection failed, after retries)"
         return ObjectStoreUnavailable(url, f"object store unavailable: {what}; check AWS_ENDPOINT_URL "
                                            "and that the server runs")
     return ObjectStoreUnavailable(url, f"object store unavailable: {detail}")
