@@ -19,8 +19,8 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 from skip_harness.config import ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
