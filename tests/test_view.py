@@ -231,3 +231,26 @@ def test_a_missing_tokenizer_stops_the_viewer_in_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tokenizer" in lines[0] and "never downloads" in lines[0], proc.stderr
+
+
+def test_recorded_values_are_charted_and_compare_shows_the_diff(demo):
+    pytest.importorskip("skip_harness.cli.diff")
+    from skip_harness.store.stepstore import StepStore
+    from skip_harness.store.values import ValuesStore
+
+    dump, a, b = demo
+    for lay, lr in ((a, 0.1), (b, 0.2)):
+        store = StepStore(lay)
+        for s in (1, 2, 3):
+            created = store.reader.read_commit(s).created
+            ValuesStore(store.backend).write_step(s, {"loss": lr * s, "reward_mean": 0.5 + s}, commit_created=created)
+    c = client(dump)
+    svg = c.get(f"/ns/{key(a)}/charts").text
+    assert "recorded: loss" in svg and "recorded: reward_mean" in svg
+    assert "step 3: 0.3<" in svg and 'id="chart-value-1"' in svg
+    page = c.get(f"/compare?a={key(a)}&b={key(b)}&step=2").text
+    assert 'id="diff-verdict"' in page and "different" in page
+    assert "recorded values first diverge at step 1: loss 0.1 vs 0.2" in page
+    doc = c.get(f"/api/compare?a={key(a)}&b={key(b)}&step=2").json()
+    from skip_harness.cli.diff import compare
+    assert doc["diff"] == json.loads(json.dumps(compare(str(a.root), str(b.root))))

@@ -118,6 +118,9 @@ def test_click_through_overview_namespace_step_trajectory_compare(demo_cache, pa
         assert page.locator("#totals").inner_text().startswith("2 namespaces, 6 steps, ")
         page.get_by_role("link", name=SYNC, exact=True).click()
         assert page.locator("#steps tbody tr").count() == 3
+        charts = page.frame_locator("#charts")
+        assert charts.locator("svg[id^=chart-value]").count() >= 1      # the values the demo recorded per step
+        assert "recorded: reward_mean" in charts.locator("body").inner_text()
         # a point of the reward chart opens its step
         page.frame_locator("#charts").locator("#chart-reward a.point[data-step='2']").click()
         page.wait_for_url("**/step/2")
@@ -169,6 +172,7 @@ def test_click_through_overview_namespace_step_trajectory_compare(demo_cache, pa
                        and batch["rewards"][j].item() == other["rewards"][j].item()) for j in range(16))
         assert page.locator("#diff-summary").inner_text().startswith(f"{same} of 16 trajectories identical")
         assert page.locator("#side-0 h2").inner_text() == SYNC and page.locator("#side-1 h2").inner_text() == ASYNC
+        assert page.locator("#diff-verdict").inner_text().startswith("different")   # skip-harness diff's verdict
         assert page.dialogs == []
     assert snapshot(demo_cache) == before           # nothing written, nothing locked
 

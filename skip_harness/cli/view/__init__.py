@@ -8,6 +8,7 @@ each page holds), `templates` and `style` (HTML, autoescaped), `app` (the routes
 """
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 import socket
@@ -90,6 +91,7 @@ def cmd_view(targets: Sequence[str], host: str, port: Optional[int], tokenizer: 
         threading.Timer(0.5, webbrowser.open, args=(url,)).start()
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
                                            lifespan="off", timeout_graceful_shutdown=2))
+    gc.freeze()      # what was imported stays: collections then walk a page's objects, not all of torch's
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:      # uvicorn shuts down on Ctrl-C, then raises it again: the stop asked for

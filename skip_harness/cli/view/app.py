@@ -126,6 +126,7 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         ctx = pages.compare(cache, a, b, step, decoder)
         diff = cache.diff(a, b) if cache.has_diff else None
         ctx["diff"] = None if diff is None else json.dumps(_finite(diff), indent=1, default=str)
+        ctx.update(pages.diff_at(diff, step))
         return html("compare", ctx)
 
     def _compare_args(request: Request):

@@ -167,7 +167,7 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None) -> Shown:
             vals = _row_values(value[: len(response_ids)] if response_ids is not None else value)
             finite = [v for v in vals if v is not None]
             token_rows.append(TokenRow(name, vals, min(finite) if finite else 0.0, max(finite) if finite else 0.0))
-        else:
+        elif limit is None:              # a step page (a preview) shows no other fields
             fields[name] = _short(value)
     prompt_tokens = decoder.tokens(prompt_ids) if prompt_ids is not None else None
     if prompt_tokens is not None and prompt_cut:

@@ -63,7 +63,17 @@ def namespace(cache: Cache, ns: Namespace) -> Dict[str, Any]:
     servable = [s.step for s in report.steps if s.servable]
     return {"ns": ns, "doc": doc, "mode": fmt_value(mode), "seed": fmt_value(seed), "size": human_bytes(view.bytes),
             "steps": steps, "note": report.index_note, "ns_rows": compare_choices(cache), "pick_a": ns.key,
-            "pick_b": _other(cache, ns.key), "pick_step": servable[-1] if servable else 1}
+            "pick_b": _other(cache, ns.key), "pick_step": servable[-1] if servable else 1,
+            "chart_rows": _chart_rows(cache, ns, servable)}
+
+
+def _chart_rows(cache: Cache, ns: Namespace, servable: Sequence[int]) -> int:
+    """Rows of two charts the charts frame will hold: the rollouts' row, and the recorded values' (one
+    step's values read to count them)."""
+    if not servable or not cache.has_values:
+        return 1
+    values = cache.values(ns, servable[-1]) or {}
+    return 1 + math.ceil(min(len(values), VALUE_CHARTS) / 2)
 
 
 def compare_choices(cache: Cache) -> List[Dict[str, Any]]:
@@ -352,3 +362,16 @@ def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decode
                          "text_a": text_a, "text_b": text_b, "same": equal})
     return {"sides": sides, "rows": rows, "same": same, "step": step, "ns_rows": compare_choices(cache),
             "pick_a": a.key, "pick_b": b.key, "pick_step": step}
+
+
+def diff_at(diff: Optional[Dict[str, Any]], step: int) -> Dict[str, Any]:
+    """From `skip-harness diff --json`'s document for two namespaces: whether they are identical, the
+    training-side config keys that differ, the first step whose recorded values diverge, and this step's row."""
+    if diff is None:
+        return {"diff_pair": None, "diff_step": None}
+    pair = (diff.get("namespaces") or [{}])[0]
+    row = next((r for r in pair.get("steps", []) if r.get("step") == step), None)
+    return {"diff_pair": {"identical": diff.get("identical"), "config": diff.get("config") or [],
+                          "first_divergence": (pair.get("values") or {}).get("first_divergence"),
+                          "rollouts_same": pair.get("rollouts_same"), "rollouts_differ": pair.get("rollouts_differ")},
+            "diff_step": row}

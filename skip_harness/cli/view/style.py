@@ -76,7 +76,7 @@ def tokens_html(tokens: Sequence[str], row: Any = None, mask: Any = None) -> Mar
     low, span = (row.low, row.high - row.low) if row is not None else (0.0, 0.0)
     nv, nm = len(values), len(masks)
     for k, tok in enumerate(tokens):
-        text = html_escape(tok)
+        text = tok if tok.isalnum() else html_escape(tok)      # ids and plain words need no escaping
         cls = "tok masked" if k < nm and masks[k] == 0 else "tok"
         v = values[k] if k < nv else None
         if v is None:

@@ -47,7 +47,7 @@ NAMESPACE = """{% extends "base" %}{% block title %}{{ ns.label }}{% endblock %}
 {% for s, n in doc.counts.items() %}{{ n }} {{ s }}{% if not loop.last %}, {% endif %}{% endfor %} · {{ size }}
 · <a href="/api/ns/{{ ns.key }}">JSON</a></p>
 {% if note %}<p class="note">{{ note }}</p>{% endif %}
-<iframe id="charts" src="/ns/{{ ns.key }}/charts" title="charts over steps" loading="eager"></iframe>
+<iframe id="charts" src="/ns/{{ ns.key }}/charts" title="charts over steps" loading="eager"{% if chart_rows > 1 %} style="height:{{ 190 * chart_rows }}px"{% endif %}></iframe>
 {% if ns_rows|length >= 2 %}{% include "compare_form" %}{% endif %}
 <table id="steps" class="grid-table"><thead><tr><th>step</th><th>status</th><th>size</th><th>written</th><th>gen</th><th>fingerprint</th><th>reason</th></tr></thead><tbody>
 {% for s in steps %}<tr class="status-{{ s.status }}"><td class="num"><a class="step-link" href="/ns/{{ ns.key }}/step/{{ s.step }}">{{ s.step }}</a></td>
@@ -135,7 +135,13 @@ COMPARE = """{% extends "base" %}{% block title %}compare step {{ step }}{% endb
 <table id="diff" class="grid-table"><thead><tr><th>trajectory</th><th>reward A</th><th>reward B</th><th>response A</th><th>response B</th></tr></thead><tbody>
 {% for r in rows %}<tr class="{{ 'same' if r.same else 'differs' }}"><td>{{ r.ref }}</td><td class="num">{{ fmt(r.reward_a) }}</td><td class="num">{{ fmt(r.reward_b) }}</td>
 <td class="response mono">{{ r.text_a }}</td><td class="response mono">{{ r.text_b }}</td></tr>{% endfor %}</tbody></table>{% endif %}
-{% if diff is not none %}<h2>skip-harness diff</h2><pre id="diff-doc" class="text">{{ diff }}</pre>{% endif %}
+{% if diff is not none %}<h2>skip-harness diff</h2>
+<p id="diff-verdict" class="facts">{{ "identical" if diff_pair.identical else "different" }}: rollouts of {{ diff_pair.rollouts_same }} steps the same, {{ diff_pair.rollouts_differ }} differ
+{% if diff_pair.first_divergence %} · recorded values first diverge at step {{ diff_pair.first_divergence.step }}: {{ diff_pair.first_divergence.key }} {{ fmt(diff_pair.first_divergence.a) }} vs {{ fmt(diff_pair.first_divergence.b) }}{% endif %}</p>
+{% if diff_pair.config %}<table id="diff-config" class="grid-table small"><thead><tr><th>training-side key</th><th>A</th><th>B</th></tr></thead><tbody>
+{% for c in diff_pair.config %}<tr><td class="mono">{{ c.key }}</td><td class="mono">{{ c.a }}</td><td class="mono">{{ c.b }}</td></tr>{% endfor %}</tbody></table>{% endif %}
+{% if diff_step %}<table id="diff-step" class="grid-table small"><tbody>{% for k, v in diff_step.items() %}<tr><th>{{ k }}</th><td class="mono">{{ v }}</td></tr>{% endfor %}</tbody></table>{% endif %}
+<details><summary>the whole document (<code>skip-harness diff --json</code>)</summary><pre id="diff-doc" class="text">{{ diff }}</pre></details>{% endif %}
 {% endblock %}"""
 
 ERROR = """{% extends "base" %}{% block title %}{{ title }}{% endblock %}
