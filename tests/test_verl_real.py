@@ -142,3 +142,27 @@ def test_colocate_async_is_recorded_then_replayed_without_generating(workdir):
     assert replay.returncode == 0, replay.output[-5000:]
     assert replay.generate_calls == 0
     assert driver.differences(record.metrics, replay.metrics, [1, 2, 3]) == []
+
+
+def test_separate_async_k2_is_recorded_then_replayed_call_by_call(workdir):
+    """separate_async, K = 2 (parameter_sync_step): verl's standalone rollout replica (hf_cpu on its own
+    Ray "GPU" bundle, weights through the ray_store checkpoint engine), two sample calls per step, each
+    stored as its own inner index and served to the same call on the replay. Not in .ci/run (two more
+    runs of Ray start-up; see docs/verl.md); run it with -k separate_async."""
+    work, paths = workdir
+    cache = work / "cache"
+    record = driver.main_ppo(work, "sep_record", paths, dump_dir=cache, experiment="separate", mode="separate_async",
+                             K=2, steps=2)
+    assert record.returncode == 0, record.output[-5000:]
+    assert record.generate_calls == 2 * CALLS_PER_STEP
+    ns = cache / "separate_verl_cpu"
+    namespaces = [p for p in ns.iterdir() if p.is_dir()]
+    assert len(namespaces) == 1 and namespaces[0].name.endswith("_K2_W1"), namespaces
+    for step in (1, 2):
+        assert sorted(p.relative_to(namespaces[0] / str(step)).as_posix()
+                      for p in (namespaces[0] / str(step)).rglob("tq_batch.pt")) == ["0/tq_batch.pt", "1/tq_batch.pt"]
+    replay = driver.main_ppo(work, "sep_replay", paths, dump_dir=cache, experiment="separate", mode="separate_async",
+                             K=2, steps=2)
+    assert replay.returncode == 0, replay.output[-5000:]
+    assert replay.generate_calls == 0
+    assert driver.differences(record.metrics, replay.metrics, [1, 2]) == []
