@@ -76,11 +76,11 @@ class RayStoreCheckpointEngine(CheckpointEngine):
         state = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in weights}
         if self.is_master:
             version = await _mailbox().put.remote(state)
-            log.warning("ray_store: sent weights version %s (%d tensors, step %s)", version, len(state), global_steps)
+            log.info("ray_store: sent weights version %s (%d tensors, step %s)", version, len(state), global_steps)
         return {}
 
     def receive_weights(self, global_steps: int | None = None) -> Generator:
-        log.warning("ray_store: waiting for weights newer than version %s (step %s)", self.seen, global_steps)
+        log.debug("ray_store: waiting for weights newer than version %s (step %s)", self.seen, global_steps)
         self.seen, state = ray.get(_mailbox().newer_than.remote(self.seen))
-        log.warning("ray_store: received weights version %s", self.seen)
+        log.debug("ray_store: received weights version %s", self.seen)
         yield from state.items()
