@@ -100,7 +100,12 @@ def overrides(paths: Dict[str, str], *, steps: int = 3, batch: int = 4, n: int =
         # standalone rollout replicas on their own "GPU" bundle, the weights through Ray's object store
         args = [a for a in args if not a.startswith(("actor_rollout_ref.rollout.checkpoint_engine.backend=",
                                                      "+ray_kwargs.ray_init.num_gpus=",
-                                                     "actor_rollout_ref.actor.ppo_mini_batch_size="))]
+                                                     "actor_rollout_ref.actor.ppo_mini_batch_size=")) and
+                "micro_batch_size_per_gpu=" not in a]
+        micro = n * batch // K   # one sample call's trajectories: verl needs micro batches that divide it
+        args += [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+                 f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+                 f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}"]
         args += [f"trainer.v1.separate_async.parameter_sync_step={K}",
                  f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // K}",
                  "actor_rollout_ref.hybrid_engine=false",

@@ -10,6 +10,7 @@ the last one it loaded.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Dict, Generator, Tuple
 
 import ray
@@ -17,6 +18,7 @@ import torch
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
+log = logging.getLogger("verl_cpu")
 NAME = "ray_store"
 MAILBOX = "verl_cpu_weight_mailbox"
 
@@ -37,9 +39,17 @@ class _Mailbox:
         return self.version, self.state
 
 
+_handle = None
+
+
 def _mailbox() -> Any:
-    return ray.remote(_Mailbox).options(name=MAILBOX, get_if_exists=True, num_cpus=0,
-                                        max_concurrency=64).remote()
+    # the handle is kept: a (non-detached) named actor dies when its creator drops its last handle, and
+    # the next sync would then find a new, empty mailbox
+    global _handle
+    if _handle is None:
+        _handle = ray.remote(_Mailbox).options(name=MAILBOX, get_if_exists=True, num_cpus=0,
+                                               max_concurrency=64).remote()
+    return _handle
 
 
 @CheckpointEngineRegistry.register(NAME)
@@ -65,9 +75,12 @@ class RayStoreCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Generator, global_steps: int | None = None):
         state = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in weights}
         if self.is_master:
-            await _mailbox().put.remote(state)
+            version = await _mailbox().put.remote(state)
+            log.info("ray_store: sent weights version %s (%d tensors, step %s)", version, len(state), global_steps)
         return {}
 
     def receive_weights(self, global_steps: int | None = None) -> Generator:
+        log.debug("ray_store: waiting for weights newer than version %s (step %s)", self.seen, global_steps)
         self.seen, state = ray.get(_mailbox().newer_than.remote(self.seen))
+        log.debug("ray_store: received weights version %s", self.seen)
         yield from state.items()
