@@ -170,6 +170,10 @@ def test_a_step_without_values_is_complete_and_unchecked(tmp_path):
     _, summary = plain_run(tmp_path)
     assert summary.hits == 5
     assert summary.replay_line == "replay: 3 of 5 served steps reproduced (3 values each); 2 unchecked (no recorded values)"
+    for s in (1, 2, 3):
+        (layout.root / ".values" / f"{s}.json").unlink()
+    _, summary = plain_run(tmp_path)
+    assert summary.replay_line == "replay: 5 served steps unchecked (no recorded values)"
 
 
 def test_values_belong_to_the_commit_they_were_recorded_with(tmp_path):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 from skip_harness.config import ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
@@ -113,6 +113,8 @@ class ReplayReport:
         if d is not None:
             return (f"replay diverged at step {d.step} ({d.short()}); {self.reproduced_before} "
                     f"{_steps(self.reproduced_before)} reproduced before it")
+        if self.checked == 0:
+            return f"replay: {self.served} served {_steps(self.served)} unchecked (no recorded values)"
         lo, hi = self.values_each
         each = f"{lo} values each" if lo == hi else f"{lo} to {hi} values each"
         line = f"replay: {self.reproduced} of {self.served} served {_steps(self.served)} reproduced"

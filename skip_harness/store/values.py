@@ -21,6 +21,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import xxhash
@@ -141,7 +142,7 @@ def _leaf(v: Any) -> Any:
         return v
     if isinstance(v, float):
         return _encode(v)
-    if hasattr(v, "value") and isinstance(getattr(v, "value"), (str, int)):    # an Enum
+    if isinstance(v, Enum):
         return v.value
     try:
         return json.dumps(v, sort_keys=True, default=str)
