@@ -20,6 +20,7 @@ from skip_harness.cli._common import EXIT_OK, EXIT_USAGE, CliError, emit_json, f
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store import scan as _scan
+from skip_harness.store.namespaces import namespaces_at
 from skip_harness.store.layout import PAYLOAD_NAME, Layout, UrlPath, is_url_text, parse_namespace_leaf
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.values import config_changes
@@ -49,7 +50,7 @@ def _namespaces(text: str) -> Tuple[bool, Dict[str, Layout]]:
         if not where.is_dir():
             raise CliError(f"{text} is not a directory")
     try:
-        layouts = _scan.namespaces_at(where)
+        layouts = namespaces_at(where)
     except (OSError, SkipHarnessError) as exc:
         raise CliError(f"{text}: {exc}") from None
     single = parse_namespace_leaf(where.name) is not None

@@ -74,7 +74,7 @@ def install(live: Callable[[], Iterable[Any]]) -> None:
 
     log_and_observe.__wrapped__ = original  # type: ignore[attr-defined]
     _original = original
-    Tracking.log = log_and_observe
+    Tracking.log = log_and_observe  # type: ignore[method-assign]
 
 
 def uninstall() -> None:
@@ -84,7 +84,7 @@ def uninstall() -> None:
         return
     from verl.utils.tracking import Tracking
 
-    Tracking.log = _original
+    Tracking.log = _original  # type: ignore[method-assign]
     _original = None
 
 

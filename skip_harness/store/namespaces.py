@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List
+from typing import List, Union
 
 from skip_harness.store.backend import open_dump_dir
 from skip_harness.store.layout import Layout, UrlPath, is_url_text, parse_namespace_leaf
@@ -12,7 +12,7 @@ from skip_harness.store.layout import Layout, UrlPath, is_url_text, parse_namesp
 __all__ = ["namespaces_at", "find_namespaces"]
 
 
-def namespaces_at(path: Path) -> List[Layout]:
+def namespaces_at(path: Union[Path, UrlPath]) -> List[Layout]:
     """Namespaces at `path`: the path itself if it is a namespace, those in it if it is an
     `{experiment}_{project}` directory, else those two levels down (a dump dir). Links are never
     followed."""

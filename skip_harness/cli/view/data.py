@@ -22,6 +22,7 @@ from skip_harness.cli._common import mode_and_seed, step_gen_s, step_written
 from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store import scan as _scan
+from skip_harness.store.namespaces import namespaces_at
 from skip_harness.store.backend import namespace_of
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, UrlPath, is_url_text
@@ -105,7 +106,7 @@ class Cache:
         out = []
         for i, root in enumerate(self.roots):
             try:
-                layouts = _scan.namespaces_at(root)
+                layouts = namespaces_at(root)
             except (OSError, SkipHarnessError) as exc:
                 logger.warning("%s: cannot list its namespaces: %s", root, exc)
                 continue

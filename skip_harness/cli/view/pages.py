@@ -259,11 +259,11 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     mask = next((k for k in keys if _last(k) in MASK), None)
     for _g, items in shown_groups:
         for it in items:
-            it["colour_row"] = token_row(it["shown"], color) if color else None
-            it["mask_row"] = token_row(it["shown"], mask) if mask else None
+            it["colour_row"] = token_row(it["shown"], color) if color else None  # type: ignore[arg-type]
+            it["mask_row"] = token_row(it["shown"], mask) if mask else None  # type: ignore[arg-type]
     metas = {(i, r): m for i, r, m in read.metas}
     minibatches = []
-    for i, r, payload in read.batches:
+    for i, r, _payload in read.batches:
         b = next(t.batch for t in table.trajectories if (t.inner, t.rank) == (i, r)) if table.trajectories else None
         gen = metas.get((i, r), {}).get("gen_s")
         minibatches.append({"inner": i, "rank": r, "n": b.n if b else 0,

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from skip_harness.cli.export import _batch_length, _leaves
+from skip_harness.cli.export_rows import _batch_length, _leaves
 
 PROMPT_IDS = ("prompts", "prompt_ids", "prompt_input_ids", "prompt_tokens", "query_ids")
 RESPONSE_IDS = ("responses", "completion_ids", "response_ids", "response_tokens")
@@ -55,7 +55,7 @@ class Batch:
         """The field playing the role `names` lists (the first name that one of the fields ends in)."""
         key = tuple(names)
         if key not in self.found:
-            roles = {}
+            roles: Dict[str, str] = {}
             for name in self.columns:
                 roles.setdefault(_last(name), name)
             self.found[key] = next((roles[w] for w in names if w in roles), None)
