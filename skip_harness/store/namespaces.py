@@ -18,7 +18,7 @@ def namespaces_at(path: Union[Path, UrlPath]) -> List[Layout]:
     followed."""
     if is_url_text(path):
         return _namespaces_at_url(UrlPath(str(path)))
-    path = Path(path)
+    path = Path(str(path))
     kw = parse_namespace_leaf(path.name)
     if kw is not None:
         return [Layout(path, K=kw[0], W=kw[1])]
