@@ -234,20 +234,40 @@ def test_a_second_skipmanager_init_closes_the_first_harness_and_keeps_its_writes
 
 @pytest.mark.parametrize("steps,last", [((1, 2), 2), ((1, 2, 3), 3)])
 def test_the_harness_closes_right_after_the_last_step_it_caches(cluster, tmp_path, caplog, steps, last):
-    """Ray may end verl's TaskRunner without exit handlers (main_ppo's replay): the summary is logged and
-    the namespace released when the last listed step's last sample returns, on the recording and on the
-    replay -- not at process exit."""
+    """Ray may end verl's TaskRunner without exit handlers (main_ppo's replay): the last cached step's commit
+    is durable at its last sample, and the summary is logged and the namespace released as soon as verl
+    logs that step's metrics (Tracking.log, which fit calls before it may return) -- on the recording and
+    on the replay, not at process exit."""
+    from verl.utils.tracking import Tracking
+
+    from skip_harness.store.stepstore import StepStore
+    from replay_rig import namespace_in
+
     cfg = rig.compose(str(tmp_path), steps=steps)
+    tracking = Tracking(project_name=rig.PROJECT, experiment_name=rig.EXPERIMENT, default_backend=[])
     for salt in (1, 2):
-        closed_at = []
+        closed_at, durable = [], []
+
+        def summary_logged():
+            return any("rollout cache summary" in r.getMessage() for r in caplog.records)
 
         def after_sample(skip, step, inner):
-            closed_at.append((step, getattr(skip, "finished", False), any("rollout cache summary" in r.getMessage()
-                                                       for r in caplog.records)))
+            if step == last and inner == skip.plan.K - 1:
+                durable.append(StepStore(namespace_in(tmp_path)).reader.verify(last, load=False)[0])
+                assert not skip.finished and not summary_logged()   # still open: the step's metrics come next
+
+        def after_step(step, sampled):
+            tracking.log(data={"critic/score/mean": float(step)}, step=step)   # fit's logger.log of the step
+            skip = SkipManager.skip_instances["rollout_tq"]
+            closed_at.append((step, skip.finished, summary_logged()))
+
+        from verl.utils.skip import SkipManager
 
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="skip_harness"):
-            run = rig.run_steps(cfg, buffer="sync", salt=salt, steps=steps, after_sample=after_sample)
+            run = rig.run_steps(cfg, buffer="sync", salt=salt, steps=steps, after_sample=after_sample,
+                                after_step=after_step)
+        assert durable == ["complete"], durable
         assert closed_at[-1] == (last, True, True), closed_at
         assert all(not done for _, done, _ in closed_at[:-1]), closed_at
         assert run.outcomes[last] == ("miss" if salt == 1 else "hit")

@@ -28,11 +28,13 @@ Roles
 
 Lifecycle
     verl's trainer has no end-of-run hook for skip classes, and Ray may end the trainer's process without
-    running exit handlers (``main_ppo``'s TaskRunner is force-exited after a replay). So the harness
-    closes -- pending writes committed, summary logged, namespace released -- right after the last
-    ``sample`` of the last step it will ever see: the run's last step (``trainer.total_training_steps``)
-    or the last step of ``skip.rollout_tq.steps``, whichever comes first, hit or miss. Steps after that
-    run as verl's own, uncached. A new ``SkipManager.init`` in the same process closes the previous
+    running exit handlers (``main_ppo``'s TaskRunner is force-exited after a replay). So at the last
+    ``sample`` of the last step it will ever see -- the run's last step (``trainer.total_training_steps``)
+    or the last step of ``skip.rollout_tq.steps``, whichever comes first, hit or miss -- that step's
+    commit is made durable, and the harness closes (summary logged, namespace released) as soon as verl
+    has logged that step's metrics through its ``Tracking.log`` (``fit`` does so before it may return;
+    :mod:`skip_harness.integrations.verl_values` hands them to the replay check first), or at the next
+    step verl starts, whichever comes first. Steps after that run as verl's own, uncached. A new ``SkipManager.init`` in the same process closes the previous
     harness (its pending writes flushed, its lock released) before the new one starts. Process exit
     closes whatever is still open; :func:`close_all` does so explicitly.
 """
@@ -103,9 +105,9 @@ if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY
     raise ImportError("skip_harness.integrations.verl needs verl 0.9.x: this verl has no skip.rollout_tq "
                       "(SkipManager.annotate_tq, verl #6897); pip install 'skip_harness[verl]'")
 
-from skip_harness.errors import HarnessUsageError
-from skip_harness.run.stats import HIT, MISS, REPEAT
-from skip_harness.integrations import verl_config, verl_tq
+from skip_harness.errors import HarnessUsageError  # noqa: E402 - after the verl version check above
+from skip_harness.run.stats import HIT, MISS, REPEAT  # noqa: E402
+from skip_harness.integrations import verl_config, verl_tq  # noqa: E402
 
 log = logging.getLogger("skip_harness")
 
@@ -162,6 +164,7 @@ class HarnessRolloutTqSkip(BaseSkip):
         super().__init__(local_config, global_config)
         self.harness = None
         self.finished = False   # closed after the last step it serves or records
+        self._close_after: Optional[int] = None   # that last step, once sampled: closed when verl logs it
         self.plan: Optional[verl_config.VerlPlan] = None
         self._steps: Dict[int, _Step] = {}
         for role in ("rollout", "async_rollout"):
@@ -198,6 +201,8 @@ class HarnessRolloutTqSkip(BaseSkip):
     def maybe_load_and_inject(self, step: int, new_prompt_uids: Sequence[str], partition_id: str = "train") -> bool:
         """phase="submit": decide the step; on a hit put mini-batch 0 into TransferQueue and return True
         (verl then dispatches nothing); on a miss return False (verl dispatches the rollout)."""
+        if self.harness is not None and partition_id == verl_tq.PARTITION:
+            self.step_logged(int(step) - 1)   # verl moved past the last cached step without logging it
         if self.harness is None or self.finished or partition_id != verl_tq.PARTITION:
             return False
         step = int(step)
@@ -229,7 +234,7 @@ class HarnessRolloutTqSkip(BaseSkip):
         if state.sampled < self.plan.K:
             self._inject_next(int(step))
         elif self._is_last(int(step)):
-            self.finish()   # the last step was served: verl may end this process without exit handlers
+            self._last_step_sampled(int(step))   # served: verl may end this process without exit handlers
         return False
 
     def prepare_data(self, step: int, batch: Any = None, global_steps: Any = None, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
@@ -242,7 +247,7 @@ class HarnessRolloutTqSkip(BaseSkip):
         if state is not None:
             state.sampled += 1
             if state.sampled == self.plan.K and self._is_last(step):
-                self.finish()  # committed and closed before verl's trainer may end the process
+                self._last_step_sampled(step)  # committed before verl's trainer may end the process
 
     def meet_precondition(self, step: int, *args: Any, **kwargs: Any) -> bool:
         """Whether `step` is (or would be) served from the cache, once decided."""
@@ -274,6 +279,18 @@ class HarnessRolloutTqSkip(BaseSkip):
     # ---------------------------------------------------------------- lifecycle
     def summary(self) -> Any:
         return None if self.harness is None else self.harness.summary()
+
+    def _last_step_sampled(self, step: int) -> None:
+        """The last step this run caches had its last sample: its commit is made durable now; the harness
+        stays open until verl logs the step's metrics (:meth:`step_logged`), so the replay check hears them."""
+        self.harness.commit_finished()
+        self._close_after = step
+
+    def step_logged(self, step: int) -> None:
+        """verl logged `step`'s metrics (``Tracking.log``, after they reached the replay check): past the
+        last step this run caches, the harness closes."""
+        if self._close_after is not None and int(step) >= self._close_after and not self.finished:
+            self.finish()
 
     def finish(self) -> Any:
         """After the last step this run caches: close now; later steps run as verl's own, uncached."""

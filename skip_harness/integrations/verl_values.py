@@ -56,6 +56,11 @@ def feed(data: Any, step: Any, live: Iterable[Any]) -> None:
             raise
         except Exception:  # noqa: BLE001 - the replay check must never break verl's logging
             log.exception("skip_harness: recording verl's metrics of step %s failed", step)
+        finally:
+            try:
+                skip.step_logged(step)   # the run's last cached step: the harness closes now
+            except Exception:  # noqa: BLE001 - never break verl's logging
+                log.exception("skip_harness: closing the verl rollout cache after step %s failed", step)
 
 
 def install(live: Callable[[], Iterable[Any]]) -> None:
