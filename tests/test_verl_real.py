@@ -124,6 +124,8 @@ def test_a_replay_under_main_ppo_closes_its_cache(sync_chain):
     replay = sync_chain["replay"]
     summary = replay.lines("rollout cache summary")
     assert summary and "3 hits" in summary[-1], replay.lines("skip_harness")
+    # verl's logged metrics reached the replay check (integrations/verl_values.py) on every served step
+    assert "served steps reproduced" in summary[-1] and "diverged" not in summary[-1], summary[-1]
     assert not (sync_chain["namespace"] / ".lock.holder.json").exists(), "the namespace is still held"
 
 
@@ -146,6 +148,8 @@ def test_colocate_async_is_recorded_then_replayed_without_generating(workdir):
     assert replay.returncode == 0, replay.output[-5000:]
     assert replay.generate_calls == 0
     assert driver.differences(record.metrics, replay.metrics, [1, 2]) == []
+    summary = replay.lines("rollout cache summary")
+    assert summary and f"replay: {STEPS} of {STEPS} served steps reproduced" in summary[-1], summary
 
 
 def test_separate_async_k2_is_recorded_then_replayed_call_by_call(workdir):
