@@ -29,9 +29,11 @@ ROLLOUT_TQ_KEY = "skip.rollout_tq"
 from skip_harness.choices import Action, Cleanup, Compression, OnMismatch, ReplayCheck  # noqa: E402,F401 - a leaf the store imports too
 
 
-# Values left out of the replay check by default: timings, throughput and memory (never bit-identical).
+# Values left out of the replay check by default: timings, throughput and memory (never bit-identical), and
+# verl's validation metrics (`val-core/...`, `val-aux/...`): validation rollouts are never cached, a replay
+# generates them again, so they reproduce only where generation is bit-identical.
 DEFAULT_REPLAY_IGNORE = ("*_s", "*time*", "*timing*", "*throughput*", "*per_second*", "*memory*", "perf/*",
-                         "*_ms", "*_sec*")
+                         "*_ms", "*_sec*", "val-*")
 
 
 @dataclass

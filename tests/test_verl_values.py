@@ -39,7 +39,9 @@ def _train(dump_dir, *extra, salt=1):
         lengths = [t.numel() for s in sampled for t in s.data["responses"].unbind()]
         score = sum(rewards) / len(rewards)
         tracking.log(data={"critic/score/mean": score, "response_length/mean": sum(lengths) / len(lengths),
-                           "actor/pg_loss": -lr * score, "timing_s/step": 0.01 * step, "perf/throughput": 1.0 / step},
+                           "actor/pg_loss": -lr * score, "timing_s/step": 0.01 * step, "perf/throughput": 1.0 / step,
+                           # validation is generated again on every run (never cached): left out by default
+                           "val-core/test/reward/mean@1": float(salt)},
                      step=step)
 
     return rig.run_steps(cfg, buffer="sync", salt=salt, steps=STEPS, after_step=log_metrics)
@@ -52,6 +54,7 @@ def test_verl_metrics_are_recorded_and_checked_on_replay(cluster, tmp_path, capl
     assert first.outcomes == {1: "miss", 2: "miss", 3: "miss"}
     values = StepStore(namespace_in(tmp_path)).reader.read_values(2)
     assert set(values) == {"critic/score/mean", "response_length/mean", "actor/pg_loss", "timing_s/step",
+                           "val-core/test/reward/mean@1",
                            "perf/throughput"}
     same = _train(tmp_path, salt=2)
     assert same.train_generations == 0

@@ -302,7 +302,7 @@ class CommitCoordinator:
                 keep.append((step, fut))
                 continue
             exc = fut.exception()
-            if exc is not None:
+            if exc is not None and not isinstance(exc, CacheWritesStopped):   # a lost lock is said once
                 where = self.store.layout.root if step is None else self.store.layout.step_dir(step)
                 what = "the training-side config" if step is None else f"step {step}'s values"
                 self._fault(str(where), f"could not record {what}: {type(exc).__name__}: {exc}; "

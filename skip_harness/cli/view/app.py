@@ -124,7 +124,7 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
     def compare_page(request: Request) -> Response:
         a, b, step = _compare_args(request)
         ctx = pages.compare(cache, a, b, step, decoder)
-        diff = cache.diff(a, b) if cache.has_diff else None
+        diff = cache.diff(a, b)
         ctx["diff"] = None if diff is None else json.dumps(_finite(diff), indent=1, default=str)
         ctx.update(pages.diff_at(diff, step))
         return html("compare", ctx)
@@ -167,7 +167,7 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
                       "sides": [{"key": s["ns"].key, "status": s["read"].status, "reason": s["read"].reason,
                                  "summary": s["summary"]} for s in ctx["sides"]],
                       "trajectories": [{k: r[k] for k in ("ref", "reward_a", "reward_b", "same")} for r in ctx["rows"]],
-                      "diff": cache.diff(a, b) if cache.has_diff else None}, headers=_HEADERS)
+                      "diff": cache.diff(a, b)}, headers=_HEADERS)
 
     routes = [
         Route("/", handler(overview_page)),

@@ -8,7 +8,7 @@ record in the pass that reads them, nothing unpickled); a step that is incomplet
 reported with its reason and none of its bytes.
 
 The recorded per-step values (`StepReader.read_values`) and `skip-harness diff`'s `compare` come
-from the replay check; where this checkout does not have them yet, the pages leave those parts out.
+from the replay check (docs/replay_check.md).
 """
 from __future__ import annotations
 
@@ -28,14 +28,7 @@ from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, UrlPath, is_url_text
 from skip_harness.store.reader import StepReader
 
-try:   # the replay check's recorded values (skip_harness.store.values, read by StepReader.read_values)
-    from skip_harness.store import values as _recorded_values
-except ImportError:   # a checkout without the replay check: no values charts
-    _recorded_values = None
-try:   # `skip-harness diff`'s comparison, the same dict `diff --json` prints
-    from skip_harness.cli.diff import compare as _diff_compare
-except ImportError:   # a checkout without `skip-harness diff`: compare shows the rollouts only
-    _diff_compare = None
+from skip_harness.cli.diff import compare as _diff_compare   # the same dict `diff --json` prints
 
 logger = logging.getLogger("skip_harness.cli.view")
 
@@ -183,26 +176,14 @@ class Cache:
 
     # ---- what the replay check recorded
 
-    @property
-    def has_values(self) -> bool:
-        return _recorded_values is not None
-
     def values(self, ns: Namespace, step: int) -> Optional[Dict[str, float]]:
         """The values the trainer reported for `step` (its metrics), None when none were recorded."""
-        if _recorded_values is None:
-            return None
         try:
             return self.reader(ns).read_values(step)
         except (CorruptStepError, SkipHarnessError, OSError, ValueError) as exc:
             logger.warning("%s: recorded values of step %d cannot be read: %s", ns.layout.root, step, exc)
             return None
 
-    @property
-    def has_diff(self) -> bool:
-        return _diff_compare is not None
-
-    def diff(self, a: Namespace, b: Namespace) -> Optional[Dict[str, Any]]:
-        """`skip-harness diff --json`'s document for two namespaces; None without `skip-harness diff`."""
-        if _diff_compare is None:
-            return None
+    def diff(self, a: Namespace, b: Namespace) -> Dict[str, Any]:
+        """`skip-harness diff --json`'s document for two namespaces."""
         return _diff_compare(str(a.layout.root), str(b.layout.root))

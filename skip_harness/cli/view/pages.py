@@ -70,7 +70,7 @@ def namespace(cache: Cache, ns: Namespace) -> Dict[str, Any]:
 def _chart_rows(cache: Cache, ns: Namespace, servable: Sequence[int]) -> int:
     """Rows of two charts the charts frame will hold: the rollouts' row, and the recorded values' (one
     step's values read to count them)."""
-    if not servable or not cache.has_values:
+    if not servable:
         return 1
     values = cache.values(ns, servable[-1]) or {}
     return 1 + math.ceil(min(len(values), VALUE_CHARTS) / 2)
@@ -144,13 +144,12 @@ def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries) -> Dict[
     svgs = [charts.line_chart("reward: mean ± std per step", reward, href, css_id="chart-reward"),
             charts.line_chart("response length: mean (min .. max)", length, href, css_id="chart-length")]
     values: Dict[str, List[charts.Point]] = {}
-    if cache.has_values:
-        for s in servable:
-            if s.step not in picked:
-                continue
-            for k, v in (cache.values(ns, s.step) or {}).items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    values.setdefault(k, []).append(charts.Point(s.step, float(v)))
+    for s in servable:
+        if s.step not in picked:
+            continue
+        for k, v in (cache.values(ns, s.step) or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                values.setdefault(k, []).append(charts.Point(s.step, float(v)))
     for n, k in enumerate(sorted(values)[:VALUE_CHARTS]):
         svgs.append(charts.line_chart(f"recorded: {k}", values[k], href, css_id=f"chart-value-{n}"))
     note = None
