@@ -89,4 +89,7 @@ def test_an_empty_read_only_cache_warns_once_and_counts_what_was_generated(read_
     assert len(warnings) == 1 and "read-only" in warnings[0] and "nothing will be cached" in warnings[0], warnings
     steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert len(steps) == 3 and not any("generated 0 B" in line for line in steps), steps
-    assert s.bytes_written >= 3 * 64 * 4  # at least the tensors' bytes of the three steps generated
+    assert s.bytes_written == 0   # nothing was written (the summary said "wrote 3.1 KiB" before)
+    assert s.bytes_not_written >= 3 * 64 * 4  # at least the tensors' bytes of the three steps generated
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout cache summary")]
+    assert "wrote 0 B (" in summary and "generated into a read-only cache, not written)" in summary, summary

@@ -169,7 +169,10 @@ def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size:
         line += ": " + ", ".join(f"{n} {why}" for why, n in s.uncommitted_reasons.items())
     ranks = f" (all {world_size} ranks' files)" if world_size > 1 else ""
     line += (
-        f"), {s.off} uncached; read {human_bytes(s.bytes_read)}, wrote {human_bytes(s.bytes_written)}{ranks}; "
+        f"), {s.off} uncached; read {human_bytes(s.bytes_read)}, wrote {human_bytes(s.bytes_written)}{ranks}"
+        + (f" ({human_bytes(s.bytes_not_written)} generated into a read-only cache, not written)"
+           if s.bytes_not_written else "")
+        + "; "
         f"generation {s.gen_s_spent:.1f}s spent, {s.gen_s_saved:.1f}s saved; loading {s.load_s:.1f}s"
     )
     replay = getattr(s, "replay_line", "")

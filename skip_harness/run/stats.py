@@ -83,6 +83,7 @@ class RunSummary:
     gen_s_spent: float
     gen_s_saved: float
     load_s: float
+    bytes_not_written: int = 0   # a read-only cache: what the misses generated, which nothing wrote
     replay: Any = None      # a run.replay.ReplayReport: did the served steps reproduce their recorded values
 
     @property
@@ -120,7 +121,8 @@ class RunStats:
             uncommitted=sum(1 for r in misses if not r.committed),
             uncommitted_reasons=dict(sorted(reasons.items())),
             bytes_read=sum(r.bytes for r in served),
-            bytes_written=sum(r.bytes for r in misses),
+            bytes_written=sum(r.bytes for r in misses if r.reason != READ_ONLY),
+            bytes_not_written=sum(r.bytes for r in misses if r.reason == READ_ONLY),
             gen_s_spent=sum(r.gen_s for r in self.records),
             gen_s_saved=sum(r.saved_s for r in served),
             load_s=sum(r.load_s for r in served),
