@@ -356,6 +356,23 @@ def test_leftover_trash_is_removed_by_cleanup(tmp_path):
 
 
 @pytest.mark.parametrize("action", ["delete", "quarantine"])
+def test_a_values_write_killed_midway_leaves_no_temporary_after_cleanup(tmp_path, action):
+    """A run killed while it wrote a step's recorded values left '.values/.tmp-...' (seen in the crash
+    test): startup's cleanup removes it; the values files themselves stay."""
+    st = make(tmp_path)
+    write_step(st, 1)
+    values = st.layout.root / ".values"
+    values.mkdir()
+    (values / "1.json").write_text("{}")
+    tmp = values / ".tmp-2.json.14803.c2858d4f"
+    tmp.write_bytes(b"x" * 7)
+    report = scan_namespace(st.layout)
+    assert [(x.path, x.bytes) for x in report.leftovers] == [(tmp, 7)]
+    result = plan_cleanup(report, action).execute()
+    assert not tmp.exists() and (values / "1.json").exists() and result.errors == ()
+
+
+@pytest.mark.parametrize("action", ["delete", "quarantine"])
 def test_cleanup_of_symlinked_steps_never_leaves_the_namespace(tmp_path, outside, action):
     st = make(tmp_path, K=2)
     write_step(st, 1)

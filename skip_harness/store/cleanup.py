@@ -16,6 +16,7 @@ from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.posix.fileops import remove_entry_at
 from skip_harness.store.scan import LeftoverEntry, NamespaceReport
 from skip_harness.store.stepstore import StepStore
+from skip_harness.store.values import VALUES_DIR
 
 __all__ = ["CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]
 
@@ -93,18 +94,23 @@ class CleanupPlan:
             except (OSError, SkipHarnessError) as exc:
                 errors.append(f"{item.path}: {item.action} failed: {exc}")
         _index.drop(layout, (i.step for i in done))
-        if self.leftovers:
-            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        for parent in (root, root / VALUES_DIR):   # the namespace's own debris, and the recorded values'
+            mine = [lo for lo in self.leftovers if lo.path.parent == parent]
+            if not mine:
+                continue
             try:
-                for lo in self.leftovers:
-                    if lo.path.parent != root:
-                        continue
+                dir_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as exc:
+                errors.append(f"{parent}: removal of its leftovers failed: {exc}")
+                continue
+            try:
+                for lo in mine:
                     try:
-                        freed += remove_entry_at(root_fd, lo.path.name, root)
+                        freed += remove_entry_at(dir_fd, lo.path.name, parent)
                     except OSError as exc:
                         errors.append(f"{lo.path}: removal failed: {exc}")
             finally:
-                os.close(root_fd)
+                os.close(dir_fd)
         return CleanupResult(tuple(done), freed, tuple(errors), moved, tuple(quarantined))
 
 

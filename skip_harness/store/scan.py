@@ -24,6 +24,7 @@ from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout, parse_step_name
 from skip_harness.store.posix.fileops import tree_bytes
 from skip_harness.store.status import STATUSES, StepReport, classify_step
+from skip_harness.store.values import VALUES_DIR
 
 __all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace"]
 
@@ -105,6 +106,16 @@ def _gc_paused():
             gc.enable()
 
 
+def _values_debris(values_dir: Path) -> List[LeftoverEntry]:
+    """'.tmp-' files a run killed while it wrote a step's recorded values left in '.values/'."""
+    try:
+        with os.scandir(values_dir) as it:
+            return [LeftoverEntry(values_dir / e.name, tree_bytes(e.path)) for e in it
+                    if e.name.startswith(TMP_PREFIX)]
+    except OSError:
+        return []
+
+
 def _scan_namespace(layout: Layout, use_index: bool, rewrite_index: bool = True) -> NamespaceReport:
     if layout.is_url:
         return _scan_listed(layout, use_index, rewrite_index)
@@ -123,6 +134,8 @@ def _scan_namespace(layout: Layout, use_index: bool, rewrite_index: bool = True)
             found.append((step, e.name))
         elif e.name.startswith(TRASH_PREFIX) or e.name.startswith(TMP_PREFIX):
             leftovers.append(LeftoverEntry(root / e.name, tree_bytes(e.path)))
+        elif e.name == VALUES_DIR and e.is_dir(follow_symlinks=False):
+            leftovers.extend(_values_debris(root / VALUES_DIR))
     leftovers.sort(key=lambda x: x.path.name)
 
     if not use_index:
