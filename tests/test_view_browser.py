@@ -117,6 +117,7 @@ def test_click_through_overview_namespace_step_trajectory_compare(demo_cache, pa
         assert sorted(links.all_inner_texts()) == sorted([SYNC, ASYNC])
         assert page.locator("#totals").inner_text().startswith("2 namespaces, 6 steps, ")
         page.get_by_role("link", name=SYNC, exact=True).click()
+        page.wait_for_url("**/ns/**")   # the click navigates: count on the new page, not the old one
         assert page.locator("#steps tbody tr").count() == 3
         charts = page.frame_locator("#charts")
         assert charts.locator("svg[id^=chart-value]").count() >= 1      # the values the demo recorded per step
@@ -248,10 +249,12 @@ def test_a_cache_on_s3(s3, page, tmp_path, monkeypatch):
     with viewer(tmp_path, url, env={**env, **s3.env("reader")}) as v:    # read-only credentials
         page.goto(v.url)
         page.get_by_role("link", name=SYNC, exact=True).click()
+        page.wait_for_url("**/ns/**")   # the click navigates: count on the new page, not the old one
         assert page.locator("#steps tbody tr").count() == 2
         page.locator("a.step-link", has_text="2").click()
         page.wait_for_url("**/step/2")
         assert "complete · 16 trajectories" in page.locator("#summary").inner_text()
         page.locator("a.traj-link").first.click()
+        page.wait_for_url("**/t/**")
         assert page.locator("#response-tokens .tok").count() == 6
     assert {o["Key"]: o["ETag"] for o in s3.boto3().list_objects_v2(Bucket=bucket)["Contents"]} == objects
