@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from skip_harness.errors import ConfigError
-from skip_harness.store.backend import dump_dir_problem, is_url, local_path
+from skip_harness.store.urls import dump_dir_problem, is_url, local_path
 from skip_harness.store.layout import NamespaceKey
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
@@ -99,7 +99,7 @@ class RolloutTQConfig:
     def resolved_dump_dir(self) -> Union[Path, str]:
         """The cache root: the explicit key, else $SKIP_HARNESS_DUMP_DIR, else the user's cache dir. A
         local one is a Path; an object-store URL (`s3://bucket/prefix`) stays the string it is (a Path
-        would fold its `//`): `store.backend.open_dump_dir` opens either."""
+        would fold its `//`): `store.open.open_dump_dir` opens either."""
         for value, name in ((self.dump_dir, f"{ROLLOUT_TQ_KEY}.dump_dir"), (os.environ.get(DUMP_DIR_ENV), DUMP_DIR_ENV)):
             if value and dump_dir_problem(value) is not None:
                 raise ConfigError(name, dump_dir_problem(value))

@@ -78,7 +78,7 @@ class HolderProcess:
             import sys, time
             from pathlib import Path
             from skip_harness.store.layout import Layout
-            from skip_harness.store.lock import NamespaceLock
+            from skip_harness.store.posix.lock import NamespaceLock
             lock = NamespaceLock(Layout(Path({str(layout.root)!r}), K={layout.K}, W={layout.W}))
             lock.acquire()
             sys.stdout.write("ready\\n"); sys.stdout.flush()

@@ -12,7 +12,7 @@ from skip_harness.config import namespace_key_from_config
 from skip_harness.demo.config import register_demo_configs, to_demo_config
 from skip_harness.integrations.hydra import HydraStartupCallback
 from skip_harness.run.harness import SkipHarness
-from skip_harness.store.lock import probe
+from skip_harness.store.posix.lock import probe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

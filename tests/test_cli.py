@@ -216,7 +216,8 @@ class Marker:
 def recommit_with(store, step, payload_bytes_writer):
     """Replace the payload of (step, 0, 0) and write a commit record whose sizes and checksums match it,
     so only loading the payload can tell that it is bad."""
-    from skip_harness.store.stepstore import FileEntry, checksum_file
+    from skip_harness.store.stepstore import FileEntry
+    from skip_harness.store.posix.fileops import checksum_file
 
     lay = store.layout
     payload = lay.payload_path(step, 0, 0)
@@ -289,8 +290,8 @@ def test_progress_is_a_rich_bar_on_a_terminal(monkeypatch):
 
 
 def test_clean_of_a_namespace_that_cannot_be_written_is_a_one_line_error(cache, capsys, monkeypatch):
-    from skip_harness.store import lock
-    from skip_harness.store.lock import ReadOnlyCache
+    from skip_harness.store.posix import lock
+    from skip_harness.store.posix.lock import ReadOnlyCache
 
     dump, a, b = cache
 

@@ -21,7 +21,8 @@ from skip_harness.codec import compression, tensorfile
 from skip_harness.errors import CodecError
 from skip_harness.store import payload_file
 from skip_harness.store.layout import Layout, NamespaceKey
-from skip_harness.store.stepstore import StepStore, checksum_file
+from skip_harness.store.posix.fileops import checksum_file
+from skip_harness.store.stepstore import StepStore
 
 ROOT = Path(__file__).resolve().parents[1]
 ZSTD = codec.stored_form("zstd", 3)

@@ -119,7 +119,7 @@ def test_sweep_over_k_gets_own_namespaces_and_rerun_hits(tmp_path, first_launche
 @pytest.mark.parametrize("launcher", [BASIC, JOBLIB], ids=["basic", "joblib"])
 def test_a_sweep_runs_every_job_when_one_stops_and_exits_nonzero_naming_it(tmp_path, launcher):
     from skip_harness.store.layout import NamespaceKey
-    from skip_harness.store.lock import NamespaceLock
+    from skip_harness.store.posix.lock import NamespaceLock
 
     # Another run holds the K = 2 job's namespace: that job stops; the K = 1 and K = 4 jobs still run.
     held = NamespaceKey("separate_async_seed0", "skip_harness_demo", 8, 2, 6, 6, K=2).layout(tmp_path / "cache")

@@ -38,7 +38,7 @@ def age(st, seconds=30.0):
             os.utime(os.path.join(d, name), (then, then), follow_symlinks=False)
     index.remove(st.layout)
     scan_namespace(st.layout)
-    assert all(not e.racy for e in index.read(st.layout).values())
+    assert all(not e.racy for e in index.read(st.layout, st.backend).values())
 
 
 def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
@@ -58,15 +58,15 @@ def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
 
 
 def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
-    from skip_harness.store.posix import backend as posix_backend
+    from skip_harness.store.posix.storage import PosixStorage
 
     st = make(tmp_path, K=4)
     for step in range(1, 6):
         write_step(st, step)
     age(st)
     listed = []
-    real = posix_backend._list_step
-    monkeypatch.setattr(posix_backend, "_list_step", lambda s, p: listed.append(p) or real(s, p))
+    real = PosixStorage.list
+    monkeypatch.setattr(PosixStorage, "list", lambda self, p="": listed.append(p) or real(self, p))
     report = scan_namespace(st.layout)
     assert report.counts()["complete"] == 5 and listed == []   # stamps only: no step directory listed
 
@@ -94,7 +94,7 @@ def test_missing_or_corrupt_index_is_rebuilt_with_a_note(tmp_path, damage):
     assert report.steps == full.steps
     word = "missing" if damage == "missing" else "corrupt"
     assert report.index_note.startswith(f"index {word}") and "rebuilt" in report.index_note
-    assert sorted(index.read(st.layout)) == [1, 2]
+    assert sorted(index.read(st.layout, st.backend)) == [1, 2]
     again = scan_namespace(st.layout)
     assert again.index_note is None and again.steps == full.steps
 
@@ -113,7 +113,7 @@ def test_stale_index_says_what_changed_and_is_rebuilt(tmp_path):
     assert [(s.step, s.status) for s in report.steps] == [(1, "complete"), (3, "complete"), (9, "complete")]
     assert "1 removed" in report.index_note and "1 unindexed" in report.index_note
     assert "rebuilt" in report.index_note
-    assert sorted(index.read(st.layout)) == [1, 3, 9]
+    assert sorted(index.read(st.layout, st.backend)) == [1, 3, 9]
     assert scan_namespace(st.layout).index_note is None
 
 
@@ -121,7 +121,7 @@ def test_an_unwritable_index_is_reported_and_the_scan_still_right(tmp_path, monk
     st = make(tmp_path)
     write_step(st, 1)
     index.remove(st.layout)
-    monkeypatch.setattr(index, "rewrite", lambda layout, entries: "Read-only file system")
+    monkeypatch.setattr(index, "rewrite", lambda layout, ns, entries: "Read-only file system")
     report = scan_namespace(st.layout)
     assert report.counts()["complete"] == 1
     assert "could not be rebuilt: Read-only file system" in report.index_note
@@ -217,7 +217,7 @@ def test_a_change_in_the_same_clock_tick_as_the_commit_is_still_seen(tmp_path):
     before = os.stat(step_dir)
     (step_dir / "meta.json").unlink()      # removed ...
     os.utime(step_dir, ns=(before.st_atime_ns, before.st_mtime_ns))   # ... within the same mtime tick
-    assert index.read(st.layout)[1].racy
+    assert index.read(st.layout, st.backend)[1].racy
     report = scan_namespace(st.layout)
     assert report.get(1).status == "corrupt"
     assert report.steps == scan_namespace(st.layout, use_index=False).steps
@@ -233,6 +233,6 @@ def test_cleanup_forgets_the_steps_it_removes(tmp_path):
     p.write_bytes(p.read_bytes()[:-1] + b"\x00")
     report = scan_namespace(st.layout)
     plan_cleanup(report, "quarantine", extra=[(2, st.reader.verify(2)[1])]).execute()
-    assert sorted(index.read(st.layout)) == [1, 3]
+    assert sorted(index.read(st.layout, st.backend)) == [1, 3]
     after = scan_namespace(st.layout)
     assert after.index_note is None and [s.step for s in after.steps] == [1, 3]

@@ -19,19 +19,29 @@ import pytest
 from conftest import subprocess_env
 from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.store.layout import Layout, NamespaceKey
-from skip_harness.store import lock as lock_mod
-from skip_harness.store.lock import (
+from skip_harness.store.locking import new_run_token
+from skip_harness.store.open import posix_namespace
+from skip_harness.store.posix import lock as lock_mod
+from skip_harness.store.posix.lock import (
     LockHolder,
     NamespaceLock,
     ReadOnlyCache,
     UnsafeLockFileError,
-    new_run_token,
     probe,
     read_holder,
-    remove_run_marker,
-    sees_run_marker,
-    write_run_marker,
 )
+
+
+def write_run_marker(lay, token):
+    posix_namespace(lay).put_run_marker(token)
+
+
+def sees_run_marker(lay, token, wait=0.0):
+    return posix_namespace(lay).sees_run_marker(token, wait)
+
+
+def remove_run_marker(lay, token):
+    posix_namespace(lay).remove_run_marker(token)
 
 
 def layout(tmp_path, name="exp"):
@@ -243,7 +253,7 @@ def test_a_run_that_stops_on_an_error_leaves_no_holder_record(tmp_path, ending):
         import sys
         from pathlib import Path
         from skip_harness.store.layout import Layout
-        from skip_harness.store.lock import NamespaceLock
+        from skip_harness.store.posix.lock import NamespaceLock
         NamespaceLock(Layout(Path({str(lay.root)!r}), K={lay.K}, W={lay.W})).acquire()
         assert Path({str(lay.lock_holder_path)!r}).exists()
         {ending}

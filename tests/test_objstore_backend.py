@@ -10,9 +10,11 @@ import xxhash
 
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
 from skip_harness.errors import CorruptStepError, LockHeldError
-from skip_harness.store.backend import COMMIT_NAME, NamespaceBackend, open_dump_dir
+from skip_harness.store.layout import COMMIT_NAME
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.open import DumpDir, open_dump_dir
 from skip_harness.store.bufferpool import BufferPool
-from skip_harness.store.objstore.backend import ObjectDumpDir, ObjectNamespace, list_namespaces
+from skip_harness.store.objstore.backend import ObjectNamespace, list_namespaces
 from skip_harness.store.objstore.errors import ObjectAccessDenied, ObjectCorrupt
 
 
@@ -123,11 +125,11 @@ LEAF = "exp_proj/GBS8_N1_in16_out16_K2_W1"
 
 
 def test_the_backend_interface_on_a_bucket(s3_server, s3_bucket):
-    """store.backend's seam, as the POSIX backend's test drives it, on an s3:// dump_dir."""
+    """The namespace over the object storage, as the POSIX test drives it, on an s3:// dump_dir."""
     dump = open_dump_dir(f"s3://{s3_bucket}/dump")
-    assert isinstance(dump, ObjectDumpDir)
+    assert isinstance(dump, DumpDir)
     ns = dump.namespace(LEAF)
-    assert isinstance(ns, NamespaceBackend) and ns.url == f"s3://{s3_bucket}/dump/{LEAF}"
+    assert isinstance(ns, Namespace) and ns.url == f"s3://{s3_bucket}/dump/{LEAF}"
     with pytest.raises(ValueError, match="not a namespace name"):
         dump.namespace("exp_proj/notaleaf")
     hold = ns.lock()
@@ -160,8 +162,8 @@ def test_the_backend_interface_on_a_bucket(s3_server, s3_bucket):
     ns.uncommit(3)
     assert not ns.list_step(3).committed and set(ns.list_step(3).files) == {"0/tq_batch.pt", "0/meta.json"}
     ns.uncommit(3)                                                   # none: nothing
-    ns.write_index(b"index")
-    assert ns.read_index() == b"index" and [s.step for s in ns.list_steps().steps] == [3]
+    ns.write_small(".index.jsonl", b"index")
+    assert ns.read_small(".index.jsonl") == b"index" and [s.step for s in ns.list_steps().steps] == [3]
     ns.put_run_marker("tok1")
     assert dump.namespace(LEAF).sees_run_marker("tok1") and not ns.sees_run_marker("tok2", wait=0.3)
     ns.remove_run_marker("tok1")

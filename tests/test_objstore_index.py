@@ -12,7 +12,8 @@ import pytest
 from conftest import write_step
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
 from skip_harness.store import index
-from skip_harness.store.backend import INDEX_KEY, namespace_of
+from skip_harness.store.index import INDEX_KEY
+from skip_harness.store.open import namespace_of
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import NamespaceKey
 from skip_harness.store.scan import scan_namespace
@@ -122,7 +123,7 @@ def test_a_damaged_or_foreign_index_object_is_ignored_and_rewritten(store, damag
         write_step(store, step, fingerprint=FP)
     backend = namespace_of(store.layout)
     scan_namespace(store.layout)
-    good = bytes(backend.read_index())
+    good = bytes(backend.read_small(INDEX_KEY))
     header, body = good.split(b"\n", 1)
     if damage == "garbage":
         data = b"\x00\xffnot an index at all"
@@ -141,7 +142,7 @@ def test_a_damaged_or_foreign_index_object_is_ignored_and_rewritten(store, damag
             if isinstance(x, list):
                 x[1] += 1
         data = header + b"\n" + b"".join(json.dumps(x, separators=(",", ":")).encode() + b"\n" for x in lines)
-    backend.write_index(data)
+    backend.write_small(INDEX_KEY, data)
     gets = Gets(store, monkeypatch)
     report = scan_namespace(store.layout)
     assert gets.commits() == [1, 2]                    # nothing taken from the damaged index
@@ -165,7 +166,7 @@ def test_a_read_only_credential_scans_and_writes_nothing(store, s3_server, s3_bu
     before = s3_server.keys(s3_bucket)
     for k, v in s3_server.env("reader").items():
         monkeypatch.setenv(k, v)
-    from skip_harness.store import backend as backend_mod
+    from skip_harness.store import open as backend_mod
     monkeypatch.setattr(backend_mod, "_NAMESPACES", {})   # a fresh client with the reader's key
     report = scan_namespace(store.layout)
     assert [s.status for s in report.steps] == ["complete", "complete"]

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import assert_batch_equal, batch, write_step
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
-from skip_harness.store.backend import open_dump_dir
+from skip_harness.store.open import open_dump_dir
 from skip_harness.store.layout import Layout
 from skip_harness.store.stepstore import StepStore
 

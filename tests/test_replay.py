@@ -205,7 +205,7 @@ def test_values_are_written_after_the_commit_and_a_failed_write_leaves_the_step_
 
 
 def test_non_finite_values_round_trip_and_match(tmp_path):
-    from skip_harness.store.backend import namespace_of
+    from skip_harness.store.open import namespace_of
 
     layout = namespace_in(plain_run(tmp_path, steps=1)[0].layout.root.parents[1])
     store = ValuesStore(namespace_of(layout))

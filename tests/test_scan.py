@@ -26,7 +26,7 @@ def make(tmp_path, K=1, W=1) -> StepStore:
 
 
 def status(st, step):
-    return classify_step(st.layout, step)
+    return classify_step(st.layout, step, backend=st.backend)
 
 
 def du(path) -> int:

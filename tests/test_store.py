@@ -18,7 +18,8 @@ from conftest import assert_batch_equal, batch, subprocess_env, write_legacy, wr
 from skip_harness import codec
 from skip_harness.store import payload_file
 from skip_harness.store import stepstore as store_mod
-from skip_harness.store.posix import backend as posix_backend
+from skip_harness.store.posix import storage as posix_backend
+from skip_harness.store.posix.fileops import HashingWriter
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout, NamespaceKey
@@ -334,7 +335,7 @@ def test_write_interrupted_at_every_point(tmp_path, monkeypatch, K):
             with pytest.raises(Boom):
                 _protocol(st, 1)
             failed_op = counter["ops"][-1]
-        report = classify_step(st.layout, 1)
+        report = classify_step(st.layout, 1, backend=st.backend)
         committed = st.layout.commit_path(1).exists()
         assert report.status in ("complete", "incomplete"), (fail_at, failed_op, report)
         assert (report.status == "complete") == committed, (fail_at, failed_op, report)
@@ -410,7 +411,7 @@ def test_process_dying_inside_a_write_leaves_no_partial_final_file(tmp_path, die
     payload = {"x": torch.randn(1 << 16), "step": 1}
 
     def child():
-        orig, orig_pwrite = store_mod.HashingWriter.write, os.pwrite
+        orig, orig_pwrite = HashingWriter.write, os.pwrite
 
         def write(self, data):  # meta.json (and commit.json) go through HashingWriter
             view = memoryview(data).cast("B")
@@ -425,7 +426,7 @@ def test_process_dying_inside_a_write_leaves_no_partial_final_file(tmp_path, die
             orig_pwrite(fd, view[: len(view) // 2 // 4096 * 4096], offset)
             os._exit(17)
 
-        store_mod.HashingWriter.write = write
+        HashingWriter.write = write
         if die_in == "payload":
             os.pwrite = pwrite
         st.writer.write_inner(1, 0, 0, payload, {"note": "x"})
@@ -601,7 +602,7 @@ def test_commit_records_generation_seconds_and_time_for_the_scan(tmp_path):
     t0 = time.time()
     record = st.writer.commit(1, entries, None, gen_s=1.25)
     assert record.gen_s == 1.25 and st.reader.read_commit(1).gen_s == 1.25
-    rep = classify_step(st.layout, 1)
+    rep = classify_step(st.layout, 1, backend=st.backend)
     assert rep.gen_s == 1.25 and abs(rep.created - t0) < 60
     meta = st.reader.read_meta(1, 0, 0)
     assert meta["format"] == codec.FORMAT_VERSION

@@ -178,7 +178,9 @@ def test_a_scan_that_may_not_write_leaves_a_stale_index_alone(tmp_path):
     _scan.scan_namespace(lay)
     index = (lay.root / _index.INDEX_NAME).read_bytes()
     write_namespace(tmp_path / "cache", "ns", {4: demo_batch(4)})
-    _index.rewrite(lay, [e for s, e in _index.read(lay).items() if s != 2])   # stale: step 2 and 4 unindexed
+    from skip_harness.store.open import namespace_of
+    ns = namespace_of(lay)
+    _index.rewrite(lay, ns, [e for s, e in _index.read(lay, ns).items() if s != 2])   # stale: step 2 and 4 unindexed
     stale = (lay.root / _index.INDEX_NAME).read_bytes()
     report = _scan.scan_namespace(lay, rewrite_index=False)
     assert [s.step for s in report.steps if s.status == "complete"] == [1, 2, 3, 4]

@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace) -> int:
     where = ""
     if args.dump_dir is None:   # where runs write
         dump_dir, where = default_dump_dir()
-    elif is_url_text(args.dump_dir):   # an object store: opened through store.backend, never a Path
+    elif is_url_text(args.dump_dir):   # an object store: opened through store.open, never a Path
         dump_dir = UrlPath(args.dump_dir)  # type: ignore[assignment]
     else:
         dump_dir = Path(args.dump_dir)

@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from rich.markup import escape
 from rich.table import Table
 
-from skip_harness.store.backend import Hold, namespace_of
+from skip_harness.store.locking import Hold
+from skip_harness.store.open import namespace_of
 from skip_harness.store import retention as _retention
 from skip_harness.store import cleanup as _cleanup
 from skip_harness.store import scan as _scan

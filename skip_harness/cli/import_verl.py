@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.store.backend import namespace_of
+from skip_harness.store.open import namespace_of
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.verl_dump import (  # noqa: F401  (verl's dump, read only: re-exported)
     VERL_META, VERL_PAYLOAD, VERL_V0_PAYLOAD, VerlNamespace, VerlStep, find_verl_namespaces, load_trusted,

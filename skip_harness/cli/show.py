@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from skip_harness.store import payload_file
+from skip_harness.store.open import namespace_of
 from skip_harness.store.paths import payload_rel_at
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CodecError, CorruptStepError
@@ -100,7 +101,7 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
         raise CliError(f"INNER {inner} is outside 0..{layout.K - 1} (K={layout.K} in {layout.root})")
     if not 0 <= rank < layout.W:
         raise CliError(f"--rank {rank} is outside 0..{layout.W - 1} (W={layout.W} in {layout.root})")
-    return Target(layout.step_dir(step) / payload_rel_at(layout, step, inner, rank), layout, step, inner, rank)
+    return Target(layout.step_dir(step) / payload_rel_at(layout, step, inner, rank, namespace_of(layout)), layout, step, inner, rank)
 
 
 def _ranges(steps: List[int]) -> str:

@@ -1,6 +1,6 @@
 """What happens before the first `sample`: lock the namespace, scan it, handle what an earlier run left.
 
-Orchestration only: the namespace is held through its backend (`store.backend`) and scanned by `scan`. A namespace that cannot
+Orchestration only: the namespace is held through its namespace (`store.open`) and scanned by `scan`. A namespace that cannot
 be written (a finished cache on a read-only mount) is scanned only: no lock, no cleanup, no writes.
 A Hydra callback that did the startup before the task function hands its result over here
 (:func:`hand_over`); the harness then takes it (:func:`take_over`) instead of locking a second time.
@@ -18,8 +18,8 @@ from skip_harness.run.dist import DistContext
 from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
-from skip_harness.store.backend import Hold, namespace_of
-from skip_harness.store.lock import new_run_token
+from skip_harness.store.locking import Hold, new_run_token
+from skip_harness.store.open import namespace_of
 from skip_harness.store.cleanup import CleanupItem, CleanupPlan, CleanupResult, plan_cleanup
 from skip_harness.store.scan import NamespaceReport, scan_namespace
 from skip_harness.units import human_bytes

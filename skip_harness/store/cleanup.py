@@ -3,20 +3,17 @@ freed size; `plan.execute()` -> result. Nothing changes on disk until a plan is 
 removed (commit record first) or moved under `{namespace}/.quarantine/`, never following a link."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
-from skip_harness.store import index as _index
 from skip_harness.choices import Cleanup
 from skip_harness.errors import ConfigError, SkipHarnessError
-from skip_harness.store.backend import namespace_of
+from skip_harness.store import index as _index
 from skip_harness.store.layout import Layout, UrlPath
-from skip_harness.store.posix.fileops import remove_entry_at
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.open import namespace_of
 from skip_harness.store.scan import LeftoverEntry, NamespaceReport
-from skip_harness.store.stepstore import StepStore
-from skip_harness.store.values import VALUES_DIR
 
 __all__ = ["CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]
 
@@ -68,23 +65,24 @@ class CleanupPlan:
         verb = {"delete": "remove", "quarantine": "quarantine"}.get(self.action, "leave")
         return f"{verb} {len(self.items)} steps, {self.bytes} bytes"
 
-    def execute(self) -> CleanupResult:
+    def execute(self, namespace: Optional[Namespace] = None) -> CleanupResult:
+        """Do it, through `namespace` (the layout's, opened here when not given)."""
         layout = self.layout
         root = layout.root
         done: List[CleanupItem] = []
         errors: List[str] = []
         quarantined: List[Path] = []
         freed = moved = 0
-        store = StepStore(layout)
+        ns = namespace if namespace is not None else namespace_of(layout)
         for item in self.items:
             if item.path.parent != root or item.path != layout.step_dir(item.step):
                 errors.append(f"{item.path}: not a step of namespace {root}; left alone")
                 continue
             try:
                 if item.action == Cleanup.delete.value:
-                    freed += store.writer.clear_step(item.step)
+                    freed += ns.remove_step(item.step)
                 elif item.action == Cleanup.quarantine.value:
-                    dst = _quarantine(layout, item.step)
+                    dst = _quarantine(layout, ns, item.step)
                     moved += item.bytes
                     quarantined.append(dst)
                 else:
@@ -93,30 +91,18 @@ class CleanupPlan:
                 done.append(item)
             except (OSError, SkipHarnessError) as exc:
                 errors.append(f"{item.path}: {item.action} failed: {exc}")
-        _index.drop(layout, (i.step for i in done))
-        for parent in (root, root / VALUES_DIR):   # the namespace's own debris, and the recorded values'
-            mine = [lo for lo in self.leftovers if lo.path.parent == parent]
-            if not mine:
-                continue
+        _index.drop(layout, ns, (i.step for i in done))
+        for lo in self.leftovers:    # the namespace's own debris, and the recorded values'
             try:
-                dir_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError as exc:
-                errors.append(f"{parent}: removal of its leftovers failed: {exc}")
-                continue
-            try:
-                for lo in mine:
-                    try:
-                        freed += remove_entry_at(dir_fd, lo.path.name, parent)
-                    except OSError as exc:
-                        errors.append(f"{lo.path}: removal failed: {exc}")
-            finally:
-                os.close(dir_fd)
+                freed += ns.remove(str(lo.path.relative_to(root)))
+            except (OSError, SkipHarnessError, ValueError) as exc:
+                errors.append(f"{lo.path}: removal failed: {exc}")
         return CleanupResult(tuple(done), freed, tuple(errors), moved, tuple(quarantined))
 
 
-def _quarantine(layout: Layout, step: int) -> Path:
+def _quarantine(layout: Layout, ns: Namespace, step: int) -> Path:
     """Move a step entry (directory, file or link: never followed) under {namespace}/.quarantine/."""
-    where = namespace_of(layout).set_aside(step, "")
+    where = ns.set_aside(step, "")
     return UrlPath(where) if layout.is_url else Path(where)  # type: ignore[return-value]  # a UrlPath on a bucket
 
 

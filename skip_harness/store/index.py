@@ -24,20 +24,21 @@ there is a hash over its listed objects' (rel, size, ETag) -- taken from the one
 anyway -- and an entry is made only when the commit record read had the ETag the listing gave, so an
 entry describes exactly the objects its stamp covers. There is no append: commits do not touch it
 (`append`, `make_entry` and `drop` do nothing for a URL): the startup scan rewrites the whole object
-once (`write_url`) when it found it missing, damaged or stale, and a run adds the steps it committed
-once, when it gives its lease back (`ObjectNamespace.flush_index`). A killed run's steps are read in
-full once, at the next startup, and are indexed from then on.
+once (`rewrite`) when it found it missing, damaged or stale, and a run adds the steps it committed
+once, when it gives its lease back (`flush`, a release hook of the namespace). A killed run's steps are
+read in full once, at the next startup, and are indexed from then on.
 
-This module does no logging and never imports the scan (`scan` imports it). It reads and writes through
-the namespace's backend (`store.backend`, `store.posix.backend`); the storage redesign moves that behind
-the storage interface.
+Which of the two: a storage with real directories (`caps.directories`) gets directory stamps, any other
+listing stamps; one that can append (`caps.append`) gets a line a commit, any other the rewrite at
+release. This module logs only a failed rewrite at release (no caller is left to) and never imports the scan (`scan` imports it). It reads and writes
+through the namespace (`store.namespace`), never a file.
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -45,17 +46,22 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import xxhash
 
-from skip_harness.store.backend import INDEX_KEY
+from skip_harness.errors import CorruptStepError
+from skip_harness.store.commit import parse_commit
 from skip_harness.store.layout import COMMIT_NAME, Layout
-from skip_harness.store.posix.backend import PosixNamespace
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.storage import DIR, FILE
 
+logger = logging.getLogger("skip_harness.store.objstore")
+
+INDEX_KEY = ".index.jsonl"
 INDEX_NAME = INDEX_KEY
 INDEX_FORMAT = 1
 RACY_NS = 250_000_000          # mtimes this close to the entry's own writing are rechecked (> any local fs tick)
 
 URL_STAMP = "etag"   # an object-store index's stamps: xxh3_64 over each object's (rel, size, ETag)
 
-Stamp = int   # xxh3_64 of (step dir ino, mtime_ns, commit ino, size, mtime_ns, each inner dir's ino, mtime_ns)
+Stamp = int   # xxh3_64 of the change stamps of the step directory, its commit record and each inner directory
 
 
 @dataclass(frozen=True)
@@ -84,13 +90,9 @@ class IndexUnusable(Exception):
     """The index file is missing or cannot be trusted at all; the message says which and why."""
 
 
-def index_path(layout: Layout) -> str:
-    return os.path.join(os.fspath(layout.root), INDEX_NAME)
-
-
-def _header(layout: Layout) -> str:
+def _header(layout: Layout, ns: Namespace) -> str:
     doc: Dict[str, Any] = {"skip_harness_index": INDEX_FORMAT, "K": layout.K, "W": layout.W}
-    if layout.is_url:
+    if not ns.caps.directories:
         doc["stamp"] = URL_STAMP      # a POSIX index (inode stamps) copied into a bucket is not this one
     return json.dumps(doc, separators=(",", ":")) + "\n"
 
@@ -113,28 +115,28 @@ def _fp_line(key: str, fp: Dict[str, Any]) -> str:
 # stamps
 
 
-def read_stamp(root_fd: int, name: str, K: int) -> Optional[Tuple[Stamp, int]]:
-    """(stamp, newest mtime) of step directory `name` in the namespace directory root_fd, None if any part
-    of it is missing or not what a committed step has (a link, a file where a directory belongs)."""
-    stat_at = os.stat
-    try:
-        st = stat_at(name, dir_fd=root_fd, follow_symlinks=False)
-        commit = stat_at(name + _COMMIT_SUFFIX, dir_fd=root_fd, follow_symlinks=False)
-        if (st.st_mode & 0o170000) != 0o040000 or (commit.st_mode & 0o170000) != 0o100000:
-            return None
-        values = [st.st_ino, st.st_mtime_ns, commit.st_ino, commit.st_size, commit.st_mtime_ns]
-        newest = max(st.st_mtime_ns, commit.st_mtime_ns)
-        if K > 1:
-            for suffix in _inner_suffixes(K):
-                ist = stat_at(name + suffix, dir_fd=root_fd, follow_symlinks=False)
-                if (ist.st_mode & 0o170000) != 0o040000:
-                    return None
-                values += (ist.st_ino, ist.st_mtime_ns)
-                if ist.st_mtime_ns > newest:
-                    newest = ist.st_mtime_ns
-        return xxhash.xxh3_64_intdigest(_pack_stamp(len(values)).pack(*values)), newest
-    except (OSError, ValueError, struct.error):
+def read_stamp(ns: Namespace, name: str, K: int) -> Optional[Tuple[Stamp, int]]:
+    """(stamp, newest mtime) of step directory `name`, from the stamps of its directory, its commit record
+    and its inner directories (`Namespace.stat`); None if any part of it is missing or not what a
+    committed step has (a link, a file where a directory belongs)."""
+    stat = ns.stat
+    st = stat(name)
+    if st is None or st.kind != DIR:
         return None
+    commit = stat(name + _COMMIT_SUFFIX)
+    if commit is None or commit.kind != FILE:
+        return None
+    parts = [st.stamp, commit.stamp]
+    newest = max(st.mtime_ns or 0, commit.mtime_ns or 0)
+    if K > 1:
+        for suffix in _inner_suffixes(K):
+            ist = stat(name + suffix)
+            if ist is None or ist.kind != DIR:
+                return None
+            parts.append(ist.stamp)
+            if (ist.mtime_ns or 0) > newest:
+                newest = ist.mtime_ns or 0
+    return xxhash.xxh3_64_intdigest("|".join(parts).encode()), newest
 
 
 _COMMIT_SUFFIX = "/" + COMMIT_NAME
@@ -145,25 +147,14 @@ def _inner_suffixes(K: int) -> Tuple[str, ...]:
     return tuple(f"/{i}" for i in range(K))
 
 
-@functools.lru_cache(maxsize=16)
-def _pack_stamp(n: int) -> struct.Struct:
-    return struct.Struct(f"<{n}Q")
-
-
-def make_entry(layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]],
+def make_entry(ns: Namespace, layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]],
                created: float, gen_s: Optional[float]) -> Optional[IndexEntry]:
-    """An entry for a step as it is on disk now (None if its stamp cannot be read; an object store
-    keeps no index)."""
-    if layout.is_url:
-        return None
-    try:
-        root_fd = os.open(layout.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        stamp = read_stamp(root_fd, str(step), layout.K)
-    finally:
-        os.close(root_fd)
+    """An entry for a step as it is stored now (None if its stamp cannot be read): directory stamps
+    where the storage has directories, else the stamp of its listing."""
+    if not ns.caps.directories:
+        listing = ns.list_step(step)
+        return None if listing is None else url_entry(step, nbytes, fingerprint, created, gen_s, listing_stamp(listing))
+    stamp = read_stamp(ns, str(step), layout.K)
     if stamp is None:
         return None
     return IndexEntry(step, nbytes, fingerprint, created, gen_s, stamp[0], time.time_ns(), stamp[1])
@@ -173,24 +164,22 @@ def make_entry(layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dic
 # reading and writing
 
 
-def read(layout: Layout, backend: Any = None) -> Dict[int, IndexEntry]:
-    """{step: its latest entry}, read through the namespace's backend (`read_index`; the POSIX one
-    unless `backend` is given -- an object store's index is one object). IndexUnusable if it is
-    missing, cannot be read, is for another K/W or stamp kind, or any line of it does not parse (a torn
-    append included: the index is then rebuilt)."""
-    backend = backend if backend is not None else PosixNamespace(layout)
+def read(layout: Layout, ns: Namespace) -> Dict[int, IndexEntry]:
+    """{step: its latest entry}, read through the namespace. IndexUnusable if it is missing, cannot be
+    read, is for another K/W or stamp kind, or any line of it does not parse (a torn append included:
+    the index is then rebuilt)."""
     try:
-        data = backend.read_index()
+        data = ns.read_small(INDEX_KEY)
     except Exception as exc:  # OSError, a symlink (CorruptStepError), ObjectStoreError: only a hint
         raise IndexUnusable(f"cannot be read: {exc}") from None
     if data is None:
         raise IndexUnusable("missing")
-    return parse(layout, bytes(data))
+    return parse(layout, ns, bytes(data))
 
 
-def parse(layout: Layout, data: bytes) -> Dict[int, IndexEntry]:
+def parse(layout: Layout, ns: Namespace, data: bytes) -> Dict[int, IndexEntry]:
     """{step: its latest entry} from the index's bytes; IndexUnusable when they cannot be trusted."""
-    header = _header(layout).encode()
+    header = _header(layout, ns).encode()
     if not data.startswith(header):
         raise IndexUnusable("corrupt: unexpected header (another format, K or W)")
     if not data.endswith(b"\n"):
@@ -219,74 +208,86 @@ def parse(layout: Layout, data: bytes) -> Dict[int, IndexEntry]:
     return out
 
 
-_appended: Dict[str, Tuple[int, int, Optional[str]]] = {}   # path -> (inode, size, fingerprint key) after our append
+_appended: Dict[str, Tuple[Optional[str], Optional[str]]] = {}   # index where -> (its stamp after our append, fp key)
 _append_lock = threading.Lock()
 
 
-def append(layout: Layout, entry: Optional[IndexEntry]) -> bool:
+def committed(ns: Namespace, layout: Layout, step: int, record: Any, record_bytes: bytes, stamp: str) -> None:
+    """What a commit adds to the index (`StepWriter.commit`, after the commit record is durable): a line
+    appended now where the storage appends, else the step remembered for the one rewrite when the run
+    gives the namespace back (`flush`). Never raises: a hint."""
+    if not ns.caps.append:
+        with _append_lock:
+            ns.index_state.setdefault("committed", {})[int(step)] = (bytes(record_bytes), stamp)
+        ns.on_release("index", lambda: _flush_quietly(ns, layout))
+        return
+    fp = None if record.fingerprint is None else record.fingerprint.to_json()
+    nbytes = sum(e.bytes for e in record.files) + len(record_bytes)
+    try:
+        entry = make_entry(ns, layout, step, nbytes, fp, record.created, record.gen_s)
+    except (OSError, CorruptStepError):
+        return
+    append(ns, layout, entry)
+
+
+def append(ns: Namespace, layout: Layout, entry: Optional[IndexEntry]) -> bool:
     """Append one entry durably (creating the index with its header if there is none, and writing the
-    entry's fingerprint line unless this process's previous append to the same file did). Returns False
+    entry's fingerprint line unless this process's previous append to the same index did). Returns False
     if it could not be written: the index is a hint, and the next scan finds the step anyway."""
-    if entry is None or layout.is_url:
+    if entry is None or not ns.caps.append:
         return False
-    path = index_path(layout)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    where = ns.where(INDEX_KEY)
     key = entry.fingerprint_key()
     with _append_lock:
         try:
-            try:
-                fd = os.open(path, flags)
-                prefix = ""
-            except FileNotFoundError:
-                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-                prefix = _header(layout)
-            try:
-                st = os.fstat(fd)
-                if key is not None and _appended.get(path) != (st.st_ino, st.st_size, key):
-                    prefix += _fp_line(key, entry.fingerprint)
-                data = (prefix + _entry_line(entry)).encode()
-                os.write(fd, data)
-                os.fsync(fd)
-                _appended[path] = (st.st_ino, st.st_size + len(data), key)
-            finally:
-                os.close(fd)
-        except OSError:
-            _appended.pop(path, None)
+            found = ns.stat(INDEX_KEY)
+            prefix = "" if found is not None else _header(layout, ns)
+            if key is not None and (found is None or _appended.get(where) != (found.stamp, key)):
+                prefix += _fp_line(key, entry.fingerprint)
+            ns.locker.fence(key=INDEX_KEY)
+            ns.storage.append(INDEX_KEY, (prefix + _entry_line(entry)).encode())
+            after = ns.stat(INDEX_KEY)
+            _appended[where] = (None if after is None else after.stamp, key)
+        except (OSError, CorruptStepError):
+            _appended.pop(where, None)
             return False
     return True
 
 
-def rewrite(layout: Layout, entries: Iterable[IndexEntry]) -> Optional[str]:
+def rewrite(layout: Layout, ns: Namespace, entries: Iterable[IndexEntry]) -> Optional[str]:
     """Replace the index atomically with `entries`. None on success, else why it could not be written."""
-    data = render(layout, entries)
     try:
-        PosixNamespace(layout).write_index(data)   # temp + fsync + rename + dir fsync
-    except OSError as exc:
-        return exc.strerror or str(exc)
+        ns.write_small(INDEX_KEY, render(layout, ns, entries))   # temp + fsync + rename + dir fsync; one PUT
+    except Exception as exc:  # noqa: BLE001 - OSError, an object store's error: only a hint
+        return getattr(exc, "strerror", None) or str(exc)
     with _append_lock:
-        _appended.pop(index_path(layout), None)
+        _appended.pop(ns.where(INDEX_KEY), None)
     return None
 
 
-def drop(layout: Layout, steps: Iterable[int]) -> None:
+def drop(layout: Layout, ns: Namespace, steps: Iterable[int]) -> None:
     """Forget `steps` (removed by cleanup), so the next scan does not find the index stale. Best effort."""
     gone = set(steps)
-    if not gone or layout.is_url:
+    if not gone or not ns.caps.directories:
         return
     try:
-        entries = read(layout)
+        entries = read(layout, ns)
     except IndexUnusable:
         return
     if gone & set(entries):
-        rewrite(layout, [e for s, e in entries.items() if s not in gone])
+        rewrite(layout, ns, [e for s, e in entries.items() if s not in gone])
 
 
-def remove(layout: Layout) -> None:
-    """Delete the index (tests, and callers that want the next scan to be a full one)."""
-    try:
-        os.unlink(index_path(layout))
-    except FileNotFoundError:
-        pass
+def remove(target: Any) -> None:
+    """Delete the index (tests, and callers that want the next scan to be a full one): `target` a
+    namespace, or a local Layout (scripts/bench.py's form)."""
+    if isinstance(target, Layout):
+        try:
+            os.unlink(os.path.join(os.fspath(target.root), INDEX_NAME))
+        except FileNotFoundError:
+            pass
+        return
+    target.storage.delete(INDEX_KEY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,19 +313,9 @@ def url_entry(step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]], cre
     return IndexEntry(step, nbytes, fingerprint, created, gen_s, stamp, time.time_ns(), 0)
 
 
-def write_url(layout: Layout, backend: Any, entries: Iterable[IndexEntry]) -> Optional[str]:
-    """Replace the index object with `entries` (one PUT through `backend.write_index`). None on
-    success, else why it could not be written (read-only credential, outage)."""
-    try:
-        backend.write_index(render(layout, entries))
-    except Exception as exc:  # a hint that could not be written: the next scan reads the steps
-        return str(exc)
-    return None
-
-
-def render(layout: Layout, entries: Iterable[IndexEntry]) -> bytes:
+def render(layout: Layout, ns: Namespace, entries: Iterable[IndexEntry]) -> bytes:
     """The whole index (header, fingerprint lines, one line per entry in step order) as bytes."""
-    parts = [_header(layout)]
+    parts = [_header(layout, ns)]
     seen = set()
     for e in sorted(entries, key=lambda e: e.step):
         key = e.fingerprint_key()
@@ -335,19 +326,67 @@ def render(layout: Layout, entries: Iterable[IndexEntry]) -> bytes:
     return "".join(parts).encode()
 
 
-def check_entries(root_fd: int, names: Sequence[Tuple[int, str]], entries: Dict[int, IndexEntry],
+def check_entries(ns: Namespace, names: Sequence[Tuple[int, str]], entries: Dict[int, IndexEntry],
                   K: int) -> Tuple[Dict[int, IndexEntry], List[int]]:
-    """Split the steps found on disk: ({step: entry} whose stamps match and are not racy, [steps with an
-    entry that no longer matches or is racy]). Steps without an entry are in neither."""
+    """Split the steps found: ({step: entry} whose stamps match and are not racy, [steps with an entry
+    that no longer matches or is racy]). Steps without an entry are in neither."""
     trusted: Dict[int, IndexEntry] = {}
     changed: List[int] = []
     for step, name in names:
         entry = entries.get(step)
         if entry is None:
             continue
-        stamp = read_stamp(root_fd, name, K)
+        stamp = read_stamp(ns, name, K)
         if stamp is None or stamp[0] != entry.stamp or entry.racy or stamp[1] != entry.newest_mtime_ns:
             changed.append(step)
         else:
             trusted[step] = entry
     return trusted, changed
+
+
+# --------------------------------------------------------------------------------------------
+# the rewrite at release (a storage without append)
+
+
+def flush(ns: Namespace, layout: Layout) -> Optional[str]:
+    """Add the steps this run committed to the index: one read of the index, one listing, one write
+    (nothing when it committed nothing). An entry is made only for a step whose listed commit record has
+    the stamp our put returned and lists exactly the sizes listed. Returns None when written (or nothing
+    to do), else why not. Never raises: a hint."""
+    with _append_lock:
+        committed_steps = ns.index_state.pop("committed", {})
+    if not committed_steps:
+        return None
+    try:
+        data = ns.read_small(INDEX_KEY)           # an outage ends the flush here, not after more timeouts
+        try:
+            entries = {} if data is None else parse(layout, ns, bytes(data))
+        except IndexUnusable:
+            entries = {}
+        listed = {s.step: s for s in ns.list_steps().steps}
+        for step, (record, stamp) in committed_steps.items():
+            entries.pop(step, None)
+            s = listed.get(step)
+            stored = None if s is None else s.files.get(COMMIT_NAME)
+            if stored is None or not stamp or stored.stamp != stamp:
+                continue                    # rewritten or removed since: the next scan reads it
+            try:
+                rec = parse_commit(record, layout, step, ns.where(f"{step}/{COMMIT_NAME}"))
+            except CorruptStepError:
+                continue
+            if any(s.files.get(f.rel) is None or s.files[f.rel].size != f.bytes for f in rec.files):
+                continue
+            fp = None if rec.fingerprint is None else rec.fingerprint.to_json()
+            entries[step] = url_entry(step, s.total, fp, rec.created, rec.gen_s, listing_stamp(s))
+        entries = {k: e for k, e in entries.items() if k in listed}
+    except Exception as exc:  # noqa: BLE001 - an object store's error, a bad index: only a hint
+        return str(exc)
+    return rewrite(layout, ns, entries.values())
+
+
+def _flush_quietly(ns: Namespace, layout: Layout) -> None:
+    why = flush(ns, layout)
+    if why is not None:
+        logger.info(
+            "%s: the namespace index was not updated (%s): the next startup reads the commit records of this "
+            "run's steps", ns.url, why)

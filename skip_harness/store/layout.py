@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator, Optional, Tuple
 
+from skip_harness.store.urls import UrlPath, is_url
+
 PAYLOAD_NAME = "tq_batch.pt"
 META_NAME = "meta.json"
 COMMIT_NAME = "commit.json"
@@ -69,67 +71,11 @@ class NamespaceKey:
     def layout(self, dump_dir: "Path | str | UrlPath") -> "Layout":
         """The namespace's Layout under `dump_dir`: a local path, or an object-store URL
         (`s3://bucket/prefix`), kept a URL (`UrlPath`): `Path` would fold its `//`."""
-        base = UrlPath(str(dump_dir)) if is_url_text(dump_dir) else Path(dump_dir)
+        base = UrlPath(str(dump_dir)) if is_url(dump_dir) else Path(dump_dir)
         return Layout(base / self.group_name / self.leaf_name, K=self.K, W=self.W)
 
 
-_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def is_url_text(where: object) -> bool:
-    """Whether `where` names an object store (`s3://...`; a `file://` URL and a path are local)."""
-    if isinstance(where, UrlPath):
-        return True
-    if where is None or not isinstance(where, str):
-        return False
-    m = _URL_RE.match(where)
-    return bool(m) and m.group(1).lower() != "file"
-
-
-class UrlPath:
-    """An object-store location (`s3://bucket/prefix/ns/3`) with the few `Path` operations the layout's
-    messages use (`/`, `name`, `parent`, `str`). Deliberately not path-like (no `__fspath__`): nothing
-    can open it as a local file by mistake."""
-
-    __slots__ = ("url",)
-
-    def __init__(self, url: str):
-        self.url = url.rstrip("/") if not url.endswith("://") else url
-
-    def __truediv__(self, other: object) -> "UrlPath":
-        other = str(other)
-        if other in ("", "."):
-            return self
-        return UrlPath(f"{self.url}/{other.lstrip('/')}")
-
-    @property
-    def name(self) -> str:
-        return self.url.rsplit("/", 1)[-1]
-
-    @property
-    def parent(self) -> "UrlPath":
-        head, sep, _ = self.url.rpartition("/")
-        return UrlPath(head) if sep and not head.endswith(":/") else self
-
-    def relative_to(self, base: object) -> PurePosixPath:
-        base = str(base).rstrip("/")
-        if self.url == base:
-            return PurePosixPath(".")
-        if not self.url.startswith(base + "/"):
-            raise ValueError(f"{self.url} is not under {base}")
-        return PurePosixPath(self.url[len(base) + 1:])
-
-    def __str__(self) -> str:
-        return self.url
-
-    def __repr__(self) -> str:
-        return f"UrlPath({self.url!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, UrlPath) and other.url == self.url
-
-    def __hash__(self) -> int:
-        return hash(("UrlPath", self.url))
+is_url_text = is_url    # the one URL test (store.urls), under the name the command line imports
 
 
 def parse_namespace_leaf(name: str) -> Optional[Tuple[int, int]]:

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import List, Union
 
-from skip_harness.store.backend import open_dump_dir
 from skip_harness.store.layout import Layout, UrlPath, is_url_text, parse_namespace_leaf
+from skip_harness.store.open import open_dump_dir
 
 __all__ = ["namespaces_at", "find_namespaces"]
 

@@ -1,17 +1,19 @@
-"""Where a step's files are, checked on the way: step and inner directories entered only when they are
-real directories (never a symlink), files only when they are regular files, K = 1 steps found in
-either layout (writing goes through the backend, `store.posix.backend`). Raises CorruptStepError naming the
-path, or HarnessUsageError for a position outside the namespace's K and W. No logging."""
+"""Where a step's files are, checked on the way through the namespace (`Namespace.stat`): step and inner
+directories only when they are real directories (never a symlink), files only when they are regular
+files, K = 1 steps found in either layout. Raises CorruptStepError naming the path, or HarnessUsageError
+for a position outside the namespace's K and W. No logging."""
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path, PurePosixPath
 from typing import Any, Tuple
 
 from skip_harness.errors import CorruptStepError, HarnessUsageError
-from skip_harness.store.posix.fileops import describe_mode
 from skip_harness.store.layout import Layout
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.storage import DIR, FILE, LINK, Entry
+
+_NOT_A_DIRECTORY = {LINK: "is a symlink (never followed)", FILE: "is a regular file, not a directory"}
+_NOT_A_FILE = {LINK: "is a symlink (never followed)", DIR: "is a directory"}
 
 
 def check_step(step: Any) -> None:
@@ -29,42 +31,50 @@ def check_position(layout: Layout, step: int, inner_index: int, rank: int) -> No
     if not 0 <= rank < layout.W:
         raise HarnessUsageError(f"rank {rank} is outside 0..{layout.W - 1} (W={layout.W})")
 
-def real_file(layout: Layout, step: int, rel: str) -> Path:
-    """The path of step/rel after checking that no component is a symlink and it is a regular file."""
+def _what(e: Entry, table: dict) -> str:
+    return table.get(e.kind, "is not a regular file or directory")
+
+
+def real_file(layout: Layout, step: int, rel: str, ns: Namespace) -> Path:
+    """The path of step/rel after checking that no component is a symlink and it is a regular file
+    (one `stat` per component: a storage without directories has only the file to check)."""
     step_dir = layout.step_dir(step)
     path = step_dir
     parts = PurePosixPath(rel).parts
-    try:
-        st = os.lstat(step_dir)
-        if not stat.S_ISDIR(st.st_mode):
-            raise CorruptStepError(step_dir, f"step directory {describe_mode(st.st_mode)}")
-        for i, part in enumerate(parts):
-            path = path / part
-            st = os.lstat(path)
-            last = i == len(parts) - 1
-            if not last and not stat.S_ISDIR(st.st_mode):
-                raise CorruptStepError(path, f"inner directory {describe_mode(st.st_mode)}")
-            if last and not stat.S_ISREG(st.st_mode):
-                raise CorruptStepError(path, f"{describe_mode(st.st_mode)}; expected a regular file")
-    except FileNotFoundError:
-        raise CorruptStepError(path, "missing") from None
+    key = str(int(step))
+    if ns.caps.directories:
+        e = ns.stat(key)
+        if e is None:
+            raise CorruptStepError(path, "missing")
+        if e.kind != DIR:
+            raise CorruptStepError(step_dir, f"step directory {_what(e, _NOT_A_DIRECTORY)}")
+    for i, part in enumerate(parts):
+        path = path / part
+        key = f"{key}/{part}"
+        last = i == len(parts) - 1
+        if not last and not ns.caps.directories:
+            continue
+        e = ns.stat(key)
+        if e is None:
+            raise CorruptStepError(path, "missing")
+        if not last and e.kind != DIR:
+            raise CorruptStepError(path, f"inner directory {_what(e, _NOT_A_DIRECTORY)}")
+        if last and e.kind != FILE:
+            raise CorruptStepError(path, f"{_what(e, _NOT_A_FILE)}; expected a regular file")
     return path
 
-def stored_rels_at(layout: Layout, step: int, inner_index: int, rank: int) -> Tuple[str, str]:
-    """(payload rel, meta rel) of (inner_index, rank) as step `step` holds them on disk
-    (`Layout.stored_rels`; an object store never held the older K = 1 form)."""
-    if layout.is_url:
-        return layout.payload_rel(inner_index, rank), layout.meta_rel(inner_index, rank)
-    step_dir = layout.step_dir(step)
-    return layout.stored_rels(inner_index, rank, lambda rel: os.path.lexists(step_dir / rel))
+
+def stored_rels_at(layout: Layout, step: int, inner_index: int, rank: int, ns: Namespace) -> Tuple[str, str]:
+    """(payload rel, meta rel) of (inner_index, rank) as step `step` holds them (`Layout.stored_rels`)."""
+    return layout.stored_rels(inner_index, rank, lambda rel: ns.stat(f"{int(step)}/{rel}") is not None)
 
 
-def payload_rel_at(layout: Layout, step: int, inner_index: int, rank: int) -> str:
-    return stored_rels_at(layout, step, inner_index, rank)[0]
+def payload_rel_at(layout: Layout, step: int, inner_index: int, rank: int, ns: Namespace) -> str:
+    return stored_rels_at(layout, step, inner_index, rank, ns)[0]
 
 
-def meta_rel_at(layout: Layout, step: int, inner_index: int, rank: int) -> str:
-    return stored_rels_at(layout, step, inner_index, rank)[1]
+def meta_rel_at(layout: Layout, step: int, inner_index: int, rank: int, ns: Namespace) -> str:
+    return stored_rels_at(layout, step, inner_index, rank, ns)[1]
 
 
 def without_path(message: str, path: Path) -> str:

@@ -21,15 +21,13 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from skip_harness import codec
 from skip_harness.errors import CorruptStepError
 from skip_harness.store import payload_file
-from skip_harness.store.backend import NamespaceBackend
 from skip_harness.store.bufferpool import BufferPool, Lease
+from skip_harness.store.checksum import checksum_bytes
+from skip_harness.store.commit import CommitRecord, FileEntry, expected_rels, parse_commit
 from skip_harness.store.layout import COMMIT_NAME, PAYLOAD_NAME, Layout
-from skip_harness.store.paths import (
-    check_position, meta_rel_at, payload_rel_at, real_file, without_path,
-)
-from skip_harness.store.posix.backend import PosixNamespace
-from skip_harness.store.posix.fileops import checksum_bytes
-from skip_harness.store.status import CommitRecord, FileEntry, StepReport, classify_step, expected_rels, parse_commit
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.paths import check_position, meta_rel_at, payload_rel_at, real_file, without_path
+from skip_harness.store.status import StepReport, classify_step
 from skip_harness.store.values import StepValues, ValuesStore
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit('.', 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
@@ -40,7 +38,7 @@ Served = Tuple[str, Optional[str], List[Any], List[Dict[str, Any]]]
 class StepReader:
     """Verified reads of the steps of one namespace, through its backend, and the one verify."""
 
-    def __init__(self, layout: Layout, backend: NamespaceBackend, pool: BufferPool):
+    def __init__(self, layout: Layout, backend: Namespace, pool: BufferPool):
         """`pool`: the buffers payloads are read into (the tensors served keep theirs until gone)."""
         self.layout = layout
         self.backend = backend
@@ -60,7 +58,7 @@ class StepReader:
         """The meta.json of (step, inner_index, rank) as a dict (not checked against a commit record);
         CorruptStepError naming the file if it is missing, unreadable or not a JSON object."""
         check_position(self.layout, step, inner_index, rank)
-        rel = meta_rel_at(self.layout, step, inner_index, rank)
+        rel = meta_rel_at(self.layout, step, inner_index, rank, self.backend)
         path, data = self._read_small(step, rel, "meta file cannot be read")
         return _parse_meta(path, data)
 
@@ -173,7 +171,8 @@ class StepReader:
             path = self.layout.step_dir(step) / entry.rel
             with _corrupt_on_codec_error(path):     # either format, from the verified mapping
                 return codec.load_buffer(mapped, entry.bytes, path)   # tensors: views of the mapping
-        return _load_file(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank)))
+        return _load_file(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank, self.backend),
+                                     self.backend))
 
     def read_step(self, step: int, rank: int) -> List[Any]:
         """The K mini-batches of this rank in inner order (a committed step's verified, as for a hit)."""
@@ -235,10 +234,10 @@ class StepReader:
             if wanted is not None and r not in wanted:
                 continue
             try:
-                if not isinstance(self.backend, PosixNamespace):   # no local file: the verified read and a decode
+                if not self.backend.caps.mmap:     # no local file to check in place: the verified read and a decode
                     self.read_inner(step, i, r)
                     continue
-                payload_file.check(real_file(layout, step, payload_rel_at(layout, step, i, r)))
+                payload_file.check(real_file(layout, step, payload_rel_at(layout, step, i, r, self.backend), self.backend))
             except (CorruptStepError, codec.CodecError) as exc:
                 return str(exc)
         return None

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from skip_harness.store import index as _index
-from skip_harness.store.backend import NamespaceBackend, StepListing, namespace_of
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout, parse_step_name
-from skip_harness.store.posix.fileops import tree_bytes
-from skip_harness.store.status import STATUSES, StepReport, classify_step
+from skip_harness.store.namespace import Namespace, StepListing
+from skip_harness.store.open import namespace_of
+from skip_harness.store import status as _status
+from skip_harness.store.status import STATUSES, StepReport
+from skip_harness.store.storage import DIR
 from skip_harness.store.values import VALUES_DIR
 
 __all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace"]
@@ -78,7 +79,14 @@ class NamespaceReport:
 # scanning
 
 
-def scan_namespace(layout: Layout, *, use_index: bool = True, rewrite_index: bool = True) -> NamespaceReport:
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None, backend: Optional[Namespace] = None,
+                  listing: Optional[StepListing] = None) -> StepReport:
+    """`status.classify_step`, the layout's namespace opened here when not given."""
+    return _status.classify_step(layout, step, path, backend if backend is not None else namespace_of(layout), listing)
+
+
+def scan_namespace(layout: Layout, *, use_index: bool = True, rewrite_index: bool = True,
+                   namespace: Optional[Namespace] = None) -> NamespaceReport:
     """Classify every step of a namespace. Only int-named entries are steps; '.lock', '.quarantine' and
     the like are ignored; '.trash-'/'.tmp-' debris is reported as leftovers.
 
@@ -88,9 +96,13 @@ def scan_namespace(layout: Layout, *, use_index: bool = True, rewrite_index: boo
     one a full scan (`use_index=False`, which neither reads nor writes the index) gives.
 
     `rewrite_index=False` (a reader beside a running job: `skip-harness view`) uses the index but never
-    writes it: the steps it cannot vouch for are classified in full, and the note says it is stale."""
+    writes it: the steps it cannot vouch for are classified in full, and the note says it is stale.
+
+    `namespace`: the layout's namespace when the caller has it open (else it is opened here: the scan
+    is one of the store's faces, above `store.open`)."""
+    ns = namespace if namespace is not None else namespace_of(layout)
     with _gc_paused():
-        return _scan_namespace(layout, use_index, rewrite_index)
+        return _scan_namespace(layout, ns, use_index, rewrite_index)
 
 
 @contextlib.contextmanager
@@ -106,62 +118,50 @@ def _gc_paused():
             gc.enable()
 
 
-def _values_debris(values_dir: Path) -> List[LeftoverEntry]:
+def _values_debris(ns: Namespace, root: Path) -> List[LeftoverEntry]:
     """'.tmp-' files a run killed while it wrote a step's recorded values left in '.values/'."""
     try:
-        with os.scandir(values_dir) as it:
-            return [LeftoverEntry(values_dir / e.name, tree_bytes(e.path)) for e in it
-                    if e.name.startswith(TMP_PREFIX)]
+        return [LeftoverEntry(root / VALUES_DIR / e.name, e.size) for e in ns.list_dir(VALUES_DIR)
+                if e.name.startswith(TMP_PREFIX)]
     except OSError:
         return []
 
 
-def _scan_namespace(layout: Layout, use_index: bool, rewrite_index: bool = True) -> NamespaceReport:
-    if layout.is_url:
-        return _scan_listed(layout, use_index, rewrite_index)
+def _scan_namespace(layout: Layout, ns: Namespace, use_index: bool, rewrite_index: bool = True) -> NamespaceReport:
+    if not ns.caps.directories:
+        return _scan_listed(layout, ns, use_index, rewrite_index)
     root = layout.root
     leftovers: List[LeftoverEntry] = []
-    try:
-        it = os.scandir(root)
-    except (FileNotFoundError, NotADirectoryError):
+    if ns.stat("") is None:         # no namespace yet: nothing to report, nothing written
         return NamespaceReport(layout, ())
-    with it:
-        entries = list(it)
+    entries = ns.list_dir("")
     found: List[Tuple[int, str]] = []
     for e in entries:
         step = parse_step_name(e.name)
         if step is not None:
             found.append((step, e.name))
         elif e.name.startswith(TRASH_PREFIX) or e.name.startswith(TMP_PREFIX):
-            leftovers.append(LeftoverEntry(root / e.name, tree_bytes(e.path)))
-        elif e.name == VALUES_DIR and e.is_dir(follow_symlinks=False):
-            leftovers.extend(_values_debris(root / VALUES_DIR))
+            leftovers.append(LeftoverEntry(root / e.name, ns.tree_bytes(e.name)))
+        elif e.name == VALUES_DIR and e.kind == DIR:
+            leftovers.extend(_values_debris(ns, root))
     leftovers.sort(key=lambda x: x.path.name)
 
     if not use_index:
-        steps = _classify_all(layout, found)
+        steps = _classify_all(layout, ns, found)
         return NamespaceReport(layout, tuple(sorted(steps, key=lambda s: s.step)), tuple(leftovers))
 
     note: Optional[str] = None
     try:
-        indexed = _index.read(layout)
+        indexed = _index.read(layout, ns)
     except _index.IndexUnusable as exc:
         indexed, note = {}, f"index {exc}"
     trusted: Dict[int, _index.IndexEntry] = {}
     changed: List[int] = []
     if indexed:
-        try:
-            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            root_fd = None
-        if root_fd is not None:
-            try:
-                trusted, changed = _index.check_entries(root_fd, found, indexed, layout.K)
-            finally:
-                os.close(root_fd)
+        trusted, changed = _index.check_entries(ns, found, indexed, layout.K)
     rest = [(step, name) for step, name in found if step not in trusted]
     fingerprints: Dict[int, Optional[Fingerprint]] = {}
-    steps = [_from_entry(layout, e, fingerprints) for e in trusted.values()] + _classify_all(layout, rest)
+    steps = [_from_entry(layout, e, fingerprints) for e in trusted.values()] + _classify_all(layout, ns, rest)
     steps.sort(key=lambda s: s.step)
 
     by_step = {s.step: s for s in steps}
@@ -175,54 +175,31 @@ def _scan_namespace(layout: Layout, use_index: bool, rewrite_index: bool = True)
         for s in steps:
             if s.status == "complete" and s.step not in trusted:
                 fp = None if s.fingerprint is None else s.fingerprint.to_json()
-                made = _index.make_entry(layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
+                made = _index.make_entry(ns, layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
                 if made is not None:
                     fresh.append(made)
-        failed = _index.rewrite(layout, fresh)
+        failed = _index.rewrite(layout, ns, fresh)
         if note is not None:
             note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
     return NamespaceReport(layout, tuple(steps), tuple(leftovers), note, bool(trusted))
 
 
-class _Listed:
-    """A namespace backend whose `list_step` answers from one listing of the whole namespace, and
-    whose `read_small` keeps the ETag each read came with (where the backend gives it), so that an
-    index entry is made only from a commit record that is the object the listing stamped."""
-
-    def __init__(self, backend: NamespaceBackend, listings: Dict[int, StepListing]):
-        self._backend = backend
-        self._listings = listings
-        self._tagged = getattr(backend, "read_small_tagged", None)
-        self.etags: Dict[str, Optional[str]] = {}
-
-    def list_step(self, step: int) -> Optional[StepListing]:
-        return self._listings.get(step)
-
-    def read_small(self, key: str) -> Optional[bytes]:
-        if self._tagged is None:
-            return self._backend.read_small(key)
-        data, etag = self._tagged(key)
-        self.etags[key] = etag
-        return data
-
-
-def _scan_listed(layout: Layout, use_index: bool = True, rewrite_index: bool = True) -> NamespaceReport:
-    """A namespace off POSIX (an object store): one listing of every step; a committed step whose
-    index entry's stamp (its objects' rel, size and ETag) matches that listing is taken from the
-    entry, every other step is classified from the listing and its commit record. The index object
-    is rewritten once, at the end, when it was missing, damaged or stale."""
-    backend = namespace_of(layout)
-    listing = backend.list_steps()
-    view = _Listed(backend, {s.step: s for s in listing.steps})
+def _scan_listed(layout: Layout, ns: Namespace, use_index: bool = True, rewrite_index: bool = True) -> NamespaceReport:
+    """A namespace without directories (an object store): one listing of every step; a committed step
+    whose index entry's stamp (its objects' rel, size and ETag) matches that listing is taken from the
+    entry, every other step is classified from the listing and its commit record. The index is rewritten
+    once, at the end, when it was missing, damaged or stale."""
+    listing = ns.list_steps()
+    listed: Dict[int, StepListing] = {s.step: s for s in listing.steps}
 
     def classify(s: StepListing) -> StepReport:
-        return classify_step(layout, s.step, layout.step_dir(s.step), backend=view)  # type: ignore[arg-type]
+        return classify_step(layout, s.step, layout.step_dir(s.step), backend=ns, listing=s)
 
     if not use_index:
         return NamespaceReport(layout, tuple(classify(s) for s in listing.steps))
     note: Optional[str] = None
     try:
-        indexed = _index.read(layout, backend)
+        indexed = _index.read(layout, ns)
     except _index.IndexUnusable as exc:
         indexed, note = {}, f"index {exc}"
     fingerprints: Dict[int, Optional[Fingerprint]] = {}
@@ -252,10 +229,10 @@ def _scan_listed(layout: Layout, use_index: bool = True, rewrite_index: bool = T
         if r.status != "complete" or r.step in trusted:
             continue
         # indexed only when the record read is the object listed (no write slipped in between)
-        etag = view.etags.get(f"{r.step}/{COMMIT_NAME}")
-        listed = view.list_step(r.step)
+        etag = r.record_stamp
+        found = listed.get(r.step)
         stamp = stamps.get(r.step)
-        if stamp is None or not etag or listed is None or listed.files[COMMIT_NAME].stamp != etag:
+        if stamp is None or not etag or found is None or found.files[COMMIT_NAME].stamp != etag:
             continue
         fp = None if r.fingerprint is None else r.fingerprint.to_json()
         fresh.append(_index.url_entry(r.step, r.bytes, fp, r.created or 0.0, r.gen_s, stamp))
@@ -265,7 +242,7 @@ def _scan_listed(layout: Layout, use_index: bool = True, rewrite_index: bool = T
     if note == "index missing" and not fresh:
         note = None              # nothing to index yet: no object is written into the namespace
     if note is not None and rewrite_index:
-        failed = _index.write_url(layout, backend, fresh)
+        failed = _index.rewrite(layout, ns, fresh)
         note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
     return NamespaceReport(layout, tuple(steps), (), note, bool(trusted))
 
@@ -297,11 +274,11 @@ def _child(root: Path, name: str) -> Path:
     return make(name) if make is not None else root / name
 
 
-def _classify_all(layout: Layout, found: List[Tuple[int, str]]) -> List[StepReport]:
+def _classify_all(layout: Layout, ns: Namespace, found: List[Tuple[int, str]]) -> List[StepReport]:
     root = layout.root
 
     def classify(item: Tuple[int, str]) -> StepReport:
-        return classify_step(layout, item[0], root / item[1])  # one Path per step, none per file
+        return classify_step(layout, item[0], root / item[1], backend=ns)  # one Path per step, none per file
 
     if len(found) >= _PARALLEL_FROM:
         # Listing and lstat release the GIL: a few threads hide the disk's latency on a cold cache.

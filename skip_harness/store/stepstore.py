@@ -14,19 +14,16 @@ from __future__ import annotations
 from typing import Optional
 
 from skip_harness.codec import StoredForm
-from skip_harness.store.backend import NamespaceBackend, namespace_of
 from skip_harness.store.bufferpool import BufferPool
+from skip_harness.store.checksum import checksum_bytes  # noqa: F401  (re-exported: the store's public names)
+from skip_harness.store.commit import (  # noqa: F401  (re-exported: the store's public names)
+    COMMIT_FORMAT, WRITER_NAME, CommitRecord, FileEntry, expected_rels, is_safe_rel, parse_commit, required_rels,
+)
 from skip_harness.store.layout import Layout
-from skip_harness.store.posix.fileops import (  # noqa: F401  (re-exported: the store's public names)
-    CHUNK_BYTES, MAP_FROM, READ_FLAGS, WRITE_BUFFER_BYTES, HashingWriter, NotARealDirectory,
-    checksum_bytes, checksum_fd, checksum_file, describe_mode, fsync_dir, lstat_at, open_dir_at,
-    remove_entry_at, tree_bytes, write_file_at,
-)
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.open import namespace_of
 from skip_harness.store.reader import StepReader
-from skip_harness.store.status import (  # noqa: F401  (re-exported: the store's public names)
-    COMMIT_FORMAT, STATUSES, WRITER_NAME, CommitRecord, FileEntry, StepReport, classify_step,
-    expected_rels, is_safe_rel, parse_commit, required_rels,
-)
+from skip_harness.store.status import STATUSES, StepReport, classify_step  # noqa: F401  (re-exported)
 from skip_harness.store.writer import StagedInner, StepWriter  # noqa: F401  (re-exported)
 
 
@@ -34,7 +31,7 @@ class StepStore:
     """One namespace's steps, opened: `writer` writes them, `reader` reads and verifies them."""
 
     def __init__(self, layout: Layout, *, drop_written_pages: bool = True, pool: Optional[BufferPool] = None,
-                 form: Optional[StoredForm] = None, backend: Optional[NamespaceBackend] = None):
+                 form: Optional[StoredForm] = None, backend: Optional[Namespace] = None):
         """`drop_written_pages`: where a payload is written through the page cache (a file system
         without O_DIRECT), let the kernel drop its pages once it is durable. `pool`: the buffers
         payloads are staged in and read into (the harness sizes one for its K; by default a small one).
@@ -43,7 +40,7 @@ class StepStore:
         one its layout names)."""
         self.layout = layout
         self.drop_written_pages = drop_written_pages
-        self.backend: NamespaceBackend = backend if backend is not None else \
+        self.backend: Namespace = backend if backend is not None else \
             namespace_of(layout, drop_written_pages=drop_written_pages)
         self.pool = pool if pool is not None else BufferPool()
         self.form = form if form is not None else StoredForm(narrow=False)

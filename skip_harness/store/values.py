@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import xxhash
 
-from skip_harness.store.backend import NamespaceBackend
+from skip_harness.store.namespace import Namespace
 
 VALUES_DIR = ".values"
 VALUES_FORMAT = 1
@@ -172,7 +172,7 @@ def config_changes(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> List[
 class ValuesStore:
     """The values files of one namespace, through its backend (safe from any thread)."""
 
-    def __init__(self, backend: NamespaceBackend):
+    def __init__(self, backend: Namespace):
         self.backend = backend
 
     def write_step(self, step: int, values: Mapping[str, float], *, commit_created: Optional[float],

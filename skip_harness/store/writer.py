@@ -19,13 +19,13 @@ from skip_harness import codec
 from skip_harness.codec import tensorfile
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store import index
-from skip_harness.store.backend import NamespaceBackend
 from skip_harness.store.bufferpool import BufferPool, Lease
+from skip_harness.store.checksum import checksum_bytes
+from skip_harness.store.commit import WRITER_NAME, CommitRecord, FileEntry, is_safe_rel, required_rels
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
+from skip_harness.store.namespace import Namespace
 from skip_harness.store.paths import check_position, check_step
-from skip_harness.store.posix.fileops import checksum_bytes
-from skip_harness.store.status import WRITER_NAME, CommitRecord, FileEntry, is_safe_rel, required_rels
 from skip_harness.store.values import ValuesStore
 
 
@@ -35,7 +35,7 @@ class StagedInner:
     buffer and hashes that -- stores it through the namespace's backend (O_DIRECT on POSIX) and then its
     meta.json, returning the two FileEntry. Once, from any thread."""
 
-    def __init__(self, backend: NamespaceBackend, step: int, lease: Lease, nbytes: int, checksum: Optional[str],
+    def __init__(self, backend: Namespace, step: int, lease: Lease, nbytes: int, checksum: Optional[str],
                  payload_rel: str, meta_rel: str, meta: Dict[str, Any],
                  transform: Optional[Tuple[tensorfile.FileImage, tensorfile.StoredForm, BufferPool]] = None):
         self._backend = backend
@@ -91,7 +91,7 @@ class StepWriter:
     last. Holds no mutable state but its (thread-safe) buffer pool: stage on the trainer's thread,
     complete and commit on the writer thread."""
 
-    def __init__(self, layout: Layout, backend: NamespaceBackend, pool: BufferPool, form: tensorfile.StoredForm):
+    def __init__(self, layout: Layout, backend: Namespace, pool: BufferPool, form: tensorfile.StoredForm):
         """`pool`: the buffers payloads are staged in; `form`: how payloads are written
         (`codec.stored_form(compression, level)`)."""
         self.layout = layout
@@ -176,10 +176,8 @@ class StepWriter:
                               None if gen_s is None else float(gen_s))
         data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
         self.backend.uncommit(step)          # a commit of a step committed already replaces its record
-        self.backend.commit(step, data)
-        fp_json = None if fingerprint is None else fingerprint.to_json()
-        nbytes = sum(e.bytes for e in record.files) + len(data)
-        index.append(layout, index.make_entry(layout, step, nbytes, fp_json, record.created, record.gen_s))
+        stamp = self.backend.commit(step, data)
+        index.committed(self.backend, layout, step, record, data, stamp)
         return record
 
     def write_values(self, step: int, values: Mapping[str, float], commit_created: Optional[float],

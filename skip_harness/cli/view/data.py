@@ -23,7 +23,7 @@ from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store import scan as _scan
 from skip_harness.store.namespaces import namespaces_at
-from skip_harness.store.backend import namespace_of
+from skip_harness.store.open import namespace_of
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, UrlPath, is_url_text
 from skip_harness.store.reader import StepReader

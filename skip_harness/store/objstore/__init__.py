@@ -1,6 +1,7 @@
 """Object storage for the cache (`dump_dir: s3://bucket/prefix`, `gs://`, `az://`, `memory://`),
 on obstore (extra `[s3]`): the client built from the URL and the standard environment, the error
-kinds, the lease that locks a namespace, and a namespace's objects. obstore is imported only when
+kinds, the storage (`storage`), the lease that locks a namespace (`lease`, `locker`), and the namespace
+on them (`backend`). obstore is imported only when
 an object-store URL is used."""
 from skip_harness.store.objstore.client import ObjectClient, aws_config, is_object_url, join_url
 from skip_harness.store.objstore.errors import (
@@ -17,13 +18,18 @@ from skip_harness.store.objstore.errors import (
 )
 
 
+def open_storage(url: str, *, dump_dir: bool = False):
+    """The object storage under `url` (the hook `store.open` calls for a URL)."""
+    from skip_harness.store.objstore.storage import ObjectStorage
+    return ObjectStorage(url, dump_dir=dump_dir)
 
-def open_dump_dir(url: str):
-    """The object-store DumpDir for `url` (the hook `skip_harness.store.backend.open_dump_dir` calls)."""
-    from skip_harness.store.objstore.backend import ObjectDumpDir
-    return ObjectDumpDir(url)
+
+def open_namespace(url: str):
+    """The namespace at `url` on its storage, with its lease (the hook `store.open` calls)."""
+    from skip_harness.store.objstore.backend import ObjectNamespace
+    return ObjectNamespace(url)
 
 
-__all__ = ["open_dump_dir", "ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectBucketMissing", "ObjectCorrupt", "ObjectCredentialsRefused",
+__all__ = ["open_namespace", "open_storage", "ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectBucketMissing", "ObjectCorrupt", "ObjectCredentialsRefused",
            "ObjectMissing", "ObjectRaceLost", "ObjectStoreConfigError", "ObjectStoreError",
            "ObjectStoreForkError", "ObjectStoreUnavailable"]

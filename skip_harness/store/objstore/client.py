@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from skip_harness.store.backend import URL_SCHEMES
+from skip_harness.store.urls import URL_SCHEMES, is_url, join_url
 from skip_harness.store.objstore.errors import (
     ObjectStoreConfigError,
     ObjectStoreError,
@@ -50,20 +50,7 @@ MULTIPART_FROM = 5 << 30    # S3's largest single PUT: below it one request, whi
 PART_SIZE = 16 << 20
 
 
-def is_object_url(dump_dir: Any) -> bool:
-    """Whether `dump_dir` names an object store (`s3://...`), not a local path."""
-    text = str(dump_dir)
-    scheme, sep, _ = text.partition("://")
-    return bool(sep) and scheme.lower() in SCHEMES
-
-
-def join_url(url: str, *parts: str) -> str:
-    out = url.rstrip("/")
-    for p in parts:
-        p = str(p).strip("/")
-        if p:
-            out += "/" + p
-    return out
+is_object_url = is_url     # the one URL test (store.urls)
 
 
 # ------------------------------------------------------------------------------------ fork guard
@@ -298,6 +285,12 @@ class ObjectClient:
             except StopIteration:
                 return
             yield from chunk
+
+    def list_dir(self, prefix: Optional[str] = None) -> "tuple[List[str], List[Dict[str, Any]]]":
+        """(the 'directories' directly under `prefix`, as full keys without the '/'; the objects there)."""
+        import obstore as obs
+        res = self._call(prefix or "", obs.list_with_delimiter, self.store, prefix)
+        return [p.rstrip("/") for p in res["common_prefixes"]], list(res["objects"])
 
     def list_dirs(self, prefix: Optional[str] = None) -> List[str]:
         """The names of the 'directories' directly under `prefix`."""

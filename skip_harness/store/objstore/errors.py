@@ -19,7 +19,7 @@ import re
 from typing import Iterable, Optional
 
 from skip_harness.errors import ConfigError, SkipHarnessError
-from skip_harness.store.backend import DUMP_DIR_KEY   # the key every fatal message names
+from skip_harness.store.urls import DUMP_DIR_KEY   # the key every fatal message names
 
 
 class ObjectStoreError(SkipHarnessError):

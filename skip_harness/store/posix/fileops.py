@@ -16,10 +16,11 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple
 
 import xxhash
 
+from skip_harness.store.checksum import checksum_bytes  # noqa: F401  (re-exported)
 from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX
 
 CHUNK_BYTES = 8 << 20             # read size when verifying checksums of small files
@@ -33,10 +34,6 @@ CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 
 # --------------------------------------------------------------------------------------------
 # checksums
-
-
-def checksum_bytes(data: Union[bytes, bytearray, memoryview, mmap.mmap]) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
 
 
 def checksum_fd(fd: int, chunk_bytes: int = CHUNK_BYTES) -> Tuple[int, str]:

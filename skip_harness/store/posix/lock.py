@@ -1,11 +1,11 @@
-"""The namespace lock, its holder record, and the shared-filesystem run marker.
+"""The POSIX namespace lock (`FlockLocker`, the `locking.Locker` of a directory) and its holder record.
 
 One process per run holds `{namespace}/.lock` (an flock through `filelock`, so the operating system
 releases it when the process dies) for as long as the run lasts, and writes
 `{namespace}/.lock.holder.json` (pid, host, since) so that a refused run can say who is in the way.
 
 - Links are never followed: a `.lock` that is not a regular file is refused (never opened), the
-  holder record and the run markers are written under a temporary name and renamed into place
+  holder record is written under a temporary name and renamed into place
   (which replaces a link as a link) and read with O_NOFOLLOW.
 - A second lock on a namespace this process already holds is refused like another process's
   (`LockHeldError`), unless it is taken with `reentrant=True` (the Hydra startup callback hands the
@@ -23,8 +23,6 @@ import errno
 import json
 import logging
 import os
-import re
-import secrets
 import socket
 import stat
 import threading
@@ -37,18 +35,17 @@ import filelock
 from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.store.posix.fileops import CREATE_FLAGS, replace_via_temp
 from skip_harness.store.layout import Layout
+from skip_harness.store.urls import DUMP_DIR_KEY
+from skip_harness.store.locking import Hold, Locker
 
 logger = logging.getLogger("skip_harness.store.lock")
 
 TIMEOUT_KEY = "skip.rollout_tq.lock_timeout"
-DUMP_DIR_KEY = "skip.rollout_tq.dump_dir"
-RUN_MARKER_PREFIX = ".run-marker-"
 
 READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _READ_ONLY_ERRNOS = READ_ONLY_ERRNOS
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ReadOnlyCache(SkipHarnessError):
@@ -375,44 +372,49 @@ def probe(layout: Layout) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------------------------- run marker
+# ---------------------------------------------------------------------------------------- the Locker
 
 
-def new_run_token() -> str:
-    """A fresh token for `write_run_marker` (rank 0 makes it and broadcasts it)."""
-    return secrets.token_hex(8)
+class _FileHold(Hold):
+    def __init__(self, lock: Optional[NamespaceLock], why: str = ""):
+        self._lock = lock
+        self.why = why
+
+    def release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release(all_levels=True)
 
 
-def _marker_name(token: str) -> str:
-    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
-        raise ValueError(f"run marker token must be 1-64 letters, digits, '_' or '-', got {token!r}")
-    return RUN_MARKER_PREFIX + token
+class FlockLocker(Locker):
+    """The lock of a namespace directory: `.lock` (flock, released by the operating system when the
+    process dies: nothing to fence) and `.lock.holder.json`."""
 
+    def __init__(self, layout: Layout):
+        self.layout = layout
 
-def write_run_marker(layout: Layout, token: str) -> None:
-    """Rank 0: put a small marker file for this run in the namespace (atomic, never through a link)."""
-    name = _marker_name(token)
-    doc = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-    _write_small_file(layout.root, name, json.dumps(doc).encode())
+    def lock(self, timeout: float = 0.0) -> Hold:
+        """The namespace's lock file, the directory created if needed. A read-only mount or a directory
+        this process may not write gives a read-only Hold; a `.lock` that is a link raises
+        UnsafeLockFileError, a path that is not a directory an OSError."""
+        lock = NamespaceLock(self.layout, timeout)
+        try:
+            lock.acquire()
+        except ReadOnlyCache as exc:
+            return _FileHold(None, why=exc.reason)
+        except OSError as exc:
+            if exc.errno in READ_ONLY_ERRNOS:
+                return _FileHold(None, why=exc.strerror or str(exc))
+            raise
+        return _FileHold(lock)
 
+    def holder(self) -> Optional[str]:
+        return probe(self.layout) if os.path.isdir(self.layout.root) else None
 
-def sees_run_marker(layout: Layout, token: str, wait: float = 0.0) -> bool:
-    """Every rank: whether this process sees rank 0's marker, i.e. shares its cache directory.
-    `wait` seconds of polling allow for a network filesystem's attribute caching."""
-    name = _marker_name(token)
-    deadline = time.monotonic() + max(0.0, float(wait))
-    while True:
-        doc = _read_small_json(layout.root, name)
-        if doc is not None and doc.get("token") == token:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
-def remove_run_marker(layout: Layout, token: str) -> None:
-    """Rank 0, after every rank looked: remove the marker (a link at its name is removed as a link)."""
-    try:
-        _remove_regular_file(layout.root, _marker_name(token))
-    except OSError as exc:
-        logger.debug("%s: could not remove the run marker: %s", layout.root, exc)
+    def writable(self) -> Optional[str]:
+        probe_at = self.layout.root
+        while not probe_at.exists() and probe_at.parent != probe_at:
+            probe_at = probe_at.parent
+        if not os.access(probe_at, os.W_OK | os.X_OK):
+            return f"{probe_at}: this process may not write here"
+        return None

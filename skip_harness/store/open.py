@@ -1,0 +1,121 @@
+"""Opening a cache: a dump_dir or a namespace's layout -> its `Namespace` on the right storage.
+
+The only module that imports a backend (an import-linter contract holds it): a local path opens the
+POSIX storage with its flock locker, an object-store URL the object store's (`store.objstore`, which
+needs the [s3] extra; imported only when a URL is used).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Any, Callable, Dict, List, Union
+
+from skip_harness.errors import ConfigError, SkipHarnessError
+from skip_harness.store.layout import Layout, parse_namespace_leaf
+from skip_harness.store.memory import MemoryLocker, MemoryStorage
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.posix.lock import FlockLocker
+from skip_harness.store.posix.storage import PosixStorage
+from skip_harness.store.storage import DIR, Storage
+from skip_harness.store.urls import DUMP_DIR_KEY, dump_dir_problem, is_url, join_url, local_path
+
+
+class DumpDir:
+    """A dump_dir: the namespaces under it (`{experiment}_{project}/{shape leaf}`), listed through its
+    storage (directories on POSIX, key prefixes on an object store; links never followed)."""
+
+    def __init__(self, storage: Storage, opener: Callable[[str], Any]):
+        self.storage = storage
+        self.url = storage.url
+        self._opener = opener
+
+    def namespace(self, rel: str) -> Any:
+        """The namespace at `rel` (`'{experiment}_{project}/GBS...'`) under this dump_dir."""
+        leaf = rel.rstrip("/").rsplit("/", 1)[-1]
+        if parse_namespace_leaf(leaf) is None:
+            raise ValueError(f"{join_url(self.url, rel)}: {leaf!r} is not a namespace name")
+        return self._opener(rel)
+
+    def list_namespaces(self) -> List[str]:
+        """The `rel` of every namespace under this dump_dir (two levels), sorted."""
+        out: List[str] = []
+        for group in self.storage.list_dir(""):
+            if group.kind != DIR or group.name.startswith("."):
+                continue
+            try:
+                leaves = self.storage.list_dir(group.key)
+            except OSError:
+                continue
+            out += [leaf.key for leaf in leaves if leaf.kind == DIR and parse_namespace_leaf(leaf.name) is not None]
+        return sorted(out)
+
+
+def posix_namespace(layout: Layout, *, drop_written_pages: bool = True) -> Namespace:
+    """The namespace of a local layout: its directory, its flock lock."""
+    return Namespace(PosixStorage(layout.root, drop_written_pages=drop_written_pages), FlockLocker(layout))
+
+
+def memory_namespace(name: str = "namespace") -> Namespace:
+    """A namespace held in this process's memory (tests; code that must not touch a disk)."""
+    url = f"memory:{name}"
+    return Namespace(MemoryStorage(url), MemoryLocker(url))
+
+
+def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> Any:
+    """The DumpDir of a dump_dir: a local path -> POSIX; a URL with a scheme -> the object store
+    (`skip_harness.store.objstore`, which needs the [s3] extra). ConfigError naming
+    `skip.rollout_tq.dump_dir` when the URL cannot be served here."""
+    why = dump_dir_problem(dump_dir)
+    if why is not None:
+        raise ConfigError(DUMP_DIR_KEY, why)
+    if isinstance(dump_dir, os.PathLike) or not is_url(dump_dir):
+        root = local_path(dump_dir)
+
+        def posix(rel: str) -> Namespace:
+            kw = parse_namespace_leaf(rel.rstrip("/").rsplit("/", 1)[-1])
+            assert kw is not None
+            return posix_namespace(Layout(root / rel, K=kw[0], W=kw[1]))
+
+        return DumpDir(PosixStorage(root), posix)
+    url = str(dump_dir)
+    try:
+        objstore = importlib.import_module("skip_harness.store.objstore")
+        open_storage, open_namespace = objstore.open_storage, objstore.open_namespace
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            DUMP_DIR_KEY,
+            f"{url}: object storage needs the [s3] extra (pip install 'skip_harness[s3]'): {exc}",
+        ) from None
+    try:
+        storage = open_storage(url, dump_dir=True)
+        return DumpDir(storage, lambda rel: open_namespace(join_url(storage.url, rel)))
+    except ConfigError:
+        raise
+    except SkipHarnessError as exc:
+        raise ConfigError(DUMP_DIR_KEY, str(exc) if str(exc).startswith(url) else f"{url}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(DUMP_DIR_KEY, f"{url}: not an object-store URL this build can open: {exc}") from None
+
+
+_NAMESPACES: Dict[str, Any] = {}   # namespace URL -> its object-store namespace (one client and one lease per process)
+_NAMESPACES_GUARD = threading.Lock()
+
+
+def namespace_of(layout: Layout, *, drop_written_pages: bool = True) -> Any:
+    """The namespace of a Layout: the POSIX one for a directory, the object store's for a URL layout
+    (`layout.is_url`) -- one instance per namespace URL in this process, so the lease the startup takes
+    is the one the run's writes check."""
+    if not layout.is_url:
+        return posix_namespace(layout, drop_written_pages=drop_written_pages)
+    url = str(layout.root)
+    with _NAMESPACES_GUARD:
+        ns = _NAMESPACES.get(url)
+        if ns is None:
+            root = layout.root
+            ns = open_dump_dir(str(root.parent.parent)).namespace(f"{root.parent.name}/{root.name}")
+            _NAMESPACES[url] = ns
+        return ns
+
+
+__all__ = ["DumpDir", "memory_namespace", "namespace_of", "open_dump_dir", "posix_namespace"]

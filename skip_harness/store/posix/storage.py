@@ -1,0 +1,355 @@
+"""The POSIX storage: a namespace is a directory on a local (or shared POSIX) file system.
+
+Every measured trick of the POSIX cache stays here and in its helpers (`fileops`, `directio`):
+payloads written with O_DIRECT from reused, page-aligned pool buffers and read with O_DIRECT into
+them (the page cache where a file system refuses it, its pages dropped once durable); a unique
+temporary name + fsync + rename + directory fsync for every file; fd-relative walking that never
+follows a link (a directory on a key's way that is a symlink is never entered); inode + mtime + size
+as the change stamp the index keeps. The contract is `store.storage`'s.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator, List, Optional, Tuple
+
+from skip_harness.errors import CorruptStepError
+from skip_harness.store.bufferpool import BufferPool, Lease
+from skip_harness.store.layout import TMP_PREFIX
+from skip_harness.store.posix.directio import read_into, write_buffer_at
+from skip_harness.store.posix.fileops import (
+    READ_FLAGS, NotARealDirectory, checksum_bytes, describe_mode, fsync_dir, open_dir_at, remove_entry_at,
+    write_file_at,
+)
+from skip_harness.store.storage import DIR, FILE, LINK, LINK_WHAT, OTHER, TEMPORARY, Capabilities, Entry, Storage
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def stamp_of(st: os.stat_result) -> str:
+    """The change stamp of a file: equal stamps, same file and bytes (a rewrite is a new inode)."""
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+
+def _entry(key: str, name: str, st: os.stat_result) -> Entry:
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        kind, what = DIR, ""
+    elif stat.S_ISLNK(mode):
+        kind, what = LINK, LINK_WHAT
+    elif name.startswith(TMP_PREFIX):
+        kind, what = TEMPORARY, ""
+    elif stat.S_ISREG(mode):
+        kind, what = FILE, ""
+    else:
+        kind, what = OTHER, describe_mode(mode)
+    return Entry(key, kind, st.st_size, stamp_of(st), st.st_mtime_ns, st.st_atime_ns, what)
+
+
+class PosixStorage(Storage):
+    """A namespace directory `root`. `drop_written_pages`: where a payload is written through the page
+    cache (a file system without O_DIRECT), let the kernel drop its pages once it is durable."""
+
+    caps = Capabilities(mmap=True, access_times=True, append=True, atomic_rename=True, directories=True)
+
+    def __init__(self, root: os.PathLike | str, *, drop_written_pages: bool = True):
+        self.root = Path(root)
+        self.url = str(self.root)
+        self._prefix = self.url.rstrip("/") + "/"
+        self.drop_written_pages = drop_written_pages
+
+    def __repr__(self) -> str:
+        return f"PosixStorage({self.url!r})"
+
+    def path(self, key: str) -> Path:
+        return self.root / key if key else self.root
+
+    # ---- fd-relative walking (never through a link)
+
+    def _open_root(self, create: bool) -> Optional[int]:
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        try:
+            return os.open(self.root, _DIR_FLAGS)
+        except FileNotFoundError:
+            return None
+
+    def _open_parent(self, key: str, create: bool, replace: bool = True) -> Tuple[int, str]:
+        """(fd of the directory holding `key`, its last component), every directory on the way a real
+        directory (created when `create`; a link or file in a directory's place removed when creating
+        and `replace`, else CorruptStepError -- OSError when creating without `replace`).
+        FileNotFoundError when the root or a directory on the way is missing."""
+        parts = PurePosixPath(key).parts
+        fd = self._open_root(create)
+        if fd is None:
+            raise FileNotFoundError(str(self.root))
+        path = self.root
+        try:
+            for part in parts[:-1]:
+                path = path / part
+                try:
+                    sub, created = open_dir_at(part, fd, create=create)
+                except NotARealDirectory as exc:
+                    if create and not replace:
+                        raise OSError(f"{path} is not a real directory; refusing to move anything into it") from None
+                    if not create:
+                        raise CorruptStepError(path, f"directory {exc.what}") from None
+                    remove_entry_at(fd, part, path.parent)
+                    sub, created = open_dir_at(part, fd, create=True)
+                if created:
+                    fsync_dir(fd)
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, parts[-1]
+
+    def _open_file(self, key: str, size: Optional[int]) -> int:
+        """An fd of the regular file at `key`, reached fd by fd without following a link, of `size`
+        bytes when given (checked before anything is read: never a buffer for a wrong size)."""
+        path = self.path(key)
+        try:
+            dir_fd, name = self._open_parent(key, create=False)
+        except FileNotFoundError:
+            raise CorruptStepError(path, "missing") from None
+        try:
+            try:
+                fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise CorruptStepError(path, "missing") from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise CorruptStepError(path, "is a symlink (never followed); expected a regular file") from None
+                raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(dir_fd)
+        st = os.fstat(fd)
+        reason = None
+        if not stat.S_ISREG(st.st_mode):
+            reason = f"{describe_mode(st.st_mode)}; expected a regular file"
+        elif size is not None and st.st_size != size:
+            reason = f"{st.st_size} bytes, the commit record says {size}"
+        if reason is not None:
+            os.close(fd)
+            raise CorruptStepError(path, reason)
+        return fd
+
+    # ---- reading
+
+    def get(self, key: str) -> Optional[bytes]:
+        return self.get_stamped(key)[0]
+
+    def get_stamped(self, key: str) -> Tuple[Optional[bytes], Optional[str]]:
+        try:
+            dir_fd, name = self._open_parent(key, create=False)
+        except FileNotFoundError:
+            return None, None
+        try:
+            try:
+                fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+            except FileNotFoundError:
+                return None, None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # a symlink, never followed
+                    raise CorruptStepError(self.path(key), "is a symlink (never followed)") from None
+                raise
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptStepError(self.path(key), "is not a regular file")
+                with open(fd, "rb", closefd=False) as f:
+                    data = f.read()
+                return data, stamp_of(os.fstat(fd))
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dir_fd)
+
+    def get_verified(self, key: str, size: int, checksum: str, pool: BufferPool) -> Lease:
+        os.close(self._open_file(key, size))          # a regular file of the size, reached without a link
+        path = self.path(key)
+        dir_fd, name = self._open_parent(key, create=False)
+        try:
+            lease, got = read_into(name, pool, dir_fd=dir_fd)    # O_DIRECT: a hit's file is not in the page cache
+        except OSError as exc:
+            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(dir_fd)
+        try:
+            if got != size:
+                raise CorruptStepError(path, f"{got} bytes, the commit record says {size}")
+            digest = checksum_bytes(lease.view(got))
+            if digest != checksum:
+                raise CorruptStepError(path, f"checksum {digest} does not match the commit record's {checksum}")
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def map_verified(self, key: str, size: int, checksum: str) -> Any:
+        fd = self._open_file(key, size)
+        path = self.path(key)
+        try:
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+        digest = checksum_bytes(mapped)
+        if digest != checksum:
+            mapped.close()
+            raise CorruptStepError(path, f"checksum {digest} does not match the commit record's {checksum}")
+        return mapped
+
+    def stat(self, key: str) -> Optional[Entry]:
+        try:
+            st = os.stat(self._prefix + key if key else self.url, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return _entry(key, key.rpartition("/")[2], st)
+
+    def list(self, prefix: str = "") -> Iterator[Entry]:
+        top = prefix.rstrip("/")
+        if top:
+            own = self.stat(top)
+            if own is None:
+                return
+            if own.kind != DIR:
+                yield own
+                return
+        stack = [(prefix if not top else top + "/", self._prefix + top if top else self.url)]
+        while stack:
+            rel_prefix, d = stack.pop()
+            try:
+                it = os.scandir(d)
+            except FileNotFoundError:
+                continue
+            with it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append((rel_prefix + e.name + "/", e.path))
+                        continue
+                    yield _entry(rel_prefix + e.name, e.name, e.stat(follow_symlinks=False))
+
+    def list_dir(self, prefix: str = "") -> List[Entry]:
+        top = prefix.rstrip("/")
+        try:
+            it = os.scandir(self._prefix + top if top else self.url)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        base = top + "/" if top else ""
+        with it:
+            for e in it:
+                out.append(_entry(base + e.name, e.name, e.stat(follow_symlinks=False)))
+        return out
+
+    # ---- writing
+
+    def put(self, key: str, data: Any, nbytes: Optional[int] = None) -> int:
+        dir_fd, name = self._open_parent(key, create=True)
+        try:
+            if isinstance(data, Lease):         # a pool buffer: O_DIRECT, past the page cache
+                write_buffer_at(dir_fd, name, data, memoryview(data.array).nbytes if nbytes is None else nbytes,
+                                self.drop_written_pages)
+            else:
+                view = memoryview(data).cast("B")
+                if nbytes is not None:
+                    view = view[:nbytes]
+                write_file_at(dir_fd, name, lambda f: f.write(view))
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+        finally:
+            os.close(dir_fd)
+
+    def put_if_absent(self, key: str, data: bytes) -> Optional[str]:
+        dir_fd, name = self._open_parent(key, create=True)
+        try:
+            try:
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                return None
+            except FileNotFoundError:
+                pass
+            write_file_at(dir_fd, name, lambda f: f.write(data))
+            return stamp_of(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+        finally:
+            os.close(dir_fd)
+
+    def append(self, key: str, data: bytes) -> int:
+        dir_fd, name = self._open_parent(key, create=True)
+        try:
+            fd = os.open(name, _APPEND_FLAGS, 0o644, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        try:
+            before = os.fstat(fd).st_size
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            return before
+        finally:
+            os.close(fd)
+
+    def delete(self, key: str) -> int:
+        try:
+            dir_fd, name = self._open_parent(key, create=False)
+        except (FileNotFoundError, CorruptStepError):
+            return 0
+        try:
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    raise IsADirectoryError(errno.EISDIR, "is a directory", str(self.path(key)))
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                return 0
+            fsync_dir(dir_fd)
+            return st.st_size
+        finally:
+            os.close(dir_fd)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """A directory is renamed to a '.trash-' name first (one atomic step: the prefix is gone), then
+        removed without following a link inside; a link or file in its place is unlinked."""
+        top = prefix.rstrip("/")
+        if not top:
+            raise ValueError("delete_prefix: refusing to remove the whole namespace")
+        try:
+            dir_fd, name = self._open_parent(top, create=False)
+        except (FileNotFoundError, CorruptStepError):
+            return 0
+        try:
+            return remove_entry_at(dir_fd, name, self.path(top).parent)
+        finally:
+            os.close(dir_fd)
+
+    def move(self, src_prefix: str, dst_prefix: str) -> None:
+        src, dst = src_prefix.rstrip("/"), dst_prefix.rstrip("/")
+        src_fd, src_name = self._open_parent(src, create=False)
+        try:
+            dst_fd, dst_name = self._open_parent(dst, create=True, replace=False)
+            try:
+                os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                fsync_dir(src_fd)
+                fsync_dir(dst_fd)
+            finally:
+                os.close(dst_fd)
+        finally:
+            os.close(src_fd)
+
+    def copy(self, src: str, dst: str) -> None:
+        fd = self._open_file(src, None)
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        self.put(dst, data)
+
+
+__all__ = ["PosixStorage", "stamp_of"]
