@@ -27,13 +27,12 @@ import socket
 import stat
 import threading
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import filelock
 
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.store.posix.fileops import CREATE_FLAGS, replace_via_temp
+from skip_harness.store.posix.holder import LockHolder, read_holder, remove_regular_file, write_small_file  # noqa: F401
 from skip_harness.store.layout import Layout
 from skip_harness.store.urls import DUMP_DIR_KEY
 from skip_harness.store.locking import Hold, Locker
@@ -44,8 +43,6 @@ TIMEOUT_KEY = "skip.rollout_tq.lock_timeout"
 
 READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _READ_ONLY_ERRNOS = READ_ONLY_ERRNOS
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class ReadOnlyCache(SkipHarnessError):
@@ -63,110 +60,6 @@ class ReadOnlyCache(SkipHarnessError):
 
 class UnsafeLockFileError(SkipHarnessError):
     """`.lock` is a symbolic link or another non-regular file: never opened or followed."""
-
-
-# ---------------------------------------------------------------------------------------- holder
-
-
-@dataclass(frozen=True)
-class LockHolder:
-    pid: int
-    host: str
-    since: float
-
-    def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
-        return f"pid {self.pid} on host {self.host} since {when}"
-
-    def to_json(self) -> dict:
-        return {"pid": self.pid, "host": self.host, "since": self.since}
-
-    def is_alive(self) -> Optional[bool]:
-        """Whether the process it names is running: None when it is on another host (unknowable)."""
-        if self.host != socket.gethostname():
-            return None
-        if self.pid <= 0:
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # exists, owned by someone else
-            return True
-        return True
-
-
-def _read_small_json(dir_path, name: str) -> Optional[dict]:
-    """A small JSON document `name` in `dir_path`, None if absent, not a regular file or unreadable."""
-    try:
-        fd = os.open(os.path.join(dir_path, name), _READ_FLAGS)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        doc = json.loads(os.read(fd, 65536))
-        return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    finally:
-        os.close(fd)
-
-
-def read_holder(layout: Layout) -> Optional[LockHolder]:
-    """The holder record of a namespace, None if absent or unreadable (never follows a symlink).
-    It may be stale (its process killed): the next holder replaces it."""
-    doc = _read_small_json(layout.root, layout.lock_holder_path.name)
-    if doc is None:
-        return None
-    try:
-        return LockHolder(int(doc["pid"]), str(doc["host"]), float(doc["since"]))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _write_small_file(dir_path, name: str, data: bytes) -> None:
-    """Write `data` as `dir_path/name` atomically: a new temporary file (O_EXCL | O_NOFOLLOW), made
-    durable, renamed into place (a link at `name` is replaced, never followed)."""
-    dir_fd = os.open(dir_path, _DIR_FLAGS)
-    try:
-        def fill(tmp: str) -> None:
-            fd = os.open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-        replace_via_temp(dir_fd, name, fill)
-        try:
-            os.fsync(dir_fd)
-        except OSError:
-            pass
-    finally:
-        os.close(dir_fd)
-
-
-def _remove_regular_file(dir_path, name: str, only_if=None) -> bool:
-    """Unlink `dir_path/name` if it is a regular file (a link is removed as a link only when
-    `only_if` is None); `only_if(doc)` must approve its JSON content. True if removed."""
-    path = os.path.join(dir_path, name)
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    if only_if is not None:
-        if not stat.S_ISREG(st.st_mode) or not only_if(_read_small_json(dir_path, name)):
-            return False
-    elif not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-        return False
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------- the lock
@@ -289,7 +182,7 @@ class NamespaceLock:
 
     def _write_holder(self) -> None:
         holder = LockHolder(os.getpid(), socket.gethostname(), time.time())
-        _write_small_file(self.layout.root, self.layout.lock_holder_path.name, json.dumps(holder.to_json()).encode())
+        write_small_file(self.layout.root, self.layout.lock_holder_path.name, json.dumps(holder.to_json()).encode())
 
     def release(self, *, all_levels: bool = False) -> None:
         """Give back one level (every level of this object with `all_levels`). The last level held in
@@ -321,7 +214,7 @@ class NamespaceLock:
 
     def _remove_holder(self) -> None:
         try:
-            _remove_regular_file(
+            remove_regular_file(
                 self.layout.root, self.layout.lock_holder_path.name,
                 only_if=lambda doc: doc is not None and doc.get("pid") == os.getpid(),
             )

@@ -35,19 +35,21 @@ def stamp_of(st: os.stat_result) -> str:
     return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
 
 
+_KINDS = {stat.S_IFDIR: DIR, stat.S_IFLNK: LINK, stat.S_IFREG: FILE}
+
+
 def _entry(key: str, name: str, st: os.stat_result) -> Entry:
     mode = st.st_mode
-    if stat.S_ISDIR(mode):
-        kind, what = DIR, ""
-    elif stat.S_ISLNK(mode):
-        kind, what = LINK, LINK_WHAT
-    elif name.startswith(TMP_PREFIX):
-        kind, what = TEMPORARY, ""
-    elif stat.S_ISREG(mode):
-        kind, what = FILE, ""
-    else:
-        kind, what = OTHER, describe_mode(mode)
-    return Entry(key, kind, st.st_size, stamp_of(st), st.st_mtime_ns, st.st_atime_ns, what)
+    kind = _KINDS.get(stat.S_IFMT(mode), OTHER)
+    what = ""
+    if kind is not DIR and kind is not LINK and name.startswith(TMP_PREFIX):
+        kind = TEMPORARY
+    elif kind is LINK:
+        what = LINK_WHAT
+    elif kind is OTHER:
+        what = describe_mode(mode)
+    size = st.st_size
+    return Entry(key, kind, size, f"{st.st_ino}:{st.st_mtime_ns}:{size}", st.st_mtime_ns, st.st_atime_ns, what)
 
 
 class PosixStorage(Storage):
