@@ -297,7 +297,7 @@ def test_release_unlocks_even_when_removing_the_record_fails(tmp_path, monkeypat
     def broken(*a, **k):
         raise RuntimeError("disk went away")
 
-    monkeypatch.setattr(lock_mod, "_remove_regular_file", broken)
+    monkeypatch.setattr(lock_mod, "remove_regular_file", broken)
     with pytest.raises(RuntimeError):
         lock.release()
     assert not lock.held_by_this_process
@@ -312,7 +312,7 @@ def test_holder_write_failure_other_than_read_only_warns_and_keeps_the_lock(tmp_
     def enospc(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(lock_mod, "_write_small_file", enospc)
+    monkeypatch.setattr(lock_mod, "write_small_file", enospc)
     with NamespaceLock(lay) as lock:
         assert lock.held_by_this_process
     assert "could not write the lock holder record" in caplog.text
