@@ -16,7 +16,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 from skip_harness.store.urls import UrlPath, is_url
 
@@ -71,7 +71,7 @@ class NamespaceKey:
     def layout(self, dump_dir: "Path | str | UrlPath") -> "Layout":
         """The namespace's Layout under `dump_dir`: a local path, or an object-store URL
         (`s3://bucket/prefix`), kept a URL (`UrlPath`): `Path` would fold its `//`."""
-        base = UrlPath(str(dump_dir)) if is_url(dump_dir) else Path(dump_dir)
+        base: Any = UrlPath(str(dump_dir)) if is_url(dump_dir) else Path(str(dump_dir))  # Layout.root: a Path or a UrlPath
         return Layout(base / self.group_name / self.leaf_name, K=self.K, W=self.W)
 
 

@@ -100,7 +100,7 @@ class MemoryStorage(Storage):
             self._store(key, blob)
         return len(blob)
 
-    def put_if_absent(self, key: str, data: bytes) -> Optional[str]:
+    def put_if_absent(self, key: str, data: Any) -> Optional[str]:
         with self._guard:
             if key in self._files:
                 return None

@@ -159,7 +159,7 @@ class Storage(abc.ABC):
         `bufferpool.Lease` (POSIX writes it with O_DIRECT)."""
 
     @abc.abstractmethod
-    def put_if_absent(self, key: str, data: bytes) -> Optional[str]:
+    def put_if_absent(self, key: str, data: Any) -> Optional[str]:
         """Store `data` at `key` only when nothing is there: the stored file's stamp, or None when
         something was there already (nothing written). Create-only on an object store
         (`If-None-Match: *`); on POSIX a check and a rename, under the namespace's lock."""

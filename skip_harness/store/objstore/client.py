@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from skip_harness.store.urls import URL_SCHEMES, is_url, join_url
 from skip_harness.store.objstore.errors import (
@@ -123,7 +123,7 @@ def _section(cp: configparser.ConfigParser, names: List[str]) -> Dict[str, str]:
     return {}
 
 
-def aws_config(env: Optional[Dict[str, str]] = None) -> AwsSettings:
+def aws_config(env: Optional[Mapping[str, str]] = None) -> AwsSettings:
     """S3 settings from the environment, falling back to the AWS credentials and config files."""
     env = os.environ if env is None else env
     profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
@@ -175,8 +175,8 @@ def _build_store(url: str, timeout_s: float) -> Any:
         # one store per URL in a process, so that two clients of one memory:// URL see each other
         with _state:
             return _memory_stores.setdefault(url, MemoryStore())
-    client_options = {"connect_timeout": f"{CONNECT_TIMEOUT_S:g}s", "timeout": f"{timeout_s:g}s"}
-    retry = {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=timeout_s),
+    client_options: Any = {"connect_timeout": f"{CONNECT_TIMEOUT_S:g}s", "timeout": f"{timeout_s:g}s"}
+    retry: Any = {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=timeout_s),
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                          "base": 2}}
     if scheme in ("s3", "s3a"):

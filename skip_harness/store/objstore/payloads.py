@@ -27,6 +27,10 @@ class StoredObject:
 _pool: Optional[Any] = None
 
 
+def _memmove(dst: int, src: int, nbytes: int) -> None:
+    ctypes.memmove(dst, src, nbytes)
+
+
 def pool() -> Any:
     """The process's staging buffers (reused: a fresh 100 MiB buffer costs more to fault in than
     the copy into it)."""
@@ -46,7 +50,7 @@ def stage(payload: Any) -> "tuple[Any, memoryview, str]":
     image = codec.plan(payload)
     lease = pool().acquire(image.nbytes)
     try:
-        tensorfile.pack_into(image, lease.array, ctypes.memmove)
+        tensorfile.pack_into(image, lease.array, _memmove)
         view = lease.view(image.nbytes)
         return lease, view, xxhash.xxh3_128_hexdigest(view)
     except BaseException:

@@ -268,7 +268,7 @@ class PosixStorage(Storage):
         finally:
             os.close(dir_fd)
 
-    def put_if_absent(self, key: str, data: bytes) -> Optional[str]:
+    def put_if_absent(self, key: str, data: Any) -> Optional[str]:
         dir_fd, name = self._open_parent(key, create=True)
         try:
             try:
