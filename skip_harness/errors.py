@@ -30,13 +30,19 @@ class CodecError(SkipHarnessError):
     """A payload cannot be encoded, or a stored file cannot be decoded safely."""
 
 
-class CorruptStepError(SkipHarnessError):
-    """A stored step disagrees with its commit record (or cannot be read safely)."""
+class StoreError(SkipHarnessError):
+    """The one (path, reason) family of the store, on every backend: `path` names the file, directory or
+    URL (a Path, a UrlPath or text), `reason` says what is wrong with it; the message is "{path}: {reason}"
+    (an object store's may lead with the config key to name)."""
 
     def __init__(self, path, reason: str):
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: {reason}")
+
+
+class CorruptStepError(StoreError):
+    """A stored step disagrees with its commit record (or cannot be read safely)."""
 
 
 class HarnessUsageError(SkipHarnessError):

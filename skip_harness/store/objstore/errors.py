@@ -18,18 +18,19 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional
 
-from skip_harness.errors import ConfigError, SkipHarnessError
+from skip_harness.errors import ConfigError, CorruptStepError, SkipHarnessError, StoreError
 from skip_harness.store.urls import DUMP_DIR_KEY   # the key every fatal message names
 
 
-class ObjectStoreError(SkipHarnessError):
-    """Base of the object-store errors; `url` is the object's full URL."""
+class ObjectStoreError(StoreError):
+    """Base of the object-store errors, of the store's one (path, reason) family: `url` (= `path`) is
+    the object's full URL."""
 
     def __init__(self, url: str, reason: str, *, key: Optional[str] = None):
-        self.url = url
+        self.url = self.path = url
         self.reason = reason
         self.key = key            # the config key to name, where the failure is the dump_dir's as a whole
-        super().__init__(f"{key}: {url}: {reason}" if key else f"{url}: {reason}")
+        SkipHarnessError.__init__(self, f"{key}: {url}: {reason}" if key else f"{url}: {reason}")
 
 
 class ObjectMissing(ObjectStoreError):
@@ -54,7 +55,7 @@ class ObjectStoreConfigError(ObjectStoreError, ConfigError):
     environment variable is to blame), never a read-only run or an outage."""
 
     def __init__(self, url: str, reason: str, *, key: str = DUMP_DIR_KEY):
-        self.url, self.reason, self.key = url, reason, key
+        self.url, self.path, self.reason, self.key = url, url, reason, key
         Exception.__init__(self, f"{key}: {url}: {reason}")
 
 
@@ -71,8 +72,8 @@ class ObjectStoreForkError(SkipHarnessError):
     does not survive fork (the call would hang), so it is refused instead."""
 
 
-class ObjectCorrupt(ObjectStoreError):
-    """An object's bytes disagree with the size or checksum its commit record gives."""
+class ObjectCorrupt(ObjectStoreError, CorruptStepError):
+    """An object's bytes disagree with the size or checksum its commit record gives: a corrupt step."""
 
 
 _SECRETS: set = set()

@@ -79,10 +79,7 @@ class ObjectStorage(Storage):
         except ObjectMissing as exc:
             lease.release()
             raise CorruptStepError(exc.url, "missing") from None
-        except ObjectCorrupt as exc:
-            lease.release()
-            raise CorruptStepError(exc.url, exc.reason) from None
-        except BaseException:
+        except BaseException:                  # ObjectCorrupt is a CorruptStepError as it is
             lease.release()
             raise
         return lease

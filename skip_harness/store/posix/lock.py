@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 import filelock
 
-from skip_harness.errors import LockHeldError, SkipHarnessError
+from skip_harness.errors import LockHeldError, SkipHarnessError, StoreError
 from skip_harness.store.posix.holder import LockHolder, read_holder, remove_regular_file, write_small_file  # noqa: F401
 from skip_harness.store.layout import Layout
 from skip_harness.store.urls import DUMP_DIR_KEY
@@ -45,14 +45,14 @@ READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _READ_ONLY_ERRNOS = READ_ONLY_ERRNOS
 
 
-class ReadOnlyCache(SkipHarnessError):
+class ReadOnlyCache(StoreError):
     """The namespace cannot be written (read-only mount, no permission): serve complete steps only,
     with no lock, no cleanup and no writes."""
 
     def __init__(self, path, reason: str):
         self.path = path
         self.reason = reason
-        super().__init__(
+        SkipHarnessError.__init__(self, 
             f"{path}: cannot be written ({reason}); {DUMP_DIR_KEY} is read-only here, so complete steps "
             "are served and nothing is locked, cleaned or written"
         )
