@@ -281,3 +281,35 @@ def test_a_posix_commit_survives_as_a_file_and_the_quarantine_refuses_a_link(tmp
     with pytest.raises(OSError, match="refusing to move"):
         ns.set_aside(1, "x")
     assert ns.list_step(1).committed
+
+
+# ------------------------------------------------------------------------------ the whole store on memory
+
+
+def test_the_step_store_scan_index_and_cleanup_run_on_the_memory_backend(tmp_path):
+    """Nothing above the namespace knows which storage it is on: StepStore's writes and verified reads, the
+    startup scan (listing stamps, the index appended), a corrupt step found and cleaned -- all in memory,
+    nothing on disk."""
+    from conftest import assert_batch_equal, batch, write_step
+    from skip_harness.store.cleanup import plan_cleanup
+    from skip_harness.store.layout import NamespaceKey
+    from skip_harness.store.scan import scan_namespace
+    from skip_harness.store.stepstore import StepStore
+
+    ns = memory_namespace("whole")
+    layout = NamespaceKey("exp", "proj", 8, 2, 4, 4, K=2).layout(tmp_path / "never")
+    store = StepStore(layout, backend=ns)
+    for step in (1, 2, 3):
+        write_step(store, step)
+    write_step(store, 4, commit=False)                       # interrupted before its commit
+    assert_batch_equal(store.reader.read_step(2, 0)[1], batch(2, 1, 0))
+    first = scan_namespace(layout, namespace=ns)
+    assert first.counts() == {"complete": 3, "unverified": 0, "incomplete": 1, "corrupt": 0}
+    assert first.index_used and first.index_note is None    # every commit appended its line
+    ns.storage.put("3/1/tq_batch.pt", b"short")             # a damaged file: another size than its record's
+    again = scan_namespace(layout, namespace=ns)
+    assert again.counts()["corrupt"] == 1 and "index stale" in again.index_note
+    result = plan_cleanup(again, "delete").execute(namespace=ns)
+    assert sorted(i.step for i in result.items) == [3, 4] and not result.errors
+    assert [s.step for s in scan_namespace(layout, namespace=ns).steps] == [1, 2]
+    assert not (tmp_path / "never").exists()
