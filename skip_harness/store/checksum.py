@@ -12,9 +12,14 @@ def checksum_bytes(data: Any) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def checksum_int(data: Any) -> int:
+    """xxh3-64 of a buffer, as an int (stamps)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def hasher() -> Any:
     """An incremental xxh3-128 (`update(chunk)`, `hexdigest()`), for a stream hashed as it arrives."""
     return xxhash.xxh3_128()
 
 
-__all__ = ["checksum_bytes", "hasher"]
+__all__ = ["checksum_bytes", "checksum_int", "hasher"]

@@ -116,27 +116,23 @@ def _fp_line(key: str, fp: Dict[str, Any]) -> str:
 
 
 def read_stamp(ns: Namespace, name: str, K: int) -> Optional[Tuple[Stamp, int]]:
-    """(stamp, newest mtime) of step directory `name`, from the stamps of its directory, its commit record
-    and its inner directories (`Namespace.stat`); None if any part of it is missing or not what a
+    """(stamp, newest mtime) of step directory `name`, from the change stamps of its directory, its commit
+    record and its inner directories (`Storage.stamps`); None if any part of it is missing or not what a
     committed step has (a link, a file where a directory belongs)."""
-    stat = ns.stat
-    st = stat(name)
-    if st is None or st.kind != DIR:
-        return None
-    commit = stat(name + _COMMIT_SUFFIX)
-    if commit is None or commit.kind != FILE:
-        return None
-    parts = [st.stamp, commit.stamp]
-    newest = max(st.mtime_ns or 0, commit.mtime_ns or 0)
+    keys, kinds = _stamp_keys(name, K)
+    return ns.storage.stamps(keys, kinds)
+
+
+def _stamp_keys(name: str, K: int) -> Tuple[List[str], Tuple[str, ...]]:
+    keys = [name, name + _COMMIT_SUFFIX]
     if K > 1:
-        for suffix in _inner_suffixes(K):
-            ist = stat(name + suffix)
-            if ist is None or ist.kind != DIR:
-                return None
-            parts.append(ist.stamp)
-            if (ist.mtime_ns or 0) > newest:
-                newest = ist.mtime_ns or 0
-    return xxhash.xxh3_64_intdigest("|".join(parts).encode()), newest
+        keys += [name + suffix for suffix in _inner_suffixes(K)]
+    return keys, _stamp_kinds(len(keys))
+
+
+@functools.lru_cache(maxsize=16)
+def _stamp_kinds(n: int) -> Tuple[str, ...]:
+    return (DIR, FILE) + (DIR,) * (n - 2)
 
 
 _COMMIT_SUFFIX = "/" + COMMIT_NAME

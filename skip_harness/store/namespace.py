@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.layout import COMMIT_NAME, QUARANTINE_DIR, TMP_PREFIX, TRASH_PREFIX, parse_step_name
@@ -45,9 +45,9 @@ LEFTOVER = "leftover of an interrupted write or removal"
 # what a listing returns
 
 
-@dataclass(frozen=True)
-class StoredFile:
-    """One file (object) of a step: its path in the step, stored size and change stamp."""
+class StoredFile(NamedTuple):
+    """One file (object) of a step: its path in the step, stored size and change stamp (a tuple: a scan
+    makes one per file)."""
 
     rel: str
     size: int

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+from skip_harness.store.checksum import checksum_int
 
 FILE = "file"
 DIR = "dir"
@@ -135,6 +137,21 @@ class Storage(abc.ABC):
         """The entry at `key`, itself never followed (None when there is none): a file, a link, a
         directory (only with `caps.directories`), ... Cheap (the index stats thousands): POSIX stats by
         path, so a caller that must not pass a link on the way stats the directories first."""
+
+    def stamps(self, keys: Sequence[str], kinds: Sequence[str]) -> Optional[Tuple[int, int]]:
+        """One change stamp covering the entries at `keys` (an int: equal stamps, none of them changed) and
+        the newest mtime among them (ns, 0 where unknown); None when one is missing or not of its kind in
+        `kinds`. What the index checks a committed step by (thousands at startup): a storage may do it
+        faster than `stat` one by one (POSIX: fd-relative, no Entry made)."""
+        parts = []
+        newest = 0
+        for key, kind in zip(keys, kinds):
+            e = self.stat(key)
+            if e is None or e.kind != kind:
+                return None
+            parts.append(e.stamp)
+            newest = max(newest, e.mtime_ns or 0)
+        return checksum_int("|".join(parts).encode()), newest
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[Entry]:

@@ -10,14 +10,17 @@ as the change stamp the index keeps. The contract is `store.storage`'s.
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import stat
+import struct
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.bufferpool import BufferPool, Lease
+from skip_harness.store.checksum import checksum_int
 from skip_harness.store.layout import TMP_PREFIX
 from skip_harness.store.posix.directio import read_into, write_buffer_at
 from skip_harness.store.posix.fileops import (
@@ -36,6 +39,11 @@ def stamp_of(st: os.stat_result) -> str:
 
 
 _KINDS = {stat.S_IFDIR: DIR, stat.S_IFLNK: LINK, stat.S_IFREG: FILE}
+
+
+@functools.lru_cache(maxsize=16)
+def _pack(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}Q")
 
 
 def _entry(key: str, name: str, st: os.stat_result) -> Entry:
@@ -215,6 +223,30 @@ class PosixStorage(Storage):
             return None
         return _entry(key, key.rpartition("/")[2], st)
 
+    def stamps(self, keys: Sequence[str], kinds: Sequence[str]) -> Optional[Tuple[int, int]]:
+        """inode + mtime (+ size for a file) of each entry, stat'ed relative to the namespace directory
+        (never through a link at the last component), packed and hashed: no Entry made. The same values
+        in the same order as the index has always hashed, so an index written before stays valid."""
+        try:
+            root_fd = os.open(self.root, _DIR_FLAGS)
+        except OSError:
+            return None
+        try:
+            values: List[int] = []
+            newest = 0
+            for key, kind in zip(keys, kinds):
+                st = os.stat(key, dir_fd=root_fd, follow_symlinks=False)
+                if _KINDS.get(stat.S_IFMT(st.st_mode)) is not kind:
+                    return None
+                values += (st.st_ino, st.st_size, st.st_mtime_ns) if kind is FILE else (st.st_ino, st.st_mtime_ns)
+                if st.st_mtime_ns > newest:
+                    newest = st.st_mtime_ns
+            return checksum_int(_pack(len(values)).pack(*values)), newest
+        except (OSError, ValueError, struct.error):
+            return None
+        finally:
+            os.close(root_fd)
+
     def list(self, prefix: str = "") -> Iterator[Entry]:
         top = prefix.rstrip("/")
         if top:
@@ -233,10 +265,17 @@ class PosixStorage(Storage):
                 continue
             with it:
                 for e in it:
+                    name = e.name
                     if e.is_dir(follow_symlinks=False):
-                        stack.append((rel_prefix + e.name + "/", e.path))
+                        stack.append((rel_prefix + name + "/", e.path))
                         continue
-                    yield _entry(rel_prefix + e.name, e.name, e.stat(follow_symlinks=False))
+                    st = e.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and not name.startswith(TMP_PREFIX):   # the common case, inline
+                        size = st.st_size
+                        yield Entry(rel_prefix + name, FILE, size, f"{st.st_ino}:{st.st_mtime_ns}:{size}",
+                                    st.st_mtime_ns, st.st_atime_ns, "")
+                    else:
+                        yield _entry(rel_prefix + name, name, st)
 
     def list_dir(self, prefix: str = "") -> List[Entry]:
         top = prefix.rstrip("/")
@@ -248,7 +287,10 @@ class PosixStorage(Storage):
         base = top + "/" if top else ""
         with it:
             for e in it:
-                out.append(_entry(base + e.name, e.name, e.stat(follow_symlinks=False)))
+                if e.is_dir(follow_symlinks=False):      # the directory's type from the listing: no stat
+                    out.append(Entry(base + e.name, DIR))
+                else:
+                    out.append(_entry(base + e.name, e.name, e.stat(follow_symlinks=False)))
         return out
 
     # ---- writing
