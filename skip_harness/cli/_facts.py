@@ -33,7 +33,7 @@ def step_written(reader: StepReader, report: _scan.StepReport) -> Optional[float
 def step_accessed(reader: StepReader, report: _scan.StepReport) -> Optional[float]:
     """When the step was last read: the newest access time of its payload files (a hit reads them; `ls`
     and the startup scan never do; `verify` and `clean` do), where the storage records reads (see
-    `NamespaceBackend.last_read`). None when no payload was read since it was written."""
+    `Namespace.last_read`). None when no payload was read since it was written."""
     if not report.exists:
         return None
     return reader.backend.last_read(report.step, [prel for _i, _r, prel, _m in reader.layout.expected_rels()])
