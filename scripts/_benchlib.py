@@ -17,6 +17,7 @@ import torch
 from skip_harness import codec
 from skip_harness.config import RolloutTQConfig
 from skip_harness.run.harness import SkipHarness
+from skip_harness.store.layout import Layout
 
 log = logging.getLogger("skip_harness.bench")
 
@@ -282,11 +283,21 @@ def _split_mode(mode: str) -> Tuple[str, str]:
     return (mode[:-5], "zstd") if mode.endswith("_zstd") else (mode, "none")
 
 
-def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, dump_dir: Path,
-                       keep: bool = False, compression: str = "none") -> Tuple[List[float], float]:
-    """`steps` training steps in `dump_dir` with caching `mode`: 'off', 'async', 'sync' (misses in a fresh
-    namespace), 'hit' (every step served from the cache a block before wrote) or 'memory' (caching off,
-    the batch already in memory). Returns (seconds of each step, seconds until the block was durable)."""
+@dataclass(frozen=True)
+class Block:
+    """What `run_training_block` measured: seconds of each step, seconds until the block was durable,
+    and where its namespace is (None with caching off)."""
+
+    times: List[float]
+    durable_s: float
+    layout: Optional[Layout]
+
+
+def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, dump_dir: Any,
+                       keep: bool = False, compression: str = "none") -> Block:
+    """`steps` training steps in `dump_dir` (a directory or an object-store URL) with caching `mode`:
+    'off', 'async', 'sync' (misses in a fresh namespace), 'hit' (every step served from the cache a
+    block before wrote) or 'memory' (caching off, the batch already in memory)."""
     harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir, compression)
     trainer = SyntheticTrainer(payload, in_memory=mode == "memory")
     harness.wrap(trainer)
@@ -305,6 +316,7 @@ def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, du
         harness.flush()
         total = time.perf_counter() - t_block
         outcomes = {harness.outcome(s) for s in range(1, steps + 1)}
+        layout = harness.layout if harness.enabled else None
     finally:
         summary = harness.close()
     expected = {"off": "off", "memory": "off", "hit": "hit"}.get(mode, "miss")
@@ -316,7 +328,7 @@ def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, du
         raise BenchError(f"caching {mode}: {trainer.generated} generations ran on hit steps")
     if not keep:
         shutil.rmtree(dump_dir, ignore_errors=True)
-    return per_step, total
+    return Block(per_step, total, layout)
 
 
 def _with_threads(threads: int, fn: Callable[[], Dict[str, float]]) -> Dict[str, float]:
