@@ -283,4 +283,8 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
     out = {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}
     out.update({f"{m}_cpu_s": median(arms[m].cpu[1:]) for m in modes})
     out.update({f"{m}_flush_s": median(arms[m].flush_s[1:]) for m in modes})
+    if "hit" in modes and "hit_floor" in modes:
+        # the hit against its floor step by step (the two ran next to each other, so a change of the
+        # machine's load between steps moves both): the median of the per-step ratios
+        out["hit_vs_floor_paired"] = median([h / f for h, f in zip(arms["hit"].times[1:], arms["hit_floor"].times[1:])])
     return out
