@@ -165,8 +165,10 @@ def _image(codec: Any, payload: Any) -> bytes:
 
 def _payload_keys(store: Any, prefix: str, steps: int) -> Dict[int, str]:
     """The payload object of each step 1..steps under `prefix` (a namespace the harness wrote)."""
+    import obstore as obs
+
     found: Dict[int, str] = {}
-    for batch in __import__("obstore").list(store, prefix=prefix):
+    for batch in obs.list(store, prefix=prefix):
         for m in batch:
             parts = m["path"].split("/")
             if parts[-1] == "tq_batch.pt" and parts[-2].isdigit():
