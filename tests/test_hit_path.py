@@ -1,14 +1,15 @@
 """What a hit costs the trainer's thread: with prefetch on, serving a step that was loaded ahead asks
-the storage nothing more there -- no listing, no commit record (the reader thread classified the
-step once and its size came with the load) -- and the step's size is still the one `ls` shows."""
+the storage nothing more there -- no listing, no commit record, no file opened (the reader thread
+classified the step once and its size came with the load) -- and the step's size is still the one
+`ls` shows. Watched at the os calls, so the check holds whatever the store's modules are called."""
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
 from skip_harness import SkipHarness
-from skip_harness.store import status as status_mod
 from skip_harness.store.stepstore import StepStore
 
 
@@ -29,33 +30,38 @@ def make(tmp_path):
                               namespace={"experiment_name": "e", "project_name": "p", "n": 1})
 
 
-def run(tmp_path, steps=4):
+def test_serving_a_prefetched_hit_touches_no_file_on_the_trainers_thread(tmp_path, monkeypatch):
     t = Trainer()
     h = make(tmp_path).wrap(t)
-    for s in range(1, steps + 1):
+    for s in range(1, 5):                            # records steps 1-4
         t.prepare_data(s)
         t.sample(s)
+    h.close()
+
+    calls, watching = [], threading.Event()
+    trainer_thread = threading.current_thread()
+
+    def spy(real):
+        def call(*args, **kwargs):
+            if watching.is_set() and threading.current_thread() is trainer_thread:
+                calls.append((real.__name__, args[0] if args else None))
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("open", "scandir", "stat", "lstat", "listdir"):
+        monkeypatch.setattr(os, name, spy(getattr(os, name)))
+    t = Trainer()
+    h = make(tmp_path).wrap(t)
+    t.prepare_data(1)
+    t.sample(1)                                      # step 1 is read on the trainer's thread: nothing was ahead
+    watching.set()
+    for s in (2, 3, 4):                              # loaded ahead while the step before trained
+        t.prepare_data(s)
+        t.sample(s)
+    watching.clear()
     summary = h.close()
-    return h, t, summary
-
-
-def test_serving_a_prefetched_hit_lists_nothing_on_the_trainers_thread(tmp_path, monkeypatch):
-    run(tmp_path)                                   # records steps 1-4
-    classified = []
-    real = status_mod.classify_step
-
-    def classify_step(layout, step, *args, **kwargs):
-        classified.append((step, threading.current_thread().name))
-        return real(layout, step, *args, **kwargs)
-
-    monkeypatch.setattr(status_mod, "classify_step", classify_step)
-    monkeypatch.setattr("skip_harness.store.stepstore.classify_step", classify_step)
-    monkeypatch.setattr("skip_harness.store.reader.classify_step", classify_step)
-    h, t, summary = run(tmp_path)
     assert t.generated == 0 and summary.hits == 4
-    on_trainer = [s for s, name in classified if not name.startswith("skip_harness-prefetch") and s > 1]
-    assert on_trainer == [], f"steps classified on the trainer's thread while served: {on_trainer}"
-    assert sorted(s for s, _ in classified if s > 1) == [2, 3, 4]       # once each, ahead
-    # the size each hit reports is the step's size on disk, as `ls` counts it
+    assert calls == [], f"the trainer's thread reached the storage while serving prefetched hits: {calls}"
+    # the size each hit reports is still the step's size on disk, as `ls` counts it
     store = StepStore(h.layout)
     assert summary.bytes_read == sum(store.status(s).bytes for s in range(1, 5))
