@@ -98,9 +98,9 @@ from _bench_io import bench_checksum, bench_load, bench_mem, bench_save, bench_z
 from _bench_scan import bench_scan, scan_namespace_for  # noqa: E402
 from _bench_steps import bench_steps  # noqa: E402
 from _bench_table import KEYS, TARGETS, render_table  # noqa: E402,F401  (KEYS, TARGETS: read by tests)
-from _benchlib import (  # noqa: E402
-    MOE_ROW_DIVISOR, PROMPT_LEN, RESPONSE_LEN, SCAN_K, MiB, BenchError, _with_threads, disk_ratios, log,
-    make_jagged_payload, make_moe_payload, make_payload, tensor_bytes,
+from _benchlib import (  # noqa: E402,F401  (ZSTD_LEVEL, make_payload, disk_ratios: tests/test_compression.py reads them here)
+    MOE_ROW_DIVISOR, PROMPT_LEN, RESPONSE_LEN, SCAN_K, ZSTD_LEVEL, MiB, BenchError, _with_threads, disk_ratios,
+    log, make_jagged_payload, make_moe_payload, make_payload, tensor_bytes,
 )
 
 from skip_harness.store.layout import Layout  # noqa: E402
