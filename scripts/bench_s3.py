@@ -39,12 +39,13 @@ import io
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))   # _benchlib, shared with bench.py
@@ -72,9 +73,12 @@ def _median(xs: List[float]) -> float:
 
 
 @contextlib.contextmanager
-def _server_bucket(work: Path, bucket: str) -> Iterator[str]:
+def _server_bucket(work: Optional[Path], bucket: str) -> Iterator[str]:
     """A fresh moto server on 127.0.0.1 with one bucket, its AWS_* settings in this process's
-    environment while the block runs; the environment restored and the server stopped after."""
+    environment while the block runs; the environment restored and the server stopped after. Its
+    log goes to `work`, by default a temporary directory removed after."""
+    made = work is None
+    work = Path(tempfile.mkdtemp(prefix="bench-s3-")) if work is None else work
     from s3server import start_server
 
     server = start_server(work, auth=False)
@@ -89,6 +93,8 @@ def _server_bucket(work: Path, bucket: str) -> Iterator[str]:
             else:
                 os.environ[k] = v
         server.stop()
+        if made:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Dict[str, float]:
@@ -101,7 +107,6 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
     from skip_harness.store.layout import Layout, UrlPath
     from skip_harness.store.stepstore import StepStore
 
-    work = Path(work or tempfile.mkdtemp(prefix="bench-s3-"))
     with _server_bucket(work, "bench-s3") as bucket:
         steps = StepStore(Layout(UrlPath(f"s3://{bucket}/exp_proj/GBS{rows}_N1_in1024_out3072"), K=1, W=1))
         store = S3Store(bucket)        # a bare client of the same server, from the same AWS_* environment
@@ -265,7 +270,6 @@ def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path
 
     from skip_harness import codec
 
-    work = Path(work or tempfile.mkdtemp(prefix="bench-s3-steps-"))
     with _server_bucket(work, "bench-s3-steps") as bucket:
         store = S3Store(bucket)
         payload = make_payload(rows)
