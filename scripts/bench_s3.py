@@ -15,9 +15,9 @@ that speed moves with the machine's load. Target: both <= 1.1.
 
 `bench_s3_steps(rows, steps, rounds)` adds `s3_step_overhead_ratio`: the synthetic training step of
 `scripts/bench.py` (computing about four bare puts long) with caching on into an s3:// dump_dir
-(async writes: the puts stay off the critical path) over the same step with caching off, blocks
-interleaved; and `s3_hit_overhead_ratio`: a step served from the bucket (prefetched) over the step
-with its batch already in memory. Beside them, the floor of any miss to this server
+(async writes: the puts stay off the critical path) over the same step with caching off, every arm
+taking turns step by step as in bench.py; and `s3_hit_overhead_ratio`: a step served from the bucket
+(prefetched) over the step with its batch already in memory. Beside them, the floor of any miss to this server
 (`s3_step_floor_ratio`: each step's batch copied once and put whole on a background thread -- no
 checksum, meta.json or commit record -- over caching off) and `s3_step_vs_floor_ratio`: the miss over
 that floor. moto runs on this machine's cores, so receiving a put takes CPU from the step; the floor
@@ -45,7 +45,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))   # _benchlib, shared with bench.py
@@ -184,87 +184,96 @@ def _payload_keys(store: Any, prefix: str, steps: int) -> Dict[int, str]:
     return found
 
 
-def _hit_floor_block(payload: Any, compute: Any, steps: int, store: Any, keys: Dict[int, str]) -> List[float]:
-    """The floor of any hit from this object store, timed like a training block: each step's payload
-    object (the one the hit arm serves) fetched by a bare GET into a reused buffer, one step ahead on
-    a background thread, and decoded into tensors that view the buffer -- no listing, no commit
-    record, no meta.json, no checksum. Seconds of each step."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import obstore as obs
-    from _benchlib import touch
-
-    from skip_harness import codec
-
-    size = max(len(_image(codec, payload)), 1)
-    buffers = [bytearray(size), bytearray(size)]
-
-    def fetch(step: int) -> Any:
-        buf, off = buffers[step % 2], 0
-        for chunk in obs.get(store, keys[step]).stream(min_chunk_size=8 << 20):
-            n = len(memoryview(chunk))
-            buf[off:off + n] = chunk
-            off += n
-        return codec.load_buffer(buf, off, keys[step])
-
-    per_step: List[float] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="bench-s3-hit-floor") as pool:
-        ahead = pool.submit(fetch, 1)
-        for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            batch = ahead.result()
-            if step < steps:
-                ahead = pool.submit(fetch, step + 1)      # one step ahead, as the harness prefetches
-            touch(batch)
-            compute.run()
-            per_step.append(time.perf_counter() - t0)
-            del batch
-    return per_step
-
-
-def _floor_block(payload: Any, compute: Any, steps: int, store: Any, prefix: str) -> List[float]:
-    """The floor of any miss to this object store, timed like a training block: each step's batch
-    copied once into a buffer (the copy any write needs before the trainer may change its batch), then
-    put whole with the same library on a background thread, one put in flight at a time -- no
-    checksum, no meta.json, no commit record. Seconds of each step."""
+def _arms(store: Any, payload: Any) -> Tuple[type, type]:
+    """The two floors as training-step arms of scripts/_bench_steps.py (taking turns with the harness's
+    arms step by step): (the miss's floor, the hit's floor) on this object store."""
     from concurrent.futures import ThreadPoolExecutor
 
     import obstore as obs
     import torch
-    from _benchlib import SyntheticTrainer, iter_tensors, tensor_bytes, touch
+    from _bench_steps import StepArm
+    from _benchlib import SyntheticTrainer, iter_tensors, tensor_bytes
 
-    trainer = SyntheticTrainer(payload)
-    nbytes = tensor_bytes(payload)
-    buffers = [bytearray(nbytes), bytearray(nbytes)]
-    pending = None
-    per_step: List[float] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="bench-s3-floor") as pool:
-        for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            trainer.prepare_data(step)
-            batch = trainer.sample(step)
-            if pending is not None:
-                pending.result()              # one put in flight, as the writer's queue allows
-            buf = buffers[step % 2]
+    from skip_harness import codec
+
+    class PutFloorArm(StepArm):
+        """The floor of any miss to this object store: each step's batch copied once into a buffer (the
+        copy any write needs before the trainer may change its batch), then put whole with the same
+        library on a background thread -- no checksum, no meta.json, no commit record."""
+
+        mode = "floor"
+
+        def __init__(self, prefix: str):
+            super().__init__()
+            self.prefix, self.trainer = prefix, SyntheticTrainer(payload)
+            self.buffers = [bytearray(tensor_bytes(payload)) for _ in range(2)]
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-s3-floor")
+            self.pending: Any = None
+
+        def produce(self, step: int) -> Any:
+            batch = self.trainer.sample(step)
+            buf = self.buffers[step % 2]
             flat, off = torch.frombuffer(buf, dtype=torch.uint8), 0
             for t in iter_tensors(batch):
                 n = t.numel() * t.element_size()
                 flat[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
                 off += n
-            pending = pool.submit(obs.put, store, f"{prefix}/floor/{step}", memoryview(buf), use_multipart=False)
-            touch(batch)
-            compute.run()
-            per_step.append(time.perf_counter() - t0)
-            del batch
-        if pending is not None:
-            pending.result()
-    return per_step
+            self.pending = self.pool.submit(obs.put, store, f"{self.prefix}/floor/{step}", memoryview(buf),
+                                            use_multipart=False)
+            return batch
+
+        def settle(self, step: int) -> None:
+            self.pending.result()
+
+        def close(self, steps: int) -> None:
+            self.pool.shutdown(wait=True)
+
+    class GetFloorArm(StepArm):
+        """The floor of any hit from this object store: each step's payload object (the one the hit arm
+        serves) fetched by a bare GET into a reused buffer, one step ahead on a background thread, and
+        decoded into tensors that view the buffer -- no listing, commit record, meta.json or checksum."""
+
+        mode = "hit_floor"
+
+        def __init__(self, keys: Dict[int, str]):
+            super().__init__()
+            self.keys = keys
+            size = max(len(_image(codec, payload)), 1)
+            self.buffers = [bytearray(size) for _ in range(3)]
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-s3-hit-floor")
+            self.ahead: Dict[int, Any] = {}
+
+        def _fetch(self, step: int) -> Any:
+            buf, off = self.buffers[step % 3], 0
+            for chunk in obs.get(store, self.keys[step]).stream(min_chunk_size=8 << 20):
+                n = len(memoryview(chunk))
+                buf[off:off + n] = chunk
+                off += n
+            return codec.load_buffer(buf, off, self.keys[step])
+
+        def _start(self, step: int) -> None:
+            if step in self.keys and step not in self.ahead:
+                self.ahead[step] = self.pool.submit(self._fetch, step)
+
+        def produce(self, step: int) -> Any:
+            self._start(step)
+            batch = self.ahead.pop(step).result()
+            self._start(step + 1)                   # one step ahead, as the harness prefetches
+            return batch
+
+        def close(self, steps: int) -> None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    return PutFloorArm, GetFloorArm
 
 
 def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path | None = None) -> Dict[str, float]:
     """The step overheads with an s3:// dump_dir, and the floors of a miss and of a hit beside them
-    (see the module doc), on a fresh moto server."""
+    (see the module doc), on a fresh moto server: every arm open at once, the arms taking turns step
+    by step (A B C, C B A, ...) as scripts/bench.py's, 1 + steps x rounds steps each, the first a
+    warm-up."""
     import obstore as obs
+    from _bench_steps import TrainingArm
     from _benchlib import COMPUTE_FACTOR, Compute, make_payload, run_training_block
     from obstore.store import S3Store
 
@@ -282,39 +291,42 @@ def bench_s3_steps(rows: int = 1024, steps: int = 6, rounds: int = 2, work: Path
         bare_put_s = _median(puts)
         compute = Compute()
         compute.calibrate(COMPUTE_FACTOR * bare_put_s)
-        per: Dict[str, List[float]] = {"off": [], "async": [], "floor": [], "hit": [], "hit_floor": [], "memory": []}
-        paired: List[float] = []
-        for r in range(rounds):
-            prefix = f"r{r}-{uuid.uuid4().hex[:6]}"
-            url = f"s3://{bucket}/{prefix}"
-            # 'hit' and 'hit_floor' read the cache 'async' wrote in this round
-            order = (["off", "async", "floor", "hit", "hit_floor", "memory"] if r % 2 == 0 else
-                     ["memory", "floor", "off", "async", "hit_floor", "hit"])
-            for mode in order:
-                if mode == "floor":
-                    times = _floor_block(payload, compute, steps, store, prefix)
-                elif mode == "hit_floor":
-                    times = _hit_floor_block(payload, compute, steps, store, _payload_keys(store, prefix, steps))
+        total = 1 + steps * rounds
+        run = uuid.uuid4().hex[:6]
+        hit_prefix = f"hit-{run}"        # the cache the hit and its floor read: written first, untimed
+        run_training_block("async", payload, Compute(8), total, f"s3://{bucket}/{hit_prefix}", keep=True)
+        PutFloorArm, GetFloorArm = _arms(store, payload)
+        modes = ("off", "async", "floor", "hit", "hit_floor", "memory")
+        arms = {"floor": PutFloorArm(f"floor-{run}"), "hit_floor": GetFloorArm(_payload_keys(store, hit_prefix, total))}
+        for mode in ("off", "async", "memory"):
+            arms[mode] = TrainingArm(mode, payload, f"s3://{bucket}/{mode}-{run}")  # type: ignore[arg-type]
+        arms["hit"] = TrainingArm("hit", payload, f"s3://{bucket}/{hit_prefix}")  # type: ignore[arg-type]
+        try:
+            for step in range(1, total + 1):
+                for mode in (modes if step % 2 else reversed(modes)):
+                    arms[mode].step(step, compute)
+        finally:
+            for arm in arms.values():
+                if isinstance(arm, TrainingArm):
+                    arm.harness.close()
                 else:
-                    times = run_training_block(mode, payload, compute, steps, url, keep=True).times
-                per[mode] += times[1:]    # the first step warms up
-                if mode == "async":
-                    commits = [m for batch in obs.list(store, prefix=prefix) for m in batch
-                               if m["path"].endswith("/commit.json")]
-                    if len(commits) != steps:
-                        raise RuntimeError(f"{url}: {len(commits)} of {steps} steps committed in the bucket "
-                                           "(does the harness open an s3:// dump_dir as an object store?)")
-            paired += [h / f for h, f in zip(per["hit"][-(steps - 1):], per["hit_floor"][-(steps - 1):])]
+                    arm.close(total)
+        for mode in ("off", "async", "hit", "memory"):
+            arms[mode].close(total)          # every step was what the arm says (BenchError if not)
+        commits = [m for batch in obs.list(store, prefix=f"async-{run}") for m in batch if m["path"].endswith("/commit.json")]
+        if len(commits) != total:
+            raise RuntimeError(f"async-{run}: {len(commits)} of {total} steps committed in the bucket "
+                               "(does the harness open an s3:// dump_dir as an object store?)")
         res = {"s3_step_bare_put_s": bare_put_s}
-        for mode, times in per.items():
-            res[f"s3_step_{mode}_s"] = _median(times)
+        for mode in modes:
+            res[f"s3_step_{mode}_s"] = _median(arms[mode].times[1:])
         res["s3_step_overhead_ratio"] = res["s3_step_async_s"] / res["s3_step_off_s"]
         res["s3_step_floor_ratio"] = res["s3_step_floor_s"] / res["s3_step_off_s"]
         res["s3_step_vs_floor_ratio"] = res["s3_step_async_s"] / res["s3_step_floor_s"]
         res["s3_hit_overhead_ratio"] = res["s3_step_hit_s"] / res["s3_step_memory_s"]
         res["s3_hit_floor_ratio"] = res["s3_step_hit_floor_s"] / res["s3_step_memory_s"]
-        # step by step (the same step index of the two blocks), the median of the ratios
-        res["s3_hit_vs_floor_ratio"] = _median(paired) if paired else res["s3_step_hit_s"] / res["s3_step_hit_floor_s"]
+        # step by step (the two arms ran next to each other), the median of the per-step ratios
+        res["s3_hit_vs_floor_ratio"] = _median([h / f for h, f in zip(arms["hit"].times[1:], arms["hit_floor"].times[1:])])
         return res
 
 
@@ -325,7 +337,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=None, help="trajectories per mini-batch (default 1024)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats of save and load (default 7)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per block (default 6)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of steps (default 2): each arm runs 1 + steps x rounds steps")
     ap.add_argument("--no-steps", action="store_true", help="only the save / load ratios")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
