@@ -1,9 +1,11 @@
 """The benchmark's training-step arms (scripts/bench.py): a trainer's step with caching off, a miss
-written asynchronously or in the step, a hit, verl's torch.save, and the durable-copy floor -- all open
-at once and taking turns step by step, so a machine whose load changes slows every arm alike."""
+written asynchronously or in the step, a hit, verl's torch.save, the durable-copy floor of a miss and
+the page-cache floor of a hit -- all open at once and taking turns step by step, so a machine whose
+load changes slows every arm alike."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import shutil
 import time
@@ -16,6 +18,12 @@ from _benchlib import (
     COMPUTE_FACTOR, BenchError, Compute, SyntheticTrainer, _split_mode, iter_tensors, log, make_harness, median,
     run_training_block, tensor_bytes, touch,
 )
+
+from skip_harness import codec
+from skip_harness.store.layout import Layout
+
+_MADV_POPULATE_READ = 22      # Linux >= 5.14: map a file's cached pages now, read-only (no copy-on-write)
+
 
 class StepArm:
     """One arm of the training-step comparison, open throughout. `produce(step)` is the arm's
@@ -111,6 +119,61 @@ class FloorArm(StepArm):
             raise BenchError(f"floor writes: {self.written} of {steps} were written")
 
 
+class HitFloorArm(StepArm):
+    """The floor of any hit, side by side with the harness's: the same step reading the same bytes (the
+    payload files of the cache the hit arm serves) bare from the page cache -- each step's file mapped
+    (no copy: its pages are the page cache's) and decoded into tensors that view the mapping, one step
+    ahead on a background thread as the harness prefetches. No listing, no commit record, no meta.json,
+    no checksum; the decode is what the trainer needs (tensors and strings). The files are read once
+    before the first step, so that every step finds its bytes in the page cache (a hit reads them from
+    the disk, with O_DIRECT). Labelled `hit_floor` in the results."""
+
+    mode = "hit_floor"
+
+    def __init__(self, payload: Any, layout: Layout, steps: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        super().__init__()
+        self.paths = {s: layout.payload_path(s, 0, 0) for s in range(1, steps + 1)}
+        for path in self.paths.values():           # into the page cache, untimed
+            with open(path, "rb", buffering=0) as f:
+                while f.read(16 << 20):
+                    pass
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-hit-floor")
+        self.ahead: Dict[int, Any] = {}
+        self.served = 0
+
+    def _load(self, step: int) -> Any:
+        path = self.paths[step]
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            mapped.madvise(_MADV_POPULATE_READ)
+        except (OSError, ValueError):
+            pass                                    # an older kernel: the trainer's touch maps the pages
+        return codec.load_buffer(mapped, size, path)
+
+    def _start(self, step: int) -> None:
+        if step in self.paths and step not in self.ahead:
+            self.ahead[step] = self.pool.submit(self._load, step)
+
+    def produce(self, step: int) -> Any:
+        self._start(step)
+        batch = self.ahead.pop(step).result()
+        self._start(step + 1)                       # one step ahead, as the harness's prefetch
+        self.served += 1
+        return batch
+
+    def close(self, steps: int) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.served != steps:
+            raise BenchError(f"hit floor: {self.served} of {steps} steps were read")
+
+
 class VerlArm(StepArm):
     """A miss as verl's rollout skip writes it: `torch.save` of the batch to its file inside the step,
     synchronously (no fsync, no checksum). Labelled `verl` in the results."""
@@ -187,13 +250,20 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
     log.info("synthetic step on %d thread(s): %d matmuls, %.3f s of compute (%.1fx a bare durable save of %.3f s)",
              threads, compute.iters, compute_s, compute_s / bare_save_s, bare_save_s)
     total = 1 + steps * rounds
-    for hit in ("hit", "hit_zstd"):  # the caches the hit arms read: written once, untimed
-        if hit in modes:
-            run_training_block("async", payload, Compute(8), total, work / f"steps_{hit}", keep=True,
-                               compression=_split_mode(hit)[1])
+    hit_layout = None
+    for hit in ("hit", "hit_zstd"):  # the caches the hit arms read (hit_floor: the same as hit): written once, untimed
+        if hit in modes or (hit == "hit" and "hit_floor" in modes):
+            layout = run_training_block("async", payload, Compute(8), total, work / f"steps_{hit}", keep=True,
+                                        compression=_split_mode(hit)[1]).layout
+            hit_layout = layout if hit == "hit" else hit_layout
     special = {"floor": FloorArm, "verl": VerlArm}
-    arms = {m: special[m](payload, work / f"steps_{m}") if m in special else TrainingArm(m, payload, work / f"steps_{m}")
-            for m in modes}
+
+    def arm(m: str) -> StepArm:
+        if m == "hit_floor":
+            return HitFloorArm(payload, hit_layout, total)
+        return special[m](payload, work / f"steps_{m}") if m in special else TrainingArm(m, payload, work / f"steps_{m}")
+
+    arms = {m: arm(m) for m in modes}
     try:
         for step in range(1, total + 1):
             order = list(modes) if step % 2 else list(reversed(modes))
@@ -208,9 +278,13 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
                 arm.harness.close()
     for arm in arms.values():
         arm.close(total)
-    for m in modes:
+    for m in (*modes, "hit"):
         shutil.rmtree(work / f"steps_{m}", ignore_errors=True)
     out = {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}
     out.update({f"{m}_cpu_s": median(arms[m].cpu[1:]) for m in modes})
     out.update({f"{m}_flush_s": median(arms[m].flush_s[1:]) for m in modes})
+    if "hit" in modes and "hit_floor" in modes:
+        # the hit against its floor step by step (the two ran next to each other, so a change of the
+        # machine's load between steps moves both): the median of the per-step ratios
+        out["hit_vs_floor_paired"] = median([h / f for h, f in zip(arms["hit"].times[1:], arms["hit_floor"].times[1:])])
     return out

@@ -1,10 +1,14 @@
-"""What scripts/bench.py and scripts/bench_s3.py share (neither imports the other's module for it): the
-payloads (a verl-like rollout batch, its jagged and MoE variants), timing helpers, the synthetic trainer
-and compute, and a training block run through the harness."""
+"""What the benchmark scripts share (bench.py, bench_s3.py and bench_view.py import it; none imports
+another script): the payloads (a verl-like rollout batch, its jagged and MoE variants), timing helpers,
+the synthetic trainer and compute, a training block run through the harness, and the namespace of many
+committed steps the scan rows read."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
+import os
 import shutil
 import statistics
 import time
@@ -17,6 +21,8 @@ import torch
 from skip_harness import codec
 from skip_harness.config import RolloutTQConfig
 from skip_harness.run.harness import SkipHarness
+from skip_harness.store.layout import COMMIT_NAME, Layout
+from skip_harness.store.stepstore import StepStore
 
 log = logging.getLogger("skip_harness.bench")
 
@@ -282,11 +288,21 @@ def _split_mode(mode: str) -> Tuple[str, str]:
     return (mode[:-5], "zstd") if mode.endswith("_zstd") else (mode, "none")
 
 
-def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, dump_dir: Path,
-                       keep: bool = False, compression: str = "none") -> Tuple[List[float], float]:
-    """`steps` training steps in `dump_dir` with caching `mode`: 'off', 'async', 'sync' (misses in a fresh
-    namespace), 'hit' (every step served from the cache a block before wrote) or 'memory' (caching off,
-    the batch already in memory). Returns (seconds of each step, seconds until the block was durable)."""
+@dataclass(frozen=True)
+class Block:
+    """What `run_training_block` measured: seconds of each step, seconds until the block was durable,
+    and where its namespace is (None with caching off)."""
+
+    times: List[float]
+    durable_s: float
+    layout: Optional[Layout]
+
+
+def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, dump_dir: Any,
+                       keep: bool = False, compression: str = "none") -> Block:
+    """`steps` training steps in `dump_dir` (a directory or an object-store URL) with caching `mode`:
+    'off', 'async', 'sync' (misses in a fresh namespace), 'hit' (every step served from the cache a
+    block before wrote) or 'memory' (caching off, the batch already in memory)."""
     harness = make_harness("off" if mode == "memory" else ("async" if mode == "hit" else mode), dump_dir, compression)
     trainer = SyntheticTrainer(payload, in_memory=mode == "memory")
     harness.wrap(trainer)
@@ -305,6 +321,7 @@ def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, du
         harness.flush()
         total = time.perf_counter() - t_block
         outcomes = {harness.outcome(s) for s in range(1, steps + 1)}
+        layout = harness.layout if harness.enabled else None
     finally:
         summary = harness.close()
     expected = {"off": "off", "memory": "off", "hit": "hit"}.get(mode, "miss")
@@ -316,7 +333,7 @@ def run_training_block(mode: str, payload: Any, compute: Compute, steps: int, du
         raise BenchError(f"caching {mode}: {trainer.generated} generations ran on hit steps")
     if not keep:
         shutil.rmtree(dump_dir, ignore_errors=True)
-    return per_step, total
+    return Block(per_step, total, layout)
 
 
 def _with_threads(threads: int, fn: Callable[[], Dict[str, float]]) -> Dict[str, float]:
@@ -326,3 +343,39 @@ def _with_threads(threads: int, fn: Callable[[], Dict[str, float]]) -> Dict[str,
         return fn()
     finally:
         torch.set_num_threads(previous)
+
+
+# --------------------------------------------------------------------------------------------
+# the scan namespace (scripts/bench.py's scan rows, scripts/bench_view.py's overview)
+
+
+def build_scan_namespace(root: Path, steps: int, K: int = SCAN_K) -> Layout:
+    """A namespace of `steps` committed steps x K inner indices, as a run leaves it.
+
+    Step 1 is written and committed through StepStore; every other step gets hard links to step 1's
+    payload and meta files and its own commit record (step 1's record with the step number changed,
+    serialized as StepWriter.commit does, but without the per-file fsync that would make building
+    10,000 steps take minutes). The scan reads directory listings, lstat and commit records, so it
+    sees exactly what it would see after a real run."""
+    layout = Layout(root, K=K, W=1)
+    store = StepStore(layout)
+    g = torch.Generator().manual_seed(2)
+    entries = []
+    for i in range(K):
+        small = {"input_ids": torch.randint(0, VOCAB, (4, 16), generator=g), "old_log_probs": torch.randn(4, 16, generator=g)}
+        entries += store.writer.write_inner(1, i, 0, small, {"bench": "scan"})
+    record = store.writer.commit(1, entries, None)
+    first = layout.step_dir(1)
+    inner_names = sorted({str(Path(e.rel).parent) for e in record.files} - {"."})
+    for step in range(2, steps + 1):
+        d = layout.step_dir(step)
+        d.mkdir()
+        for name in inner_names:
+            (d / name).mkdir()
+        for e in record.files:
+            os.link(first / e.rel, d / e.rel)
+        doc = dataclasses.replace(record, step=step).to_json()
+        (d / COMMIT_NAME).write_bytes((json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
+        if step % 2000 == 0:
+            log.info("building the scan namespace: %d / %d steps", step, steps)
+    return layout

@@ -30,6 +30,15 @@ arms alike. The keys of SPEC "Benchmark":
                        those bytes in the background (no checksum, no meta, no commit).
 - hit_overhead_ratio   the same training step served from the cache by a SkipHarness with prefetch on, vs
                        the step with its batch already in memory (sample returns it, caching off).
+- hit_floor_ratio      (not a SPEC key) the floor of any hit, measured in the same run: the same step reading
+                       the same bytes (the files the hit arm serves) bare from the page cache -- mapped, no
+                       copy, no listing, commit record, meta.json or checksum, decoded into tensors as the
+                       trainer needs them, one step ahead on a background thread as the harness prefetches
+                       -- vs the step with its batch in memory.
+- hit_vs_floor_ratio   (not a SPEC key) the hit against that floor, step by step: the median of the per-step
+                       ratios of the hit arm and the floor arm, which take turns (target <= 1.02). What is
+                       left above the floor is the checksum a hit must check and its O_DIRECT read from the
+                       disk (the floor's bytes are in the page cache already).
 - scan_10k_s           scan_namespace at 10,000 committed steps x K = 4, with the namespace index (warm:
                        median of three after the scan that builds the index); also at 1,000 steps, and
                        the full scan without the index (scan_full_*), for how the cost grows.
@@ -60,352 +69,42 @@ mapped to ids by a fixed permutation): uniformly random ids are not what models 
 Also: save/load throughput at two payload sizes (MiB/s), the writer thread's CPU seconds per save, and the
 physical floor of a save on this machine (a bare write + fsync of the same bytes, and a memcpy of them).
 
+The object-store rows (s3_*; `--no-s3` leaves them out) come from scripts/bench_s3.py, run as a subprocess
+against a moto S3 server it starts on 127.0.0.1; its docstring names its keys (the hit's floor there:
+s3_hit_floor_ratio and s3_hit_vs_floor_ratio, a bare GET of the same bytes from the same server).
+
 Progress goes to stderr through logging; the result (a table, or one JSON document with --json) to stdout.
+The parts, one job each: _benchlib.py (payloads, timing, the synthetic trainer; shared with bench_s3.py
+and bench_view.py), _bench_io.py (save / load / compression / peak memory), _bench_steps.py (the
+training-step arms and their floors), _bench_scan.py (the startup scan), _bench_table.py (the table).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
 import json
 import logging
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from skip_harness import codec
-from skip_harness.store import index
-from skip_harness.errors import CorruptStepError
-from skip_harness.store import stepstore as store_mod
-from skip_harness.store.layout import COMMIT_NAME, Layout
-from skip_harness.store.scan import scan_namespace
-from skip_harness.store.stepstore import StepStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the helpers shared with bench_s3.py
-from _benchlib import (  # noqa: E402,F401  (shared with bench_s3.py; tests import them from here)
-    log, MiB, PROMPT_LEN, RESPONSE_LEN, VOCAB, SCAN_K, MOE_LAYERS, MOE_TOPK, MOE_EXPERTS, MOE_ROW_DIVISOR,
-    ZSTD_LEVEL, ZSTD, NARROW, COMPUTE_FACTOR, SCAN_BUILD_FORMAT, BenchError, make_payload, zipf_token_ids,
-    make_jagged_payload, make_moe_payload, stored_bytes, torch_save_bytes, disk_ratios, iter_tensors,
-    tensor_bytes, touch, fresh_copy, Arm, interleave, median, SyntheticTrainer, Compute, NAMESPACE,
-    make_harness, _split_mode, run_training_block, _with_threads,
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the bench's parts beside this file
+from _bench_io import bench_checksum, bench_load, bench_mem, bench_save, bench_zstd, write_committed_step  # noqa: E402
+from _bench_scan import bench_scan, scan_namespace_for  # noqa: E402
+from _bench_steps import bench_steps  # noqa: E402
+from _bench_table import KEYS, TARGETS, render_table  # noqa: E402,F401  (KEYS, TARGETS: read by tests)
+from _benchlib import (  # noqa: E402,F401  (ZSTD_LEVEL, make_payload, disk_ratios: tests/test_compression.py reads them here)
+    MOE_ROW_DIVISOR, PROMPT_LEN, RESPONSE_LEN, SCAN_K, ZSTD_LEVEL, MiB, BenchError, _with_threads, disk_ratios,
+    log, make_jagged_payload, make_moe_payload, make_payload, tensor_bytes,
 )
 
-
-# --------------------------------------------------------------------------------------------
-# save and load, with the physical floor
-
-
-def _bare_save(payload: Any, directory: Path) -> None:
-    tmp, final = directory / f".tmp-tq_batch.pt.{os.getpid()}", directory / "tq_batch.pt"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-
-
-def _raw_write(payload: Any, directory: Path) -> None:
-    """The floor of a durable save: the tensors' bytes written straight from memory, fsync, rename."""
-    tmp, final = directory / f".tmp-raw.{os.getpid()}", directory / "raw.bin"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for t in iter_tensors(payload):
-            if t.numel():
-                os.write(fd, memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-
-
-def bench_save(payload: Any, work: Path, repeats: int, floors: bool = True) -> Dict[str, float]:
-    store = StepStore(Layout(work / "save_ns", K=1, W=1))
-    bare_dir = work / "save_bare"
-    bare_dir.mkdir(parents=True, exist_ok=True)
-    cpu = {"durable": [], "bare": []}
-
-    def timed_cpu(name: str, fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            c0 = time.thread_time()
-            fn()
-            cpu[name].append(time.thread_time() - c0)
-        return run
-
-    def clear_bare() -> None:
-        for name in ("tq_batch.pt", "raw.bin"):
-            (bare_dir / name).unlink(missing_ok=True)
-
-    arms = [Arm("durable", timed_cpu("durable", lambda: store.writer.write_inner(1, 0, 0, payload, {"bench": "save"})),
-                lambda: store.writer.clear_step(1)),
-            Arm("bare", timed_cpu("bare", lambda: _bare_save(payload, bare_dir)), clear_bare)]
-    if floors:
-        dests = [torch.ones_like(t) for t in iter_tensors(payload)]   # allocated and faulted in once
-        arms += [Arm("raw", lambda: _raw_write(payload, bare_dir), clear_bare),
-                 Arm("memcpy", lambda: [d.copy_(t) for d, t in zip(dests, iter_tensors(payload))])]
-    times = interleave(arms, repeats)
-    store.writer.clear_step(1)
-    clear_bare()
-    nbytes = tensor_bytes(payload)
-    out = {"save_s": median(times["durable"]), "bare_save_s": median(times["bare"]),
-           "save_cpu_s": median(cpu["durable"][-repeats:]), "bare_save_cpu_s": median(cpu["bare"][-repeats:])}
-    out["save_ratio"] = out["save_s"] / out["bare_save_s"]
-    out["save_mib_s"] = nbytes / MiB / out["save_s"]
-    out["bare_save_mib_s"] = nbytes / MiB / out["bare_save_s"]
-    if floors:
-        out["floor_write_fsync_s"] = median(times["raw"])
-        out["floor_memcpy_s"] = median(times["memcpy"])
-        out["save_floor_ratio"] = out["save_s"] / out["floor_write_fsync_s"]
-    return out
-
-
-def bench_zstd(payload: Any, work: Path, repeats: int) -> Dict[str, float]:
-    """Durable save and verified load of the batch with compression on (StepStore as the harness makes it
-    with compression=zstd), and the writer-thread work alone: narrowing + compressing the batch, and
-    decompressing it, on one thread."""
-    from skip_harness.codec import tensorfile
-
-    store = StepStore(Layout(work / "zstd_ns", K=1, W=1), form=ZSTD)
-    nbytes = tensor_bytes(payload)
-    saves, loads = [], []
-    for _ in range(repeats + 1):
-        store.writer.clear_step(1)
-        t0 = time.perf_counter()
-        entries = store.writer.write_inner(1, 0, 0, payload, {"bench": "zstd"})
-        saves.append(time.perf_counter() - t0)
-        store.writer.commit(1, entries, None)
-        t0 = time.perf_counter()
-        status, reason, batches, _metas = store.reader.read_served(1, 0)
-        touch(batches)
-        loads.append(time.perf_counter() - t0)
-        if reason is not None:
-            raise BenchError(f"a compressed step does not verify: {reason}")
-        del batches
-    stored = entries[0].bytes
-    store.writer.clear_step(1)
-    structure, names = codec.encode_named(payload)
-    image = tensorfile.plan(structure, names)
-    tensors = [t.contiguous() for t in image.tensors]
-    compress, decompress = [], []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        form_image = tensorfile.stored_image(image, tensors, ZSTD)
-        compress.append(time.thread_time() - t0)
-        lease = store.pool.acquire(form_image.nbytes)
-        tensorfile.fill_stored(form_image, lease.array)
-        t0 = time.perf_counter()
-        tensorfile.read_buffer(lease.array, form_image.nbytes)
-        decompress.append(time.perf_counter() - t0)
-        lease.release()
-    out = {"save_zstd_s": median(saves[1:]), "load_zstd_s": median(loads[1:]), "zstd_stored_bytes": stored,
-           "zstd_compress_cpu_s": median(compress), "zstd_decompress_s": median(decompress)}
-    out["save_zstd_mib_s"] = nbytes / MiB / out["save_zstd_s"]
-    out["load_zstd_mib_s"] = nbytes / MiB / out["load_zstd_s"]
-    return out
-
-
-def write_committed_step(store: StepStore, step: int, payload: Any) -> Path:
-    entries = store.writer.write_inner(step, 0, 0, payload, {"bench": "load"})
-    store.writer.commit(step, entries, None)
-    return store.layout.payload_path(step, 0, 0)
-
-
-def load_verified(store: StepStore, step: int) -> Any:
-    """One verified read, as `merged` / export / show / verify take it: size and checksum checked against
-    the commit record in the pass that reads the file (a damaged file raises, naming it)."""
-    try:
-        return store.reader.read_inner(step, 0, 0)
-    except CorruptStepError as exc:
-        raise BenchError(f"step {step} of {store.layout.root} does not verify: {exc}") from None
-
-
-def bench_load(store: StepStore, step: int, bare_path: Path, repeats: int, nbytes: int) -> Dict[str, float]:
-    times = interleave(
-        [
-            Arm("ours", lambda: touch(load_verified(store, step))),
-            Arm("bare", lambda: touch(torch.load(bare_path, weights_only=True))),
-        ],
-        repeats,
-    )
-    out = {"load_s": median(times["ours"]), "bare_load_s": median(times["bare"])}
-    out["load_ratio"] = out["load_s"] / out["bare_load_s"]
-    out["load_mib_s"] = nbytes / MiB / out["load_s"]
-    out["bare_load_mib_s"] = nbytes / MiB / out["bare_load_s"]
-    return out
-
-
-def bench_checksum(payload: Any) -> float:
-    """xxh3_128 throughput in GB/s over the payload's bytes, in memory (the store's hash function)."""
-    data = b"".join(t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for t in iter_tensors(payload))
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        store_mod.checksum_bytes(data)
-        runs.append(time.perf_counter() - t0)
-    return len(data) / min(runs) / 1e9
-
-
-from _bench_steps import FloorArm, StepArm, TrainingArm, VerlArm, bench_steps  # noqa: E402,F401
-
-
-# --------------------------------------------------------------------------------------------
-# startup scan
-
-
-def build_scan_namespace(root: Path, steps: int, K: int = SCAN_K) -> Layout:
-    """A namespace of `steps` committed steps x K inner indices, as a run leaves it.
-
-    Step 1 is written and committed through StepStore; every other step gets hard links to step 1's
-    payload and meta files and its own commit record (step 1's record with the step number changed,
-    serialized as StepWriter.commit does, but without the per-file fsync that would make building
-    10,000 steps take minutes). The scan reads directory listings, lstat and commit records, so it
-    sees exactly what it would see after a real run."""
-    layout = Layout(root, K=K, W=1)
-    store = StepStore(layout)
-    g = torch.Generator().manual_seed(2)
-    entries = []
-    for i in range(K):
-        small = {"input_ids": torch.randint(0, VOCAB, (4, 16), generator=g), "old_log_probs": torch.randn(4, 16, generator=g)}
-        entries += store.writer.write_inner(1, i, 0, small, {"bench": "scan"})
-    record = store.writer.commit(1, entries, None)
-    first = layout.step_dir(1)
-    inner_names = sorted({str(Path(e.rel).parent) for e in record.files} - {"."})
-    for step in range(2, steps + 1):
-        d = layout.step_dir(step)
-        d.mkdir()
-        for name in inner_names:
-            (d / name).mkdir()
-        for e in record.files:
-            os.link(first / e.rel, d / e.rel)
-        doc = dataclasses.replace(record, step=step).to_json()
-        (d / COMMIT_NAME).write_bytes((json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
-        if step % 2000 == 0:
-            log.info("building the scan namespace: %d / %d steps", step, steps)
-    return layout
-
-
-def scan_namespace_for(work: Path, steps: int, reuse: bool) -> Layout:
-    """The scan namespace under `work`, built once; with `reuse` an earlier build is kept."""
-    base = work / f"scan_{steps}x{SCAN_K}"
-    marker = base / "built.json"
-    root = base / "bench_skip_harness" / f"GBS8_N1_in16_out16_K{SCAN_K}_W1"
-    want = {"format": SCAN_BUILD_FORMAT, "steps": steps, "K": SCAN_K}
-    if reuse and marker.is_file():
-        try:
-            if json.loads(marker.read_text()) == want:
-                log.info("reusing the scan namespace in %s (without its index: the first scan builds it)", root)
-                layout = Layout(root, K=SCAN_K, W=1)
-                index.remove(layout)
-                return layout
-        except ValueError:
-            pass
-    shutil.rmtree(base, ignore_errors=True)
-    t0 = time.perf_counter()
-    layout = build_scan_namespace(root, steps)
-    marker.write_text(json.dumps(want))
-    log.info("built %d steps x K=%d in %.1f s", steps, SCAN_K, time.perf_counter() - t0)
-    return layout
-
-
-def bench_scan(layout: Layout, steps: int, warm_runs: int = 3) -> Dict[str, Any]:
-    """Time scan_namespace: the first scan (which finds no index and builds it, unless a reused build
-    has one), then `warm_runs` with the index (their median is the figure) and `warm_runs` full scans
-    without it (use_index=False), interleaved."""
-    def timed(use_index: bool) -> float:
-        t0 = time.perf_counter()
-        report = scan_namespace(layout, use_index=use_index)
-        dt = time.perf_counter() - t0
-        if report.counts()["complete"] != steps or len(report.steps) != steps:
-            raise BenchError(f"scan of {layout.root} found {report.counts()}, expected {steps} complete steps")
-        return dt
-
-    first = timed(True)
-    indexed, full = [], []
-    for r in range(warm_runs):
-        for use_index in ((True, False) if r % 2 == 0 else (False, True)):
-            (indexed if use_index else full).append(timed(use_index))
-    return {"first_s": first, "s": median(indexed), "full_s": median(full), "runs_s": indexed}
-
-
-# --------------------------------------------------------------------------------------------
-# peak memory (in a fresh process)
-
-
-def _status_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak RSS to its current RSS (Linux >= 4.0); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_kib() -> Tuple[int, str]:
-    """This process's peak RSS in KiB, and where it came from.
-
-    VmHWM (the peak of this process's own memory map) where /proc exists: getrusage's ru_maxrss also
-    counts the peak of the memory map this process replaced at exec -- the parent's, when it was
-    started by vfork + exec, as subprocess does -- so a child of a big parent reports the parent's peak."""
-    hwm = _status_kib("VmHWM")
-    if hwm is not None:
-        return hwm, "VmHWM"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "ru_maxrss"
-
-
-def child_mem(kind: str, ns_root: str, bare_big: str, bare_small: str) -> None:
-    """--_child mode: load once small (warm-up), then the big payload; report the peak RSS growth."""
-    store = StepStore(Layout(Path(ns_root), K=1, W=1))
-    if kind == "ours":
-        touch(load_verified(store, 3))
-    else:
-        touch(torch.load(bare_small, weights_only=True))
-    gc.collect()
-    reset = _reset_peak_rss()
-    base, source = _peak_rss_kib()
-    if reset:
-        base = _status_kib("VmRSS") or base
-    if kind == "ours":
-        obj = load_verified(store, 1)
-    else:
-        obj = torch.load(bare_big, weights_only=True)
-    touch(obj)
-    peak, _ = _peak_rss_kib()
-    del obj
-    sys.stdout.write(json.dumps({"base_kib": base, "peak_kib": peak, "source": source, "reset": reset}) + "\n")
-
-
-def bench_mem(ns_root: Path, bare_big: Path, bare_small: Path, payload_bytes: int) -> Dict[str, float]:
-    out = {}
-    for kind, key in (("ours", "load_peak_mem_ratio"), ("bare", "bare_load_peak_mem_ratio")):
-        cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, str(ns_root), str(bare_big), str(bare_small)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise BenchError(f"memory measurement ({kind}) failed with exit {proc.returncode}: {proc.stderr.strip()[-2000:]}")
-        doc = json.loads(proc.stdout.strip().splitlines()[-1])
-        delta = (doc["peak_kib"] - doc["base_kib"]) * 1024
-        out[key] = delta / payload_bytes
-        out[key.replace("ratio", "bytes")] = delta
-        out["peak_mem_source"] = doc["source"] + (" after reset" if doc["reset"] else "")
-    return out
+from skip_harness.store.layout import Layout  # noqa: E402
+from skip_harness.store.stepstore import StepStore  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,10 +197,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         log.info("compressed save and load, %d repeats", args.repeats)
         result.update(bench_zstd(payload, work, args.repeats))
 
-        log.info("training steps: caching off / async write / sync write / verl-style / floor / hit / batch in memory, "
-                 "and async / hit with compression=zstd, %d steps x %d rounds, on %d thread(s)",
+        log.info("training steps: caching off / async write / sync write / verl-style / floor / hit / hit floor / "
+                 "batch in memory, and async / hit with compression=zstd, %d steps x %d rounds, on %d thread(s)",
                  args.steps_per_arm, args.step_rounds, args.compute_threads)
-        modes = ("off", "async", "sync", "verl", "floor", "hit", "memory", "async_zstd", "hit_zstd")
+        modes = ("off", "async", "sync", "verl", "floor", "hit", "hit_floor", "memory", "async_zstd", "hit_zstd")
         many = _with_threads(args.compute_threads, lambda: bench_steps(
             payload, work, result["bare_save_s"], args.steps_per_arm, args.step_rounds, args.compute_threads, modes))
         result.update({
@@ -511,6 +210,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "sync_overhead_ratio": many["sync_s"] / many["off_s"],
             "verl_sync_overhead_ratio": many["verl_s"] / many["off_s"], "step_verl_s": many["verl_s"],
             "hit_overhead_ratio": many["hit_s"] / many["memory_s"],
+            # The floor of any hit, side by side (see HitFloorArm): the same bytes mapped bare from the
+            # page cache, one step ahead; the hit against it step by step.
+            "step_hit_floor_s": many["hit_floor_s"], "hit_floor_ratio": many["hit_floor_s"] / many["memory_s"],
+            "hit_vs_floor_ratio": many["hit_vs_floor_paired"],
+            "hit_floor_cpu_overhead_ratio": many["hit_floor_cpu_s"] / many["memory_cpu_s"],
             # CPU seconds of the whole process per step (compute threads, writer, prefetch): what the
             # step costs a machine whose every core is busy, independent of other jobs' load.
             "step_cpu_s": many["async_cpu_s"], "step_off_cpu_s": many["off_cpu_s"],
@@ -575,110 +279,25 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio", "hit_overhead_ratio",
-        "scan_10k_s", "load_peak_mem_ratio", "disk_ratio", "disk_ratio_narrow", "step_overhead_ratio_zstd",
-        "hit_overhead_ratio_zstd")
-TARGETS = {"s3_save_ratio": 1.1, "s3_load_ratio": 1.1, "save_ratio": 1.05, "load_ratio": 0.6, "step_overhead_ratio": 1.05, "hit_overhead_ratio": 1.05,
-           "step_vs_floor_ratio": 1.02, "scan_index_ratio": 0.1,
-           "scan_10k_s": 0.25, "load_peak_mem_ratio": 1.1, "disk_ratio": 0.35, "step_overhead_ratio_zstd": 1.05,
-           "hit_overhead_ratio_zstd": 1.05}
-
-
 def bench_object_store(args: argparse.Namespace) -> Dict[str, Any]:
-    """The object-store rows (scripts/bench_s3.py) against a moto S3 server it starts on 127.0.0.1:
-    save / load vs a bare obstore put / get of the same bytes, and the step overheads with an s3://
-    dump_dir. Skipped, and said so, where obstore or moto is not installed (extra [dev] / [s3])."""
-    try:
-        import moto.server  # noqa: F401
-        import obstore  # noqa: F401
-    except ImportError as exc:
-        log.warning("object-store rows skipped: %s (pip install -e '.[dev]')", exc)
-        return {"s3_skipped": str(exc)}
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_s3
-
+    """The object-store rows: scripts/bench_s3.py run as a subprocess (it starts its own moto S3 server
+    on 127.0.0.1): save / load vs a bare put / get of the same bytes, and the training steps with an
+    s3:// dump_dir -- three steps a round, one round: moto stores every put in Python, so a full-size
+    step arm on it takes minutes; the step ratios are judged against each other within the run, like
+    the POSIX ones. Skipped, and said so, where obstore or moto is not installed (extra [dev] / [s3])."""
+    script = Path(__file__).resolve().parent / "bench_s3.py"
+    cmd = [sys.executable, str(script), "--json", "--rows", str(args.rows), "--repeats", str(args.repeats),
+           "--steps", "3", "--rounds", "1"]
     log.info("object store (moto on 127.0.0.1): save / load vs bare put / get, and training steps")
-    out: Dict[str, Any] = dict(bench_s3.bench_s3(args.rows, args.repeats))
-    # Three steps a round, one round: moto stores every put in Python, so a full-size step arm on it takes
-    # minutes; the step ratios are judged against each other within the run, like the POSIX ones.
-    out.update(bench_s3.bench_s3_steps(args.rows, steps=3, rounds=1))
-    return out
-
-
-def render_table(r: Dict[str, Any]) -> str:
-    def row(name: str, ours: str, bare: str, ratio: str, target: str = "") -> str:
-        return f"{name:<42}{ours:>14}{bare:>14}{ratio:>9}{target:>9}\n"
-
-    def tgt(key: str) -> str:
-        return f"<= {TARGETS[key]:g}" if key in TARGETS else ""
-
-    scan_note = "scaled from the largest size measured" if r["scan_10k_extrapolated"] else "measured"
-    out = (
-        f"skip_harness benchmark: payload {r['payload_bytes'] / MiB:.1f} MiB ({r['payload_rows']} trajectories x "
-        f"{r['payload_tokens']} tokens), medians of {r['repeats']} interleaved repeats, work dir on {r['work_fs']}, "
-        f"{r['cpu_count']} cores\n\n"
-        + row("", "skip_harness", "bare", "ratio", "target")
-        + row("save (durable)", f"{r['save_s']:.3f} s", f"{r['bare_save_s']:.3f} s", f"{r['save_ratio']:.2f}",
-              tgt("save_ratio"))
-        + row("load (+ verify, every byte touched)", f"{r['load_s']:.3f} s", f"{r['bare_load_s']:.3f} s",
-              f"{r['load_ratio']:.2f}", tgt("load_ratio"))
-        + row(f"training step, miss, async ({r['compute_threads']} thr)", f"{r['step_s']:.3f} s",
-              f"{r['step_off_s']:.3f} s", f"{r['step_overhead_ratio']:.2f}", tgt("step_overhead_ratio"))
-        + row("training step, miss, async_write=false", f"{r['step_sync_s']:.3f} s", f"{r['step_off_s']:.3f} s",
-              f"{r['sync_overhead_ratio']:.2f}")
-        + row("training step, miss, torch.save (verl)", f"{r['step_verl_s']:.3f} s", f"{r['step_off_s']:.3f} s",
-              f"{r['verl_sync_overhead_ratio']:.2f}")
-        + row("training step, hit (prefetch) vs in memory", f"{r['step_hit_s']:.3f} s",
-              f"{r['step_memory_s']:.3f} s", f"{r['hit_overhead_ratio']:.2f}", tgt("hit_overhead_ratio"))
-        + row("training step, miss, async, zstd", f"{r['step_zstd_s']:.3f} s", f"{r['step_off_s']:.3f} s",
-              f"{r['step_overhead_ratio_zstd']:.2f}", tgt("step_overhead_ratio_zstd"))
-        + row("training step, hit, zstd vs in memory", f"{r['step_hit_zstd_s']:.3f} s", f"{r['step_memory_s']:.3f} s",
-              f"{r['hit_overhead_ratio_zstd']:.2f}", tgt("hit_overhead_ratio_zstd"))
-        + row("disk: narrow + zstd / verl torch.save", f"{r['zstd_stored_bytes'] / MiB:.1f} MiB",
-              f"{r['verl_bytes'] / MiB:.1f} MiB", f"{r['disk_ratio']:.3f}", tgt("disk_ratio"))
-        + row("disk: narrowed alone / verl torch.save", "", "", f"{r['disk_ratio_narrow']:.3f}")
-        + row("disk, jagged (verl V1): zstd / narrow", "", f"{r['verl_bytes_jagged'] / MiB:.1f} MiB",
-              f"{r['disk_ratio_jagged']:.3f}", f"{r['disk_ratio_jagged_narrow']:.3f}")
-        + row("disk, MoE routed experts: zstd / narrow", "", f"{r['verl_bytes_moe'] / MiB:.1f} MiB",
-              f"{r['disk_ratio_moe']:.3f}", f"{r['disk_ratio_moe_narrow']:.3f}")
-        + row("peak memory of a load / payload", f"{r['load_peak_mem_ratio']:.2f}",
-              f"{r['bare_load_peak_mem_ratio']:.2f}", "", tgt("load_peak_mem_ratio"))
-        + row("startup scan, 10,000 steps x K=4", f"{r['scan_10k_s']:.3f} s", f"{r['scan_full_10k_s']:.3f} s",
-              f"{r['scan_index_ratio']:.3f}", tgt("scan_index_ratio"))
-        + "".join(
-            row(label, "", "", f"{r[key]:.2f}", tgt(key))
-            for label, key in (("object store: save vs bare put", "s3_save_ratio"),
-                               ("object store: verified load vs bare get", "s3_load_ratio"),
-                               ("object store: training step, miss vs off", "s3_step_overhead_ratio"),
-                               ("object store: training step, hit vs memory", "s3_hit_overhead_ratio"))
-            if key in r)
-        + (row("object store: miss vs the put floor beside it", f"{r['s3_step_overhead_ratio']:.3f}",
-               f"{r['s3_step_floor_ratio']:.3f}", f"{r['s3_step_vs_floor_ratio']:.3f}")
-           if "s3_step_vs_floor_ratio" in r else "")
-        + row("miss async vs the durable-copy floor beside it", f"{r['step_overhead_ratio']:.3f}",
-              f"{r['step_floor_ratio']:.3f}", f"{r['step_vs_floor_ratio']:.3f}", tgt("step_vs_floor_ratio"))
-        + "\n"
-        + f"floor of any durable miss, side by side (one copy of the batch + a bare O_DIRECT write + fsync in the "
-          f"background): {r['step_floor_ratio']:.3f} (CPU {r['floor_cpu_overhead_ratio']:.2f})\n"
-        + f"CPU seconds per step (all threads): miss async {r['step_cpu_overhead_ratio']:.2f}, sync "
-          f"{r['sync_cpu_overhead_ratio']:.2f}, hit {r['hit_cpu_overhead_ratio']:.2f} x the uncached step's\n"
-        + (f"one-thread compute step: miss async {r['step_overhead_ratio_1thread']:.2f}, sync "
-           f"{r['sync_overhead_ratio_1thread']:.2f}\n" if "step_overhead_ratio_1thread" in r else "")
-        + f"scan: with the index vs the full scan ('bare' column; {scan_note}); first scan, building the index: "
-          f"{r['scan_first_10k_s']:.2f} s\n"
-        + f"throughput: save {r['save_mib_s']:.0f} / {r['save_small_mib_s']:.0f} MiB/s, load {r['load_mib_s']:.0f} / "
-          f"{r['load_small_mib_s']:.0f} MiB/s ({r['payload_bytes'] / MiB:.0f} / {r['small_payload_bytes'] / MiB:.0f} MiB)\n"
-        + f"floor of a save: bare write + fsync of the bytes {r['floor_write_fsync_s']:.3f} s (save / floor "
-          f"{r['save_floor_ratio']:.2f}), memcpy {r['floor_memcpy_s']:.3f} s; writer CPU per save "
-          f"{r['save_cpu_s']:.3f} s vs torch.save {r['bare_save_cpu_s']:.3f} s\n"
-        + f"synthetic step computes {r['step_compute_s']:.3f} s; xxh3_128 {r['xxh3_gbps']:.1f} GB/s in memory\n"
-        + f"zstd (level {ZSTD_LEVEL}): save {r['save_zstd_mib_s']:.0f} MiB/s, load {r['load_zstd_mib_s']:.0f} MiB/s (of the "
-          f"batch's tensors); narrow + compress {r['zstd_compress_cpu_s']:.3f} CPU s, decompress {r['zstd_decompress_s']:.3f} s "
-          f"a batch; floors beside the targets: miss {r['step_overhead_ratio_zstd_floor']:.2f}, hit "
-          f"{r['hit_overhead_ratio_zstd_floor']:.2f}; CPU per step: miss {r['step_cpu_overhead_ratio_zstd']:.2f}, hit "
-          f"{r['hit_cpu_overhead_ratio_zstd']:.2f} x the uncached step's\n"
-    )
-    return out
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode == 3:            # bench_s3.py: obstore or moto missing
+        reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "not installed"
+        log.warning("object-store rows skipped: %s", reason)
+        return {"s3_skipped": reason}
+    if proc.returncode != 0:
+        raise BenchError(f"the object-store rows (scripts/bench_s3.py) failed with exit {proc.returncode}: "
+                         f"{proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -699,7 +318,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="where to write (default: a temp dir, removed at the end); the scan namespaces are kept there for reuse")
     p.add_argument("--no-s3", action="store_true", help="skip the object-store rows (they start a moto S3 server)")
     p.add_argument("-v", "--verbose", action="store_true", help="also show the harness's own log lines")
-    p.add_argument("--_child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     defaults = dict(rows=64 if args.quick else 1024, repeats=3 if args.quick else 7,
                     scan_steps=[1000] if args.quick else [1000, 10_000], steps_per_arm=3 if args.quick else 6,
@@ -720,9 +338,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="[%(asctime)s][%(name)s] %(message)s")
     logging.getLogger("skip_harness").setLevel(logging.INFO if args.verbose else logging.WARNING)
     log.setLevel(logging.INFO)
-    if args._child is not None:
-        child_mem(*args._child)
-        return 0
     try:
         result = run(args)
     except BenchError as exc:

@@ -9,13 +9,12 @@
 Both sides are warm (page cache, index present) and interleaved; each figure is a median. The viewer is
 the real command in its own process, reached over HTTP on 127.0.0.1. `--quick` (CI): 64 trajectories and
 1,000 steps, a smoke run (the step page's fixed cost of a few ms is not small beside a 7 MiB read: the
-1.5 targets are for the full batch). The batch and the scan namespace are built as scripts/bench.py builds them (copied here,
-so the two scripts stay independent).
+1.5 targets are for the full batch). The batch and the scan namespace are built as scripts/bench.py builds them,
+by the helpers both import from scripts/_benchlib.py (neither script imports the other).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import http.client
 import json
 import logging
@@ -27,75 +26,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))   # _benchlib: the batch and the scan namespace, shared with bench.py
 
-from skip_harness.store.layout import COMMIT_NAME, Layout  # noqa: E402
+from _benchlib import SCAN_K, MiB, build_scan_namespace, make_payload  # noqa: E402
+
+from skip_harness.store.layout import Layout  # noqa: E402
 from skip_harness.store.scan import scan_namespace  # noqa: E402
 from skip_harness.store.stepstore import StepStore  # noqa: E402
 
 log = logging.getLogger("skip_harness.bench_view")
-MiB = 1 << 20
-PROMPT_LEN, RESPONSE_LEN, VOCAB, SCAN_K = 1024, 3072, 151_936, 4
-
-
-# --------------------------------------------------------------------------------------------
-# the batch and the 10,000-step namespace, as scripts/bench.py makes them
-
-
-def zipf_token_ids(shape: Tuple[int, ...], g: torch.Generator, vocab: int = VOCAB) -> torch.Tensor:
-    ranks = torch.pow(float(vocab), torch.rand(shape, generator=g, dtype=torch.float64)).long().clamp_(1, vocab) - 1
-    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(151_936))
-    return perm[ranks]
-
-
-def make_payload(rows: int, seed: int = 0, prompt_len: int = PROMPT_LEN, response_len: int = RESPONSE_LEN) -> Dict[str, Any]:
-    P, R, B = prompt_len, response_len, max(1, rows)
-    g = torch.Generator().manual_seed(seed)
-    prompt_len_t = torch.randint(P // 4, P + 1, (B, 1), generator=g)
-    response_len_t = torch.randint(R // 8, R + 1, (B, 1), generator=g)
-    prompt_mask = torch.arange(P).flip(0).unsqueeze(0) < prompt_len_t
-    response_mask = torch.arange(R).unsqueeze(0) < response_len_t
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
-    input_ids = zipf_token_ids((B, P + R), g) * attention_mask
-    rmask = response_mask.float()
-    old_log_probs = -torch.rand(B, R, generator=g) * 6 * rmask
-    scores = torch.rand(B, generator=g)
-    token_level_rewards = torch.zeros(B, R)
-    token_level_rewards[torch.arange(B), response_len_t.squeeze(1) - 1] = scores
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask.long(),
-            "old_log_probs": old_log_probs, "token_level_rewards": token_level_rewards, "scores": scores,
-            "response_length": response_len_t.squeeze(1), "uid": [f"{i // 8:08x}" for i in range(B)],
-            "data_source": ["bench/sort_digits" if i % 2 else "bench/gsm8k" for i in range(B)], "global_steps": 1}
-
-
-def build_scan_namespace(root: Path, steps: int, K: int = SCAN_K) -> Layout:
-    """`steps` committed steps x K: step 1 written through StepStore, the others hard links to its files
-    with their own commit records (what a scan sees after a real run)."""
-    layout = Layout(root, K=K, W=1)
-    store = StepStore(layout)
-    g = torch.Generator().manual_seed(2)
-    entries = []
-    for i in range(K):
-        small = {"input_ids": torch.randint(0, VOCAB, (4, 16), generator=g), "old_log_probs": torch.randn(4, 16, generator=g)}
-        entries += store.writer.write_inner(1, i, 0, small, {"bench": "scan"})
-    record = store.writer.commit(1, entries, None)
-    first = layout.step_dir(1)
-    inner_names = sorted({str(Path(e.rel).parent) for e in record.files} - {"."})
-    for step in range(2, steps + 1):
-        d = layout.step_dir(step)
-        d.mkdir()
-        for name in inner_names:
-            (d / name).mkdir()
-        for e in record.files:
-            os.link(first / e.rel, d / e.rel)
-        doc = dataclasses.replace(record, step=step).to_json()
-        (d / COMMIT_NAME).write_bytes((json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
-    return layout
 
 
 # --------------------------------------------------------------------------------------------

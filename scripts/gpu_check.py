@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shutil
 import subprocess
 import sys
@@ -33,72 +31,15 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # scripts/: the checks' parts beside this file
+from _gpu_common import (  # noqa: E402
+    FAILED, HELD, ROOT, SKIPPED, TINY, _devices, _env, _leaves, _same, need,
+)
+from _gpu_nccl import check_nccl  # noqa: E402
 
 import torch  # noqa: E402
-
-from skip_harness.demo import TINY_OVERRIDES  # noqa: E402
-
-HELD, FAILED, SKIPPED = "held", "FAILED", "skipped"
-TINY = list(TINY_OVERRIDES)
-
-
-class CheckFailed(AssertionError):
-    pass
-
-
-def need(condition: bool, what: str) -> None:
-    if not condition:
-        raise CheckFailed(what)
-
-
-def _env(**extra: str) -> Dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "HYDRA_FULL_ERROR"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
-
-
-def _devices(dry_run: bool) -> List[torch.device]:
-    if dry_run:
-        return [torch.device("cpu")]
-    return [torch.device("cuda", i) for i in range(min(2, torch.cuda.device_count()))]
-
-
-def _leaves(obj: Any, prefix: str = "") -> List[Tuple[str, Any]]:
-    if isinstance(obj, dict):
-        return [x for k in obj for x in _leaves(obj[k], f"{prefix}/{k}")]
-    if isinstance(obj, (list, tuple)):
-        return [x for i, v in enumerate(obj) for x in _leaves(v, f"{prefix}[{i}]")]
-    return [(prefix, obj)]
-
-
-def _same(a: Any, b: Any, *, devices_too: bool = True) -> Optional[str]:
-    """None when `b` equals `a` in structure, types, dtypes, shapes, values (and devices); else why not."""
-    if type(a) is not type(b):
-        return f"type {type(a).__name__} came back as {type(b).__name__}"
-    la, lb = _leaves(a), _leaves(b)
-    if [k for k, _ in la] != [k for k, _ in lb]:
-        return f"structure {[k for k, _ in la]} came back as {[k for k, _ in lb]}"
-    for (key, x), (_, y) in zip(la, lb):
-        if isinstance(x, torch.Tensor):
-            if not isinstance(y, torch.Tensor):
-                return f"{key}: a tensor came back as {type(y).__name__}"
-            if devices_too and x.device != y.device:
-                return f"{key}: saved on {x.device}, loaded on {y.device}"
-            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
-                return f"{key}: dtype/shape/values differ ({x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)})"
-        elif x != y or type(x) is not type(y):
-            return f"{key}: {x!r} came back as {y!r}"
-    return None
-
 
 # ---------------------------------------------------------------------------------------------- payload
 
@@ -203,106 +144,6 @@ def check_rng(work: Path, dry_run: bool) -> str:
     need(json.loads(proc.stdout.strip().splitlines()[-1]) == expected, "a fresh process restored different draws")
     return (f"{len(state.get('cuda', []))} CUDA generator(s) recorded; draws repeat after restore, in this "
             "process and in a fresh one")
-
-
-# ---------------------------------------------------------------------------------------------- nccl
-
-
-class CudaToyTrainer:
-    def __init__(self, device: torch.device, rank: int):
-        self.device, self.rank, self.calls = device, rank, {}
-
-    def prepare_data(self, step, dispatch=True):
-        pass
-
-    def sample(self, step):
-        i = self.calls[step] = self.calls.get(step, -1) + 1
-        g = torch.Generator(device=self.device).manual_seed(1000 * step + 10 * i + self.rank)
-        return {"x": torch.randn(4, 8, device=self.device, generator=g),
-                "ids": torch.randint(0, 100, (4,), device=self.device, generator=g)}
-
-
-def _nccl_worker(rank: int, world: int, init_file: str, work: str, dry_run: bool) -> None:
-    import torch.distributed as dist
-
-    from skip_harness import SkipHarness
-    from skip_harness.run.dist import DistContext
-
-    result: Dict[str, Any] = {"rank": rank}
-    try:
-        os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        if dry_run:
-            device, backend = torch.device("cpu"), "gloo"
-        else:
-            device, backend = torch.device("cuda", rank % torch.cuda.device_count()), "nccl"
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-        ctx = DistContext.current()
-        result["default_backend"] = str(dist.get_backend_config())
-        result["harness_group"] = None if ctx.group is None else str(dist.get_backend(ctx.group))
-        result["collectives"] = [ctx.all_true(True), ctx.all_true(rank == 0), ctx.sum_floats([1.0, float(rank)]),
-                                 ctx.broadcast({"from": rank}), ctx.gather(rank)]
-        ctx.barrier()
-        dump = str(Path(work) / "nccl-cache")
-        for attempt in ("first", "again"):
-            harness = SkipHarness.create(settings={"enable": True, "dump_dir": dump},
-                                         namespace={"experiment_name": "gpu_check", "project_name": "nccl", "K": 2},
-                                         fingerprint={"model": "cuda-toy"})
-            trainer = CudaToyTrainer(device, rank)
-            harness.wrap(trainer, sample="sample")
-            served, outcomes = [], []
-            for step in (1, 2):
-                trainer.prepare_data(step)
-                served += [trainer.sample(step) for _ in range(2)]
-                outcomes.append(harness.outcome(step))
-            summary = harness.close()
-            expected = []
-            reference = CudaToyTrainer(device, rank)
-            for step in (1, 2):
-                expected += [reference.sample(step) for _ in range(2)]
-            result[attempt] = {
-                "outcomes": outcomes, "committed": summary.committed, "uncommitted": summary.uncommitted,
-                "devices": sorted({str(b[k].device) for b in served for k in b}),
-                "equal": all(_same(e, s) is None for e, s in zip(expected, served)),
-            }
-        if not dry_run and torch.cuda.device_count() >= world:
-            t = torch.ones(1, device=device)
-            dist.all_reduce(t)  # the trainer's own NCCL collective still works next to the harness's group
-            result["trainer_nccl_all_reduce"] = float(t.item())
-        dist.destroy_process_group()
-    except BaseException as exc:  # report, do not hang the other rank's join
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    Path(work, f"nccl-rank{rank}.json").write_text(json.dumps(result, default=str))
-
-
-def check_nccl(work: Path, dry_run: bool) -> str:
-    import torch.multiprocessing as mp
-
-    if not dry_run and not torch.distributed.is_nccl_available():
-        return f"{SKIPPED}: torch has no NCCL backend"
-    world = 2
-    mp.spawn(_nccl_worker, args=(world, str(work / "nccl-init"), str(work), dry_run), nprocs=world, join=True)
-    results = [json.loads((work / f"nccl-rank{r}.json").read_text()) for r in range(world)]
-    for res in results:
-        err = res.get("error")
-        if err and "Duplicate GPU" in err:
-            return f"{SKIPPED}: NCCL refused two ranks on one GPU ({err[:200]})"
-        need(not err, f"rank {res['rank']}: {err}")
-        need(res["collectives"] == [True, False, [2.0, 1.0], {"from": 0}, [0, 1]],
-             f"rank {res['rank']}: collectives gave {res['collectives']}")
-        if not dry_run:
-            need(res["harness_group"] == "gloo", f"rank {res['rank']}: harness collectives on {res['harness_group']}")
-        need(res["first"]["outcomes"] == ["miss", "miss"] and res["first"]["committed"] == 2,
-             f"rank {res['rank']}: first run {res['first']}")
-        need(res["again"]["outcomes"] == ["hit", "hit"], f"rank {res['rank']}: second run {res['again']}")
-        for attempt in ("first", "again"):
-            need(res[attempt]["equal"], f"rank {res['rank']}: {attempt} run served different values")
-        need(len(res["again"]["devices"]) == 1 and res["again"]["devices"] == res["first"]["devices"],
-             f"rank {res['rank']}: hits served on {res['again']['devices']}, generated on {res['first']['devices']}")
-    shared = "" if dry_run or torch.cuda.device_count() >= world else " (both ranks on one GPU)"
-    return (f"default group {results[0]['default_backend']}, harness collectives on "
-            f"{results[0]['harness_group'] or 'the default group'}{shared}; K = 2, W = 2 CUDA mini-batches "
-            f"committed, then served back on {', '.join(r['again']['devices'][0] for r in results)}")
 
 
 # ---------------------------------------------------------------------------------------------- demo

@@ -1,8 +1,11 @@
 """scripts/bench.py run as a user runs it, in a real subprocess, on real files. Behaviour only: every key
 of SPEC "Benchmark" is there and sane, the scan namespaces it builds are real committed caches, the
-payload has the shape rollouts have; never how fast anything was."""
+payload has the shape rollouts have, the floors read what the harness reads; never how fast anything
+was. The bench's parts (scripts/_bench*.py) are imported in-process; the options are checked in-process
+too (one subprocess case runs a bad option as a user does)."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import math
@@ -19,7 +22,12 @@ from skip_harness.store.scan import scan_namespace
 from skip_harness.store.stepstore import StepStore
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "scripts" / "bench.py"
+SCRIPTS = ROOT / "scripts"
+BENCH = SCRIPTS / "bench.py"
+sys.path.insert(0, str(SCRIPTS))
+import _bench_scan  # noqa: E402
+import _bench_steps  # noqa: E402
+import _benchlib as lib  # noqa: E402
 SPEC_KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio", "scan_10k_s",
              "load_peak_mem_ratio", "hit_overhead_ratio", "disk_ratio", "disk_ratio_narrow",
              "step_overhead_ratio_zstd", "hit_overhead_ratio_zstd", "s3_save_ratio", "s3_load_ratio",
@@ -34,13 +42,14 @@ MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s",
              "scan_full_10k_s", "save_mib_s", "save_small_mib_s", "load_mib_s", "load_small_mib_s",
              "floor_write_fsync_s", "floor_memcpy_s", "save_cpu_s", "bare_save_cpu_s", "step_cpu_overhead_ratio",
              "sync_cpu_overhead_ratio", "hit_cpu_overhead_ratio", "floor_cpu_overhead_ratio", "step_floor_ratio", "step_floor_s",
-             "step_vs_floor_ratio", "scan_index_ratio")
+             "step_vs_floor_ratio", "scan_index_ratio", "step_hit_floor_s", "hit_floor_ratio", "hit_vs_floor_ratio",
+             "hit_floor_cpu_overhead_ratio", "s3_hit_floor_ratio", "s3_hit_vs_floor_ratio", "s3_step_vs_floor_ratio")
 
 
-def load_bench():
-    name = "_skip_harness_script_bench"
+def load_script(path: Path = BENCH):
+    name = f"_skip_harness_script_{path.stem}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH)
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -83,7 +92,8 @@ def test_bench_table_names_every_figure(tmp_path):
     for words in ("save (durable)", "load (+ verify", "training step, miss, async", "async_write=false", "torch.save (verl)",
                   "hit (prefetch) vs in memory", "peak memory", "startup scan", "floor of a save", "throughput",
                   "miss, async, zstd", "hit, zstd", "narrow + zstd / verl torch.save", "jagged (verl V1)",
-                  "MoE routed experts", "floors beside the targets"):
+                  "MoE routed experts", "floors beside the targets", "hit floor (page cache)",
+                  "hit vs the page-cache floor"):
         assert words in proc.stdout, words
     assert "one-thread" not in proc.stdout  # asked for one thread: no second run
 
@@ -94,7 +104,7 @@ BAD_OPTIONS = ((["--rows", "0"], "--rows"), (["--scan-steps", "0"], "--scan-step
 def test_bench_rejects_a_bad_option_in_process(capsys):
     """The argument checks, in-process (argparse's exit 2 and its message); the subprocess case below
     runs one of them as a user does."""
-    bench = load_bench()
+    bench = load_script()
     for bad, name in BAD_OPTIONS:
         with pytest.raises(SystemExit) as exc:
             bench.main(bad)
@@ -112,8 +122,7 @@ def test_bench_rejects_a_bad_option_without_traceback(tmp_path):
 
 
 def test_bench_scan_namespace_is_complete_and_verifies(tmp_path):
-    bench = load_bench()
-    layout = bench.build_scan_namespace(tmp_path / "ns", 25)
+    layout = lib.build_scan_namespace(tmp_path / "ns", 25)
     report = scan_namespace(layout)
     assert report.counts() == {"complete": 25, "unverified": 0, "incomplete": 0, "corrupt": 0}
     assert report.steps == scan_namespace(layout, use_index=False).steps
@@ -122,12 +131,12 @@ def test_bench_scan_namespace_is_complete_and_verifies(tmp_path):
         assert store.reader.verify(step)[1] is None
     a, b = store.reader.read_inner(1, 3, 0), store.reader.read_inner(25, 3, 0)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    timing = bench.bench_scan(layout, 25, warm_runs=1)
+    timing = _bench_scan.bench_scan(layout, 25, warm_runs=1)
     assert set(timing) >= {"first_s", "s", "full_s"}
 
 
 def test_bench_payload_has_the_shape_of_a_rollout_batch():
-    bench = load_bench()
+    bench = lib
     p = bench.make_payload(16)
     tokens = bench.PROMPT_LEN + bench.RESPONSE_LEN
     assert p["input_ids"].shape == p["attention_mask"].shape == (16, tokens)
@@ -147,7 +156,7 @@ def test_bench_payload_has_the_shape_of_a_rollout_batch():
 
 
 def test_bench_variants_are_verl_like_and_their_ratios_are_what_the_codec_stores(tmp_path):
-    bench = load_bench()
+    bench = lib
     p = bench.make_payload(8)
     ids = p["input_ids"][p["attention_mask"].bool()]
     # Zipf-like token ids: a few ids are most of the tokens (uniform ids would put ~1/151936 on each)
@@ -169,11 +178,62 @@ def test_bench_variants_are_verl_like_and_their_ratios_are_what_the_codec_stores
 
 
 def test_bench_training_blocks_hit_from_the_cache_they_wrote(tmp_path):
-    bench = load_bench()
+    bench = lib
     payload = bench.make_payload(4)
     compute = bench.Compute(8)
-    bench.run_training_block("async", payload, compute, 3, tmp_path / "c", keep=True)
-    times, _ = bench.run_training_block("hit", payload, compute, 3, tmp_path / "c", keep=True)
-    assert len(times) == 3
+    written = bench.run_training_block("async", payload, compute, 3, tmp_path / "c", keep=True)
+    block = bench.run_training_block("hit", payload, compute, 3, tmp_path / "c", keep=True)
+    assert len(block.times) == 3 and block.layout == written.layout and written.layout.payload_path(3, 0, 0).is_file()
     with pytest.raises(bench.BenchError, match="expected every one to be a miss"):
         bench.run_training_block("async", payload, compute, 3, tmp_path / "c", keep=True)  # they hit now
+
+
+def test_the_hit_floor_reads_the_bytes_the_hit_serves(tmp_path):
+    """The floor arm maps the very files the hit arm serves and hands the trainer the same batch."""
+    payload = lib.make_payload(4)
+    layout = lib.run_training_block("async", payload, lib.Compute(8), 3, tmp_path / "c", keep=True).layout
+    arm = _bench_steps.HitFloorArm(payload, layout, 3)
+    try:
+        for step in (1, 2, 3):
+            batch = arm.produce(step)
+            assert batch.keys() == payload.keys()
+            for k, v in payload.items():
+                assert torch.equal(batch[k], v) if isinstance(v, torch.Tensor) else batch[k] == v, k
+            del batch
+    finally:
+        arm.close(3)
+    with pytest.raises(lib.BenchError, match="2 of 3 steps were read"):
+        short = _bench_steps.HitFloorArm(payload, layout, 3)
+        short.produce(1), short.produce(2)
+        short.close(3)
+
+
+def _imports(path: Path) -> set:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_bench_scripts_are_independent_and_small():
+    """bench.py and bench_s3.py import nothing of each other (bench.py runs bench_s3.py as a subprocess;
+    both use the shared parts _benchlib.py and _bench_steps.py's step arms);
+    bench_view.py builds its batch and namespace with _benchlib's helpers, not copies; no part of the
+    bench is over 400 lines."""
+    assert not {"bench_s3"} & _imports(BENCH) and not {"bench", "_bench_io", "_bench_table"} & _imports(SCRIPTS / "bench_s3.py")
+    view = (SCRIPTS / "bench_view.py").read_text()
+    assert "from _benchlib import" in view and "def make_payload" not in view and "def build_scan_namespace" not in view
+    for path in [BENCH, SCRIPTS / "bench_s3.py", SCRIPTS / "bench_view.py", *SCRIPTS.glob("_bench*.py")]:
+        assert len(path.read_text().splitlines()) <= 400, path.name
+
+
+def test_the_bench_scripts_help_in_process(capsys):
+    for path in (BENCH, SCRIPTS / "bench_s3.py", SCRIPTS / "bench_view.py"):
+        with pytest.raises(SystemExit) as exc:
+            load_script(path).main(["--help"])
+        out = capsys.readouterr().out
+        assert exc.value.code == 0 and "--quick" in out and "--json" in out, path.name

@@ -178,9 +178,9 @@ def test_prefetch_loads_the_next_hit_ahead_and_is_cancelled_at_close(tmp_path, m
     loads = []
     real = StepReader.read_served
 
-    def read_served(self, step, rank):
+    def read_served(self, step, rank, **kw):
         loads.append((step, threading.current_thread().name))
-        return real(self, step, rank)
+        return real(self, step, rank, **kw)
 
     monkeypatch.setattr(StepReader, "read_served", read_served)
     h, t = run()

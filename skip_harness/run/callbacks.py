@@ -127,7 +127,8 @@ class LoggingCallback(HarnessCallback):
         self.log.info("%s", startup.describe())
 
     def on_step_end(self, *, record: StepRecord, **kwargs: Any) -> None:
-        self._info("%s", describe_step(record))
+        if self.rank == 0 and self.log.isEnabledFor(logging.INFO):    # the line is not built for nobody
+            self.log.info("%s", describe_step(record))
 
     def on_fault(self, *, path: str, reason: str, **kwargs: Any) -> None:
         prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""

@@ -239,7 +239,7 @@ class SkipHarness:
         writer = Writer(self.settings.max_pending_writes, background=self.settings.async_write)
         self._coordinator = CommitCoordinator(store.writer, dist, self.fingerprint, writer, self._fault,
                                               report_write=self.callbacks.on_write)
-        self._prefetcher = Prefetcher(store.reader, dist.rank, enabled=self.settings.prefetch)
+        self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
                                      dist.is_main and not read_only, self._training_config)
         self._runner = StepRunner(

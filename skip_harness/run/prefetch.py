@@ -1,9 +1,12 @@
 """Loading a step to serve, now or one step ahead in the background.
 
-:func:`load_step` verifies this rank's files of a step (sizes and checksums against its commit
-record) and loads its K mini-batches, reading each file once (`StepReader.read_served`).
-:class:`Prefetcher` runs it for the next hit step on one reader thread while the trainer trains on the current one — bounded to one step ahead,
-cancelled at close. It only reads; what it found is reported on the trainer's thread.
+:func:`load_step` classifies a step once (its listing and commit record: `StepStore.status`), then
+verifies this rank's files of it (sizes and checksums against the commit record) and loads its K
+mini-batches, reading each file once (`StepReader.read_served`). What the trainer's thread reports
+for a served step -- its size on disk among it -- comes with the load, so serving a hit asks the
+storage nothing more. :class:`Prefetcher` runs it for the next hit step on one reader thread while
+the trainer trains on the current one — bounded to one step ahead, cancelled at close. It only
+reads; what it found is reported on the trainer's thread.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from skip_harness.codec import UnregisteredTypeError
 from skip_harness.errors import SkipHarnessError
-from skip_harness.store.reader import StepReader
+from skip_harness.store.stepstore import StepStore
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Loaded:
     seconds: float = 0.0
     reason: Optional[str] = None
     unavailable: bool = False     # the storage could not be reached: a miss, but nothing wrong with the step
+    step_bytes: Optional[int] = None  # every file of the step and its commit record, as classified (`ls`'s size)
 
     @property
     def ok(self) -> bool:
@@ -42,13 +46,16 @@ class Loaded:
         return sum(float(m.get("gen_s", 0.0) or 0.0) for m in self.metas)
 
 
-def load_step(reader: StepReader, step: int, rank: int) -> Loaded:
+def load_step(store: StepStore, step: int, rank: int) -> Loaded:
     """Verify and load this rank's K mini-batches of `step`; never raises for a bad step or a storage
     out of reach (an object store down: `unavailable`, the step is not blamed). A step holding a type
     this process has not registered is not bad: UnregisteredTypeError propagates (a usage error)."""
     t0 = time.perf_counter()
+    step_bytes = None
     try:
-        status, reason, batches, metas = reader.read_served(step, rank)
+        report = store.status(step)
+        step_bytes = report.bytes
+        status, reason, batches, metas = store.reader.read_served(step, rank, report=report)
     except UnregisteredTypeError:
         raise
     except (OSError, ValueError) as exc:
@@ -56,15 +63,15 @@ def load_step(reader: StepReader, step: int, rank: int) -> Loaded:
     except SkipHarnessError as exc:     # e.g. ObjectStoreUnavailable, ObjectAccessDenied
         return Loaded(step, seconds=time.perf_counter() - t0, reason=f"cannot be read now: {exc}", unavailable=True)
     if reason is not None:
-        return Loaded(step, seconds=time.perf_counter() - t0, reason=reason)
-    return Loaded(step, batches, metas, status == "unverified", time.perf_counter() - t0)
+        return Loaded(step, seconds=time.perf_counter() - t0, reason=reason, step_bytes=step_bytes)
+    return Loaded(step, batches, metas, status == "unverified", time.perf_counter() - t0, step_bytes=step_bytes)
 
 
 class Prefetcher:
     """At most one step loaded ahead, on one reader thread."""
 
-    def __init__(self, reader: StepReader, rank: int, enabled: bool = True):
-        self.reader = reader
+    def __init__(self, store: StepStore, rank: int, enabled: bool = True):
+        self.store = store
         self.rank = rank
         self.enabled = enabled
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -77,7 +84,7 @@ class Prefetcher:
         self.cancel()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skip_harness-prefetch")
-        self._ahead = (step, self._pool.submit(load_step, self.reader, step, self.rank))
+        self._ahead = (step, self._pool.submit(load_step, self.store, step, self.rank))
 
     def take(self, step: int) -> Loaded:
         """`step` loaded: the background result when it was loaded ahead, else loaded now."""
@@ -92,7 +99,7 @@ class Prefetcher:
                 return Loaded(step, reason=f"prefetch failed: {type(exc).__name__}: {exc}")
         if ahead is not None:
             ahead[1].cancel()
-        return load_step(self.reader, step, self.rank)
+        return load_step(self.store, step, self.rank)
 
     def cancel(self) -> None:
         ahead, self._ahead = self._ahead, None

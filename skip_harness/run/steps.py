@@ -195,7 +195,7 @@ class StepRunner:
         self.callbacks.on_serve(step=step, inner_index=inner, source_step=state.decision.source_step,
                                 bytes=int(meta.get("bytes", 0) or 0), seconds=0.0)
         if state.sampled == self.K:
-            self._finish(step, _served_record(step, state, self.K, self._step_bytes(state.decision.source_step)))
+            self._finish(step, _served_record(step, state, self.K, self._served_bytes(state)))
         return batch
 
     def _inputs_match(self, state: _StepState, inner: int, args: tuple, kwargs: dict) -> bool:
@@ -277,7 +277,7 @@ class StepRunner:
                                 "(its files are incomplete and are cleaned at the next startup)")
                 self._finish(step, _miss_record(step, state, self.K, done))
             elif state.decision.serves_cache:
-                self._finish(step, _served_record(step, state, self.K, self._step_bytes(state.decision.source_step)))
+                self._finish(step, _served_record(step, state, self.K, self._served_bytes(state)))
 
     # ------------------------------------------------------------------ reporting
     def _finish(self, step: int, record: StepRecord) -> None:
@@ -291,6 +291,14 @@ class StepRunner:
             rec = self._records.pop(self._order.pop(0))
             self.stats.add(rec)
             self.callbacks.on_step_end(record=rec)
+
+    def _served_bytes(self, state: _StepState) -> int:
+        """The size on disk of the step a hit or repeat served, as its load classified it (no second
+        listing on the trainer's thread)."""
+        loaded = state.loaded
+        if loaded is not None and loaded.step_bytes is not None:
+            return loaded.step_bytes
+        return self._step_bytes(state.decision.source_step)
 
     def _step_bytes(self, step: int) -> int:
         """A committed step's size on disk: every rank's files and its commit record, the size

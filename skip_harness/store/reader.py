@@ -117,14 +117,15 @@ class StepReader:
 
     # ---- payloads
 
-    def read_served(self, step: int, rank: int) -> Served:
+    def read_served(self, step: int, rank: int, report: Optional[StepReport] = None) -> Served:
         """This rank's K mini-batches of `step` and their metas for serving, verified in the pass that
         reads them: (status, reason, batches, metas), reason None when the step can be served. A
         complete step's payload files are each read once (O_DIRECT into a pool buffer), their size and
         checksum checked against the commit record, and their tensors are views of that buffer; the
         files of other ranks are not read (unknown extra files are checked). An unverified (older) step
-        is loaded without checksums. UnregisteredTypeError propagates (not a damaged file)."""
-        report = self._classify(step)
+        is loaded without checksums. UnregisteredTypeError propagates (not a damaged file). `report`:
+        the step's classification (`classify_step`) when the caller has just made it, else made here."""
+        report = report if report is not None else self._classify(step)
         status = report.status
         if status in ("incomplete", "corrupt"):
             return status, f"{status}: {report.reason}", [], []
