@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from skip_harness.cli._common import EXIT_OK, EXIT_USAGE, CliError, emit_json, fmt_value, stdout_console
+from skip_harness.cli._common import EXIT_OK, EXIT_USAGE, CliError, emit_json, fmt_value, stdout_console, where_of
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store import scan as _scan
 from skip_harness.store.namespaces import namespaces_at
-from skip_harness.store.layout import PAYLOAD_NAME, Layout, UrlPath, is_url_text, parse_namespace_leaf
+from skip_harness.store.layout import PAYLOAD_NAME, Layout, UrlPath, parse_namespace_leaf
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.values import config_changes
 
@@ -37,13 +36,9 @@ _RESPONSE_NAMES = ("responses", "completion_ids", "response_ids")
 # opening the two sides
 
 
-def _where(text: str) -> Any:
-    return UrlPath(text) if is_url_text(text) else Path(text)
-
-
-def _namespaces(text: str) -> Tuple[bool, Dict[str, Layout]]:
-    """(whether `text` names one namespace, {its name relative to what was named: Layout})."""
-    where = _where(text)
+def _namespaces(text: str, arg: str) -> Tuple[bool, Dict[str, Layout]]:
+    """(whether `text` (the argument `arg`) names one namespace, {its name relative to what was named: Layout})."""
+    where: Any = where_of(text, arg)   # a Path or a UrlPath: both have the few operations used below
     if not isinstance(where, UrlPath):
         if not where.exists():
             raise CliError(f"{text} does not exist")
@@ -282,8 +277,8 @@ def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
 def compare(a: str, b: str) -> Dict[str, Any]:
     """`skip-harness diff A B --json`'s document: A and B are two namespaces, or two cache roots (local
     paths or object-store URLs; namespaces paired by name). CliError (exit 2) on bad input."""
-    single_a, nsa = _namespaces(str(a))
-    single_b, nsb = _namespaces(str(b))
+    single_a, nsa = _namespaces(str(a), "A")
+    single_b, nsb = _namespaces(str(b), "B")
     pairs: List[Dict[str, Any]] = []
     if single_a or single_b:
         if not (single_a and single_b):
