@@ -28,7 +28,7 @@ from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.reader import StepReader
 
-from skip_harness.cli.diff import compare as _diff_compare   # the same dict `diff --json` prints
+from skip_harness.cli.compare import compare as _diff_compare   # the same dict `diff --json` prints
 
 logger = logging.getLogger("skip_harness.cli.view")
 
