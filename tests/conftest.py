@@ -21,6 +21,16 @@ if os.environ.get("SKIP_HARNESS_VERL_UPSTREAM") != "1":
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Each test starts on one torch thread (an in-process demo run sets its own count, as train.py does).
+    The suite shares two cores with its subprocesses, and under pytest-xdist (.ci/run) with another
+    worker: there OpenMP's spinning threads cost up to 20x (test_reward_rises took 2 s on one thread and
+    40 s on two while another process kept a core busy). Subprocesses choose their own threads."""
+    torch.set_num_threads(1)
+    yield
+
+
 def subprocess_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])

@@ -182,6 +182,25 @@ def test_bad_dump_dir_is_a_one_line_error(tmp_path, capsys, kind):
         assert len(err.strip().splitlines()) == 1 and str(path) in err
 
 
+LOOKALIKE = ("'s3:/x' looks like an object-store URL but is not one (s3: needs two slashes): write "
+             "s3://BUCKET/PREFIX, or ./s3:/x for a local folder of that name")
+
+
+@pytest.mark.parametrize("argv, arg", [
+    (["ls", "s3:/x"], "DUMP_DIR"), (["verify", "s3:/x"], "DUMP_DIR"), (["clean", "s3:/x"], "DUMP_DIR"),
+    (["export", "s3:/x", "-o", "out.jsonl"], "DUMP_DIR"), (["show", "s3:/x"], "PATH"),
+    (["diff", "s3:/x", "."], "A"), (["diff", ".", "s3:/x"], "B"), (["import-verl", "s3:/x", ".", "--trust"], "VERL_DUMP_DIR"),
+    (["import-verl", ".", "s3:/x", "--trust"], "DUMP_DIR"), (["view", "s3:/x"], "DUMP_DIR | NAMESPACE"),
+])
+def test_a_url_look_alike_is_the_runs_message_not_a_missing_folder(argv, arg, tmp_path, monkeypatch, capsys):
+    """`s3:/x` is refused as the run refuses it (store.urls.dump_dir_problem), naming the argument, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "", (out, err)
+    assert err.strip().splitlines() == [f"skip-harness: error: {arg}: {LOOKALIKE}"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []          # nothing made, nothing read as a folder
+
+
 @pytest.mark.slow  # the installed command in subprocesses
 def test_console_entry_point_in_a_subprocess(cache, tmp_path):
     dump, a, b = cache

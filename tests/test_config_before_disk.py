@@ -47,6 +47,10 @@ BAD = [  # (overrides, the key the message must name)
     (["skip.rollout_tq.steps=[1,x]"], "skip.rollout_tq.steps"),
     (["skip.rollout_tq.steps=[-2]"], "skip.rollout_tq.steps"),
     (["skip.rollout_tq.max_pending_writes=0"], "skip.rollout_tq.max_pending_writes"),
+    # (these three were test_train_e2e's, a train.py subprocess each)
+    (SEP4[:1] + ["trainer.v1.separate_async.parameter_sync_step=3"], "data.train_batch_size"),
+    (["skip.rollout_tq.action=replay"], "skip.rollout_tq.action"),
+    (["trainer.v1.trainer_mode=async"], "trainer.v1.trainer_mode"),
 ]
 
 

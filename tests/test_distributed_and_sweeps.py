@@ -65,7 +65,8 @@ def test_torchrun_rank_shard_corruption_makes_every_rank_regenerate(tmp_path, cl
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate CLI not on PATH")
 def test_accelerate_launch_two_processes(tmp_path):
     acc = [shutil.which("accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0"]   # a free port (its default 29500 collides with a parallel run)
     launch(tmp_path, acc, "first")
     launch(tmp_path, acc, "again")
     assert [r["cache"] for r in metrics(tmp_path / "again")] == ["hit"] * 4

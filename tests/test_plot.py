@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# one xdist worker runs this file, so its module fixture is built once (.ci/run: -n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_plot")
+
 ROOT = Path(__file__).resolve().parents[1]
 PLOT = ROOT / "scripts" / "plot.py"
 TRAIN = ROOT / "scripts" / "train.py"

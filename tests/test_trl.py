@@ -24,6 +24,9 @@ from skip_harness.errors import ConfigError, HarnessUsageError  # noqa: E402
 from skip_harness.store.stepstore import StepStore  # noqa: E402
 from skip_harness.integrations import trl as integration  # noqa: E402
 
+# one xdist worker runs this file, so its module fixture is built once (.ci/run: -n 2 --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_trl")
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "scripts" / "trl_demo.py"
 STEPS = 4

@@ -23,7 +23,8 @@ from skip_harness.store.layout import Layout
 from skip_harness.store.stepstore import StepStore
 from view_rig import REPO, XSS, demo_batch, snapshot, subprocess_env, viewer, write_namespace
 
-pytestmark = pytest.mark.slow
+# one xdist worker runs this file, so its module fixture is built once (.ci/run: -n 2 --dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_view_browser")]
 
 CHROMIUM = Path("/usr/bin/chromium")
 INSTALL = "apt-get install -y chromium && pip install playwright"

@@ -28,10 +28,10 @@ from typing import Optional, Sequence
 
 from skip_harness.store import retention as _retention
 from skip_harness.errors import SkipHarnessError
-from skip_harness.store.layout import UrlPath, is_url_text
+from skip_harness.store.layout import UrlPath
 
 from skip_harness.cli._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, default_dump_dir, emit_json, namespaces_under, require_dir,
-                      stdout_console)
+                      stdout_console, where_of)
 
 __all__ = ["main", "build_parser"]
 
@@ -205,7 +205,16 @@ def _restore_logging(saved) -> None:
     logging.getLogger("skip_harness.cli").setLevel(cli_level)
 
 
+#: The arguments that name a place (attribute, metavar): each is checked before any command starts.
+_PLACES = (("dump_dir", "DUMP_DIR"), ("path", "PATH"), ("a", "A"), ("b", "B"), ("verl_dump_dir", "VERL_DUMP_DIR"),
+           ("targets", "DUMP_DIR | NAMESPACE"))
+
+
 def _run(args: argparse.Namespace) -> int:
+    for attr, metavar in _PLACES:   # a URL look-alike (s3:/x) is the run's message, not "does not exist"
+        value = getattr(args, attr, None)
+        for text in ([] if value is None else value if isinstance(value, list) else [value]):
+            where_of(text, metavar)
     if args.command == "diff":
         from skip_harness.cli.diff import cmd_diff
 
@@ -213,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "show":
         from skip_harness.cli.show import cmd_show
 
-        return cmd_show(UrlPath(args.path) if is_url_text(args.path) else Path(args.path), args.step, args.inner, args.rank, args.head, args.json)  # type: ignore[arg-type]
+        return cmd_show(where_of(args.path, "PATH"), args.step, args.inner, args.rank, args.head, args.json)  # type: ignore[arg-type]
     if args.command == "view":
         from skip_harness.cli.view import cmd_view
 
@@ -221,10 +230,8 @@ def _run(args: argparse.Namespace) -> int:
     where = ""
     if args.dump_dir is None:   # where runs write
         dump_dir, where = default_dump_dir()
-    elif is_url_text(args.dump_dir):   # an object store: opened through store.open, never a Path
-        dump_dir = UrlPath(args.dump_dir)  # type: ignore[assignment]
-    else:
-        dump_dir = Path(args.dump_dir)
+    else:   # an object store is a UrlPath, opened through the store, never a Path
+        dump_dir = where_of(args.dump_dir, "DUMP_DIR")  # type: ignore[assignment]
     if args.command == "import-verl":
         from skip_harness.cli.transfer import cmd_import_verl
 

@@ -40,254 +40,35 @@ Lifecycle
     and closes it when training ends, giving the trainer its own method back; the returned harness
     keeps its summary and outcomes. Not supported: tools / environments (a generation then makes a
     variable number of generator calls) and ``rollout_func``; :func:`attach` refuses them.
+
+Where it lives
+    This module wires the harness to the trainer (its generation method, the lifecycle callback that
+    starts, feeds the replay check and closes it); ``trl_keys`` says how generations are keyed and
+    fingerprinted; ``trl_payload`` what is stored for one. Every name is importable from here.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import struct
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-import torch
+from skip_harness.errors import HarnessUsageError, ReplayDivergedError
+from skip_harness.integrations.trl_keys import (  # noqa: F401  (re-exported: importable from here as before)
+    GENERATION_ARGS, NOT_TRAINING_ARGS, digest, generation_fingerprint, generations_per_step, namespace_for,
+    prompt_digest, training_config,
+)
+from skip_harness.integrations.trl_payload import Generation, decode_generation, encode_generation  # noqa: F401
 
-from skip_harness.errors import ConfigError, HarnessUsageError, ReplayDivergedError
+__all__ = [
+    "attach", "GENERATION_METHOD", "GENERATION_ARGS", "NOT_TRAINING_ARGS", "generations_per_step", "digest",
+    "prompt_digest", "generation_fingerprint", "training_config", "namespace_for", "encode_generation",
+    "decode_generation",
+]
 
 log = logging.getLogger("skip_harness")
 
 #: The GRPOTrainer method whose result is cached: the narrowest one returning all a generation produced.
 GENERATION_METHOD = "_generate_single_turn"
-
-#: GRPOConfig fields that shape what the generator samples (apart from the policy's weights).
-GENERATION_ARGS = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length",
-    "num_generations", "generation_batch_size", "generation_kwargs", "cache_implementation",
-    "use_vllm", "vllm_mode", "use_transformers_continuous_batching", "seed",
-)
-
-
-# --------------------------------------------------------------------------- K
-def generations_per_step(args: Any) -> int:
-    """K: how many generation calls one optimizer step makes, from TRL's own arguments.
-
-    TRL generates once every ``steps_per_generation * num_iterations`` micro-steps (``self._step``)
-    and an optimizer step has ``gradient_accumulation_steps`` micro-steps. So K is
-    ``gradient_accumulation_steps / (steps_per_generation * num_iterations)`` when that divides, and 1
-    when a generation spans several optimizer steps (``num_iterations > 1`` or ``steps_per_generation``
-    a multiple of the accumulation): then only every n-th optimizer step generates, and only those
-    steps are cached. Any other combination makes the count vary from step to step: refused.
-    """
-    accumulation = int(args.gradient_accumulation_steps)
-    every = int(args.steps_per_generation) * int(getattr(args, "num_iterations", 1) or 1)
-    if accumulation % every == 0:
-        return accumulation // every
-    if every % accumulation == 0:
-        return 1
-    raise ConfigError(
-        "GRPOConfig.steps_per_generation",
-        f"gradient_accumulation_steps = {accumulation} and steps_per_generation x num_iterations = {every} "
-        "make the number of generations per optimizer step vary; skip_harness caches a fixed K per step: "
-        "choose values where one divides the other",
-    )
-
-
-# --------------------------------------------------------------------------- digests
-def _update(h: "hashlib._Hash", obj: Any) -> None:
-    """Feed a stable, type-tagged encoding of `obj` into `h` (lists of token ids, tensors, images...)."""
-    if obj is None:
-        h.update(b"N")
-    elif isinstance(obj, bool):
-        h.update(b"B1" if obj else b"B0")
-    elif isinstance(obj, int):
-        h.update(b"I" + str(obj).encode() + b";")
-    elif isinstance(obj, float):
-        h.update(b"F" + struct.pack("<d", obj))
-    elif isinstance(obj, str):
-        data = obj.encode("utf-8")
-        h.update(b"S" + str(len(data)).encode() + b":" + data)
-    elif isinstance(obj, (bytes, bytearray)):
-        h.update(b"Y" + str(len(obj)).encode() + b":" + bytes(obj))
-    elif isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        h.update(b"T" + str(t.dtype).encode() + str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(obj, Mapping):
-        h.update(b"D" + str(len(obj)).encode())
-        for key in sorted(obj, key=str):
-            _update(h, str(key))
-            _update(h, obj[key])
-    elif isinstance(obj, (list, tuple)):
-        if obj and all(type(x) is int for x in obj):  # a row of token ids: one pass, no recursion
-            h.update(b"L" + str(len(obj)).encode() + b"i" + ",".join(map(str, obj)).encode())
-            return
-        h.update(b"L" + str(len(obj)).encode())
-        for item in obj:
-            _update(h, item)
-    elif hasattr(obj, "tobytes") and hasattr(obj, "size") and hasattr(obj, "mode"):  # a PIL image
-        h.update(b"P" + str(obj.mode).encode() + str(obj.size).encode() + obj.tobytes())
-    elif hasattr(obj, "tobytes") and hasattr(obj, "dtype") and hasattr(obj, "shape"):  # a NumPy array
-        h.update(b"A" + str(obj.dtype).encode() + str(tuple(obj.shape)).encode() + obj.tobytes())
-    else:
-        h.update(b"R" + repr(obj).encode())
-
-
-def digest(obj: Any) -> str:
-    """A short stable hex digest of plain data, tensors and images."""
-    h = hashlib.sha256()
-    _update(h, obj)
-    return h.hexdigest()[:24]
-
-
-def prompt_digest(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """The digest of one generation call's inputs: prompt token ids, images, multimodal fields.
-
-    ``_generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, ...)``."""
-    names = ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")
-    bound = dict(zip(names, args))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
-    return digest([bound.get(name) for name in names[:4]])
-
-
-# --------------------------------------------------------------------------- fingerprint
-def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value, sort_keys=True, allow_nan=False)
-        return value
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def generation_fingerprint(trainer: Any) -> Dict[str, Any]:
-    """The values that shape a GRPOTrainer's rollouts apart from the policy's learned weights."""
-    args = trainer.args
-    values: Dict[str, Any] = {f"trl.{name}": _jsonable(getattr(args, name, None)) for name in GENERATION_ARGS}
-    model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
-    config = getattr(model, "config", None)
-    if config is not None:
-        raw = config.to_dict()
-        name = raw.pop("_name_or_path", None) or getattr(config, "name_or_path", None)
-        raw.pop("transformers_version", None)
-        values["model.name_or_path"] = str(name) if name is not None else None
-        values["model.config"] = digest(json.dumps(raw, sort_keys=True, default=str))
-    generation_config = getattr(trainer, "generation_config", None)
-    if generation_config is not None and hasattr(generation_config, "to_dict"):
-        gen = generation_config.to_dict()
-        gen.pop("transformers_version", None)
-        values["trl.generation_config"] = digest(json.dumps(gen, sort_keys=True, default=str))
-    values["trl.eos_token_ids"] = _jsonable(list(getattr(trainer, "eos_token_ids", []) or []))
-    return values
-
-
-#: TrainingArguments fields that say where and how a run reports, not what it trains: left out of the
-#: training-side config recorded with each step's values (a replay names the training keys that changed).
-NOT_TRAINING_ARGS = (
-    "output_dir", "logging_dir", "run_name", "report_to", "push_to_hub", "disable_tqdm", "overwrite_output_dir",
-    "hub_*", "logging_*", "save_*", "eval_*", "log_*", "dataloader_*", "ddp_*", "resume_from_checkpoint",
-    "local_rank", "tpu_*", "deepspeed", "accelerator_config", "fsdp*", "full_determinism", "skip_memory_metrics",
-)
-
-
-def training_config(trainer: Any) -> Dict[str, Any]:
-    """The training side of a GRPOTrainer's arguments (``trl.<name>``): what the generation fingerprint
-    leaves out, less where the run writes and reports (`NOT_TRAINING_ARGS`)."""
-    import fnmatch
-
-    raw = trainer.args.to_dict() if hasattr(trainer.args, "to_dict") else dict(vars(trainer.args))
-    return {f"trl.{name}": _jsonable(value) for name, value in sorted(raw.items())
-            if name not in GENERATION_ARGS and not any(fnmatch.fnmatchcase(name, p) for p in NOT_TRAINING_ARGS)}
-
-
-def namespace_for(trainer: Any, experiment_name: str, project_name: str, K: int) -> Dict[str, Any]:
-    """The namespace: experiment, project, K and the shape values TRL has."""
-    args = trainer.args
-    n = int(args.num_generations)
-    return {
-        "experiment_name": experiment_name,
-        "project_name": project_name,
-        "K": K,
-        "n": n,
-        # prompts per optimizer step that generates (global), as verl's data.train_batch_size
-        "train_batch_size": K * int(args.generation_batch_size) // n,
-        "max_response_length": int(args.max_completion_length),
-    }
-
-
-# --------------------------------------------------------------------------- payload
-class _Generation:
-    """Stands in for ``trainer._generate_single_turn`` so the harness caches compact tensors.
-
-    `generate` is what the harness wraps: it calls TRL's method and returns its result as a dict of
-    tensors; `decode` turns that (fresh or served from the cache) back into TRL's return value.
-    """
-
-    def __init__(self, original: Callable[..., Any]):
-        self._original = original
-
-    def generate(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        return encode_generation(self._original(*args, **kwargs))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return decode_generation(self.generate(*args, **kwargs))
-
-
-def _int_rows(rows: Any) -> bool:
-    return isinstance(rows, list) and all(
-        isinstance(r, list) and all(type(x) is int for x in r) for r in rows
-    )
-
-
-def _float_rows(rows: Any, lengths: Sequence[int]) -> bool:
-    return isinstance(rows, list) and len(rows) == len(lengths) and all(
-        isinstance(r, list) and len(r) == n and all(x is None or type(x) is float for x in r)
-        for r, n in zip(rows, lengths)
-    )
-
-
-def encode_generation(out: Any) -> Dict[str, Any]:
-    """TRL's ``(completion_ids, logprobs)`` as tensors; anything else is kept as it is (``raw``)."""
-    if isinstance(out, tuple) and len(out) == 2 and _int_rows(out[0]):
-        completion_ids, logprobs = out
-        lengths = [len(r) for r in completion_ids]
-        if logprobs is None or _float_rows(logprobs, lengths):
-            flat = [x for r in completion_ids for x in r]
-            payload: Dict[str, Any] = {
-                "completion_ids": torch.tensor(flat, dtype=torch.int64),
-                "lengths": torch.tensor(lengths, dtype=torch.int64),
-                "logprobs": None,
-                "logprob_is_none": None,
-            }
-            if logprobs is not None:
-                values = [x for r in logprobs for x in r]
-                payload["logprobs"] = torch.tensor(
-                    [float("nan") if x is None else x for x in values], dtype=torch.float64
-                )
-                if any(x is None for x in values):
-                    payload["logprob_is_none"] = torch.tensor([x is None for x in values], dtype=torch.bool)
-            return payload
-    return {"raw": out}
-
-
-def decode_generation(payload: Mapping[str, Any]) -> Any:
-    """The inverse of :func:`encode_generation`: exactly the lists TRL's generator returned."""
-    if "raw" in payload:
-        return payload["raw"]
-    lengths = [int(n) for n in payload["lengths"].tolist()]
-    flat = payload["completion_ids"].tolist()
-    completion_ids, offset = [], 0
-    for n in lengths:
-        completion_ids.append(flat[offset:offset + n])
-        offset += n
-    logprobs = None
-    if payload.get("logprobs") is not None:
-        values = payload["logprobs"].tolist()
-        if payload.get("logprob_is_none") is not None:
-            values = [None if none else v for v, none in zip(values, payload["logprob_is_none"].tolist())]
-        logprobs, offset = [], 0
-        for n in lengths:
-            logprobs.append(values[offset:offset + n])
-            offset += n
-    return completion_ids, logprobs
 
 
 # --------------------------------------------------------------------------- attach
@@ -352,7 +133,7 @@ def attach(
     )
 
     original = getattr(trainer, GENERATION_METHOD)
-    generation = _Generation(original)
+    generation = Generation(original)
     harness.wrap(
         generation,
         sample="generate",

@@ -17,7 +17,7 @@ import webbrowser
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from skip_harness.cli._common import EXIT_OK, CliError, default_dump_dir
+from skip_harness.cli._common import EXIT_OK, CliError, default_dump_dir, where_of
 
 logger = logging.getLogger("skip_harness.cli.view")
 
@@ -57,7 +57,7 @@ def cmd_view(targets: Sequence[str], host: str, port: Optional[int], tokenizer: 
         from skip_harness.cli.view.app import build_app
     except ImportError as exc:
         raise CliError(f"skip-harness view needs the [view] extra ({INSTALL_HINT}): {exc}") from None
-    from skip_harness.cli.view.data import Cache, as_where
+    from skip_harness.cli.view.data import Cache
     from skip_harness.cli.view.decode import Decoder
 
     roots: List = []
@@ -67,7 +67,7 @@ def cmd_view(targets: Sequence[str], host: str, port: Optional[int], tokenizer: 
         if not where.exists():
             logger.info("no skip_harness cache at %s yet (%s)", where, how)
     for text in targets:
-        root = as_where(text)
+        root = where_of(text, "DUMP_DIR | NAMESPACE")
         if isinstance(root, Path) and not root.is_dir():
             raise CliError(f"{root} {'does not exist' if not root.exists() else 'is not a directory'}")
         roots.append(root)

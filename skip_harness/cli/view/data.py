@@ -25,10 +25,10 @@ from skip_harness.store import scan as _scan
 from skip_harness.store.namespaces import namespaces_at
 from skip_harness.store.open import namespace_of
 from skip_harness.store.bufferpool import BufferPool
-from skip_harness.store.layout import Layout, UrlPath, is_url_text
+from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.reader import StepReader
 
-from skip_harness.cli.diff import compare as _diff_compare   # the same dict `diff --json` prints
+from skip_harness.cli.compare import compare as _diff_compare   # the same dict `diff --json` prints
 
 logger = logging.getLogger("skip_harness.cli.view")
 
@@ -37,10 +37,6 @@ Where = Union[Path, UrlPath]
 # ls --json keys the viewer leaves out: `accessed` (a stat per payload) and `logical_bytes` (every meta.json
 # read) cost a read per step, and the overview of a 10,000-step namespace comes from its index alone.
 _COSTLY_KEYS = ("accessed", "logical_bytes", "total_logical_bytes")
-
-
-def as_where(text: str) -> Where:
-    return UrlPath(text) if is_url_text(text) else Path(text)
 
 
 @dataclass(frozen=True)

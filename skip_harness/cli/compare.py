@@ -1,0 +1,305 @@
+"""What `skip-harness diff A B` compares: two namespaces, or two cache roots, step by step (the viewer's
+compare page shows the same document; `diff.py` prints it).
+
+Rollouts first by the checksums the commit records list (no payload is read when they match), then,
+where they differ, by content: how many trajectories differ, and how the reward mean and the response
+length moved. Then the values the trainer recorded for each step (store.values): the first step and key
+that differ and the largest difference per key. The training-side configs recorded with the values are
+compared on top. `compare(a, b)` returns the document `diff --json` prints; bad input is a CliError
+(exit 2).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from skip_harness.cli._common import CliError, where_of
+from skip_harness.config import DEFAULT_REPLAY_IGNORE
+from skip_harness.errors import CorruptStepError, SkipHarnessError
+from skip_harness.store import scan as _scan
+from skip_harness.store.namespaces import namespaces_at
+from skip_harness.store.layout import PAYLOAD_NAME, Layout, UrlPath, parse_namespace_leaf
+from skip_harness.store.stepstore import StepStore
+from skip_harness.store.values import config_changes
+
+PAYLOAD_STEM = PAYLOAD_NAME.rsplit(".", 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
+_REWARD_NAMES = ("reward", "score")
+_MASK_NAMES = ("response_mask", "completion_mask")
+_LENGTH_NAMES = ("response_length", "response_lengths", "lengths", "completion_lengths")
+_RESPONSE_NAMES = ("responses", "completion_ids", "response_ids")
+
+
+# --------------------------------------------------------------------------------------------
+# opening the two sides
+
+
+def _namespaces(text: str, arg: str) -> Tuple[bool, Dict[str, Layout]]:
+    """(whether `text` (the argument `arg`) names one namespace, {its name relative to what was named: Layout})."""
+    where: Any = where_of(text, arg)   # a Path or a UrlPath: both have the few operations used below
+    if not isinstance(where, UrlPath):
+        if not where.exists():
+            raise CliError(f"{text} does not exist")
+        if not where.is_dir():
+            raise CliError(f"{text} is not a directory")
+    try:
+        layouts = namespaces_at(where)
+    except (OSError, SkipHarnessError) as exc:
+        raise CliError(f"{text}: {exc}") from None
+    single = parse_namespace_leaf(where.name) is not None
+    if not layouts:
+        raise CliError(f"{text}: no skip_harness namespace there")
+    out = {}
+    for lay in layouts:
+        try:
+            rel = str(lay.root.relative_to(where)) if not single else lay.root.name
+        except ValueError:
+            rel = str(lay.root)
+        out[rel] = lay
+    return single, out
+
+
+# --------------------------------------------------------------------------------------------
+# one pair of namespaces
+
+
+def _files(report: Any) -> Optional[Dict[str, str]]:
+    record = getattr(report, "record", None)
+    if record is None:
+        return None
+    # payloads only: a meta.json holds its writing time, so it differs between any two writes
+    return {e.rel: e.checksum for e in record.files if e.rel.rsplit("/", 1)[-1].startswith(PAYLOAD_STEM)}
+
+
+def _per_row(payloads: Sequence[Any]) -> Tuple[int, Dict[str, List[Any]]]:
+    """The rows of a step's mini-batches (in order): (trajectories, {field: list of per-row values})."""
+    from skip_harness.cli.export import columns_of
+
+    total = 0
+    fields: Dict[str, List[Any]] = {}
+    for i, payload in enumerate(payloads):
+        n, cols = columns_of(payload, f"mini-batch {i}")
+        for name, col in cols.items():
+            if col.per_row:
+                fields.setdefault(name, [None] * total)
+                fields[name].extend(col.value[j] for j in range(n))
+        total += n
+        for rows in fields.values():
+            rows.extend([None] * (total - len(rows)))
+    return total, fields
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if a.is_nested or b.is_nested:
+            return all(_same(x, y) for x, y in zip(a.unbind(), b.unbind()))
+        if a.is_floating_point():
+            return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
+        return bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - arrays and the like
+        return repr(a) == repr(b)
+
+
+def _find(fields: Dict[str, List[Any]], names: Sequence[str], contains: bool = False) -> Optional[str]:
+    for name in fields:
+        low = name.rsplit(".", 1)[-1].lower()
+        if (any(n in low for n in names) if contains else low in names):
+            return name
+    return None
+
+
+def _row_number(value: Any, how: str) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if how == "sum":
+            return float(value.float().sum())
+        if how == "numel":
+            return float(value.numel())
+        return float(value.float().mean()) if value.numel() else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, list) and how == "numel":
+        return float(len(value))
+    return None
+
+
+def _mean(fields: Dict[str, List[Any]], name: Optional[str], how: str) -> Optional[float]:
+    if name is None:
+        return None
+    xs = [x for x in (_row_number(v, how) for v in fields[name]) if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _length_field(fields: Dict[str, List[Any]]) -> Tuple[Optional[str], str]:
+    name = _find(fields, _MASK_NAMES)
+    if name is not None:
+        return name, "sum"
+    name = _find(fields, _LENGTH_NAMES)
+    if name is not None:
+        return name, "mean"
+    return _find(fields, _RESPONSE_NAMES), "numel"
+
+
+def _content(reader_a: Any, reader_b: Any, step: int, W: int) -> Dict[str, Any]:
+    """Trajectories that differ, and the change in reward mean and response length, from the payloads."""
+    pa, pb = [], []
+    for r in range(W):
+        pa += reader_a.read_step(step, r)
+        pb += reader_b.read_step(step, r)
+    na, fa = _per_row(pa)
+    nb, fb = _per_row(pb)
+    common = [k for k in fa if k in fb]
+    differ = 0
+    for i in range(min(na, nb)):
+        if any(not _same(fa[k][i], fb[k][i]) for k in common):
+            differ += 1
+    differ += abs(na - nb)
+    out: Dict[str, Any] = {"trajectories": max(na, nb), "trajectories_differ": differ}
+    ra, rb = _mean(fa, _find(fa, _REWARD_NAMES, True), "mean"), _mean(fb, _find(fb, _REWARD_NAMES, True), "mean")
+    la, lb = _mean(fa, *_length_field(fa)), _mean(fb, *_length_field(fb))
+    out["reward_mean"] = [ra, rb]
+    out["reward_mean_delta"] = None if ra is None or rb is None else rb - ra
+    out["response_length"] = [la, lb]
+    out["response_length_delta"] = None if la is None or lb is None else lb - la
+    return out
+
+
+def _ignored(key: str) -> bool:
+    low = key.lower()
+    return any(fnmatch.fnmatchcase(low, p) for p in DEFAULT_REPLAY_IGNORE)
+
+
+def _compare_values(a: Optional[Dict[str, float]], b: Optional[Dict[str, float]]) -> Tuple[str, Optional[Tuple[str, float, float]], Dict[str, float]]:
+    """('same' | 'differ' | 'unrecorded', the first differing key (in A's recorded order) with both values,
+    |a - b| by key). Timings are left out, as the replay check leaves them out by default."""
+    if a is None or b is None:
+        return "unrecorded", None, {}
+    a = {k: v for k, v in a.items() if not _ignored(k)}
+    b = {k: v for k, v in b.items() if not _ignored(k)}
+    first = None
+    diffs: Dict[str, float] = {}
+    for key in [k for k in a if k in b]:
+        x, y = a[key], b[key]
+        same = x == y or (math.isnan(x) and math.isnan(y))
+        d = 0.0 if same else (abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf)
+        diffs[key] = d
+        if not same and first is None:
+            first = (key, x, y)
+    for key in sorted(set(a) ^ set(b)):
+        if first is None:
+            first = (key, a.get(key), b.get(key))
+    return ("same" if first is None else "differ"), first, diffs
+
+
+def _first_config(reader: Any, steps: Sequence[int]) -> Optional[Dict[str, Any]]:
+    for s in steps:
+        rec = reader.read_step_values(s)
+        if rec is not None and rec.config:
+            cfg = reader.read_training_config(rec.config)
+            if cfg is not None:
+                return cfg
+    return None
+
+
+def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
+    """One pair of namespaces, step by step."""
+    sa, sb = StepStore(la), StepStore(lb)
+    ra = {s.step: s for s in _scan.scan_namespace(la, use_index=False).steps}
+    rb = {s.step: s for s in _scan.scan_namespace(lb, use_index=False).steps}
+    steps_out: List[Dict[str, Any]] = []
+    first_values = None
+    max_diff: Dict[str, float] = {}
+    same_rollouts = differ_rollouts = 0
+    values_compared = 0
+    for step in sorted(set(ra) | set(rb)):
+        a, b = ra.get(step), rb.get(step)
+        row: Dict[str, Any] = {"step": step, "a": None if a is None else a.status, "b": None if b is None else b.status}
+        if a is None or b is None or not a.servable or not b.servable:
+            row["rollouts"] = "only in a" if b is None or not b.servable else "only in b"
+            if (a is None or not a.servable) and (b is None or not b.servable):
+                row["rollouts"] = "in neither"
+            differ_rollouts += 1
+            steps_out.append(row)
+            continue
+        fa, fb = _files(a), _files(b)
+        if fa is not None and fa == fb:
+            row["rollouts"] = "same"
+            same_rollouts += 1
+        else:
+            try:
+                content = _content(sa.reader, sb.reader, step, max(la.W, lb.W) if la.W == lb.W else 1)
+            except (CorruptStepError, SkipHarnessError, OSError) as exc:
+                row["rollouts"] = "unreadable"
+                row["reason"] = str(exc)
+                differ_rollouts += 1
+                steps_out.append(row)
+                continue
+            row.update(content)
+            same = content["trajectories_differ"] == 0
+            row["rollouts"] = "same" if same else "differ"
+            if same:
+                same_rollouts += 1
+            else:
+                differ_rollouts += 1
+        va, vb = sa.reader.read_values(step), sb.reader.read_values(step)
+        verdict, first, diffs = _compare_values(va, vb)
+        row["values"] = verdict
+        if verdict != "unrecorded":
+            values_compared += 1
+        if first is not None:
+            row["first_key"], row["a_value"], row["b_value"] = first
+            if first_values is None:
+                first_values = {"step": step, "key": first[0], "a": first[1], "b": first[2]}
+        for k, d in diffs.items():
+            max_diff[k] = max(max_diff.get(k, 0.0), d)
+        steps_out.append(row)
+    ca = _first_config(sa.reader, sorted(ra))
+    cb = _first_config(sb.reader, sorted(rb))
+    cfg = [] if ca is None or cb is None else [{"key": k, "a": x, "b": y} for k, x, y in config_changes(ca, cb)]
+    return {
+        "a": str(la.root), "b": str(lb.root), "K": [la.K, lb.K], "W": [la.W, lb.W],
+        "config": cfg, "config_recorded": [ca is not None, cb is not None],
+        "steps": steps_out,
+        "rollouts_same": same_rollouts, "rollouts_differ": differ_rollouts,
+        "values": {"steps_compared": values_compared, "first_divergence": first_values,
+                   "max_abs_diff": {k: max_diff[k] for k in sorted(max_diff)}},
+        "identical": differ_rollouts == 0 and first_values is None and not cfg,
+    }
+
+
+def compare(a: str, b: str) -> Dict[str, Any]:
+    """`skip-harness diff A B --json`'s document: A and B are two namespaces, or two cache roots (local
+    paths or object-store URLs; namespaces paired by name). CliError (exit 2) on bad input."""
+    single_a, nsa = _namespaces(str(a), "A")
+    single_b, nsb = _namespaces(str(b), "B")
+    pairs: List[Dict[str, Any]] = []
+    if single_a or single_b:
+        if not (single_a and single_b):
+            raise CliError(f"diff compares two namespaces or two cache roots; {a if single_a else b} is a "
+                           f"namespace and {b if single_a else a} is not")
+        pairs.append(dict(name=next(iter(nsa)), **compare_namespaces(next(iter(nsa.values())), next(iter(nsb.values())))))
+    else:
+        for name in sorted(set(nsa) | set(nsb)):
+            if name not in nsb or name not in nsa:
+                pairs.append({"name": name, "only_in": "a" if name in nsa else "b", "identical": False,
+                              "a": str(nsa[name].root) if name in nsa else None,
+                              "b": str(nsb[name].root) if name in nsb else None})
+                continue
+            pairs.append(dict(name=name, **compare_namespaces(nsa[name], nsb[name])))
+    config = []
+    for p in pairs:
+        for c in p.get("config", []):
+            if c not in config:
+                config.append(c)
+    return {"a": str(a), "b": str(b), "identical": all(p["identical"] for p in pairs),
+            "config": config, "namespaces": pairs}
+
+
+__all__ = ["compare", "compare_namespaces"]
