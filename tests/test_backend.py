@@ -130,6 +130,23 @@ def test_remove_step_takes_the_commit_record_first_and_set_aside_moves_it(make_n
     assert sorted(k.split("/", 2)[2] for k in kept) == ["0/meta.json", "0/tq_batch.pt", "commit.json"]
 
 
+def test_a_removed_or_set_aside_step_takes_its_recorded_values_with_it(make_ns):
+    """`clean`, retention and the startup cleanup remove steps through `remove_step` / `set_aside`: the
+    values recorded for the step (`.values/{step}.json`, outside the step) go too, never left orphaned."""
+    from skip_harness.store.values import ValuesStore, values_key
+
+    ns, pool = make_ns(), BufferPool()
+    values = ValuesStore(ns)
+    for step in (1, 2, 3):
+        _write_step(ns, pool, step)
+        ns.commit(step, b"{}")
+        values.write_step(step, {"loss": 0.5}, commit_created=1.0)
+    assert ns.remove_step(1) >= 5000
+    ns.set_aside(2, "corrupt")
+    assert ns.read_small(values_key(1)) is None and ns.read_small(values_key(2)) is None
+    assert values.read_step(3) is not None and ns.remove_step(9) == 0     # no step, no values: nothing
+
+
 def test_uncommit_removes_only_the_commit_record(make_ns):
     ns, pool = make_ns(), BufferPool()
     _write_step(ns, pool, 1)

@@ -26,6 +26,7 @@ COMMIT_NAME = "commit.json"
 LOCK_NAME = ".lock"
 LOCK_HOLDER_NAME = ".lock.holder.json"
 QUARANTINE_DIR = ".quarantine"
+VALUES_DIR = ".values"          # what each step produced when recorded (store.values): {step}.json
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 from skip_harness.errors import CorruptStepError
-from skip_harness.store.layout import COMMIT_NAME, QUARANTINE_DIR, TMP_PREFIX, TRASH_PREFIX, parse_step_name
+from skip_harness.store.layout import COMMIT_NAME, QUARANTINE_DIR, TMP_PREFIX, TRASH_PREFIX, VALUES_DIR, parse_step_name
 from skip_harness.store.locking import Hold, Locker, RunMarkers, StorageRunMarkers
 from skip_harness.store.storage import DIR, FILE, LINK, LINK_WHAT, TEMPORARY, Entry, Storage
 
@@ -205,7 +205,15 @@ class Namespace:
             self.locker.fence(strict=True, key=commit)
             freed += self.storage.delete(commit)
         self.locker.fence(key=str(int(step)))
-        return freed + self.storage.delete_prefix(f"{int(step)}/")
+        freed += self.storage.delete_prefix(f"{int(step)}/")
+        return freed + self._drop_values(step)
+
+    def _drop_values(self, step: int) -> int:
+        """The values recorded for a step that is removed or set aside (`store.values`: outside the step,
+        bound to its commit record) go with it: no orphan is left behind in `.values/`."""
+        key = f"{VALUES_DIR}/{int(step)}.json"
+        self.locker.fence(key=key)
+        return self.storage.delete(key)
 
     def set_aside(self, step: int, reason: str = "") -> str:
         """Move the step out of the namespace's steps, under `.quarantine/`; returns where it went. One
@@ -217,6 +225,7 @@ class Namespace:
             when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             dest = f"{QUARANTINE_DIR}/{int(step)}-{when}-{secrets.token_hex(3)}"
             self.storage.move(str(int(step)), dest)
+            self._drop_values(step)
             return self.where(dest)
         dest = f"{QUARANTINE_DIR}/{int(step)}-{reason}-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**9:09d}"
         prefix = f"{int(step)}/"

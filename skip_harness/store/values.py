@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import xxhash
 
+from skip_harness.store.layout import VALUES_DIR
 from skip_harness.store.namespace import Namespace
 
-VALUES_DIR = ".values"
 VALUES_FORMAT = 1
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
