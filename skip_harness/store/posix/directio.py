@@ -18,7 +18,7 @@ import errno
 import fcntl
 import mmap
 import os
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 from skip_harness.store.bufferpool import ALIGN, BufferPool, Lease, round_up
 from skip_harness.store.posix.fileops import CREATE_FLAGS, READ_FLAGS, drop_cached_pages, fsync_dir, replace_via_temp
@@ -115,12 +115,18 @@ def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cach
     fsync_dir(dir_fd)
 
 
-def read_into(path: str, pool: BufferPool, dir_fd: Optional[int] = None) -> Tuple[Lease, int]:
+def read_into(path: str, pool: BufferPool, dir_fd: Optional[int] = None,
+              check: Optional[Callable[[os.stat_result], None]] = None) -> Tuple[Lease, int]:
     """The whole regular file at `path` (relative to `dir_fd` when given; never through a symlink in its
-    last component) read into a leased pool buffer: (lease, bytes read). Raises OSError."""
+    last component) read into a leased pool buffer: (lease, bytes read). `check` sees the open file's
+    stat before a buffer is taken (it raises to refuse the file: one open serves the check and the
+    read). Raises OSError."""
     fd, direct = _open(path, READ_FLAGS, dir_fd=dir_fd)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if check is not None:
+            check(st)
+        size = st.st_size
         lease = pool.acquire(size)
         try:
             with kept_from_forks(lease):

@@ -123,31 +123,26 @@ class PosixStorage(Storage):
         """An fd of the regular file at `key`, reached fd by fd without following a link, of `size`
         bytes when given (checked before anything is read: never a buffer for a wrong size)."""
         path = self.path(key)
-        try:
-            dir_fd, name = self._open_parent(key, create=False)
-        except FileNotFoundError:
-            raise CorruptStepError(path, "missing") from None
+        dir_fd, name = self._parent_for_read(key, path)
         try:
             try:
                 fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
-            except FileNotFoundError:
-                raise CorruptStepError(path, "missing") from None
             except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise CorruptStepError(path, "is a symlink (never followed); expected a regular file") from None
-                raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+                raise _unreadable(path, exc) from None
         finally:
             os.close(dir_fd)
-        st = os.fstat(fd)
-        reason = None
-        if not stat.S_ISREG(st.st_mode):
-            reason = f"{describe_mode(st.st_mode)}; expected a regular file"
-        elif size is not None and st.st_size != size:
-            reason = f"{st.st_size} bytes, the commit record says {size}"
-        if reason is not None:
+        try:
+            _check_file(path, os.fstat(fd), size)
+        except BaseException:
             os.close(fd)
-            raise CorruptStepError(path, reason)
+            raise
         return fd
+
+    def _parent_for_read(self, key: str, path: Path) -> Tuple[int, str]:
+        try:
+            return self._open_parent(key, create=False)
+        except FileNotFoundError:
+            raise CorruptStepError(path, "missing") from None
 
     # ---- reading
 
@@ -181,13 +176,12 @@ class PosixStorage(Storage):
             os.close(dir_fd)
 
     def get_verified(self, key: str, size: int, checksum: str, pool: BufferPool) -> Lease:
-        os.close(self._open_file(key, size))          # a regular file of the size, reached without a link
         path = self.path(key)
-        dir_fd, name = self._open_parent(key, create=False)
-        try:
-            lease, got = read_into(name, pool, dir_fd=dir_fd)    # O_DIRECT: a hit's file is not in the page cache
+        dir_fd, name = self._parent_for_read(key, path)
+        try:   # one open (O_DIRECT: a hit's file is not in the page cache) checks the file, then reads it
+            lease, got = read_into(name, pool, dir_fd=dir_fd, check=lambda st: _check_file(path, st, size))
         except OSError as exc:
-            raise CorruptStepError(path, f"cannot be read: {exc.strerror or exc}") from None
+            raise _unreadable(path, exc) from None
         finally:
             os.close(dir_fd)
         try:
@@ -395,5 +389,22 @@ class PosixStorage(Storage):
             os.close(fd)
         self.put(dst, data)
 
+
+
+def _check_file(path: Path, st: os.stat_result, size: Optional[int]) -> None:
+    """CorruptStepError unless `st` is a regular file of `size` bytes (any size when None)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptStepError(path, f"{describe_mode(st.st_mode)}; expected a regular file")
+    if size is not None and st.st_size != size:
+        raise CorruptStepError(path, f"{st.st_size} bytes, the commit record says {size}")
+
+
+def _unreadable(path: Path, exc: OSError) -> CorruptStepError:
+    """A file a verified read could not open or read, as the CorruptStepError naming it."""
+    if isinstance(exc, FileNotFoundError):
+        return CorruptStepError(path, "missing")
+    if exc.errno == errno.ELOOP:
+        return CorruptStepError(path, "is a symlink (never followed); expected a regular file")
+    return CorruptStepError(path, f"cannot be read: {exc.strerror or exc}")
 
 __all__ = ["PosixStorage", "stamp_of"]
