@@ -6,6 +6,8 @@ from typing import Any
 
 import xxhash
 
+from skip_harness.errors import CorruptStepError
+
 
 def checksum_bytes(data: Any) -> str:
     """xxh3-128 of a buffer (bytes, a memoryview, an mmap), hex. xxhash releases the GIL for large inputs."""
@@ -22,4 +24,19 @@ def hasher() -> Any:
     return xxhash.xxh3_128()
 
 
-__all__ = ["checksum_bytes", "checksum_int", "hasher"]
+def check_read(where: Any, lease: Any, got: int, size: int, checksum: str) -> Any:
+    """The check every verified read into a pool buffer ends with: `got` bytes read are `size` and their
+    xxh3-128 is `checksum`, else CorruptStepError naming `where` (the lease released). Returns `lease`."""
+    try:
+        if got != size:
+            raise CorruptStepError(where, f"{got} bytes, the commit record says {size}")
+        digest = checksum_bytes(lease.view(got))
+        if digest != checksum:
+            raise CorruptStepError(where, f"checksum {digest} does not match the commit record's {checksum}")
+    except BaseException:
+        lease.release()
+        raise
+    return lease
+
+
+__all__ = ["check_read", "checksum_bytes", "checksum_int", "hasher"]

@@ -13,9 +13,8 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import xxhash
-
 from skip_harness.errors import CorruptStepError, LockHeldError
+from skip_harness.store.checksum import check_read
 from skip_harness.store.locking import Hold, Locker
 from skip_harness.store.storage import DIR, FILE, Capabilities, Entry, Storage
 
@@ -63,15 +62,8 @@ class MemoryStorage(Storage):
         if len(data) != size:
             raise CorruptStepError(where, f"{len(data)} bytes, the commit record says {size}")
         lease = pool.acquire(size)
-        try:
-            lease.view(size)[:] = data
-            digest = xxhash.xxh3_128_hexdigest(lease.view(size))
-            if digest != checksum:
-                raise CorruptStepError(where, f"checksum {digest} does not match the commit record's {checksum}")
-        except BaseException:
-            lease.release()
-            raise
-        return lease
+        lease.view(size)[:] = data
+        return check_read(where, lease, size, size, checksum)
 
     def stat(self, key: str) -> Optional[Entry]:
         with self._guard:

@@ -20,7 +20,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.bufferpool import BufferPool, Lease
-from skip_harness.store.checksum import checksum_int
+from skip_harness.store.checksum import check_read, checksum_int
 from skip_harness.store.layout import TMP_PREFIX
 from skip_harness.store.posix.directio import read_into, write_buffer_at
 from skip_harness.store.posix.fileops import (
@@ -184,16 +184,7 @@ class PosixStorage(Storage):
             raise _unreadable(path, exc) from None
         finally:
             os.close(dir_fd)
-        try:
-            if got != size:
-                raise CorruptStepError(path, f"{got} bytes, the commit record says {size}")
-            digest = checksum_bytes(lease.view(got))
-            if digest != checksum:
-                raise CorruptStepError(path, f"checksum {digest} does not match the commit record's {checksum}")
-        except BaseException:
-            lease.release()
-            raise
-        return lease
+        return check_read(path, lease, got, size, checksum)
 
     def map_verified(self, key: str, size: int, checksum: str) -> Any:
         fd = self._open_file(key, size)
