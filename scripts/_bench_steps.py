@@ -10,7 +10,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Iterable, List, Sequence
 
 import torch
 
@@ -119,7 +119,42 @@ class FloorArm(StepArm):
             raise BenchError(f"floor writes: {self.written} of {steps} were written")
 
 
-class HitFloorArm(StepArm):
+class AheadArm(StepArm):
+    """A floor arm that loads each step's batch one step ahead on a background thread, as the harness
+    prefetches: a subclass sets `steps` (the steps it can load) and implements `_load(step)`."""
+
+    label = "floor"
+
+    def __init__(self, steps: Iterable[int], thread_name: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        super().__init__()
+        self.steps = set(steps)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self.ahead: Dict[int, Any] = {}
+        self.served = 0
+
+    def _load(self, step: int) -> Any:
+        raise NotImplementedError
+
+    def _start(self, step: int) -> None:
+        if step in self.steps and step not in self.ahead:
+            self.ahead[step] = self.pool.submit(self._load, step)
+
+    def produce(self, step: int) -> Any:
+        self._start(step)
+        batch = self.ahead.pop(step).result()
+        self._start(step + 1)                       # one step ahead, as the harness's prefetch
+        self.served += 1
+        return batch
+
+    def close(self, steps: int) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.served != steps:
+            raise BenchError(f"{self.label}: {self.served} of {steps} steps were read")
+
+
+class HitFloorArm(AheadArm):
     """The floor of any hit, side by side with the harness's: the same step reading the same bytes (the
     payload files of the cache the hit arm serves) bare from the page cache -- each step's file mapped
     (no copy: its pages are the page cache's) and decoded into tensors that view the mapping, one step
@@ -129,19 +164,15 @@ class HitFloorArm(StepArm):
     the disk, with O_DIRECT). Labelled `hit_floor` in the results."""
 
     mode = "hit_floor"
+    label = "hit floor"
 
     def __init__(self, payload: Any, layout: Layout, steps: int):
-        from concurrent.futures import ThreadPoolExecutor
-
-        super().__init__()
-        self.paths = {s: layout.payload_path(s, 0, 0) for s in range(1, steps + 1)}
+        super().__init__(range(1, steps + 1), "bench-hit-floor")
+        self.paths = {s: layout.payload_path(s, 0, 0) for s in self.steps}
         for path in self.paths.values():           # into the page cache, untimed
             with open(path, "rb", buffering=0) as f:
                 while f.read(16 << 20):
                     pass
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-hit-floor")
-        self.ahead: Dict[int, Any] = {}
-        self.served = 0
 
     def _load(self, step: int) -> Any:
         path = self.paths[step]
@@ -156,22 +187,6 @@ class HitFloorArm(StepArm):
         except (OSError, ValueError):
             pass                                    # an older kernel: the trainer's touch maps the pages
         return codec.load_buffer(mapped, size, path)
-
-    def _start(self, step: int) -> None:
-        if step in self.paths and step not in self.ahead:
-            self.ahead[step] = self.pool.submit(self._load, step)
-
-    def produce(self, step: int) -> Any:
-        self._start(step)
-        batch = self.ahead.pop(step).result()
-        self._start(step + 1)                       # one step ahead, as the harness's prefetch
-        self.served += 1
-        return batch
-
-    def close(self, steps: int) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.served != steps:
-            raise BenchError(f"hit floor: {self.served} of {steps} steps were read")
 
 
 class VerlArm(StepArm):

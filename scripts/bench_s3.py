@@ -191,7 +191,7 @@ def _arms(store: Any, payload: Any) -> Tuple[type, type]:
 
     import obstore as obs
     import torch
-    from _bench_steps import StepArm
+    from _bench_steps import AheadArm, StepArm
     from _benchlib import SyntheticTrainer, iter_tensors, tensor_bytes
 
     from skip_harness import codec
@@ -228,41 +228,27 @@ def _arms(store: Any, payload: Any) -> Tuple[type, type]:
         def close(self, steps: int) -> None:
             self.pool.shutdown(wait=True)
 
-    class GetFloorArm(StepArm):
+    class GetFloorArm(AheadArm):
         """The floor of any hit from this object store: each step's payload object (the one the hit arm
         serves) fetched by a bare GET into a reused buffer, one step ahead on a background thread, and
         decoded into tensors that view the buffer -- no listing, commit record, meta.json or checksum."""
 
         mode = "hit_floor"
+        label = "object-store hit floor"
 
         def __init__(self, keys: Dict[int, str]):
-            super().__init__()
+            super().__init__(keys, "bench-s3-hit-floor")
             self.keys = keys
             size = max(len(_image(codec, payload)), 1)
             self.buffers = [bytearray(size) for _ in range(3)]
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-s3-hit-floor")
-            self.ahead: Dict[int, Any] = {}
 
-        def _fetch(self, step: int) -> Any:
+        def _load(self, step: int) -> Any:
             buf, off = self.buffers[step % 3], 0
             for chunk in obs.get(store, self.keys[step]).stream(min_chunk_size=8 << 20):
                 n = len(memoryview(chunk))
                 buf[off:off + n] = chunk
                 off += n
             return codec.load_buffer(buf, off, self.keys[step])
-
-        def _start(self, step: int) -> None:
-            if step in self.keys and step not in self.ahead:
-                self.ahead[step] = self.pool.submit(self._fetch, step)
-
-        def produce(self, step: int) -> Any:
-            self._start(step)
-            batch = self.ahead.pop(step).result()
-            self._start(step + 1)                   # one step ahead, as the harness prefetches
-            return batch
-
-        def close(self, steps: int) -> None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
 
     return PutFloorArm, GetFloorArm
 
