@@ -46,6 +46,10 @@ class RolloutTQConfig:
     action: Action = Action.cache
     cleanup: Cleanup = Cleanup.delete
     lock_timeout: float = 0.0
+    # A run that reads a namespace another live run records (docs/design.md, "Many runs on one namespace"):
+    # seconds to wait for a step that run has not committed yet before generating it itself (its own
+    # rollouts, not written). 0: generate at once.
+    follow_timeout: float = 0.0
     on_mismatch: OnMismatch = OnMismatch.error
     # Record torch/numpy/python global RNG states after each generation and restore them on a hit,
     # for trainers whose generation draws from the global generators (the demo does not need it).
@@ -77,6 +81,8 @@ class RolloutTQConfig:
             raise ConfigError(f"{key}.dump_dir", dump_dir_problem(self.dump_dir))
         if self.lock_timeout < 0:
             raise ConfigError(f"{key}.lock_timeout", f"must be >= 0 seconds, got {self.lock_timeout}")
+        if not self.follow_timeout >= 0:
+            raise ConfigError(f"{key}.follow_timeout", f"must be >= 0 seconds, got {self.follow_timeout}")
         if self.max_pending_writes < 1:
             raise ConfigError(f"{key}.max_pending_writes", f"must be >= 1, got {self.max_pending_writes}")
         if not -7 <= self.compression_level <= 22:

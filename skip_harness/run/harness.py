@@ -32,6 +32,7 @@ from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
 from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.run.prefetch import Prefetcher
 from skip_harness.run.replay import ValuesTracker
+from skip_harness.run.sharing import Follower
 from skip_harness.run.startup import StartupResult, start_namespace
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
@@ -83,6 +84,7 @@ class SkipHarness:
         self._coordinator: Optional[CommitCoordinator] = None
         self._prefetcher: Optional[Prefetcher] = None
         self._values: Optional[ValuesTracker] = None
+        self._follower: Optional[Follower] = None
         self._training_config = None if training_config is None else flatten_config(training_config)
         self.callbacks = CallbackDispatcher(self._user_callbacks)
 
@@ -223,14 +225,15 @@ class SkipHarness:
         self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *self._user_callbacks])
         run = start_namespace(layout, self.settings, self.fingerprint, dist)
         self._startup = run.startup
-        self._build(dist, layout, run.servable, run.read_only)
+        self._build(dist, layout, run.servable, run.read_only, run.shared_with)
         self._started = True
         if run.startup is not None:
             for path, reason in run.faults:
                 self.callbacks.on_fault(path=path, reason=reason)
             self.callbacks.on_startup(namespace=str(layout.root), startup=run.startup, quiet=run.quiet)
 
-    def _build(self, dist: DistContext, layout: Layout, servable: Iterable[int], read_only: bool) -> None:
+    def _build(self, dist: DistContext, layout: Layout, servable: Iterable[int], read_only: bool,
+               shared_with: str = "") -> None:
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
@@ -240,17 +243,22 @@ class SkipHarness:
         self._coordinator = CommitCoordinator(store.writer, dist, self.fingerprint, writer, self._fault,
                                               report_write=self.callbacks.on_write)
         self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
+        # a reader writes no rollouts, but its values (small JSON files beside the steps: store.values)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
-                                     dist.is_main and not read_only, self._training_config)
+                                     dist.is_main and (not read_only or bool(shared_with)), self._training_config)
+        self._follower = Follower(store, self.settings, self.fingerprint, dist, shared_with) if shared_with else None
         self._runner = StepRunner(
             self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks, set(servable),
             read_only=read_only, call_digest=self._call_digest, on_committed=self._values.committed,
+            follower=self._follower,
         )
 
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)
 
     def _release_startup(self) -> None:
+        if self._follower is not None:
+            self._follower.release()      # a reader that took the hold when the recording ended
         startup, self._startup = self._startup, None
         if startup is not None:
             startup.release()

@@ -40,6 +40,12 @@ SHORT_STEP = "short step"
 OTHER_RANK_FAILED = "another rank failed"
 COMMIT_FAILED = "commit failed"
 READ_ONLY = "read-only cache"
+OWN_ROLLOUTS = "own rollouts, not written"   # a reader's miss: another live run records the namespace
+
+
+def not_written(reason: str) -> bool:
+    """Whether a miss's reason says nothing was written for it (a read-only cache, a reader's own rollouts)."""
+    return reason == READ_ONLY or reason.startswith(OWN_ROLLOUTS)
 
 
 @dataclass(frozen=True)
@@ -121,8 +127,8 @@ class RunStats:
             uncommitted=sum(1 for r in misses if not r.committed),
             uncommitted_reasons=dict(sorted(reasons.items())),
             bytes_read=sum(r.bytes for r in served),
-            bytes_written=sum(r.bytes for r in misses if r.reason != READ_ONLY),
-            bytes_not_written=sum(r.bytes for r in misses if r.reason == READ_ONLY),
+            bytes_written=sum(r.bytes for r in misses if not not_written(r.reason)),
+            bytes_not_written=sum(r.bytes for r in misses if not_written(r.reason)),
             gen_s_spent=sum(r.gen_s for r in self.records),
             gen_s_saved=sum(r.saved_s for r in served),
             load_s=sum(r.load_s for r in served),

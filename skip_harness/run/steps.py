@@ -8,6 +8,7 @@ Inner indices are counted from the calls the trainer makes, never guessed from t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
@@ -22,8 +23,11 @@ from skip_harness.errors import CacheWritesStopped, HarnessUsageError, SkipHarne
 from skip_harness.run.policy import Decision, decide
 from skip_harness.run.prefetch import Loaded, Prefetcher
 from skip_harness.run.startup import set_aside
-from skip_harness.run.stats import HIT, MISS, OFF, READ_ONLY, Outcome, RunStats, StepRecord
+from skip_harness.run.sharing import COMMITTED, Follower
+from skip_harness.run.stats import HIT, MISS, OFF, OWN_ROLLOUTS, READ_ONLY, Outcome, RunStats, StepRecord
 from skip_harness.store.stepstore import StepStore
+
+log = logging.getLogger("skip_harness")
 
 
 @dataclass
@@ -54,6 +58,7 @@ class StepRunner:
         read_only: bool = False,
         call_digest: Optional[Callable[[tuple, dict], str]] = None,
         on_committed: Optional[Callable[[int, Optional[float]], None]] = None,
+        follower: Optional[Follower] = None,
     ):
         self.settings = settings
         self.store = store
@@ -66,6 +71,7 @@ class StepRunner:
         self.read_only = read_only
         self.call_digest = call_digest
         self.on_committed = on_committed
+        self.follower = follower      # a reader: what to do about a step the recorder has not committed
         self.stats = RunStats()
         self.outcomes: Dict[int, Outcome] = {}
         self._states: Dict[int, _StepState] = {}
@@ -119,9 +125,13 @@ class StepRunner:
         self._epoch += 1
         self._collect(self.coordinator.poll(self._epoch, decision_point=True))
         excluded: Set[int] = set()
-        settled = False
+        settled = followed = False
         while True:
             decision = decide(step, self.settings, frozenset(self.servable - excluded))
+            if decision.kind == MISS and self.follower is not None and not followed:
+                followed = True
+                if self._follow(step):
+                    continue
             if decision.kind == MISS and self.settings.action == Action.repeat and not settled:
                 # `repeat` with nothing to serve yet: let this run's pending commits land first, so
                 # the choice never depends on how fast the writer was.
@@ -158,6 +168,26 @@ class StepRunner:
             self._finish(step, StepRecord(step, OFF, self.K, reason=decision.reason))
         self._prefetch_after(step)
         return state
+
+    def _follow(self, step: int) -> bool:
+        """A reader's miss: True when the step was committed since (serve it). A reader that took the
+        hold (the recording ended) writes its misses from now on."""
+        answer = self.follower.resolve(step)
+        if self.follower.holds and self.read_only:
+            self.read_only = False
+            if self.dist.is_main:
+                log.info("rollout cache %s: the run that recorded it (%s) ended; this run holds it now and "
+                         "records the steps it generates, from step %d", self.store.layout.root,
+                         self.follower.holder, step)
+        if answer == COMMITTED:
+            self.servable.add(step)
+            return True
+        return False
+
+    def _not_written(self) -> str:
+        if self.follower is not None:
+            return f"{OWN_ROLLOUTS}: {self.follower.holder} records this namespace; this run trains on its own rollouts"
+        return READ_ONLY
 
     def _start_miss(self, step: int) -> None:
         if self.read_only:
@@ -233,7 +263,7 @@ class StepRunner:
         self._stash(step, inner, out, meta)
         if state.sampled == self.K:
             if self.read_only:
-                self._finish(step, _miss_record(step, state, self.K, Finished(step, False, READ_ONLY, state.unwritten)))
+                self._finish(step, _miss_record(step, state, self.K, Finished(step, False, self._not_written(), state.unwritten)))
             else:
                 self.coordinator.sampled_all(step, self._epoch, state.gen_s)
                 self._collect(self.coordinator.poll(self._epoch))
@@ -269,7 +299,7 @@ class StepRunner:
                 continue  # decided by prepare_data, not sampled yet (colocate_async dispatches ahead)
             if state.decision.kind == MISS:
                 if self.read_only:
-                    done = Finished(step, False, READ_ONLY, state.unwritten)
+                    done = Finished(step, False, self._not_written(), state.unwritten)
                 else:
                     done = self.coordinator.abandon(step, state.sampled)
                     self._fault(str(self.store.layout.step_dir(step)),

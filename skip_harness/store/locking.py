@@ -25,10 +25,15 @@ import socket
 import time
 from typing import Any, Optional
 
-from skip_harness.errors import CorruptStepError, SkipHarnessError
+from skip_harness.errors import CorruptStepError, LockHeldError, SkipHarnessError
 
 RUN_MARKER_PREFIX = ".run-marker-"
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class HeldByThisProcess(LockHeldError):
+    """Another harness of this very process holds the namespace: a usage error (close that one
+    first), never a reason to read beside it."""
 
 
 class Hold(abc.ABC):
@@ -159,4 +164,4 @@ class StorageRunMarkers(RunMarkers):
             pass
 
 
-__all__ = ["RUN_MARKER_PREFIX", "Hold", "Locker", "RunMarkers", "StorageRunMarkers", "marker_key", "new_run_token"]
+__all__ = ["RUN_MARKER_PREFIX", "HeldByThisProcess", "Hold", "Locker", "RunMarkers", "StorageRunMarkers", "marker_key", "new_run_token"]

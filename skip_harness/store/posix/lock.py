@@ -35,7 +35,7 @@ from skip_harness.errors import LockHeldError, SkipHarnessError, StoreError
 from skip_harness.store.posix.holder import LockHolder, read_holder, remove_regular_file, write_small_file  # noqa: F401
 from skip_harness.store.layout import Layout
 from skip_harness.store.urls import DUMP_DIR_KEY
-from skip_harness.store.locking import Hold, Locker
+from skip_harness.store.locking import HeldByThisProcess, Hold, Locker
 
 logger = logging.getLogger("skip_harness.store.lock")
 
@@ -150,7 +150,7 @@ class NamespaceLock:
         lock = self._file_lock()
         with _guard(lock.lock_file):
             if self._levels == 0 and lock.is_locked and not self.reentrant:
-                raise LockHeldError(
+                raise HeldByThisProcess(
                     f"namespace {root} is already in use by this process ({_describe_holder(self.layout)}): "
                     "another harness holds it; close that one first or use another trainer.experiment_name"
                 )
