@@ -288,6 +288,15 @@ class CommitCoordinator:
         fut = self.writer.submit(self.store.write_values, step, values, commit_created, config)
         self._recordings.append((step, fut))
 
+    def record_run_values(self, run_id: str, step: int, values: Dict[str, float], config: Optional[str]) -> None:
+        """Write a replay's values for `step` under its run id, on the writer thread."""
+        self._check_recordings()
+        self._recordings.append((step, self.writer.submit(self.store.write_run_values, run_id, step, values, config)))
+
+    def record_run(self, run_id: str, doc: Dict[str, Any]) -> None:
+        """Write a replay's own document (when, where, its config digest), on the writer thread."""
+        self._recordings.append((None, self.writer.submit(self.store.write_run, run_id, doc)))
+
     def record_config(self, digest: str, flat: Dict[str, Any]) -> None:
         """Write the run's training-side config (flattened) on the writer thread."""
         self._recordings.append((None, self.writer.submit(self.store.write_training_config, digest, flat)))

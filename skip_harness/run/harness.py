@@ -38,7 +38,7 @@ from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, Ru
 from skip_harness.run.steps import StepRunner
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.stepstore import StepStore
-from skip_harness.store.values import flatten_config
+from skip_harness.store.values import flatten_config, new_run_id
 
 _DEFAULT = object()
 
@@ -246,6 +246,7 @@ class SkipHarness:
         # a reader writes no rollouts, but its values (small JSON files beside the steps: store.values)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
                                      dist.is_main and (not read_only or bool(shared_with)), self._training_config)
+        self._values.run_id = new_run_id() if dist.is_main else None   # a replay's values go under it
         self._follower = Follower(store, self.settings, self.fingerprint, dist, shared_with) if shared_with else None
         self._runner = StepRunner(
             self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks, set(servable),
@@ -264,6 +265,12 @@ class SkipHarness:
             startup.release()
 
     # ----------------------------------------------------------------- queries
+    @property
+    def run_id(self) -> Optional[str]:
+        """This run's id (rank 0, once started): a replay's values are kept under it
+        (`{namespace}/.values/runs/{run_id}/`, `skip-harness diff NS@RUN_ID`)."""
+        return None if self._values is None else self._values.run_id
+
     def outcome(self, step: int) -> Outcome:
         """What was served for `step`: Outcome.HIT, MISS, REPEAT or OFF (a str enum: equal to 'hit', 'miss',
         'repeat', 'off')."""

@@ -19,6 +19,9 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
@@ -111,8 +114,13 @@ class ReplayReport:
             return f"replay: {self.served} served {_steps(self.served)}, not checked (skip.rollout_tq.replay_check=off)"
         d = self.divergence
         if d is not None:
-            return (f"replay diverged at step {d.step} ({d.short()}); {self.reproduced_before} "
+            line = (f"replay diverged at step {d.step} ({d.short()}); {self.reproduced_before} "
                     f"{_steps(self.reproduced_before)} reproduced before it")
+            if d.config_changes:      # the training-side change the replay made (a sweep's line names it)
+                shown = ", ".join(f"{k} {_cfg_value(a)} -> {_cfg_value(b)}" for k, a, b in d.config_changes[:3])
+                more = f" and {len(d.config_changes) - 3} more" if len(d.config_changes) > 3 else ""
+                line += f"; training side changed: {shown}{more}"
+            return line
         if self.checked == 0:
             return f"replay: {self.served} served {_steps(self.served)} unchecked (no recorded values)"
         lo, hi = self.values_each
@@ -167,6 +175,10 @@ class ValuesTracker:
         self._recorded_configs: Dict[str, Optional[Dict[str, Any]]] = {}
         self._left_out: Set[str] = set()
         self.divergence: Optional[Divergence] = None
+        # a replay's own values, kept under its run id (store.values): from its first served step on
+        self.run_id: Optional[str] = None
+        self._observed: Dict[int, Dict[str, float]] = {}
+        self._replaying = False
 
     def set_training_config(self, flat: Optional[Mapping[str, Any]]) -> None:
         self.training_config = None if flat is None else dict(flat)
@@ -184,9 +196,14 @@ class ValuesTracker:
         if outcome == MISS:
             self._record(step, numbers)
         elif outcome == HIT and self.check != ReplayCheck.off:
-            self._compare(step, numbers)
+            try:
+                self._compare(step, numbers)
+            finally:
+                self._keep(step, outcome, numbers)
+            return
         elif outcome == HIT:
             self._served.setdefault(step, _Served())
+        self._keep(step, outcome, numbers)
 
     def committed(self, step: int, created: Optional[float]) -> None:
         """A miss step's commit record landed (rank 0 knows `created`): record what it produced."""
@@ -196,6 +213,30 @@ class ValuesTracker:
         pending = self._pending.pop(step, None)
         if pending is not None:
             self._write(step, pending)
+
+    # ---- a replay's own values (under its run id: never over the recording's)
+    def _keep(self, step: int, outcome: str, numbers: Dict[str, float]) -> None:
+        """Keep what this run reported; once it served a step (it is a replay), write every step's
+        values under its run id -- the ones reported before too -- and each one as it comes."""
+        if not self.is_main or self.run_id is None:
+            return
+        if numbers:
+            self._observed[step] = {**self._observed.get(step, {}), **numbers}
+        if outcome == HIT and not self._replaying:
+            self._replaying = True
+            self._write_config()
+            self.coordinator.record_run(self.run_id, {
+                "started": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
+                "config": self.config_digest, "namespace": str(self.reader.layout.root)})
+            for s in sorted(self._observed):
+                self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest)
+        elif self._replaying and numbers:
+            self.coordinator.record_run_values(self.run_id, step, self._observed[step], self.config_digest)
+
+    def _write_config(self) -> None:
+        if self.training_config is not None and not self._config_written:
+            self._config_written = True
+            self.coordinator.record_config(self.config_digest, self.training_config)
 
     # ---- recording
     def _record(self, step: int, numbers: Dict[str, float]) -> None:
@@ -209,9 +250,7 @@ class ValuesTracker:
 
     def _write(self, step: int, values: Dict[str, float]) -> None:
         self._recorded[step] = values
-        if self.training_config is not None and not self._config_written:
-            self._config_written = True
-            self.coordinator.record_config(self.config_digest, self.training_config)
+        self._write_config()
         self.coordinator.record_values(step, values, self._committed[step], self.config_digest)
 
     # ---- checking

@@ -5,6 +5,12 @@ and simply unchecked, and caches written before values existed load as they did:
 
     {namespace}/.values/{step}.json          the step's values, bound to its commit record
     {namespace}/.values/config-{digest}.json the training-side config they were recorded under (flattened)
+    {namespace}/.values/runs/{run_id}/{step}.json  what one replay reported for the step (never the recording's)
+    {namespace}/.values/runs/{run_id}/run.json     that run: when, where, its training-side config's digest
+
+The recording's values (`{step}.json`) are what a replay is checked against; a replay's own values go
+under its run id (`new_run_id`: UTC time, host and pid), so replays of one recording never overwrite it
+or each other, and `skip-harness diff NS@RUN_ID ...` can put any of them beside another.
 
 A step's values document names the commit record it belongs to (the record's creation time): a step
 removed and written again by another run is no longer the step those values describe, and
@@ -19,6 +25,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import socket
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -31,6 +40,31 @@ from skip_harness.store.namespace import Namespace
 
 VALUES_FORMAT = 1
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+RUNS_DIR = f"{VALUES_DIR}/runs"
+RUN_DOC = "run.json"
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def new_run_id() -> str:
+    """A run's id: `20261203T120501Z-host-1234` (UTC start time, host, pid): unique per process."""
+    host = re.sub(r"[^A-Za-z0-9.-]+", "-", socket.gethostname())[:40] or "host"
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{host}-{os.getpid()}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"a run id is 1-128 letters, digits, '.', '_' or '-', got {run_id!r}")
+    return run_id
+
+
+def run_values_key(run_id: str, step: int) -> str:
+    return f"{RUNS_DIR}/{check_run_id(run_id)}/{int(step)}.json"
+
+
+def run_doc_key(run_id: str) -> str:
+    return f"{RUNS_DIR}/{check_run_id(run_id)}/{RUN_DOC}"
 
 
 def values_key(step: int) -> str:
@@ -188,11 +222,69 @@ class ValuesStore:
         }
         self.backend.write_small(values_key(step), (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
 
+    def write_run_step(self, run_id: str, step: int, values: Mapping[str, float], *, config: Optional[str] = None,
+                       commit_created: Optional[float] = None) -> None:
+        """Store what run `run_id` (a replay) reported for `step`, whole, beside the recording's."""
+        doc = {
+            "format": VALUES_FORMAT,
+            "step": int(step),
+            "run": run_id,
+            "commit_created": commit_created,
+            "config": config,
+            "recorded": time.time(),
+            "values": {str(k): _encode(float(v)) for k, v in values.items()},
+        }
+        self.backend.write_small(run_values_key(run_id, step), (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
+
+    def write_run(self, run_id: str, doc: Mapping[str, Any]) -> None:
+        """Store run `run_id`'s own document (when, where, its config digest, what it served)."""
+        body = {"format": VALUES_FORMAT, "run": run_id, **dict(doc)}
+        self.backend.write_small(run_doc_key(run_id), (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+    def list_runs(self) -> List[str]:
+        """The run ids that recorded values beside the recording (replays), oldest first (ids start
+        with their UTC start time); [] when none or unreadable."""
+        try:
+            entries = self.backend.list_dir(RUNS_DIR)
+        except Exception:  # noqa: BLE001 - no runs directory (a POSIX ENOENT), or out of reach
+            return []
+        names = {e.name.rstrip("/") for e in entries}
+        return sorted(n for n in names if _RUN_ID.fullmatch(n))
+
+    def read_run(self, run_id: str) -> Optional[Dict[str, Any]]:
+        """Run `run_id`'s document; None when absent or unreadable."""
+        try:
+            data = self.backend.read_small(run_doc_key(run_id))
+            doc = json.loads(data) if data is not None else None
+        except Exception:  # noqa: BLE001
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def read_run_step(self, run_id: str, step: int) -> Optional[StepValues]:
+        """What run `run_id` reported for `step`; None when nothing (or nothing readable)."""
+        return self._read(run_values_key(run_id, step), step)
+
+    def run_steps(self, run_id: str) -> List[int]:
+        """The steps run `run_id` recorded values for, in order."""
+        try:
+            entries = self.backend.list_dir(f"{RUNS_DIR}/{check_run_id(run_id)}")
+        except Exception:  # noqa: BLE001
+            return []
+        out = []
+        for e in entries:
+            stem = e.name[:-5] if e.name.endswith(".json") else ""
+            if stem.isdigit():
+                out.append(int(stem))
+        return sorted(out)
+
     def read_step(self, step: int) -> Optional[StepValues]:
         """The step's values document as stored (not checked against the commit record); None when
         there is none or it does not parse (a values file is never a fault of the step)."""
+        return self._read(values_key(step), step)
+
+    def _read(self, key: str, step: int) -> Optional[StepValues]:
         try:
-            data = self.backend.read_small(values_key(step))
+            data = self.backend.read_small(key)
         except Exception:  # noqa: BLE001 - unreadable values: the step is simply unchecked
             return None
         if data is None:
@@ -236,6 +328,7 @@ class ValuesStore:
 
 
 __all__ = [
-    "VALUES_DIR", "StepValues", "ValuesStore", "as_number", "config_changes", "config_digest", "config_key",
-    "flatten_config", "numbers_of", "values_key",
+    "RUNS_DIR", "VALUES_DIR", "StepValues", "ValuesStore", "as_number", "check_run_id", "config_changes",
+    "config_digest", "config_key", "flatten_config", "new_run_id", "numbers_of", "run_doc_key", "run_values_key",
+    "values_key",
 ]

@@ -187,6 +187,15 @@ class StepWriter:
         complete whether or not this lands."""
         ValuesStore(self.backend).write_step(step, values, commit_created=commit_created, config=config)
 
+    def write_run_values(self, run_id: str, step: int, values: Mapping[str, float], config: Optional[str] = None) -> None:
+        """Record what a replay (run `run_id`) reported for `step`, under its run id: never over the
+        recording's values (`store.values`)."""
+        ValuesStore(self.backend).write_run_step(run_id, step, values, config=config)
+
+    def write_run(self, run_id: str, doc: Mapping[str, Any]) -> None:
+        """Record a replay's own document (`.values/runs/{run_id}/run.json`)."""
+        ValuesStore(self.backend).write_run(run_id, doc)
+
     def write_training_config(self, digest: str, flat: Mapping[str, Any]) -> None:
         """Record the run's flattened training-side config under its digest."""
         ValuesStore(self.backend).write_config(digest, flat)
