@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,7 +24,7 @@ from skip_harness.store import scan as _scan
 from skip_harness.store.namespaces import namespaces_at
 from skip_harness.store.layout import PAYLOAD_NAME, Layout, UrlPath, parse_namespace_leaf
 from skip_harness.store.stepstore import StepStore
-from skip_harness.store.values import config_changes
+from skip_harness.store.values import ValuesStore, config_changes
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit(".", 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
 _REWARD_NAMES = ("reward", "score")
@@ -208,9 +209,55 @@ def _first_config(reader: Any, steps: Sequence[int]) -> Optional[Dict[str, Any]]
     return None
 
 
-def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
-    """One pair of namespaces, step by step."""
+def _split_run(text: str) -> Tuple[str, Optional[str]]:
+    """`NS@RUN_ID` (a replay's values, kept under its run id), `NS@latest` (the newest replay's) or
+    `NS` (the recording's): (the namespace, the run id or None). A path that exists as written is
+    never split."""
+    where, sep, run = str(text).rpartition("@")
+    if not sep or not where or "/" in run or Path(str(text)).exists():
+        return str(text), None
+    return where, run
+
+
+def _run_of(store: Any, run: Optional[str], arg: str) -> Optional[str]:
+    if run is None:
+        return None
+    runs = ValuesStore(store.backend).list_runs()
+    if run == "latest":
+        if not runs:
+            raise CliError(f"{arg}: {store.layout.root} has no replay with values kept (no .values/runs/)")
+        return runs[-1]
+    if run not in runs:
+        shown = ", ".join(runs[-5:]) or "none"
+        raise CliError(f"{arg}: no run {run!r} kept values in {store.layout.root} (runs: {shown}; or @latest)")
+    return run
+
+
+class _RunValues:
+    """The values side of one namespace: the recording's (`run` None) or one replay's."""
+
+    def __init__(self, store: Any, run: Optional[str]):
+        self.store, self.run = store, run
+
+    def read_values(self, step: int) -> Optional[Dict[str, float]]:
+        if self.run is None:
+            return self.store.reader.read_values(step)
+        found = ValuesStore(self.store.backend).read_run_step(self.run, step)
+        return None if found is None else dict(found.values)
+
+    def config(self, steps: Sequence[int]) -> Optional[Dict[str, Any]]:
+        if self.run is None:
+            return _first_config(self.store.reader, steps)
+        doc = ValuesStore(self.store.backend).read_run(self.run) or {}
+        digest = doc.get("config")
+        return self.store.reader.read_training_config(digest) if isinstance(digest, str) else None
+
+
+def compare_namespaces(la: Layout, lb: Layout, run_a: Optional[str] = None, run_b: Optional[str] = None) -> Dict[str, Any]:
+    """One pair of namespaces, step by step; `run_a`, `run_b`: compare that replay's values (its run
+    id, or 'latest') instead of the recording's."""
     sa, sb = StepStore(la), StepStore(lb)
+    va_of, vb_of = _RunValues(sa, _run_of(sa, run_a, "A")), _RunValues(sb, _run_of(sb, run_b, "B"))
     ra = {s.step: s for s in _scan.scan_namespace(la, use_index=False).steps}
     rb = {s.step: s for s in _scan.scan_namespace(lb, use_index=False).steps}
     steps_out: List[Dict[str, Any]] = []
@@ -248,7 +295,7 @@ def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
                 same_rollouts += 1
             else:
                 differ_rollouts += 1
-        va, vb = sa.reader.read_values(step), sb.reader.read_values(step)
+        va, vb = va_of.read_values(step), vb_of.read_values(step)
         verdict, first, diffs = _compare_values(va, vb)
         row["values"] = verdict
         if verdict != "unrecorded":
@@ -260,11 +307,12 @@ def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
         for k, d in diffs.items():
             max_diff[k] = max(max_diff.get(k, 0.0), d)
         steps_out.append(row)
-    ca = _first_config(sa.reader, sorted(ra))
-    cb = _first_config(sb.reader, sorted(rb))
+    ca = va_of.config(sorted(ra))
+    cb = vb_of.config(sorted(rb))
     cfg = [] if ca is None or cb is None else [{"key": k, "a": x, "b": y} for k, x, y in config_changes(ca, cb)]
     return {
         "a": str(la.root), "b": str(lb.root), "K": [la.K, lb.K], "W": [la.W, lb.W],
+        "runs": [va_of.run, vb_of.run],
         "config": cfg, "config_recorded": [ca is not None, cb is not None],
         "steps": steps_out,
         "rollouts_same": same_rollouts, "rollouts_differ": differ_rollouts,
@@ -276,15 +324,21 @@ def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
 
 def compare(a: str, b: str) -> Dict[str, Any]:
     """`skip-harness diff A B --json`'s document: A and B are two namespaces, or two cache roots (local
-    paths or object-store URLs; namespaces paired by name). CliError (exit 2) on bad input."""
+    paths or object-store URLs; namespaces paired by name). A namespace may name one of its replays,
+    `NS@RUN_ID` or `NS@latest`: its values are then that run's. CliError (exit 2) on bad input."""
+    a, run_a = _split_run(str(a))
+    b, run_b = _split_run(str(b))
     single_a, nsa = _namespaces(str(a), "A")
     single_b, nsb = _namespaces(str(b), "B")
+    if (run_a or run_b) and not (single_a and single_b):
+        raise CliError("NS@RUN names one replay of one namespace: give two namespaces, not cache roots")
     pairs: List[Dict[str, Any]] = []
     if single_a or single_b:
         if not (single_a and single_b):
             raise CliError(f"diff compares two namespaces or two cache roots; {a if single_a else b} is a "
                            f"namespace and {b if single_a else a} is not")
-        pairs.append(dict(name=next(iter(nsa)), **compare_namespaces(next(iter(nsa.values())), next(iter(nsb.values())))))
+        pairs.append(dict(name=next(iter(nsa)), **compare_namespaces(next(iter(nsa.values())), next(iter(nsb.values())),
+                                                                     run_a, run_b)))
     else:
         for name in sorted(set(nsa) | set(nsb)):
             if name not in nsb or name not in nsa:

@@ -48,7 +48,8 @@ def cmd_diff(a: str, b: str, as_json: bool) -> int:
         if p.get("only_in"):
             console.print(f"{p['name']}: only in {a if p['only_in'] == 'a' else b}")
             continue
-        table = Table(title=f"{p['name']}: A {p['a']}  B {p['b']}", title_justify="left")
+        ra, rb = (f"@{r}" if r else "" for r in p.get("runs", (None, None)))
+        table = Table(title=f"{p['name']}: A {p['a']}{ra}  B {p['b']}{rb}", title_justify="left")
         for col in ("step", "A", "B", "rollouts", "trajectories differ", "reward mean Δ", "length Δ", "values"):
             table.add_column(col, justify="right" if col not in ("rollouts", "values", "A", "B") else "left")
         for s in p["steps"]:

@@ -13,6 +13,7 @@ from rich.table import Table
 from skip_harness.store import scan as _scan
 from skip_harness.store.layout import Layout
 from skip_harness.store.stepstore import StepStore
+from skip_harness.store.values import ValuesStore
 
 from skip_harness.cli._common import (
     EXIT_CORRUPT,
@@ -46,6 +47,7 @@ class StepRow:
 class NamespaceView:
     layout: Layout
     rows: Sequence[StepRow]
+    runs: Sequence[str] = ()       # replays that kept their values here (`.values/runs/{run_id}/`), oldest first
 
     @property
     def steps(self) -> List[_scan.StepReport]:
@@ -85,7 +87,7 @@ def view(layout: Layout, steps: Sequence[_scan.StepReport]) -> NamespaceView:
     reader = StepStore(layout).reader
     return NamespaceView(layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s), step_accessed(reader, s),
                                           reader.logical_bytes(s.step, s.bytes) if s.servable else None)
-                                  for s in steps])
+                                  for s in steps], tuple(ValuesStore(reader.backend).list_runs()))
 
 
 def sort_views(views: Sequence[NamespaceView], key: str, base: Path) -> List[NamespaceView]:
@@ -121,7 +123,7 @@ def namespace_json(v: NamespaceView) -> Dict[str, Any]:
     return {"path": str(v.layout.root), "K": v.layout.K, "W": v.layout.W, "steps": [_step_json(r) for r in v.rows],
             "counts": v.counts(), "total_bytes": v.bytes, "total_logical_bytes": v.logical_bytes,
             "written": v.written, "gen_s": v.gen_s,
-            "accessed": v.accessed, "mode": mode, "seed": seed}
+            "accessed": v.accessed, "mode": mode, "seed": seed, "replays": len(v.runs), "runs": list(v.runs)}
 
 
 def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> Table:
@@ -138,13 +140,15 @@ def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> T
     t.add_column("last written")
     t.add_column("gen stored", justify="right")
     t.add_column("last read")
+    t.add_column("replays", justify="right")
     for v in views:
         counts = v.counts()
         mode, seed = mode_and_seed([s for s in v.steps if s.servable])
         t.add_row(escape(short_path(v.layout, base)), str(v.layout.K), str(v.layout.W), escape(fmt_value(mode)),
                   escape(fmt_value(seed)),
                   *[_count(status, counts[status]) for status in _scan.STATUSES],
-                  _size(v.bytes, v.logical_bytes), fmt_ago(v.written, now), fmt_seconds(v.gen_s), fmt_ago(v.accessed, now))
+                  _size(v.bytes, v.logical_bytes), fmt_ago(v.written, now), fmt_seconds(v.gen_s), fmt_ago(v.accessed, now),
+                  str(len(v.runs)))
     return t
 
 
@@ -172,6 +176,7 @@ def namespace_blocks(views: Sequence[NamespaceView], base: Path, title: str) -> 
         t.add_row("last written", fmt_ago(v.written, now))
         t.add_row("gen stored", fmt_seconds(v.gen_s))
         t.add_row("last read", fmt_ago(v.accessed, now))
+        t.add_row("replays", str(len(v.runs)))
     return t
 
 
