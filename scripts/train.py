@@ -20,7 +20,9 @@ from skip_harness.config import k_for
 from skip_harness.demo.config import register_demo_configs
 from skip_harness.demo.run import train
 from skip_harness.errors import SkipHarnessError
-from skip_harness.integrations.hydra import config_composed, note_config_composed, record_job_failure
+from skip_harness.integrations.hydra import (
+    config_composed, note_config_composed, record_job_failure, record_job_summary,
+)
 
 log = logging.getLogger("skip_harness")
 _STARTED = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -66,6 +68,9 @@ def main(cfg: DictConfig) -> float:
             return float("nan")
         log.error("%s", exc)
         sys.exit(2)
+    if result.metrics and int(os.environ.get("RANK", "0")) == 0:   # a sweep's table: this job's line
+        last = result.metrics[-1]
+        record_job_summary(result.summary, {k: last[k] for k in ("loss", "reward_mean") if k in last}, result.run_id)
     _shut_down_process_group()
     return float(result.metrics[-1]["reward_mean"]) if result.metrics else float("nan")
 

@@ -30,6 +30,7 @@ class TrainResult:
     run_dir: Path
     metrics: List[Dict[str, Any]]
     summary: Any
+    run_id: Optional[str] = None     # the harness's run id (rank 0): a replay's values are kept under it
 
 
 def _run_dir(explicit: Optional[Path]) -> Path:
@@ -149,4 +150,4 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
         "done in %.1fs (generation %.1fs); last reward_mean %.4f; metrics in %s",
         time.perf_counter() - t0, gen, rows[-1]["reward_mean"] if rows else float("nan"), out_dir / "metrics.jsonl",
     )
-    return TrainResult(out_dir, rows, summary)
+    return TrainResult(out_dir, rows, summary, harness.run_id if harness.enabled else None)

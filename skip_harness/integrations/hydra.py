@@ -36,6 +36,8 @@ from skip_harness.run.startup import StartupResult, hand_over, prepare_namespace
 log = logging.getLogger("skip_harness")
 
 FAILURE_FILE = "job_failed.json"
+SUMMARY_FILE = "job_summary.json"          # each job's line of the sweep's table (record_job_summary)
+SWEEP_TABLE = "sweep_summary"              # {sweep_dir}/sweep_summary.md and .json: the table of every job
 
 # Set once Hydra composed the config and started a run or a sweep in this process (see `config_composed`).
 _COMPOSED = threading.Event()
@@ -153,8 +155,70 @@ def record_job_failure(exc: BaseException) -> bool:
     return True
 
 
+def record_job_summary(summary: Any, values: Optional[Dict[str, Any]] = None, run_id: Optional[str] = None) -> bool:
+    """In a multirun job: record the job's line of the sweep's table (its hits and misses, the replay
+    verdict, the last values it reported, its run id) in the job's directory for :class:`SweepReport`.
+    False outside a multirun."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN:
+            return False
+        out = Path(hc.runtime.output_dir)
+        record = {"job": hc.job.num, "overrides": list(hc.overrides.task)}
+    except Exception:  # not under Hydra
+        return False
+    record.update({
+        "hits": int(getattr(summary, "hits", 0)), "repeats": int(getattr(summary, "repeats", 0)),
+        "misses": int(getattr(summary, "misses", 0)), "committed": int(getattr(summary, "committed", 0)),
+        "replay": str(getattr(summary, "replay_line", "") or ""), "run_id": run_id,
+        "values": {str(k): v for k, v in (values or {}).items() if isinstance(v, (int, float, str, bool))},
+    })
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SUMMARY_FILE).write_text(json.dumps(record) + "\n")
+    return True
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def sweep_table(jobs: List[dict]) -> List[str]:
+    """The sweep's table as Markdown lines: job, overrides (those that differ between its jobs), hits /
+    misses, replay verdict, last values."""
+    keys: List[str] = []
+    for j in jobs:
+        for k in j.get("values", {}):
+            if k not in keys:
+                keys.append(k)
+    lines = ["| job | overrides | hits / misses | replay |" + "".join(f" {k} |" for k in keys),
+             "|" + "---|" * (4 + len(keys))]
+    every = [set(j.get("overrides", [])) for j in jobs]
+    common = set.intersection(*every) if len(every) > 1 else set()   # the sweep's own overrides are shown
+    for j in sorted(jobs, key=lambda j: int(j["job"]) if str(j.get("job")).isdigit() else 0):
+        if "error" in j:
+            verdict, counts = f"failed: {j['error']}", "-"
+        else:
+            counts = f"{j.get('hits', 0)} / {j.get('misses', 0)}"
+            verdict = j.get("replay") or "-"
+            if verdict.startswith("replay: "):
+                verdict = verdict[len("replay: "):]
+        vals = [_fmt(j.get("values", {}).get(k, "-")) for k in keys]
+        lines.append("| " + " | ".join(_cell(c) for c in [j.get("job"), " ".join(o for o in j.get("overrides", []) if o not in common) or "-",
+                                                            counts, verdict, *vals]) + " |")
+    return lines
+
+
 class SweepReport(Callback):
-    """At the end of a multirun: name the failed jobs and exit non-zero (after every job ran)."""
+    """At the end of a multirun: one table of every job (job, overrides, hits / misses, replay verdict,
+    last values), logged and written to `{sweep_dir}/sweep_summary.md` (and `.json`); then name the
+    failed jobs and exit non-zero (after every job ran)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
@@ -164,6 +228,14 @@ class SweepReport(Callback):
                 failures.append(json.loads(path.read_text()))
             except (OSError, ValueError):
                 failures.append({"job": path.parent.name, "overrides": [], "error": f"unreadable {path}"})
+        jobs: List[dict] = []
+        for path in sorted(sweep_dir.glob(f"*/{SUMMARY_FILE}")):
+            try:
+                jobs.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        if jobs:
+            self._table(sweep_dir, jobs + failures)
         if not failures:
             return
         for f in sorted(failures, key=lambda f: str(f.get("job"))):
@@ -171,3 +243,13 @@ class SweepReport(Callback):
         log.error("%d of the sweep's jobs failed (see above); the others ran", len(failures))
         sys.stdout.flush()
         raise SystemExit(1)  # not an Exception: Hydra does not turn it into a warning
+
+    @staticmethod
+    def _table(sweep_dir: Path, jobs: List[dict]) -> None:
+        lines = sweep_table(jobs)
+        log.info("sweep of %d jobs (%s):\n%s", len(jobs), sweep_dir / f"{SWEEP_TABLE}.md", "\n".join(lines))
+        try:
+            (sweep_dir / f"{SWEEP_TABLE}.md").write_text("\n".join(lines) + "\n")
+            (sweep_dir / f"{SWEEP_TABLE}.json").write_text(json.dumps({"jobs": jobs}, indent=1) + "\n")
+        except OSError as exc:
+            log.warning("%s: could not write the sweep's table: %s", sweep_dir, exc)
