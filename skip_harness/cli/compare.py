@@ -249,6 +249,8 @@ class _RunValues:
         if self.run is None:
             return _first_config(self.store.reader, steps)
         doc = ValuesStore(self.store.backend).read_run(self.run) or {}
+        if isinstance(doc.get("training_config"), dict):
+            return doc["training_config"]
         digest = doc.get("config")
         return self.store.reader.read_training_config(digest) if isinstance(digest, str) else None
 

@@ -224,10 +224,10 @@ class ValuesTracker:
             self._observed[step] = {**self._observed.get(step, {}), **numbers}
         if outcome == HIT and not self._replaying:
             self._replaying = True
-            self._write_config()
             self.coordinator.record_run(self.run_id, {
                 "started": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-                "config": self.config_digest, "namespace": str(self.reader.layout.root)})
+                "config": self.config_digest, "training_config": self.training_config,
+                "namespace": str(self.reader.layout.root)})
             for s in sorted(self._observed):
                 self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest)
         elif self._replaying and numbers:

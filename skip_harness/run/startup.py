@@ -137,7 +137,7 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
         raise
     except LockHeldError as exc:            # another live run records it: read beside it
         holder = _holder(backend) or _who(str(exc))
-        return StartupResult(layout, scan_namespace(layout), None, action, None, True,
+        return StartupResult(layout, scan_namespace(layout, rewrite_index=False), None, action, None, True,
                              f"another run records it: {holder}", holder)
     except ConfigError:
         raise
@@ -146,7 +146,7 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
         raise ConfigError("skip.rollout_tq.dump_dir", f"cannot use {layout.url} for the rollout cache: {why}") from None
     if hold.read_only:
         why = hold.why or backend.writable() or "this process may only read it"
-        return StartupResult(layout, scan_namespace(layout), None, action, None, True, why)
+        return StartupResult(layout, scan_namespace(layout, rewrite_index=False), None, action, None, True, why)
     return _scan_and_clean(layout, action, hold)
 
 
