@@ -116,10 +116,11 @@ def test_a_reader_follows_a_recording_that_is_still_running(tmp_path):
         for step in range(1, 9):
             t.prepare_data(step)
             t.sample(step)
+            if step == 1:
+                assert h._startup is not None and h._startup.reader
         summary = h.close()
         assert t.generated == []                          # it waited for each step the recorder committed
         assert (summary.hits, summary.misses) == (8, 0)
-        assert h._startup is not None and h._startup.reader
     finally:
         recorder.finish()
 
@@ -148,7 +149,7 @@ def test_a_reader_takes_the_hold_when_the_recording_ends_and_commits_its_misses(
 @pytest.mark.slow
 def test_kill_9_of_one_of_several_runs_leaves_the_others_running_and_the_cache_whole(tmp_path, capsys):
     dump = tmp_path / "cache"
-    recorder = Rig(dump, "--steps", "20", "--pause", "0.3")
+    recorder = Rig(dump, "--steps", "20", "--pause", "1.0", "--hold")
     try:
         recorder.wait_for("started recorder")
         reader = Rig(dump, "--steps", "20", "--follow", "30")
@@ -261,7 +262,10 @@ def test_two_replays_started_together_both_serve_every_step(tmp_path):
     after = tree(ns)
     runs = sorted({k.split("/")[2] for k in after if k.startswith(".values/runs/")})
     assert len(runs) == 2                                # each replay kept its values under its run id
-    assert {k: v for k, v in after.items() if not k.startswith(".values/runs/")} == before   # nothing else
+    # nothing else: the steps and the recording's values as they were (the index, the holder's startup
+    # may refresh: it records when steps were last read)
+    assert {k: v for k, v in after.items() if not k.startswith(".values/runs/") and k != ".index.jsonl"} == \
+        {k: v for k, v in before.items() if k != ".index.jsonl"}
 
 
 @pytest.mark.slow

@@ -4,11 +4,15 @@
 trainer's own, through ``validate``) in ``on_run_start``, before Hydra makes the run directory: a
 config error stops a single run there with one message and exit status 2, and nothing is created
 (no ``outputs/...`` folder, nothing in the cache). In ``on_job_start`` it takes the namespace lock,
-scans and cleans, and hands the result to the harness of the job (:func:`startup.hand_over`). Any other
-exception in a Hydra callback only becomes a warning, so ``on_job_start`` never raises: a held lock
-is left to the task function, which stops with one clear message — before anything touched the disk.
+scans and cleans, and hands the result to the harness of the job (:func:`startup.hand_over`); a
+namespace another live run holds makes the job a reader of it (docs/design.md, "Many runs on one
+namespace"). Any other exception in a Hydra callback only becomes a warning, so ``on_job_start``
+never raises: an error is left to the task function, which stops with one clear message — before
+anything touched the disk.
 
-:class:`SweepReport` ends a multirun: a job that stopped on its own cause (a held lock, a fingerprint
+:class:`SweepReport` ends a multirun with one table of its jobs (each recorded its line with
+:func:`record_job_summary`: overrides, hits / misses, replay verdict, last values), logged and written
+to ``{sweep_dir}/sweep_summary.md`` and ``.json``. A job that stopped on its own cause (a fingerprint
 mismatch, a config error) recorded it with :func:`record_job_failure` and returned, so the other jobs
 still ran; at the end the sweep names every failed job and exits non-zero.
 """
@@ -103,7 +107,7 @@ class HydraStartupCallback(Callback):
             key = namespace_key_from_config(task)
             check_batch_split(int(task.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
             layout = key.with_world_size(int(os.environ.get("WORLD_SIZE", "1"))).layout(settings.resolved_dump_dir())
-            result = prepare_namespace(layout, settings, timeout=0.0)
+            result = prepare_namespace(layout, settings)   # waits lock_timeout s, then reads beside a holder
         except Exception as exc:  # the task function repeats the checks and reports properly
             log.debug("skip_harness startup deferred to the harness: %s", exc)
             return

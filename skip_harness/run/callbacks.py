@@ -120,7 +120,8 @@ class LoggingCallback(HarnessCallback):
         note = getattr(report, "index_note", None)
         if note:  # a brand-new namespace has no index yet: nothing is wrong, nothing to say
             (self.log.info if report.steps else self.log.debug)("rollout cache %s: %s", namespace, note)
-        if getattr(startup, "read_only", False) and not any(s.servable for s in report.steps):
+        if getattr(startup, "read_only", False) and not getattr(startup, "reader", False) \
+                and not any(s.servable for s in report.steps):
             self.log.warning("rollout cache %s is read-only (%s) and holds no complete step: nothing will be "
                              "cached, every step is generated", namespace, startup.read_only_reason)
             return
