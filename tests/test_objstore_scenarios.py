@@ -170,9 +170,10 @@ def test_held_lease_refuses_and_an_expired_one_is_taken_over(tmp_path, s3_server
               "ttl_s": 30.0, "expires_at": time.time() + 3600}
     s3.put_object(Bucket=bucket, Key=lease_key, Body=json.dumps(record).encode())
     proc = train(tmp_path, s3_server, url, "skip.rollout_tq.lock_timeout=1", check=False, run="refused")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert "run-elsewhere" in out and "node-17" in out and "pid 4242" in out, out[-3000:]
+    out = proc.stdout + proc.stderr + (tmp_path / "refused" / "train.log").read_text()
+    assert proc.returncode == 0, out[-3000:]        # a live lease: this run reads beside its holder
+    assert "read beside" in out and "run-elsewhere" in out and "node-17" in out, out[-3000:]
+    assert "own rollouts, not written" in out
     assert "Traceback" not in out
     assert committed(s3_server, bucket, f"x/{NS}/") == []
     record["expires_at"] = time.time() - 600        # its run was killed ten minutes ago

@@ -293,3 +293,43 @@ def test_a_sweep_over_the_learning_rate_on_one_recording_generates_nothing_and_e
     assert sorted(j["job"] for j in jobs) == [0, 1, 2] and all(j["run_id"] for j in jobs)
     assert "1 of the sweep's jobs failed" not in out
     assert os.path.isdir(tmp_path / "sweep")
+
+
+# --------------------------------------------------------------------------------------------
+# the same on an object store (a real S3-compatible server: tests/s3server.py)
+
+from s3server import s3_server  # noqa: E402,F401  (fixture)
+
+
+@pytest.mark.slow
+def test_two_replays_at_once_on_an_object_store_both_serve_every_step_and_write_no_rollouts(tmp_path, s3_server):
+    from test_objstore_scenarios import NS, env_of
+
+    bucket = s3_server.create_bucket()
+    url = f"s3://{bucket}/x"
+
+    def start(run: str) -> subprocess.Popen:
+        cmd = [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path / run}", *TINY, f"skip.rollout_tq.dump_dir={url}"]
+        return subprocess.Popen(cmd, cwd=tmp_path, env=env_of(s3_server), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    finished(start("recording"))
+    s3 = s3_server.boto3()
+
+    def objects() -> dict:
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"x/{NS}/").get("Contents", [])
+        return {o["Key"]: o["ETag"] for o in listed}
+
+    before = objects()
+    a, b = start("a"), start("b")
+    outs = [finished(a), finished(b)]
+    for run in ("a", "b"):
+        log = (tmp_path / run / "train.log").read_text()
+        assert "4 hits, 0 repeats, 0 misses" in log, log[-3000:]
+    assert any("read beside" in (tmp_path / run / "train.log").read_text() for run in ("a", "b")), outs
+    after = objects()
+    rollouts = {k: v for k, v in after.items() if "/.values/" not in k and not k.endswith((".lock", ".index.jsonl"))}
+    assert rollouts == {k: v for k, v in before.items() if k in rollouts} and set(rollouts) == \
+        {k for k in before if "/.values/" not in k and not k.endswith((".lock", ".index.jsonl"))}
+    runs = {k.split("/.values/runs/")[1].split("/")[0] for k in after if "/.values/runs/" in k}
+    assert len(runs) == 2
