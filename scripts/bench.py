@@ -58,6 +58,10 @@ zstd at the default `compression_level`, on the writer thread):
                        nested tensors and NonTensorStack fields: disk_ratio_jagged, disk_ratio_jagged_narrow)
                        and for an MoE batch carrying routed experts (int16 [tokens, 48 layers, top-8 of 128]:
                        disk_ratio_moe, disk_ratio_moe_narrow).
+- concurrent_hit_ratio four replays of one namespace at once (processes of their own, every one a reader beside
+                       the recording that holds it): the slowest one's median hit step vs a lone replay's
+                       measured beside them (target <= 1.1); replays_bytes_written: bytes of the namespace
+                       the replays created or changed (must be 0). scripts/_bench_replays.py says how.
 - step_overhead_ratio_zstd / hit_overhead_ratio_zstd
                        step_overhead_ratio and hit_overhead_ratio with compression on (targets unchanged);
                        save_zstd_mib_s / load_zstd_mib_s: durable save and verified load of the batch with
@@ -95,6 +99,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the bench's parts beside this file
 from _bench_io import bench_checksum, bench_load, bench_mem, bench_save, bench_zstd, write_committed_step  # noqa: E402
+from _bench_replays import REPLAYS, bench_replays  # noqa: E402
 from _bench_scan import bench_scan, scan_namespace_for  # noqa: E402
 from _bench_steps import bench_steps  # noqa: E402
 from _bench_table import KEYS, TARGETS, render_table  # noqa: E402,F401  (KEYS, TARGETS: read by tests)
@@ -252,6 +257,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 "step_overhead_ratio_1thread": one["async_s"] / one["off_s"],
                 "sync_overhead_ratio_1thread": one["sync_s"] / one["off_s"],
             })
+
+        log.info("concurrent replays: %d replays of one namespace at once vs a lone replay beside them, %d steps",
+                 REPLAYS, args.steps_per_arm)
+        result.update(bench_replays(payload, work, args.steps_per_arm))
 
         for steps in args.scan_steps:
             log.info("startup scan: %d steps x K=%d", steps, SCAN_K)

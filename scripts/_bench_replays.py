@@ -1,0 +1,137 @@
+"""The bench's concurrent-replay rows: four replays of one namespace at once against a lone replay
+measured beside it, and the bytes the replays wrote (none).
+
+- One namespace of `steps` steps of the bench's payload (one mini-batch a step) is recorded through a
+  SkipHarness, then held by this process for the whole measure, as a running recording would hold it:
+  every replay is a reader (docs/design.md, "Many runs on one namespace").
+- A replay is a process of its own (`python _bench_replays.py DUMP_DIR STEPS GO_FILE`): a SkipHarness
+  with prefetch on serves every step; a step's time is prepare_data + sample + touching every byte of
+  the batch, one torch thread. Processes start, import and open the namespace, then wait for the go
+  file, so the replays run their steps together.
+- Rounds alternate: a lone replay, four at once, a lone replay. `concurrent_hit_s` is the slowest of
+  the four replays' median step, `lone_hit_s` the median of both lone replays' median steps, and
+  `concurrent_hit_ratio` their ratio (target <= 1.1; on a machine with fewer cores than replays the
+  verified reads -- xxh3 of every byte -- share the cores, and the ratio says so).
+- `replays_bytes_written`: bytes of every file of the namespace (steps, values, index) that a replay
+  created or changed, from a listing before and after (size, mtime and ctime of each): 0. The replays
+  report no values (a replay that does keeps them under its run id, `.values/runs/`: not rollouts).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+REPLAYS = 4
+
+
+def _files(root: Path) -> Dict[str, Tuple[int, int, int]]:
+    out = {}
+    for p in root.rglob("*"):
+        if p.is_file() and p.name not in (".lock", ".lock.holder.json"):
+            st = p.stat()
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
+def _written(before: Dict[str, Tuple[int, int, int]], after: Dict[str, Tuple[int, int, int]]) -> int:
+    return sum(meta[0] for key, meta in after.items() if before.get(key) != meta)
+
+
+def _start(dump: Path, steps: int, go: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(dump), str(steps), str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _round(dump: Path, steps: int, n: int, work: Path) -> List[float]:
+    """`n` replays at once: each one's median step seconds."""
+    go = Path(tempfile.mkdtemp(prefix="go-", dir=work)) / "go"
+    procs = [_start(dump, steps, go) for _ in range(n)]
+    try:
+        ready = [p.stdout.readline().strip() for p in procs]
+        if any(r != "ready" for r in ready):
+            errs = [p.stderr.read()[-2000:] for p in procs]
+            raise RuntimeError(f"a replay did not start: {ready} {errs}")
+        go.write_text("go")
+        out = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=1800)
+            if p.returncode != 0:
+                raise RuntimeError(f"a replay failed ({p.returncode}): {stderr[-2000:]}")
+            doc = json.loads(stdout.strip().splitlines()[-1])
+            if doc["hits"] != steps or doc["generated"]:
+                raise RuntimeError(f"a replay did not serve every step from the cache: {doc}")
+            out.append(statistics.median(doc["times"]))
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _benchlib import SyntheticTrainer, make_harness
+
+    from skip_harness.store.open import namespace_of
+
+    dump = work / "replays"
+    h = make_harness("async", dump)
+    t = SyntheticTrainer(payload)
+    h.wrap(t)
+    for step in range(1, steps + 1):
+        t.prepare_data(step)
+        t.sample(step)
+    h.close()
+    layout = h.layout
+    hold = namespace_of(layout).lock(0.0)          # a recording still running: every replay reads beside it
+    try:
+        before = _files(layout.root)
+        lone_a = _round(dump, steps, 1, work)
+        together = _round(dump, steps, REPLAYS, work)
+        lone_b = _round(dump, steps, 1, work)
+        after = _files(layout.root)
+    finally:
+        hold.release()
+    lone = statistics.median(lone_a + lone_b)
+    worst = max(together)
+    return {"lone_hit_s": lone, "concurrent_hit_s": worst, "concurrent_hit_ratio": worst / lone,
+            "concurrent_replays": REPLAYS, "replays_bytes_written": _written(before, after),
+            "concurrent_step_bytes": sum(e.stat().st_size for e in layout.step_dir(1).rglob("*") if e.is_file())}
+
+
+def _worker(dump: str, steps: int, go: str) -> int:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _benchlib import SyntheticTrainer, make_harness, touch
+
+    torch.set_num_threads(1)
+    h = make_harness("async", Path(dump))
+    t = SyntheticTrainer(None)
+    h.wrap(t)
+    h.start()
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    times = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        t.prepare_data(step)
+        touch(t.sample(step))
+        times.append(time.perf_counter() - t0)
+    summary = h.close()
+    print(json.dumps({"times": times, "hits": summary.hits, "generated": t.generated}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
