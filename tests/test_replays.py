@@ -16,6 +16,7 @@ from typing import List
 import pytest
 
 from conftest import subprocess_env
+from s3server import s3_server  # noqa: F401  (fixture)
 from sharing_rig import KEY, Loop, make, values_for
 from skip_harness.cli import main as cli_main
 from skip_harness.demo import TINY_OVERRIDES
@@ -298,11 +299,9 @@ def test_a_sweep_over_the_learning_rate_on_one_recording_generates_nothing_and_e
 # --------------------------------------------------------------------------------------------
 # the same on an object store (a real S3-compatible server: tests/s3server.py)
 
-from s3server import s3_server  # noqa: E402,F401  (fixture)
-
 
 @pytest.mark.slow
-def test_two_replays_at_once_on_an_object_store_both_serve_every_step_and_write_no_rollouts(tmp_path, s3_server):
+def test_two_replays_at_once_on_an_object_store_both_serve_every_step_and_write_no_rollouts(tmp_path, s3_server):  # noqa: F811
     from test_objstore_scenarios import NS, env_of
 
     bucket = s3_server.create_bucket()
