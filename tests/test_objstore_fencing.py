@@ -163,4 +163,5 @@ def test_posix_lock_holds_across_sigstop(tmp_path, s3_server):
             a.wait()
     assert a.returncode == 0, out[-4000:]
     assert sorted(int(p.parent.name) for p in ns.glob("*/commit.json")) == list(range(1, N + 1))
-    assert not (tmp_path / "B" / "metrics.jsonl").exists() or not metrics(tmp_path / "B")
+    served = [r["cache"] for r in metrics(tmp_path / "B")]     # B: A's committed steps, then its own rollouts
+    assert served[0] == "hit" and set(served) == {"hit", "miss"} and served == sorted(served), served
