@@ -4,10 +4,10 @@ measured beside it, and the bytes the replays wrote (none).
 - One namespace of `steps` steps of the bench's payload (one mini-batch a step) is recorded through a
   SkipHarness, then held by this process for the whole measure, as a running recording would hold it:
   every replay is a reader (docs/design.md, "Many runs on one namespace").
-- A replay is a process of its own (`python _bench_replays.py DUMP_DIR STEPS GO_FILE`): a SkipHarness
-  with prefetch on serves every step; a step's time is prepare_data + sample + touching every byte of
-  the batch, one torch thread. Processes start, import and open the namespace, then wait for the go
-  file, so the replays run their steps together.
+- A replay is a process of its own (`python _bench_replays.py DUMP_DIR STEPS`): on each `go` line on
+  its stdin a fresh SkipHarness with prefetch on serves every step; a step's time is prepare_data +
+  sample + touching every byte of the batch, one torch thread. The four processes start (and import)
+  once; a round sends `go` to one of them, or to all four at once.
 - Rounds alternate: a lone replay, four at once, a lone replay. `concurrent_hit_s` is the slowest of
   the four replays' median step, `lone_hit_s` the median of both lone replays' median steps, and
   `concurrent_hit_ratio` their ratio (target <= 1.1; on a machine with fewer cores than replays the
@@ -23,7 +23,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -44,37 +43,27 @@ def _written(before: Dict[str, Tuple[int, int, int]], after: Dict[str, Tuple[int
     return sum(meta[0] for key, meta in after.items() if before.get(key) != meta)
 
 
-def _start(dump: Path, steps: int, go: Path) -> subprocess.Popen:
+def _start(dump: Path, steps: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(dump), str(steps), str(go)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(dump), str(steps)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _round(dump: Path, steps: int, n: int, work: Path) -> List[float]:
-    """`n` replays at once: each one's median step seconds."""
-    go = Path(tempfile.mkdtemp(prefix="go-", dir=work)) / "go"
-    procs = [_start(dump, steps, go) for _ in range(n)]
-    try:
-        ready = [p.stdout.readline().strip() for p in procs]
-        if any(r != "ready" for r in ready):
-            errs = [p.stderr.read()[-2000:] for p in procs]
-            raise RuntimeError(f"a replay did not start: {ready} {errs}")
-        go.write_text("go")
-        out = []
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=1800)
-            if p.returncode != 0:
-                raise RuntimeError(f"a replay failed ({p.returncode}): {stderr[-2000:]}")
-            doc = json.loads(stdout.strip().splitlines()[-1])
-            if doc["hits"] != steps or doc["generated"]:
-                raise RuntimeError(f"a replay did not serve every step from the cache: {doc}")
-            out.append(statistics.median(doc["times"]))
-        return out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+def _round(procs: List[subprocess.Popen], steps: int) -> List[float]:
+    """One replay in each of `procs` at once: each one's median step seconds."""
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    out = []
+    for p in procs:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a replay failed ({p.poll()}): {p.stderr.read()[-2000:]}")
+        doc = json.loads(line)
+        if doc["hits"] != steps or doc["generated"]:
+            raise RuntimeError(f"a replay did not serve every step from the cache: {doc}")
+        out.append(statistics.median(doc["times"]))
+    return out
 
 
 def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
@@ -93,13 +82,21 @@ def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
     h.close()
     layout = h.layout
     hold = namespace_of(layout).lock(0.0)          # a recording still running: every replay reads beside it
+    procs = [_start(dump, steps) for _ in range(REPLAYS)]    # started (torch imported) once, for every round
     try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a replay did not start: {p.stderr.read()[-2000:]}")
         before = _files(layout.root)
-        lone_a = _round(dump, steps, 1, work)
-        together = _round(dump, steps, REPLAYS, work)
-        lone_b = _round(dump, steps, 1, work)
+        lone_a = _round(procs[:1], steps)
+        together = _round(procs, steps)
+        lone_b = _round(procs[:1], steps)
         after = _files(layout.root)
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         hold.release()
     lone = statistics.median(lone_a + lone_b)
     worst = max(together)
@@ -108,30 +105,32 @@ def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
             "concurrent_step_bytes": sum(e.stat().st_size for e in layout.step_dir(1).rglob("*") if e.is_file())}
 
 
-def _worker(dump: str, steps: int, go: str) -> int:
+def _worker(dump: str, steps: int) -> int:
+    """Replay the namespace once per `go` line on stdin (a fresh harness each time); one JSON line each."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _benchlib import SyntheticTrainer, make_harness, touch
 
     torch.set_num_threads(1)
-    h = make_harness("async", Path(dump))
-    t = SyntheticTrainer(None)
-    h.wrap(t)
-    h.start()
     print("ready", flush=True)
-    while not os.path.exists(go):
-        time.sleep(0.01)
-    times = []
-    for step in range(1, steps + 1):
-        t0 = time.perf_counter()
-        t.prepare_data(step)
-        touch(t.sample(step))
-        times.append(time.perf_counter() - t0)
-    summary = h.close()
-    print(json.dumps({"times": times, "hits": summary.hits, "generated": t.generated}), flush=True)
+    for command in sys.stdin:
+        if command.strip() != "go":
+            break
+        h = make_harness("async", Path(dump))
+        t = SyntheticTrainer(None)
+        h.wrap(t)
+        h.start()
+        times = []
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            t.prepare_data(step)
+            touch(t.sample(step))
+            times.append(time.perf_counter() - t0)
+        summary = h.close()
+        print(json.dumps({"times": times, "hits": summary.hits, "generated": t.generated}), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    sys.exit(_worker(sys.argv[1], int(sys.argv[2])))

@@ -43,7 +43,8 @@ MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s",
              "floor_write_fsync_s", "floor_memcpy_s", "save_cpu_s", "bare_save_cpu_s", "step_cpu_overhead_ratio",
              "sync_cpu_overhead_ratio", "hit_cpu_overhead_ratio", "floor_cpu_overhead_ratio", "step_floor_ratio", "step_floor_s",
              "step_vs_floor_ratio", "scan_index_ratio", "step_hit_floor_s", "hit_floor_ratio", "hit_vs_floor_ratio",
-             "hit_floor_cpu_overhead_ratio", "s3_hit_floor_ratio", "s3_hit_vs_floor_ratio", "s3_step_vs_floor_ratio")
+             "hit_floor_cpu_overhead_ratio", "s3_hit_floor_ratio", "s3_hit_vs_floor_ratio", "s3_step_vs_floor_ratio",
+             "concurrent_hit_ratio", "lone_hit_s", "concurrent_hit_s")
 
 
 def load_script(path: Path = BENCH):
@@ -74,6 +75,8 @@ def test_bench_quick_json_has_every_spec_key(tmp_path):
         assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
         assert math.isfinite(value) and value > 0, (key, value)
     assert doc["quick"] is True and doc["scan_10k_extrapolated"] is True
+    # four replays of one namespace at once: readers beside its recording, not one byte written by them
+    assert doc["concurrent_replays"] == 4 and doc["replays_bytes_written"] == 0
     # narrowing + zstd stores less than narrowing alone, which stores less than torch.save, for each variant
     for tag in ("", "_jagged", "_moe"):
         assert 0 < doc[f"disk_ratio{tag}"] < doc[f"disk_ratio{tag}_narrow"] < 1, tag
