@@ -105,7 +105,8 @@ def test_another_learning_rate_is_a_divergence_the_config_explains(tmp_path, cap
     assert warnings[0].startswith("replay diverged at step 2: loss ")
     assert "optim.lr: 0.5 -> 0.25" in warnings[0] and "the training-side config differs" in warnings[0]
     assert summary.replay_line.startswith("replay diverged at step 2 (loss ")
-    assert summary.replay_line.endswith("; 1 step reproduced before it")
+    # the summary's replay line names the training-side change (a sweep's table shows it per job)
+    assert summary.replay_line.endswith("; 1 step reproduced before it; training side changed: optim.lr 0.5 -> 0.25")
     assert len(heard.divergences) == 1
     step, key, recorded, now, changes = heard.divergences[0]
     assert (step, key) == (2, "loss") and recorded != now and changes == (("optim.lr", 0.5, 0.25),)
