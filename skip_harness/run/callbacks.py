@@ -163,8 +163,9 @@ def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size:
     disk (every rank's files and the commit record, as `skip-harness ls` shows them); `namespace`, the
     cache's directory, ends the line."""
     line = (
-        f"rollout cache summary: {s.steps} {_plural(s.steps, 'step')}: {s.hits} hits, {s.repeats} repeats, "
-        f"{s.misses} misses ({s.committed} committed, {s.uncommitted} not"
+        f"rollout cache summary: {s.steps} {_plural(s.steps, 'step')}: {s.hits} {_plural(s.hits, 'hit')}, "
+        f"{s.repeats} {_plural(s.repeats, 'repeat')}, {s.misses} {_plural(s.misses, 'miss', 'misses')} "
+        f"({s.committed} committed, {s.uncommitted} not"
     )
     if s.uncommitted_reasons:
         line += ": " + ", ".join(f"{n} {why}" for why, n in s.uncommitted_reasons.items())
@@ -182,5 +183,5 @@ def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size:
     return line + (f"; cache in {namespace}" if namespace else "")
 
 
-def _plural(n: int, word: str) -> str:
-    return word if n == 1 else word + "s"
+def _plural(n: int, word: str, plural: str = "") -> str:
+    return word if n == 1 else plural or word + "s"
