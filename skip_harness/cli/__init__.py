@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--dry-run", action="store_true", help="show what would go and the bytes freed; change nothing")
     cl.add_argument("--quarantine", action="store_true", help="move steps under {namespace}/.quarantine/")
     cl.add_argument("--keep-last", type=_int_at_least(0, "--keep-last"), metavar="N",
-                    help="keep the N newest complete steps of each namespace, remove older ones")
+                    help="keep the N most recently written complete steps of each namespace, remove the others")
     cl.add_argument("--older-than", type=_age, metavar="AGE", help="remove complete steps written before AGE ago "
                     "(90s, 30m, 12h, 7d, 2w)")
     cl.add_argument("--max-size", type=_size, metavar="SIZE", help="remove the oldest complete steps until "
