@@ -45,7 +45,8 @@ class HarnessCallback:
     def on_replay_divergence(self, *, step: int, key: str, recorded: float, now: float, **kwargs: Any) -> None:
         """A served step's reported value differed from the recorded one: the replay's first divergence
         (``divergence`` is a :class:`skip_harness.run.replay.Divergence`; ``config_changes`` the
-        training-side keys whose values differ from the recorded run's, as (key, recorded, now))."""
+        training-side keys whose values differ from the recorded run's, as (key, recorded, now); ``stopping``
+        True when ``replay_check=error`` raises ReplayDivergedError right after)."""
 
     def on_end(self, *, summary: RunSummary, **kwargs: Any) -> None:
         """The harness closed."""
@@ -135,6 +136,8 @@ class LoggingCallback(HarnessCallback):
         self.log.warning("%s%s: %s", prefix, path, reason)
 
     def on_replay_divergence(self, *, step: int, key: str, recorded: float, now: float, **kwargs: Any) -> None:
+        if kwargs.get("stopping"):   # replay_check=error: the ReplayDivergedError raised next says it, once
+            return
         if self.rank == 0:
             divergence = kwargs.get("divergence")
             self.log.warning("%s", divergence.describe() if divergence is not None

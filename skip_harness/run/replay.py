@@ -248,7 +248,7 @@ class ValuesTracker:
     def _diverged(self, d: Divergence) -> None:
         self.divergence = d
         self.callbacks.on_replay_divergence(divergence=d, step=d.step, key=d.key, recorded=d.recorded, now=d.now,
-                                            config_changes=d.config_changes)
+                                            config_changes=d.config_changes, stopping=self.check == ReplayCheck.error)
         if self.check == ReplayCheck.error:
             raise ReplayDivergedError(f"{d.describe()}; stopping (skip.rollout_tq.replay_check=error)", d)
 
