@@ -153,7 +153,7 @@ def test_tolerances_and_ignored_keys(tmp_path):
     plain_run(tmp_path)
     # another lr changes loss and w_norm: left out by pattern, the rest reproduces
     _, summary = plain_run(tmp_path, lr=0.5000001, replay_ignore=["loss", "w_*", "*_s"])
-    assert summary.replay_line == "replay: 5 of 5 served steps reproduced (1 values each)"
+    assert summary.replay_line == "replay: 5 of 5 served steps reproduced (1 value each)"   # not "1 values"
     _, summary = plain_run(tmp_path, lr=0.5000001, replay_rtol=1e-3)
     assert summary.replay_line == "replay: 5 of 5 served steps reproduced (3 values each)"
     _, summary = plain_run(tmp_path, lr=0.5000001)            # exact by default

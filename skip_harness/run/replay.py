@@ -116,7 +116,7 @@ class ReplayReport:
         if self.checked == 0:
             return f"replay: {self.served} served {_steps(self.served)} unchecked (no recorded values)"
         lo, hi = self.values_each
-        each = f"{lo} values each" if lo == hi else f"{lo} to {hi} values each"
+        each = f"{lo} value{'' if lo == 1 else 's'} each" if lo == hi else f"{lo} to {hi} values each"
         line = f"replay: {self.reproduced} of {self.served} served {_steps(self.served)} reproduced"
         if self.checked:
             line += f" ({each})"
