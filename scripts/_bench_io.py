@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import xxhash
@@ -57,9 +57,9 @@ def bench_save(payload: Any, work: Path, repeats: int, floors: bool = True) -> D
     store = StepStore(Layout(work / "save_ns", K=1, W=1))
     bare_dir = work / "save_bare"
     bare_dir.mkdir(parents=True, exist_ok=True)
-    cpu = {"durable": [], "bare": []}
+    cpu: Dict[str, List[float]] = {"durable": [], "bare": []}
 
-    def timed_cpu(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+    def timed_cpu(name: str, fn: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
             c0 = time.thread_time()
             fn()

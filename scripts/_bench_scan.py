@@ -7,7 +7,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from _benchlib import SCAN_BUILD_FORMAT, SCAN_K, BenchError, build_scan_namespace, log, median
 
@@ -52,7 +52,8 @@ def bench_scan(layout: Layout, steps: int, warm_runs: int = 3) -> Dict[str, Any]
         return dt
 
     first = timed(True)
-    indexed, full = [], []
+    indexed: List[float] = []
+    full: List[float] = []
     for r in range(warm_runs):
         for use_index in ((True, False) if r % 2 == 0 else (False, True)):
             (indexed if use_index else full).append(timed(use_index))

@@ -5,12 +5,13 @@ load changes slows every arm alike."""
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import Future
 import mmap
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -83,7 +84,7 @@ class FloorArm(StepArm):
         self.buffers = BufferPool(max_free=2)
         self.round_up = round_up
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-floor-writer")
-        self.future = None
+        self.future: Optional[Future] = None
         self.written = 0
 
     def _write(self, lease: Any, step: int) -> None:
@@ -288,11 +289,11 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
                 log.info("training steps on %d thread(s), %d/%d: %s per step (medians)", threads, step - 1, total - 1,
                          ", ".join(f"{m} {median(arms[m].times[1:]):.3f} s" for m in modes))
     finally:
-        for arm in arms.values():
-            if isinstance(arm, TrainingArm):
-                arm.harness.close()
-    for arm in arms.values():
-        arm.close(total)
+        for a in arms.values():
+            if isinstance(a, TrainingArm):
+                a.harness.close()
+    for a in arms.values():
+        a.close(total)
     for m in (*modes, "hit"):
         shutil.rmtree(work / f"steps_{m}", ignore_errors=True)
     out = {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}

@@ -197,8 +197,8 @@ def fresh_copy(payload: Dict[str, Any]) -> Dict[str, Any]:
 @dataclass
 class Arm:
     name: str
-    run: Callable[[], None]                 # timed
-    setup: Callable[[], None] = lambda: None  # untimed, before each run
+    run: Callable[[], object]               # timed (its result is dropped)
+    setup: Callable[[], object] = lambda: None  # untimed, before each run
 
 
 def interleave(arms: Sequence[Arm], repeats: int, warmup: int = 1) -> Dict[str, List[float]]:
@@ -360,7 +360,7 @@ def build_scan_namespace(root: Path, steps: int, K: int = SCAN_K) -> Layout:
     layout = Layout(root, K=K, W=1)
     store = StepStore(layout)
     g = torch.Generator().manual_seed(2)
-    entries = []
+    entries: List[Any] = []
     for i in range(K):
         small = {"input_ids": torch.randint(0, VOCAB, (4, 16), generator=g), "old_log_probs": torch.randn(4, 16, generator=g)}
         entries += store.writer.write_inner(1, i, 0, small, {"bench": "scan"})

@@ -17,7 +17,8 @@ from _gpu_common import SKIPPED, _same, need
 
 class CudaToyTrainer:
     def __init__(self, device: torch.device, rank: int):
-        self.device, self.rank, self.calls = device, rank, {}
+        self.device, self.rank = device, rank
+        self.calls: Dict[str, int] = {}
 
     def prepare_data(self, step, dispatch=True):
         pass

@@ -97,7 +97,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the bench's parts beside this file
+# the bench's parts beside this file: `python scripts/bench.py` puts scripts/ first on sys.path
 from _bench_io import bench_checksum, bench_load, bench_mem, bench_save, bench_zstd, write_committed_step  # noqa: E402
 from _bench_replays import REPLAYS, bench_replays  # noqa: E402
 from _bench_scan import bench_scan, scan_namespace_for  # noqa: E402

@@ -48,9 +48,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))   # _benchlib, shared with bench.py
 sys.path.insert(0, str(REPO / "tests"))     # s3server: moto's server mode, as the tests start it
-from _benchlib import MiB, make_payload  # noqa: E402
+from _benchlib import MiB, make_payload  # noqa: E402 - shared with bench.py, beside this file
 
 
 def _interleave(arms: Dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> Dict[str, List[float]]:
@@ -108,7 +107,7 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
     from skip_harness.store.stepstore import StepStore
 
     with _server_bucket(work, "bench-s3") as bucket:
-        steps = StepStore(Layout(UrlPath(f"s3://{bucket}/exp_proj/GBS{rows}_N1_in1024_out3072"), K=1, W=1))
+        steps = StepStore(Layout(UrlPath(f"s3://{bucket}/exp_proj/GBS{rows}_N1_in1024_out3072"), K=1, W=1))  # type: ignore[arg-type]  # Layout takes a UrlPath for an object store
         store = S3Store(bucket)        # a bare client of the same server, from the same AWS_* environment
         payload = make_payload(rows)
         image = _image(codec, payload)

@@ -30,8 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))   # _benchlib: the batch and the scan namespace, shared with bench.py
+# _benchlib (beside this file: `python scripts/bench_view.py` puts scripts/ first on sys.path): the batch and the
+# scan namespace, shared with bench.py
 
 from _benchlib import SCAN_K, MiB, build_scan_namespace, make_payload  # noqa: E402
 

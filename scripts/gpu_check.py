@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # scripts/: the checks' parts beside this file
+# the checks' parts beside this file: `python scripts/gpu_check.py` puts scripts/ first on sys.path
 from _gpu_common import (  # noqa: E402
     FAILED, HELD, ROOT, SKIPPED, TINY, _devices, _env, _leaves, _same, need,
 )

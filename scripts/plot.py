@@ -275,7 +275,8 @@ def make_figure(runs: Sequence[Run], title: str):
     # color, its hollow markers on the first run's filled ones.
     keys = [(r.mode, r.K, r.seed) if r.mode is not None else ("", None, n) for n, r in enumerate(runs)]
     distinct = list(dict.fromkeys(keys))
-    colors = plt.get_cmap("tab10" if len(distinct) <= 10 else "tab20").colors
+    cmap: Any = plt.get_cmap("tab10" if len(distinct) <= 10 else "tab20")   # a ListedColormap: it has .colors
+    colors = cmap.colors
     color_of = [colors[distinct.index(k) % len(colors)] for k in keys]
     longest = max(len(r.rows) for r in runs)
     size = 5 if longest <= 40 else 3 if longest <= 150 else 1.5

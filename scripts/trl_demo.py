@@ -1,6 +1,6 @@
 """Record a tiny TRL GRPOTrainer run with skip_harness, replay it in a fresh process, compare.
 
-    python scripts/trl_demo.py [--steps 4] [--workdir DIR]
+    python scripts/trl_demo.py [--steps 4] [--workdir DIR]   (without --workdir: a temporary one, removed at the end)
 
 Everything is local: a 2-layer Llama (hidden 64) built from its config and a character tokenizer
 made with `tokenizers` are saved into the work directory (no Hub access). The record run generates
@@ -162,7 +162,7 @@ def differing_keys(a: List[Dict[str, Any]], b: List[Dict[str, Any]]) -> List[str
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--role", choices=("demo", "record", "replay"), default="demo")
-    p.add_argument("--workdir", help="model, outputs and cache (default: a new temporary directory)")
+    p.add_argument("--workdir", help="model, outputs and cache (default: a new temporary directory, removed at the end)")
     p.add_argument("--dump-dir", help="cache root (default: WORKDIR/cache)")
     p.add_argument("--result", help="--role record|replay: write the run's result here as JSON")
     p.add_argument("--output-dir", help="the trainer's output_dir (default: WORKDIR/out_ROLE)")
@@ -184,6 +184,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: let TRL use the GPU")
     p.add_argument("--no-cache", action="store_true", help="run TRL without the harness")
     opts = p.parse_args(argv)
+    opts.own_workdir = opts.workdir is None   # made here: removed when the run ends
     if opts.workdir is None:
         opts.workdir = tempfile.mkdtemp(prefix="trl_demo_")
     if opts.dump_dir is None:
@@ -220,6 +221,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(opts, argv)
+    finally:
+        if opts.own_workdir:   # the temporary directory this run made (model, outputs, cache): nothing left behind
+            shutil.rmtree(opts.workdir, ignore_errors=True)
+
+
+def run(opts: argparse.Namespace, argv: List[str]) -> int:
     if opts.role != "demo":
         result = train_once(opts)
         if opts.result:

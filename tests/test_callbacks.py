@@ -129,6 +129,7 @@ def test_a_new_namespace_says_nothing_of_its_index_and_the_summary_says_where_th
     assert not any("index" in line for line in info), info  # "index missing; rebuilt" sounded like damage
     (line,) = [m for m in info if m.startswith("rollout cache summary")]
     assert line.startswith("rollout cache summary: 1 step: ") and line.endswith(f"; cache in {h.layout.root}"), line
+    assert "1 step: 0 hits, 0 repeats, 1 miss (1 committed, 0 not)" in line, line   # not "1 misses"
     assert "all 2 ranks' files" in describe_summary(summary, str(h.layout.root), world_size=2)
 
 

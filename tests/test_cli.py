@@ -212,6 +212,19 @@ def test_console_entry_point_in_a_subprocess(cache, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(tmp_path / "missing") in proc.stderr
 
 
+@pytest.mark.slow  # the installed command in a real shell pipeline
+def test_ls_into_a_reader_that_stops_early_exits_0_without_an_error(cache, tmp_path):
+    """`skip-harness ls | head -2`: the reader closing the pipe is not a failure (it was `error: [Errno 32]
+    Broken pipe`, exit 2). `head -n 0` closes it before the listing is written, every time."""
+    import shlex
+
+    dump, a, b = cache
+    cmd = f"{shlex.quote(sys.executable)} -m skip_harness.cli ls {shlex.quote(str(dump))} | head -n 0"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", (proc.returncode, proc.stderr)
+
+
 def test_empty_dump_dir(tmp_path, capsys):
     code, out, _ = run(capsys, "ls", str(tmp_path), "--json")
     doc = json.loads(out)

@@ -252,6 +252,7 @@ def test_export_skips_a_corrupt_step_with_a_warning(cache, capsys, tmp_path):
     out_path = tmp_path / "x.jsonl"
     code, out, err = run(capsys, "export", str(store.layout.root), "-o", str(out_path))
     assert code == 0 and "step 2 not exported" in err and str(path) in err
+    assert "rows from 2 steps (" in out and "; 1 step skipped (see the warnings)" in out, out   # not "1 steps"
     rows = [json.loads(line) for line in out_path.read_text().splitlines()]
     assert sorted({r["step"] for r in rows}) == [1, 3]
 
@@ -263,6 +264,25 @@ def test_export_bad_flags_are_one_line_errors(cache, capsys, tmp_path, argv, nee
     code, out, err = run(capsys, "export", str(dump), "-o", str(tmp_path / "o.parquet"), *argv)
     assert code == 2 and out == "" and needle in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.parquet").exists()
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_export_of_a_step_range_the_cache_does_not_hold_is_a_usage_error_and_writes_nothing(cache, capsys, tmp_path, fmt):
+    """`export --steps 50-60` on a cache of steps 1-3 wrote an empty file and exited 0 without a word: a user
+    who mistyped the range learns it only from the empty file. Now: exit 2, one line naming the range and the
+    steps there are; no file, and a file already at -o is left as it was."""
+    dump, *_ = cache
+    out_path = tmp_path / f"o.{fmt}"
+    code, out, err = run(capsys, "export", str(dump), "-o", str(out_path), "--steps", "50-60")
+    assert code == 2 and out == "" and err.count("error:") == 1 and "Traceback" not in err, (code, out, err)
+    err = err.strip().splitlines()[-1]   # after the progress lines
+    assert "--steps 50-60: no step of the" in err and "steps held: 1-3" in err and "nothing written" in err, err
+    assert not out_path.exists() and not list(tmp_path.glob(f".o.{fmt}.tmp-*"))
+    out_path.write_text("the user's old export")
+    code, out, err = run(capsys, "export", str(dump), "-o", str(out_path), "--steps", "50-60", "--json")
+    assert code == 2 and out == "" and out_path.read_text() == "the user's old export", (code, out, err)
+    code, out, err = run(capsys, "export", str(dump), "-o", str(out_path), "--steps", "3-60")   # a range that overlaps
+    assert code == 0 and "from 1 step (" in out, (code, out, err)
 
 
 def test_export_names_the_rank_of_every_shard(tmp_path, capsys):

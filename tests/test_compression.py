@@ -42,6 +42,8 @@ INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, to
 def load_bench():
     name = "_skip_harness_script_bench"
     if name not in sys.modules:
+        if str(ROOT / "scripts") not in sys.path:   # as `python scripts/bench.py` has it: its parts beside it
+            sys.path.insert(0, str(ROOT / "scripts"))
         spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module

@@ -60,6 +60,15 @@ def test_keep_last_keeps_the_newest_per_namespace_and_pins():
     assert "--keep-last" in out["a"][0][1]
 
 
+def test_keep_last_keeps_by_write_time_and_its_reason_says_so():
+    """Steps 1-2 rewritten after 3-4 (a rerun): --keep-last 2 keeps 1 and 2. The reason read "older than the
+    last 2 steps", which named steps 3 and 4 as older than the last two step numbers: it says what the rule does."""
+    steps = ages((3, 10, 1.0), (4, 10, 2.0), (1, 10, 3.0), (2, 10, 4.0))
+    out = plan_retention(steps, RetentionRules(keep_last=2), now=10.0)
+    assert out == {"a": [(3, "not one of the 2 most recently written steps (--keep-last)"),
+                         (4, "not one of the 2 most recently written steps (--keep-last)")]}
+
+
 def test_keep_last_zero_removes_every_unpinned_step():
     steps = ages((1, 10, 1.0), (2, 10, 2.0))
     out = plan_retention(steps, RetentionRules(keep_last=0, pins=frozenset({2})), now=10.0)

@@ -108,6 +108,16 @@ def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
     assert "1 incomplete [2]" in log and "deleted 1" in log
 
 
+def test_a_corrupt_step_is_warned_of_once(tmp_path):
+    """The Hydra callback's startup warned of a corrupt step, then the harness taking its startup over warned again."""
+    train(tmp_path, "trainer.total_training_steps=2", run="first")
+    [ns] = (tmp_path / "cache").glob("*/GBS*")
+    (ns / "2" / "commit.json").write_text("garbage")
+    train(tmp_path, "trainer.total_training_steps=2", run="again")
+    log = (tmp_path / "again" / "train.log").read_text()
+    assert "1 corrupt [2]" in log and log.count("corrupt step: commit record does not parse") == 1, log
+
+
 def test_run_completed_after_a_killed_run_is_identical(tmp_path):
     mode = MODES["separate_async"] + ["trainer.total_training_steps=40"]
     train(tmp_path, *mode, "skip.rollout_tq.enable=false", run="uncached")
@@ -140,7 +150,13 @@ def test_repeat_serves_nearest_complete_step(tmp_path):
 
 def test_validation_calls_bypass_the_cache(tmp_path):
     train(tmp_path, "trainer.test_freq=2", run="first")
-    train(tmp_path, "trainer.test_freq=2", run="again")
+    again_proc = train(tmp_path, "trainer.test_freq=2", run="again")
+    # the replay verdict the README quotes is the one the demo prints (val_reward only on validation steps)
+    import re
+
+    quoted = re.search(r"served\s+steps reproduced \(([^)]*)\)", (ROOT / "README.md").read_text())
+    assert quoted and f"replay: 4 of 4 served steps reproduced ({quoted.group(1)})" in again_proc.stderr + again_proc.stdout, (
+        quoted, again_proc.stderr[-2000:])
     first, again = metrics(tmp_path / "first"), metrics(tmp_path / "again")
     assert "val_reward" in first[1] and "val_reward" in first[3]
     assert training_metrics(first) == training_metrics(again)

@@ -99,6 +99,18 @@ def test_demo_replay_is_bit_identical_and_skips_generation(recorded):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # the demo as a user runs it: record and replay, two TRL trainings in subprocesses
+def test_the_demo_without_a_workdir_leaves_no_temporary_directory(tmp_path):
+    """`python scripts/trl_demo.py` made a temporary directory (model, outputs, cache) and left it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, str(DEMO), "--steps", "1", "--eval-steps", "0"], cwd=tmp_path,
+                          capture_output=True, text=True, env={**_env(), "TMPDIR": str(tmp)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "log history identical" in proc.stdout, proc.stdout
+    assert not list(tmp.glob("trl_demo_*")), sorted(p.name for p in tmp.iterdir())
+
+
 def test_the_replay_check_reports_every_step_reproduced(recorded):
     replay = json.loads((recorded.workdir / "replay.json").read_text())
     assert replay["replay"].startswith(f"replay: {STEPS} of {STEPS} served steps reproduced ("), replay["replay"]

@@ -21,6 +21,7 @@ to stderr when it is a terminal (plain log lines otherwise); errors are one line
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 from pathlib import Path
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--dry-run", action="store_true", help="show what would go and the bytes freed; change nothing")
     cl.add_argument("--quarantine", action="store_true", help="move steps under {namespace}/.quarantine/")
     cl.add_argument("--keep-last", type=_int_at_least(0, "--keep-last"), metavar="N",
-                    help="keep the N newest complete steps of each namespace, remove older ones")
+                    help="keep the N most recently written complete steps of each namespace, remove the others")
     cl.add_argument("--older-than", type=_age, metavar="AGE", help="remove complete steps written before AGE ago "
                     "(90s, 30m, 12h, 7d, 2w)")
     cl.add_argument("--max-size", type=_size, metavar="SIZE", help="remove the oldest complete steps until "
@@ -272,6 +273,17 @@ def _run(args: argparse.Namespace) -> int:
     return cmd_export(layouts, dump_dir, Path(args.output), args.format, args.namespace, args.steps, as_json)
 
 
+def _quiet_stdout() -> None:
+    """stdout's reader went away: point stdout at /dev/null, so the interpreter's flush at exit does not
+    print `Exception ignored ... BrokenPipeError` (Python's documented way: the signal module's SIGPIPE note)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):   # stdout is not a file descriptor (a test's capture)
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     saved = _setup_logging()
@@ -284,6 +296,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SkipHarnessError as exc:   # anything the package raises on purpose names its path or key
         log.error("%s", exc)
         return EXIT_USAGE
+    except BrokenPipeError:   # `skip-harness ls | head -2`: the reader has what it wanted; nothing failed
+        _quiet_stdout()
+        return EXIT_OK
     except OSError as exc:
         log.error("%s", exc)
         return EXIT_USAGE

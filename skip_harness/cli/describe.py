@@ -18,10 +18,13 @@ try:
 except ImportError:  # pragma: no cover
     np = None
 
+TensorDictBase: Any = None   # optional: typed Any, whichever extras are installed
 try:
-    from tensordict import TensorDictBase
+    import tensordict as _tensordict
+
+    TensorDictBase = _tensordict.TensorDictBase
 except Exception:  # pragma: no cover
-    TensorDictBase = None
+    pass
 
 _MAX_ROWS = 400          # structure rows shown before "... more"
 _VALUE_CHARS = 160

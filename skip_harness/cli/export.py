@@ -28,6 +28,7 @@ from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store.layout import Layout
 from skip_harness.store.reader import StepReader
 from skip_harness.store.stepstore import StepStore
+from skip_harness.cli.clean import step_ranges
 from skip_harness.cli.export_rows import (  # noqa: F401  (ExportError, the columns: part of this command's API)
     FORMATS, INDEX_COLUMNS, NAMESPACE_COLUMN, ExportError, _ParquetSink, _table, _jsonl_rows, columns_of,
 )
@@ -102,6 +103,10 @@ def _union_schema(layouts: Sequence[Tuple[str, Layout]], steps: Optional[Set[int
     return pa.schema([unified.field(n) for n in names])
 
 
+class NoStepsError(ExportError):
+    """`--steps` matches no step of the chosen namespaces: nothing is written."""
+
+
 def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "parquet",
                  steps: Optional[Set[int]] = None,
                  on_namespace: Callable[[str, int], None] = lambda name, n: None,
@@ -117,17 +122,25 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     result = ExportResult(out, fmt)
     sink = _ParquetSink(tmp, _union_schema(layouts, steps) if len(layouts) > 1 else None) if fmt == "parquet" else None
     jf = open(tmp, "w", encoding="utf-8") if fmt == "jsonl" else None
+    held: Set[int] = set()   # the servable steps the namespaces hold
+    matched = 0
     try:
         for name, layout in layouts:
             reader = StepStore(layout).reader
             report = _scan.scan_namespace(layout)
             chosen = [s for s in report.steps if steps is None or s.step in steps]
+            held.update(s.step for s in report.steps)
+            matched += len(chosen)
             on_namespace(name, len(chosen))
             for s in chosen:
                 try:
                     _export_step(reader, s, name, sink, jf, result)
                 finally:
                     on_step()
+        if steps is not None and not matched:
+            raise NoStepsError(f"no step of {'the namespace' if len(layouts) == 1 else f'the {len(layouts)} namespaces'} "
+                               f"is in it ({'steps held: ' + step_ranges(sorted(held)) if held else 'no step held'}); "
+                               f"nothing written")
         if sink is not None:
             sink.close()
             if sink.writer is None:  # nothing exported: still an empty, readable file

@@ -23,10 +23,13 @@ try:
 except ImportError:  # pragma: no cover - numpy ships with torch wheels
     np = None
 
+TensorDictBase: Any = None   # optional: typed Any, whichever extras are installed
 try:
-    from tensordict import TensorDictBase
+    import tensordict as _tensordict
+
+    TensorDictBase = _tensordict.TensorDictBase
 except Exception:  # pragma: no cover - optional
-    TensorDictBase = None
+    pass
 
 logger = logging.getLogger("skip_harness.cli.export")
 

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from skip_harness.cli import export as _export
 from skip_harness.cli import import_verl as _verl
+from skip_harness.cli.clean import n_steps
 from skip_harness.store.layout import Layout
 
 from skip_harness.cli._common import (
@@ -63,6 +64,8 @@ def cmd_export(layouts: List[Layout], base: Path, out: Path, fmt: Optional[str],
         try:
             result = _export.export_cache([(short_path(lay, base), lay) for lay in chosen], out, fmt, steps,
                                           on_namespace=on_namespace, on_step=bar.advance)
+        except _export.NoStepsError as exc:   # `--steps 50-60` on 20 steps: a usage error, no empty file
+            raise CliError(f"--steps {steps_text}: {exc}") from None
         except _export.ExportError as exc:
             raise CliError(str(exc), EXIT_CORRUPT) from None
         if state["open"]:
@@ -76,9 +79,9 @@ def cmd_export(layouts: List[Layout], base: Path, out: Path, fmt: Optional[str],
                    "skipped": [{"namespace": n, "step": s, "reason": r} for n, s, r in result.skipped]})
     else:
         stdout_console().print(
-            f"wrote {out} ({fmt}, {human_bytes(size)}): {result.rows} rows from {len(result.steps)} steps "
+            f"wrote {out} ({fmt}, {human_bytes(size)}): {result.rows} rows from {n_steps(len(result.steps))} "
             f"({result.mini_batches} mini-batches) of {len(chosen)} namespace{'s' if len(chosen) != 1 else ''}"
-            + (f"; {len(result.skipped)} steps skipped (see the warnings)" if result.skipped else ""))
+            + (f"; {n_steps(len(result.skipped))} skipped (see the warnings)" if result.skipped else ""))
     return EXIT_OK
 
 

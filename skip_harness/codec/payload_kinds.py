@@ -23,17 +23,22 @@ try:  # optional
 except ImportError:  # pragma: no cover - numpy ships with torch wheels
     np = None
 
+# Optional classes are typed Any (None when absent), so the types do not depend on which extras are installed.
+TensorDictBase: Any = None
+TensorDict: Any = None
+MetaData: Any = None
+NonTensorData: Any = None
+NonTensorStack: Any = None
+_tensordict: Any = None
 try:  # optional
-    from tensordict import TensorDictBase
-    from tensordict import TensorDict
+    _tensordict = importlib.import_module("tensordict")
+    TensorDictBase, TensorDict = _tensordict.TensorDictBase, _tensordict.TensorDict
 except Exception:  # ImportError, or a tensordict that does not match this torch
-    TensorDictBase = None
-    TensorDict = None
-
+    pass
 try:  # optional, and newer than TensorDict itself
-    from tensordict import MetaData
-    from tensordict import NonTensorData
-    from tensordict import NonTensorStack
+    MetaData = _tensordict.MetaData
+    NonTensorData = _tensordict.NonTensorData
+    NonTensorStack = _tensordict.NonTensorStack
 except Exception:
     MetaData = NonTensorData = NonTensorStack = None
 

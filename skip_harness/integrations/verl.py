@@ -159,6 +159,7 @@ class HarnessRolloutTqSkip(BaseSkip):
 
     support_actions = [SkipAction.CACHE, SkipAction.REPEAT]
     support_online_step = False
+    steps: Any   # verl's list of steps to cache (BaseSkip sets it), or verl_config.EVERY_STEP with all_steps
 
     def __init__(self, local_config: Any, global_config: Any):
         super().__init__(local_config, global_config)

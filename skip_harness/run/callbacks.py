@@ -45,7 +45,8 @@ class HarnessCallback:
     def on_replay_divergence(self, *, step: int, key: str, recorded: float, now: float, **kwargs: Any) -> None:
         """A served step's reported value differed from the recorded one: the replay's first divergence
         (``divergence`` is a :class:`skip_harness.run.replay.Divergence`; ``config_changes`` the
-        training-side keys whose values differ from the recorded run's, as (key, recorded, now))."""
+        training-side keys whose values differ from the recorded run's, as (key, recorded, now); ``stopping``
+        True when ``replay_check=error`` raises ReplayDivergedError right after)."""
 
     def on_end(self, *, summary: RunSummary, **kwargs: Any) -> None:
         """The harness closed."""
@@ -136,6 +137,8 @@ class LoggingCallback(HarnessCallback):
         self.log.warning("%s%s: %s", prefix, path, reason)
 
     def on_replay_divergence(self, *, step: int, key: str, recorded: float, now: float, **kwargs: Any) -> None:
+        if kwargs.get("stopping"):   # replay_check=error: the ReplayDivergedError raised next says it, once
+            return
         if self.rank == 0:
             divergence = kwargs.get("divergence")
             self.log.warning("%s", divergence.describe() if divergence is not None
@@ -164,8 +167,9 @@ def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size:
     disk (every rank's files and the commit record, as `skip-harness ls` shows them); `namespace`, the
     cache's directory, ends the line."""
     line = (
-        f"rollout cache summary: {s.steps} {_plural(s.steps, 'step')}: {s.hits} hits, {s.repeats} repeats, "
-        f"{s.misses} misses ({s.committed} committed, {s.uncommitted} not"
+        f"rollout cache summary: {s.steps} {_plural(s.steps, 'step')}: {s.hits} {_plural(s.hits, 'hit')}, "
+        f"{s.repeats} {_plural(s.repeats, 'repeat')}, {s.misses} {_plural(s.misses, 'miss', 'misses')} "
+        f"({s.committed} committed, {s.uncommitted} not"
     )
     if s.uncommitted_reasons:
         line += ": " + ", ".join(f"{n} {why}" for why, n in s.uncommitted_reasons.items())
@@ -183,5 +187,5 @@ def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size:
     return line + (f"; cache in {namespace}" if namespace else "")
 
 
-def _plural(n: int, word: str) -> str:
-    return word if n == 1 else word + "s"
+def _plural(n: int, word: str, plural: str = "") -> str:
+    return word if n == 1 else plural or word + "s"

@@ -124,7 +124,7 @@ class ReplayReport:
         if self.checked == 0:
             return f"replay: {self.served} served {_steps(self.served)} unchecked (no recorded values)"
         lo, hi = self.values_each
-        each = f"{lo} values each" if lo == hi else f"{lo} to {hi} values each"
+        each = f"{lo} value{'' if lo == 1 else 's'} each" if lo == hi else f"{lo} to {hi} values each"
         line = f"replay: {self.reproduced} of {self.served} served {_steps(self.served)} reproduced"
         if self.checked:
             line += f" ({each})"
@@ -287,7 +287,7 @@ class ValuesTracker:
     def _diverged(self, d: Divergence) -> None:
         self.divergence = d
         self.callbacks.on_replay_divergence(divergence=d, step=d.step, key=d.key, recorded=d.recorded, now=d.now,
-                                            config_changes=d.config_changes)
+                                            config_changes=d.config_changes, stopping=self.check == ReplayCheck.error)
         if self.check == ReplayCheck.error:
             raise ReplayDivergedError(f"{d.describe()}; stopping (skip.rollout_tq.replay_check=error)", d)
 

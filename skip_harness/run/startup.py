@@ -223,7 +223,8 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
             if startup is None:
                 startup = prepare_namespace(layout, settings)
             servable, warning = _servable(startup, fingerprint, settings)
-            faults = startup.faults() + ((warning,) if warning else ())
+            # taken over from the Hydra callback: it already warned of the faults its startup found (not twice)
+            faults = (() if quiet else startup.faults()) + ((warning,) if warning else ())
             token = None
             if dist.world_size > 1 and not startup.read_only:
                 token = new_run_token()

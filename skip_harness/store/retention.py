@@ -2,7 +2,8 @@
 
 Pure policy over what a scan found: no I/O. Rules (any combination; a step goes when one rule says so):
 
-- keep_last N    keep the N newest servable steps of each namespace, remove the older ones;
+- keep_last N    keep the N most recently written servable steps of each namespace (not the N highest
+                 step numbers: a rerun's steps are the newest), remove the others;
 - older_than S   remove servable steps written more than S seconds before `now`;
 - max_size B     remove the oldest servable steps (across every namespace given) until the bytes of
                  all the steps left are at most B.
@@ -88,7 +89,7 @@ def plan_retention(steps: Sequence[StepAge], rules: RetentionRules, now: float) 
             kept = {s.step for s in keep}
             for s in items:
                 if s.step not in kept and s.step not in rules.pins:
-                    chosen.setdefault((ns, s.step), f"older than the last {rules.keep_last} steps (--keep-last)")
+                    chosen.setdefault((ns, s.step), f"not one of the {rules.keep_last} most recently written steps (--keep-last)")
     if rules.older_than_s is not None:
         limit = now - rules.older_than_s
         for s in servable:
