@@ -39,7 +39,8 @@ DEFAULT_REPLAY_IGNORE = ("*_s", "*time*", "*timing*", "*throughput*", "*per_seco
 REPLAY_FROM_KEY = "skip.rollout_tq.replay_from"
 # The fingerprint keys that say how a step's batch is split (K) and when it was generated (the mode), not
 # what it holds: a recording may serve a run whose values for them differ (docs/configuration.md).
-BATCH_SPLIT_KEYS = ("trainer.v1.trainer_mode", "trainer.v1.separate_async.parameter_sync_step")
+BATCH_SPLIT_KEYS = ("trainer.v1.trainer_mode", "trainer.v1.separate_async.parameter_sync_step",
+                    "parameter_sync_step")   # the last: K as the verl plug-in records it
 # Values that depend on a step's rollouts only (rewards, lengths), not on how they were trained on: the
 # ones a replay at another K compares (the demo's, verl's and TRL's names; fnmatch, case-insensitive).
 ROLLOUT_VALUES = ("reward_mean", "response_len", "critic/score/*", "response_length/*", "prompt_length/*",

@@ -61,7 +61,7 @@ class Source:
     def W(self) -> int:
         return self.layout.W
 
-    def open(self) -> "Source":
+    def opened(self) -> "Source":
         self.store = StepStore(self.layout)
         return self
 
@@ -206,7 +206,7 @@ def start_source(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Opti
         return None
     url, K, W, steps = outcome[1]
     root: Union[Path, UrlPath] = UrlPath(url) if is_url(url) else Path(url)
-    return Source(Layout(root, K=K, W=W), frozenset(steps)).open()  # type: ignore[arg-type]
+    return Source(Layout(root, K=K, W=W), frozenset(steps)).opened()  # type: ignore[arg-type]
 
 
 def wanted_parts(K: int, W: int, rank: int) -> List[int]:
@@ -220,7 +220,7 @@ def load_regrouped(source: Source, step: int, K: int, W: int, rank: int) -> Load
     they overlap (each verified against the step's commit record). Never raises for a bad step."""
     t0 = time.perf_counter()
     store = source.store
-    assert store is not None, "Source.open() first"
+    assert store is not None, "Source.opened() first"
     P, Q = source.K * source.W, K * W
     try:
         report = store.status(step)
