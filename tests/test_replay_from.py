@@ -13,6 +13,7 @@ import reshard_rig
 from skip_harness import SkipHarness
 from skip_harness.config import settings_from
 from skip_harness.errors import ConfigError
+from skip_harness.store.index import INDEX_NAME
 
 NS = {"experiment_name": "rig", "project_name": "reshard", "train_batch_size": reshard_rig.B, "n": reshard_rig.N}
 
@@ -57,6 +58,7 @@ def test_the_key_is_checked():
 def test_a_k4_recording_serves_another_k_in_recorded_order_and_stays_untouched(tmp_path, K, caplog):
     run(tmp_path, 4, 3)
     source = tmp_path / "rig_reshard" / "GBS8_N2_K4_W1"
+    (source / INDEX_NAME).unlink()       # a scan that may write would write it again
     before = snapshot(source)
     with caplog.at_level(logging.INFO, logger="skip_harness"):
         served, summary, trainer = run(tmp_path, K, 3, replay_from="auto")
@@ -145,3 +147,14 @@ def test_values_at_another_k_compare_only_rollout_values_and_a_real_difference_d
     harness.observe(2, rows=16.0, reward_mean=2.5)         # the rollouts' reward is not the recorded one
     line = harness.close().replay_line
     assert line.startswith("replay diverged at step 2 (reward_mean 2 recorded, 2.5 now)"), line
+
+
+def test_a_step_in_the_runs_own_namespace_is_served_from_there_first(tmp_path, caplog):
+    run(tmp_path, 4, 2)
+    run(tmp_path, 2, 1)              # this K's own recording of step 1
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        served, summary, trainer = run(tmp_path, 2, 2, replay_from="auto")
+    assert trainer.generated == 0 and summary.hits == 2
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines[0].startswith("step 1: hit, K=2") and "served" not in lines[0], lines
+    assert lines[1].endswith("served re-chunked from K=4 to K=2"), lines
