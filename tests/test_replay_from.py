@@ -158,3 +158,17 @@ def test_a_step_in_the_runs_own_namespace_is_served_from_there_first(tmp_path, c
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines[0].startswith("step 1: hit, K=2") and "served" not in lines[0], lines
     assert lines[1].endswith("served re-chunked from K=4 to K=2"), lines
+
+
+def test_merged_gives_the_steps_rows_as_this_run_was_served_them(tmp_path):
+    run(tmp_path, 4, 1)
+    harness = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path), "replay_from": "auto"},
+                                 namespace={**NS, "K": 2}, fingerprint={"seed": 0})
+    trainer = reshard_rig.Trainer(2, 1, 0)
+    harness.wrap(trainer)
+    trainer.prepare_data(1)
+    trainer.sample(1), trainer.sample(1)
+    try:
+        assert harness.merged(1)["ids"].tolist() == rows_of(1, 0, 16)
+    finally:
+        harness.close()
