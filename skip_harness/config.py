@@ -35,6 +35,20 @@ from skip_harness.choices import Action, Cleanup, Compression, OnMismatch, Repla
 DEFAULT_REPLAY_IGNORE = ("*_s", "*time*", "*timing*", "*throughput*", "*per_second*", "*memory*", "perf/*",
                          "*_ms", "*_sec*", "val-*")
 
+# `skip.rollout_tq.replay_from`: serve another recording of the same batch, whatever its K and W.
+REPLAY_FROM_KEY = "skip.rollout_tq.replay_from"
+# The fingerprint keys that say how a step's batch is split (K) and when it was generated (the mode), not
+# what it holds: a recording may serve a run whose values for them differ (docs/configuration.md).
+BATCH_SPLIT_KEYS = ("trainer.v1.trainer_mode", "trainer.v1.separate_async.parameter_sync_step",
+                    "parameter_sync_step")   # the last: K as the verl plug-in records it
+# Values that depend on a step's rollouts only (rewards, lengths), not on how they were trained on: the
+# ones a replay at another K compares (the demo's, verl's and TRL's names; fnmatch, case-insensitive).
+ROLLOUT_VALUES = ("reward_mean", "response_len", "critic/score/*", "response_length/*", "prompt_length/*",
+                  "reward", "rewards/*", "completions/mean_length", "completions/*_length")
+# The tolerance a replay at another K or W compares within (at least; replay_rtol when larger): the same
+# rows summed in another order or over another split of ranks agree to float rounding, not to the bit.
+REGROUPED_RTOL = 1e-4
+
 
 @dataclass
 class RolloutTQConfig:
@@ -70,9 +84,19 @@ class RolloutTQConfig:
     replay_atol: float = 0.0
     # Value keys left out of the check (fnmatch patterns, case-insensitive): timings by default.
     replay_ignore: List[str] = field(default_factory=lambda: list(DEFAULT_REPLAY_IGNORE))
+    # Serve from another recording of the same batch (a namespace path or URL, or `auto`), re-chunked to
+    # this run's K and re-sharded to its ranks; read only. None: this run's own namespace.
+    replay_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         key = ROLLOUT_TQ_KEY
+        if self.replay_from is not None:
+            text = str(self.replay_from).strip()
+            if not text:
+                raise ConfigError(REPLAY_FROM_KEY, "empty; set a namespace path or URL, `auto`, or null")
+            if text != "auto" and dump_dir_problem(text) is not None:
+                raise ConfigError(REPLAY_FROM_KEY, str(dump_dir_problem(text)).replace("dump_dir", "replay_from"))
+            self.replay_from = text
         if self.steps is not None:
             for i, s in enumerate(self.steps):
                 if isinstance(s, bool) or not isinstance(s, int) or s < 0:

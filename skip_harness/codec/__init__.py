@@ -33,12 +33,15 @@ is a `CodecError` that names the file once.
 This module is the codec's face: the rest of the package imports the codec from here (the store's
 writer and reader included). The rooms behind it: `structure` (encode / decode), `images` (payload <->
 file image), `tensorfile` (the file format's face over `fileimage`, `compression`, `fileread` and
-`torchsave`), `payload_kinds` (what a payload may hold; registered types), `minibatch` (`merge`).
+`torchsave`), `payload_kinds` (what a payload may hold; registered types), `minibatch` (`merge`), `rechunk` (a step's mini-batches cut and joined along the batch dimension:
+`regroup`, `take`, `cut`, `join`, `batch_rows`).
 """
 from __future__ import annotations
 
 from skip_harness.errors import CodecError  # noqa: F401
 from skip_harness.codec.minibatch import merge  # noqa: F401
+from skip_harness.codec.rechunk import cut, join, regroup, take  # noqa: F401
+from skip_harness.codec.rechunk import rows as batch_rows  # noqa: F401
 from skip_harness.codec.payload_kinds import (  # noqa: F401
     ORIGIN_ATTR, UnregisteredTypeError, register_type, registered_name, unregister_type,
 )

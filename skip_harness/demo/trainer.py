@@ -226,7 +226,12 @@ class DemoTrainer:
         ratio = log_ratio.exp()
         clipped = ratio.clamp(1.0 - s.clip_ratio, 1.0 + s.clip_ratio)
         per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-        tokens = mask.sum().clamp_min(1.0)
+        # Token means over the whole mini-batch, every rank's shard together: each rank's sum is scaled by
+        # W / (the mini-batch's tokens), so the gradient the ranks average and the metrics they average
+        # are the ones one process would compute on the whole mini-batch (a replay on another number of
+        # ranks trains alike, to float rounding). With one process this is the plain token mean.
+        all_tokens = self.accelerator.reduce(mask.sum().detach(), reduction="sum").clamp_min(1.0)
+        tokens = all_tokens / self.world_size
         loss = (per_token * mask).sum() / tokens
 
         self.optimizer.zero_grad(set_to_none=True)

@@ -154,7 +154,8 @@ def describe_step(r: StepRecord) -> str:
         return f"step {r.step}: repeat (served step {r.source_step}), K={r.K}, loaded {human_bytes(r.bytes)} in {r.load_s:.2f}s"
     if r.kind == HIT:
         what = "hit (unverified: no commit record)" if r.unverified else "hit"
-        return f"step {r.step}: {what}, K={r.K}, loaded {human_bytes(r.bytes)} in {r.load_s:.2f}s"
+        line = f"step {r.step}: {what}, K={r.K}, loaded {human_bytes(r.bytes)} in {r.load_s:.2f}s"
+        return f"{line}, served {r.served_from}" if r.served_from else line
     if r.kind == MISS:
         what = "miss (inputs differed from the recorded ones)" if r.regenerated else "miss"
         done = "committed" if r.committed else f"not committed ({r.reason})"

@@ -33,6 +33,7 @@ from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.run.prefetch import Prefetcher
 from skip_harness.run.replay import ValuesTracker
 from skip_harness.run.sharing import Follower
+from skip_harness.run.source import Source, load_regrouped, start_source
 from skip_harness.run.startup import StartupResult, start_namespace
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
@@ -224,8 +225,15 @@ class SkipHarness:
         layout = self._key.with_world_size(dist.world_size).layout(self.settings.resolved_dump_dir())
         self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *self._user_callbacks])
         run = start_namespace(layout, self.settings, self.fingerprint, dist)
+        try:
+            source = start_source(self.settings, self._key.with_world_size(dist.world_size), self.fingerprint,
+                                  layout, dist)
+        except BaseException:
+            if run.startup is not None:
+                run.startup.release()
+            raise
         self._startup = run.startup
-        self._build(dist, layout, run.servable, run.read_only, run.shared_with)
+        self._build(dist, layout, run.servable, run.read_only, run.shared_with, source)
         self._started = True
         if run.startup is not None:
             for path, reason in run.faults:
@@ -233,7 +241,7 @@ class SkipHarness:
             self.callbacks.on_startup(namespace=str(layout.root), startup=run.startup, quiet=run.quiet)
 
     def _build(self, dist: DistContext, layout: Layout, servable: Iterable[int], read_only: bool,
-               shared_with: str = "") -> None:
+               shared_with: str = "", source: Optional[Source] = None) -> None:
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
@@ -252,7 +260,10 @@ class SkipHarness:
             self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks, set(servable),
             read_only=read_only, call_digest=self._call_digest, on_committed=self._values.committed,
             follower=self._follower,
+            source=source,
         )
+        if source is not None:
+            self._values.serve_from(source, layout.K, dist.world_size, self._runner.served_from_source)
 
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)
@@ -281,6 +292,13 @@ class SkipHarness:
     def merged(self, step: int) -> Any:
         """The whole step as this rank saw it: its K mini-batches (this rank's shards) concatenated in order."""
         kind = self.outcome(step)
+        if kind in (HIT, REPEAT) and self._runner.served_from_source(step):
+            runner = self._runner
+            assert runner.source is not None
+            loaded = load_regrouped(runner.source, runner.source_of(step) or step, runner.K, runner.dist.world_size, runner.dist.rank)
+            if not loaded.ok:
+                raise HarnessUsageError(f"step {step}: the recording cannot be read again: {loaded.reason}")
+            return codec.merge(loaded.batches)
         if kind in (HIT, REPEAT):
             source = self._runner.source_of(step)
         elif kind == MISS:

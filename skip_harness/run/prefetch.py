@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from skip_harness.codec import UnregisteredTypeError
 from skip_harness.errors import SkipHarnessError
@@ -32,6 +32,7 @@ class Loaded:
     reason: Optional[str] = None
     unavailable: bool = False     # the storage could not be reached: a miss, but nothing wrong with the step
     step_bytes: Optional[int] = None  # every file of the step and its commit record, as classified (`ls`'s size)
+    regrouped: str = ""           # served from another recording: `re-chunked from K=4 to K=2`, ... (run.source)
 
     @property
     def ok(self) -> bool:
@@ -76,6 +77,11 @@ class Prefetcher:
         self.enabled = enabled
         self._pool: Optional[ThreadPoolExecutor] = None
         self._ahead: Optional[tuple] = None  # (step, Future[Loaded])
+        self._load: Callable[[int], Loaded] = lambda step: load_step(self.store, step, self.rank)
+
+    def route(self, load: Callable[[int], Loaded]) -> None:
+        """Load steps with `load(step)` instead (a run served from another recording: `run.source`)."""
+        self._load = load
 
     def start(self, step: int) -> None:
         """Begin loading `step` in the background (replaces any other step loaded ahead)."""
@@ -84,7 +90,7 @@ class Prefetcher:
         self.cancel()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skip_harness-prefetch")
-        self._ahead = (step, self._pool.submit(load_step, self.store, step, self.rank))
+        self._ahead = (step, self._pool.submit(self._load, step))
 
     def take(self, step: int) -> Loaded:
         """`step` loaded: the background result when it was loaded ahead, else loaded now."""
@@ -99,7 +105,7 @@ class Prefetcher:
                 return Loaded(step, reason=f"prefetch failed: {type(exc).__name__}: {exc}")
         if ahead is not None:
             ahead[1].cancel()
-        return load_step(self.store, step, self.rank)
+        return self._load(step)
 
     def cancel(self) -> None:
         ahead, self._ahead = self._ahead, None

@@ -23,9 +23,9 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from skip_harness.config import ReplayCheck, RolloutTQConfig
+from skip_harness.config import REGROUPED_RTOL, ROLLOUT_VALUES, ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
 from skip_harness.run.stats import HIT, MISS
 from skip_harness.store.values import config_changes, config_digest, numbers_of
@@ -100,6 +100,7 @@ class ReplayReport:
     values_each: Tuple[int, int] = (0, 0)          # fewest, most values compared in a step
     divergence: Optional[Divergence] = None
     reproduced_before: int = 0
+    regrouped: str = ""      # served from a recording at another K or W (replay_from): what was compared how
 
     @property
     def unchecked(self) -> int:
@@ -120,9 +121,10 @@ class ReplayReport:
                 shown = ", ".join(f"{k} {_cfg_value(a)} -> {_cfg_value(b)}" for k, a, b in d.config_changes[:3])
                 more = f" and {len(d.config_changes) - 3} more" if len(d.config_changes) > 3 else ""
                 line += f"; training side changed: {shown}{more}"
-            return line
+            return f"{line}; {self.regrouped}" if self.regrouped else line
         if self.checked == 0:
-            return f"replay: {self.served} served {_steps(self.served)} unchecked (no recorded values)"
+            line = f"replay: {self.served} served {_steps(self.served)} unchecked (no recorded values)"
+            return f"{line}; {self.regrouped}" if self.regrouped else line
         lo, hi = self.values_each
         each = f"{lo} value{'' if lo == 1 else 's'} each" if lo == hi else f"{lo} to {hi} values each"
         line = f"replay: {self.reproduced} of {self.served} served {_steps(self.served)} reproduced"
@@ -130,6 +132,8 @@ class ReplayReport:
             line += f" ({each})"
         if self.unchecked:
             line += f"; {self.unchecked} unchecked (no recorded values)"
+        if self.regrouped:
+            line += f"; {self.regrouped}"
         return line
 
 
@@ -145,6 +149,11 @@ def _same(recorded: float, now: float, rtol: float, atol: float) -> bool:
     if math.isinf(recorded) or math.isinf(now):
         return False
     return abs(now - recorded) <= atol + rtol * abs(recorded)
+
+
+def _rollout_value(key: str) -> bool:
+    low = key.lower()
+    return any(fnmatch.fnmatchcase(low, p) for p in ROLLOUT_VALUES)
 
 
 @dataclass
@@ -179,6 +188,18 @@ class ValuesTracker:
         self.run_id: Optional[str] = None
         self._observed: Dict[int, Dict[str, float]] = {}
         self._replaying = False
+        self._source: Any = None                      # replay_from: the recording's store, K and W
+        self._from_source: Callable[[int], bool] = lambda step: False
+        self._K, self._W = 1, 1
+        self._not_compared: Set[str] = set()          # at another K: training values recorded there
+        self._compared_rollout: Set[str] = set()
+
+    def serve_from(self, source: Any, K: int, W: int, from_source: Callable[[int], bool]) -> None:
+        """Steps for which `from_source(step)` are served from `source` (a `run.source.Source`, another K
+        or W): their recorded values live there. At another K only the values that depend on the rollouts
+        alone are compared (config.ROLLOUT_VALUES); at another W every value; both within at least
+        config.REGROUPED_RTOL."""
+        self._source, self._K, self._W, self._from_source = source, K, W, from_source
 
     def set_training_config(self, flat: Optional[Mapping[str, Any]]) -> None:
         self.training_config = None if flat is None else dict(flat)
@@ -262,23 +283,51 @@ class ValuesTracker:
         served = self._served.setdefault(step, _Served())
         if self.divergence is not None:
             return                         # past the first divergence nothing is compared
-        recorded = self.reader.read_step_values(step)
+        regrouped = self._source is not None and self._from_source(step)
+        reader = self._source.store.reader if regrouped else self.reader
+        recorded = reader.read_step_values(step)
         if recorded is None:
             return
         rtol, atol = float(self.settings.replay_rtol), float(self.settings.replay_atol)
-        for key in [k for k in numbers if k in recorded.values and not self._ignored(k)]:   # as reported
+        keys = [k for k in numbers if k in recorded.values and not self._ignored(k)]   # as reported
+        if regrouped:
+            rtol = max(rtol, REGROUPED_RTOL)
+            if self._source.K != self._K:
+                self._not_compared.update(k for k in keys if not _rollout_value(k))
+                keys = [k for k in keys if _rollout_value(k)]
+                self._compared_rollout.update(keys)
+        for key in keys:
             served.compared += 1
             if not _same(recorded.values[key], numbers[key], rtol, atol):
                 served.diverged = True
                 self._diverged(Divergence(step, key, recorded.values[key], numbers[key],
-                                          *self._changes(recorded.config), rtol=rtol, atol=atol))
+                                          *self._changes(recorded.config, reader), rtol=rtol, atol=atol))
                 return
 
-    def _changes(self, digest: Optional[str]) -> Tuple[Tuple[Tuple[str, Any, Any], ...], bool]:
+    def _regrouped_note(self) -> str:
+        """What a replay served from another K or W compared, and how (the summary's replay line)."""
+        src = self._source
+        if src is None or not any(self._from_source(s) for s in self._served):
+            return ""
+        rtol = max(float(self.settings.replay_rtol), REGROUPED_RTOL)
+        parts: List[str] = []
+        if src.K != self._K:
+            parts.append(f"re-chunked from K={src.K} to K={self._K}: values recorded at K={src.K}")
+            if self._not_compared:
+                parts.append(f"{', '.join(sorted(self._not_compared))} not compared (they depend on K)")
+            if self._compared_rollout:
+                parts.append(f"{', '.join(sorted(self._compared_rollout))} compared within rtol={rtol:g}")
+        if src.W != self._W:
+            parts.append(f"re-sharded from W={src.W} to W={self._W}")
+            if src.K == self._K:
+                parts.append(f"compared within rtol={rtol:g}")
+        return "; ".join(parts)
+
+    def _changes(self, digest: Optional[str], reader: Any = None) -> Tuple[Tuple[Tuple[str, Any, Any], ...], bool]:
         if digest is None or self.training_config is None:
             return (), False
         if digest not in self._recorded_configs:
-            self._recorded_configs[digest] = self.reader.read_training_config(digest)
+            self._recorded_configs[digest] = (reader or self.reader).read_training_config(digest)
         then = self._recorded_configs[digest]
         if then is None:
             return (), False
@@ -299,7 +348,7 @@ class ValuesTracker:
         counts = [v.compared for s, v in checked.items() if not v.diverged] or [0]
         before = sum(1 for s in reproduced if div is None or s < div.step)
         return ReplayReport(self.check.value, len(self._served), len(checked), len(reproduced),
-                            (min(counts), max(counts)), div, before)
+                            (min(counts), max(counts)), div, before, self._regrouped_note())
 
 
 __all__ = ["Divergence", "ReplayReport", "ValuesTracker"]

@@ -73,6 +73,7 @@ class StepRecord:
     reason: str = ""
     unverified: bool = False
     regenerated: bool = False  # a hit whose inputs differed from the recorded ones, generated again
+    served_from: str = ""      # a hit from another recording (replay_from): `re-chunked from K=4 to K=2`, ...
 
 
 @dataclass(frozen=True)

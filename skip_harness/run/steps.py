@@ -21,7 +21,8 @@ from skip_harness.run.coordinator import CommitCoordinator, Finished
 from skip_harness.run.dist import DistContext
 from skip_harness.errors import CacheWritesStopped, HarnessUsageError, SkipHarnessError
 from skip_harness.run.policy import Decision, decide
-from skip_harness.run.prefetch import Loaded, Prefetcher
+from skip_harness.run.prefetch import Loaded, Prefetcher, load_step
+from skip_harness.run.source import Source, load_regrouped
 from skip_harness.run.startup import set_aside
 from skip_harness.run.sharing import COMMITTED, Follower
 from skip_harness.run.stats import HIT, MISS, OFF, OWN_ROLLOUTS, READ_ONLY, Outcome, RunStats, StepRecord
@@ -40,6 +41,7 @@ class _StepState:
     regenerated: bool = False
     finished: bool = False
     unwritten: int = 0  # a read-only cache: bytes generated that would have been written
+    served_from: str = ""  # served from another recording (replay_from): how it was regrouped
 
 
 class StepRunner:
@@ -59,6 +61,7 @@ class StepRunner:
         call_digest: Optional[Callable[[tuple, dict], str]] = None,
         on_committed: Optional[Callable[[int, Optional[float]], None]] = None,
         follower: Optional[Follower] = None,
+        source: Optional[Source] = None,
     ):
         self.settings = settings
         self.store = store
@@ -67,7 +70,11 @@ class StepRunner:
         self.coordinator = coordinator
         self.prefetcher = prefetcher
         self.callbacks = callbacks
-        self.servable = set(servable)
+        self.own = set(servable)          # steps this run's own namespace serves (committed ones join)
+        self.source = source              # another recording of the batch (replay_from), read only
+        self.servable = self.own | (set(source.servable) if source is not None else set())
+        if source is not None:
+            prefetcher.route(self._load)
         self.read_only = read_only
         self.call_digest = call_digest
         self.on_committed = on_committed
@@ -143,6 +150,7 @@ class StepRunner:
             loaded = self.prefetcher.take(decision.source_step)
             if self.dist.all_true(loaded.ok):
                 break
+            from_source = self._from_source(decision.source_step)
             if not loaded.ok:
                 self._fault(str(self.store.layout.step_dir(decision.source_step)),
                             f"{loaded.reason}; step {decision.source_step} is not served and is regenerated whole")
@@ -150,10 +158,11 @@ class StepRunner:
             # a storage out of reach is no fault of the step: a plain miss, nothing set aside
             found = self.dist.gather(None if loaded.ok else (loaded.reason, loaded.unavailable))
             faults = [f[0] for f in found if f is not None and not f[1]]
-            if faults:
+            if faults and not from_source:   # the recording is read only: nothing of it is set aside
                 self._failed[decision.source_step] = faults[0]
             excluded.add(decision.source_step)
             self.servable.discard(decision.source_step)
+            self.own.discard(decision.source_step)
         state = _StepState(decision)
         self._states[step] = state
         self._order.append(step)
@@ -161,6 +170,7 @@ class StepRunner:
         if decision.serves_cache:
             state.loaded = loaded
             state.batches = list(loaded.batches)
+            state.served_from = loaded.regrouped
         elif decision.kind == MISS:
             self._start_miss(step)
         self.callbacks.on_step_start(step=step, decision=decision)
@@ -206,7 +216,24 @@ class StepRunner:
                 self._fault(str(self.store.layout.step_dir(step)), f"could not clear the old step: {exc}")
         self.dist.barrier()
         self.servable.discard(step)
+        self.own.discard(step)
         self.coordinator.begin(step)
+
+    def _from_source(self, step: Optional[int]) -> bool:
+        """Whether `step` is served from the recording (replay_from): it holds it and this run's own does not."""
+        return self.source is not None and step is not None and step in self.source.servable and step not in self.own
+
+    def _load(self, step: int) -> Loaded:
+        """A step to serve: from this run's own namespace, or re-chunked / re-sharded from the recording."""
+        if self._from_source(step):
+            assert self.source is not None
+            return load_regrouped(self.source, step, self.K, self.dist.world_size, self.dist.rank)
+        return load_step(self.store, step, self.dist.rank)
+
+    def served_from_source(self, step: int) -> bool:
+        """Whether `step` was served from the recording (replay_from) in this run."""
+        state = self._states.get(step)
+        return state is not None and state.decision.serves_cache and state.served_from != ""
 
     def _prefetch_after(self, step: int) -> None:
         nxt = decide(step + 1, self.settings, frozenset(self.servable))
@@ -285,6 +312,7 @@ class StepRunner:
             if done.committed:
                 done = dataclasses.replace(done, bytes=self._step_bytes(done.step))
                 self.servable.add(done.step)
+                self.own.add(done.step)
                 self.callbacks.on_commit(step=done.step, bytes=done.bytes)
                 if self.on_committed is not None:
                     self.on_committed(done.step, done.created)
@@ -367,6 +395,7 @@ def _served_record(step: int, state: _StepState, K: int, nbytes: int) -> StepRec
         step, state.decision.kind, K, state.decision.source_step,
         bytes=nbytes, load_s=loaded.seconds,
         saved_s=sum(float(m.get("gen_s", 0.0) or 0.0) for m in served), unverified=loaded.unverified,
+        served_from=state.served_from,
     )
 
 

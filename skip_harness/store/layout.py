@@ -105,6 +105,22 @@ def parse_namespace_leaf(name: str) -> Optional[Tuple[int, int]]:
     return seen["K"], seen["W"]
 
 
+def namespace_leaf_values(name: str) -> Optional[dict]:
+    """The values a namespace leaf name holds ({'train_batch_size': 64, 'n': 4, ..., 'K': 2, 'W': 1}: the
+    shape fields it names, and K and W, 1 when absent), None if `name` is not a leaf name."""
+    kw = parse_namespace_leaf(name)
+    if kw is None:
+        return None
+    tags = {tag: field for field, tag in _SHAPE_FIELDS}
+    out: dict = {}
+    for tok in name.split("_"):
+        m = _LEAF_TOKEN_RE.match(tok)
+        if m is not None and m.group(1) in tags:
+            out[tags[m.group(1)]] = int(m.group(2))
+    out["K"], out["W"] = kw
+    return out
+
+
 def parse_step_name(name: str) -> Optional[int]:
     """The step number if `name` names a step directory (an int >= 0 without leading zeros)."""
     return int(name) if _STEP_RE.match(name) else None

@@ -1,0 +1,174 @@
+"""Issue 28, items 4 and 5: `skip.rollout_tq.replay_from` serves a run from another recording of the same
+batch, re-chunked to its K and re-sharded to its ranks, read only. In-process runs of the plain-dict API
+here (the rig of tests/reshard_rig.py: rows known by content); real `scripts/train.py` and torchrun runs
+in tests/test_replay_from_e2e.py."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+import reshard_rig
+from skip_harness import SkipHarness
+from skip_harness.config import settings_from
+from skip_harness.errors import ConfigError
+from skip_harness.store.index import INDEX_NAME
+
+NS = {"experiment_name": "rig", "project_name": "reshard", "train_batch_size": reshard_rig.B, "n": reshard_rig.N}
+
+
+def run(dump: Path, K: int, steps: int, replay_from=None, fingerprint=None, **ns) -> tuple:
+    """One W = 1 run of the rig's loop: ({step: (outcome, [row ids of each call])}, summary, trainer)."""
+    settings = {"enable": True, "dump_dir": str(dump)}
+    if replay_from is not None:
+        settings["replay_from"] = replay_from
+    harness = SkipHarness.create(settings, namespace={**NS, **ns, "K": K}, fingerprint=fingerprint or {"seed": 0})
+    trainer = reshard_rig.Trainer(K, 1, 0)
+    harness.wrap(trainer)
+    out = {}
+    for step in range(1, steps + 1):
+        trainer.prepare_data(step)
+        calls = [trainer.sample(step)["ids"].tolist() for _ in range(K)]
+        out[step] = (str(harness.outcome(step)), calls)
+        harness.observe(step, rows=float(sum(len(c) for c in calls)), reward_mean=float(step))
+    return out, harness.close(), trainer
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under `root` with its size and modification time (ns)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file() or p.is_dir()}
+
+
+def rows_of(step: int, lo: int, hi: int) -> list:
+    return [step * 1000 + g for g in range(lo, hi)]
+
+
+def test_the_key_is_checked():
+    assert settings_from({"replay_from": " auto "}).replay_from == "auto"
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: empty"):
+        settings_from({"replay_from": ""})
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: .*needs two slashes"):
+        settings_from({"replay_from": "s3:/bucket/x"})
+    assert settings_from({}).replay_from is None
+
+
+@pytest.mark.parametrize("K", [2, 1, 8])
+def test_a_k4_recording_serves_another_k_in_recorded_order_and_stays_untouched(tmp_path, K, caplog):
+    run(tmp_path, 4, 3)
+    source = tmp_path / "rig_reshard" / "GBS8_N2_K4_W1"
+    (source / INDEX_NAME).unlink()       # a scan that may write would write it again
+    before = snapshot(source)
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        served, summary, trainer = run(tmp_path, K, 3, replay_from="auto")
+    assert trainer.generated == 0 and summary.hits == 3 and summary.misses == 0
+    each = 16 // K
+    for step, (outcome, calls) in served.items():
+        assert outcome == "hit"
+        assert calls == [rows_of(step, i * each, (i + 1) * each) for i in range(K)]
+    assert snapshot(source) == before            # read only: nothing written, no lock, no index rewritten
+    own = tmp_path / "rig_reshard" / ("GBS8_N2" if K == 1 else f"GBS8_N2_K{K}_W1")
+    assert not [p for p in own.iterdir() if p.name.isdigit()] if own.exists() else True
+    log = caplog.text
+    assert f"step 2: hit, K={K}, loaded" in log and f"served re-chunked from K=4 to K={K}" in log
+    line = summary.replay_line
+    assert "diverged" not in line and "values recorded at K=4; rows not compared (they depend on K); " \
+        "reward_mean compared within rtol=0.0001" in line, line
+
+
+def test_without_replay_from_another_k_generates(tmp_path):
+    run(tmp_path, 4, 2)
+    served, summary, trainer = run(tmp_path, 2, 2)
+    assert summary.misses == 2 and trainer.generated == 4
+
+
+def test_a_path_serves_the_same_as_auto_and_a_missing_step_is_generated_into_the_runs_own(tmp_path, caplog):
+    run(tmp_path, 4, 2)
+    source = tmp_path / "rig_reshard" / "GBS8_N2_K4_W1"
+    before = snapshot(source)
+    served, summary, trainer = run(tmp_path, 2, 3, replay_from=str(source))
+    assert [served[s][0] for s in (1, 2, 3)] == ["hit", "hit", "miss"] and trainer.generated == 2
+    assert snapshot(source) == before and not (source / "3").exists()
+    own = tmp_path / "rig_reshard" / "GBS8_N2_K2_W1"
+    assert sorted(p.name for p in own.iterdir() if p.name.isdigit()) == ["3"]   # only what it generated
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        served, summary, trainer = run(tmp_path, 2, 3, replay_from=str(source))
+    assert trainer.generated == 0 and summary.hits == 3
+    assert "step 2: hit, K=2" in caplog.text and "served re-chunked from K=4 to K=2" in caplog.text
+    step3 = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 3: hit")]
+    assert step3 and "served" not in step3[0]                # from its own namespace, at its own K
+    assert served[3][1] == [rows_of(3, 0, 8), rows_of(3, 8, 16)]
+
+
+def test_another_batch_is_a_config_error_naming_the_key(tmp_path):
+    run(tmp_path, 4, 1)
+    source = tmp_path / "rig_reshard" / "GBS8_N2_K4_W1"
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: .*another batch "
+                                          r"\(data\.train_batch_size: the recording has 8, this run has 16\)"):
+        run(tmp_path, 2, 1, replay_from=str(source), train_batch_size=16)
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: .*another generator \(seed: cache has 0, "
+                                          r"this run has 1\)"):
+        run(tmp_path, 2, 1, replay_from=str(source), fingerprint={"seed": 1})
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: .*not a namespace name"):
+        run(tmp_path, 2, 1, replay_from=str(tmp_path / "rig_reshard"))
+
+
+def test_auto_with_no_recording_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: auto: no namespace under .*rig_reshard "
+                                          r"holds this run's batch"):
+        run(tmp_path, 2, 1, replay_from="auto")
+    run(tmp_path, 2, 1)          # its own namespace holds the batch: auto serves from it, no error
+    served, summary, _ = run(tmp_path, 2, 1, replay_from="auto")
+    assert summary.hits == 1
+
+
+def test_auto_picks_the_recording_with_the_most_steps(tmp_path, caplog):
+    run(tmp_path, 4, 1)
+    run(tmp_path, 8, 2)
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        served, summary, trainer = run(tmp_path, 2, 2, replay_from="auto")
+    assert trainer.generated == 0
+    assert "serving from GBS8_N2_K8_W1 (K=8, W=1, 2 complete steps: the most of the 2 recordings" in caplog.text
+    assert "also holding it: GBS8_N2_K4_W1" in caplog.text
+
+
+def test_values_at_another_k_compare_only_rollout_values_and_a_real_difference_diverges(tmp_path):
+    run(tmp_path, 4, 2)
+    settings = {"enable": True, "dump_dir": str(tmp_path), "replay_from": "auto"}
+    harness = SkipHarness.create(settings, namespace={**NS, "K": 2}, fingerprint={"seed": 0})
+    trainer = reshard_rig.Trainer(2, 1, 0)
+    harness.wrap(trainer)
+    trainer.prepare_data(1)
+    trainer.sample(1), trainer.sample(1)
+    harness.observe(1, rows=99.0, reward_mean=1.0)         # rows depends on K: not compared
+    trainer.prepare_data(2)
+    trainer.sample(2), trainer.sample(2)
+    harness.observe(2, rows=16.0, reward_mean=2.5)         # the rollouts' reward is not the recorded one
+    line = harness.close().replay_line
+    assert line.startswith("replay diverged at step 2 (reward_mean 2 recorded, 2.5 now)"), line
+
+
+def test_a_step_in_the_runs_own_namespace_is_served_from_there_first(tmp_path, caplog):
+    run(tmp_path, 4, 2)
+    run(tmp_path, 2, 1)              # this K's own recording of step 1
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        served, summary, trainer = run(tmp_path, 2, 2, replay_from="auto")
+    assert trainer.generated == 0 and summary.hits == 2
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines[0].startswith("step 1: hit, K=2") and "served" not in lines[0], lines
+    assert lines[1].endswith("served re-chunked from K=4 to K=2"), lines
+
+
+def test_merged_gives_the_steps_rows_as_this_run_was_served_them(tmp_path):
+    run(tmp_path, 4, 1)
+    harness = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path), "replay_from": "auto"},
+                                 namespace={**NS, "K": 2}, fingerprint={"seed": 0})
+    trainer = reshard_rig.Trainer(2, 1, 0)
+    harness.wrap(trainer)
+    trainer.prepare_data(1)
+    trainer.sample(1), trainer.sample(1)
+    try:
+        assert harness.merged(1)["ids"].tolist() == rows_of(1, 0, 16)
+    finally:
+        harness.close()

@@ -1,0 +1,138 @@
+"""Issue 28, items 4 and 5, end to end: `scripts/train.py` recorded once at K = 4 and replayed at another K and
+in the other modes with `skip.rollout_tq.replay_from`, generating nothing; torchrun runs re-sharded 2 -> 1,
+1 -> 2 and 2 -> 4 ranks, the global batch checked by content (tests/reshard_rig.py); and the same from an
+`s3://` cache on a real S3-compatible server."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from s3server import s3_server  # noqa: F401  (fixture)
+from test_replay_from import snapshot
+from test_train_e2e import TINY, TRAIN, env_for, metrics, train
+
+pytestmark = pytest.mark.slow
+
+RIG = REPO / "tests" / "reshard_rig.py"
+SWEEP = ["trainer.experiment_name=sweep", "trainer.total_training_steps=3"]
+K4 = ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4"]
+
+
+def log_of(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+def test_a_k4_recording_serves_sync_and_colocate_async_generating_nothing(tmp_path):
+    train(tmp_path, *SWEEP, *K4, run="record")
+    source = tmp_path / "cache" / "sweep_skip_harness_demo" / "GBS8_N2_in6_out6_K4_W1"
+    before = snapshot(source)
+    replays = {   # another K in separate_async: the sweep below
+        "sync": (["trainer_mode=sync"], 1),
+        "colocate": (["trainer_mode=colocate_async"], 1),
+    }
+    for run, (overrides, K) in replays.items():
+        where = "auto" if run != "colocate" else str(source)
+        proc = train(tmp_path, *SWEEP, *overrides, f"skip.rollout_tq.replay_from={where}", run=run)
+        rows = metrics(tmp_path / run)
+        assert [r["cache"] for r in rows] == ["hit"] * 3, run
+        log = log_of(proc)
+        assert f"step 3: hit, K={K}, loaded" in log and f"served re-chunked from K=4 to K={K}" in log, log
+        assert "0 misses" in log and "diverged" not in log, log
+        assert (f"replay: 3 of 3 served steps reproduced (2 values each); re-chunked from K=4 to K={K}: values "
+                "recorded at K=4; approx_kl, clip_frac, grad_norm, loss not compared (they depend on K); "
+                "response_len, reward_mean compared within rtol=0.0001") in log, log
+    assert snapshot(source) == before
+
+
+def test_a_sweep_over_k_with_replay_from_generates_nothing(tmp_path):
+    """`parameter_sync_step=1,2,4,8` swept over one recording (Hydra's basic launcher) generates nothing."""
+    train(tmp_path, *SWEEP, *K4, run="record")
+    cmd = [sys.executable, str(TRAIN), "-m", f"hydra.sweep.dir={tmp_path / 'multirun'}",
+           *TINY, *SWEEP, "trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1,2,4,8",
+           "skip.rollout_tq.replay_from=auto"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, log_of(proc)
+    jobs = sorted((tmp_path / "multirun").glob("*_separate_async_K*"))
+    assert len(jobs) == 4
+    for job in jobs:
+        assert [r["cache"] for r in metrics(job)] == ["hit"] * 3, job
+    log = log_of(proc)
+    assert log.count("0 misses") == 4, log
+    for K in (1, 2, 8):
+        assert f"step 3: hit, K={K}, loaded" in log and f"served re-chunked from K=4 to K={K}" in log, log
+    assert "served re-chunked from K=4 to K=4" not in log     # K = 4 is served from its own namespace
+    assert "diverged" not in log
+
+
+def rig(tmp_path: Path, nproc: int, K: int, out: str, *extra: str, env=None, dump=None) -> dict:
+    launcher = [sys.executable, str(RIG)] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(RIG)]
+    cmd = [*launcher, str(dump or tmp_path / "cache"), str(K), "3", str(tmp_path / out), *extra]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, log_of(proc)
+    return {r: json.loads((tmp_path / out / f"rank{r}.json").read_text()) for r in range(nproc)}
+
+
+def assert_global_batch(ranks: dict, K: int) -> None:
+    """Every rank's calls, in the recorded order (call-major, rank-minor), are the step's whole global
+    batch in order: the same rows, in the same order, as recorded; and each rank's part is the one it
+    would have generated at this K and W."""
+    W = len(ranks)
+    for step in ("1", "2", "3"):
+        assert all(ranks[r]["steps"][step]["outcome"] == "hit" for r in ranks)
+        in_order = [row for i in range(K) for r in range(W) for row in ranks[r]["steps"][step]["calls"][i]]
+        assert in_order == [int(step) * 1000 + g for g in range(16)], in_order
+    assert all(ranks[r]["generated"] == 0 for r in ranks)
+
+
+@pytest.mark.parametrize("record, replay", [((2, 2), (1, 2)), ((1, 4), (2, 4)), ((2, 2), (4, 1))],
+                         ids=["2-to-1", "1-to-2", "2-to-4"])
+def test_torchrun_resharded_global_batch_is_the_recorded_one(tmp_path, record, replay):
+    (W0, K0), (W1, K1) = record, replay
+    rig(tmp_path, W0, K0, "record")
+    ns = tmp_path / "cache" / "rig_reshard" / f"GBS8_N2_K{K0}_W{W0}"
+    before = snapshot(ns)
+    ranks = rig(tmp_path, W1, K1, "replay", "auto")
+    assert_global_batch(ranks, K1)
+    assert snapshot(ns) == before
+    line = ranks[0]["summary"]
+    if K0 == K1:
+        assert line == f"replay: 3 of 3 served steps reproduced (1 values each); re-sharded from W={W0} to W={W1}; " \
+                       "compared within rtol=0.0001", line
+    else:
+        assert f"re-chunked from K={K0} to K={K1}" in line and f"re-sharded from W={W0} to W={W1}" in line, line
+
+
+def test_demo_recorded_on_two_ranks_replays_on_one_within_the_named_tolerance(tmp_path):
+    mode = ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2", *SWEEP]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN),
+           f"hydra.run.dir={tmp_path / 'record'}", *TINY, *mode]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, log_of(proc)
+    proc = train(tmp_path, *mode, "skip.rollout_tq.replay_from=auto", run="replay")
+    log = log_of(proc)
+    assert "step 3: hit, K=2" in log and "served re-sharded from W=2 to W=1" in log, log
+    assert "replay: 3 of 3 served steps reproduced (6 values each); re-sharded from W=2 to W=1; compared within " \
+           "rtol=0.0001" in log, log
+    assert [r["cache"] for r in metrics(tmp_path / "replay")] == ["hit"] * 3
+
+
+def test_s3_recording_on_one_rank_serves_two(tmp_path, s3_server):  # noqa: F811  (fixture)
+    bucket = s3_server.create_bucket()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(s3_server.env("writer"))
+    env["SKIP_HARNESS_OBJSTORE_TIMEOUT_S"] = "10"
+    url = f"s3://{bucket}/cache"
+    rig(tmp_path, 1, 4, "record", env=env, dump=url)
+    keys = s3_server.keys(bucket, "cache/rig_reshard/GBS8_N2_K4_W1/")
+    ranks = rig(tmp_path, 2, 2, "replay", f"{url}/rig_reshard/GBS8_N2_K4_W1", env=env, dump=url)
+    assert_global_batch(ranks, 2)
+    assert s3_server.keys(bucket, "cache/rig_reshard/GBS8_N2_K4_W1/") == keys     # nothing written there
+    assert "re-chunked from K=4 to K=2" in ranks[0]["summary"] and "re-sharded from W=1 to W=2" in ranks[0]["summary"]
+    assert not (tmp_path / "s3:").exists()
