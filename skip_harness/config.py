@@ -66,6 +66,9 @@ class RolloutTQConfig:
     replay_atol: float = 0.0
     # Value keys left out of the check (fnmatch patterns, case-insensitive): timings by default.
     replay_ignore: List[str] = field(default_factory=lambda: list(DEFAULT_REPLAY_IGNORE))
+    # The second tier (docs/api.md#the-second-tier): store rewards and reference log-probs with a step and
+    # serve them on a replay whose validity keys match (False: every phase runs, nothing is stored).
+    tier: bool = True
 
     def __post_init__(self) -> None:
         key = ROLLOUT_TQ_KEY
