@@ -194,7 +194,10 @@ class TierPhases:
                                 saved=saved, reason=reason)
 
     def summary(self) -> Dict[str, PhaseTime]:
-        return {name: PhaseTime(t.spent_s, t.saved_s, t.served, t.computed) for name, t in self.times.items()}
+        """Each phase's time: the reward, then the reference, then the others in the order they first ran."""
+        order = sorted(self.times, key=lambda name: {REWARD: 0, REFERENCE: 1}.get(name, 2))
+        return {name: PhaseTime(self.times[name].spent_s, self.times[name].saved_s, self.times[name].served,
+                                self.times[name].computed) for name in order}
 
 
 __all__ = ["REFERENCE", "REWARD", "TierPhases", "key_changes", "phase_label"]
