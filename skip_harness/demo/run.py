@@ -62,6 +62,10 @@ def demo_settings(cfg: DemoConfig):
         n_heads=arr.model.n_heads,
         clip_ratio=arr.actor.clip_ratio,
         val_size=cfg.data.val_batch_size,
+        use_kl_loss=arr.actor.use_kl_loss,
+        kl_loss_coef=arr.actor.kl_loss_coef,
+        reward_cost_s=cfg.reward_model.cost_s,
+        reward_noise=cfg.reward_model.noise,
     )
 
 
@@ -96,6 +100,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
 
     trainer = DemoTrainer(demo_settings(demo), accelerator)
     harness.wrap(trainer)
+    trainer.phase = lambda name, step, compute, key: harness.phase(name, step, compute, key=key)  # the second tier
     total = demo.trainer.total_training_steps
     say = log.info if dist.is_main else log.debug
     say(

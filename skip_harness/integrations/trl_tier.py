@@ -18,14 +18,12 @@ function's side effects (``log_metric``, ``log_extra``) do not happen when its r
 """
 from __future__ import annotations
 
-import inspect
 import json
 from typing import Any, Callable, Dict, List
 
 import torch
-import xxhash
 
-from skip_harness.run.tier import REFERENCE, REWARD
+from skip_harness.run.tier import REFERENCE, REWARD, digest_text, source_digest, weights_digest
 
 REWARD_METHOD = "_calculate_rewards"
 LOGPS_METHOD = "_get_per_token_logps_and_entropies"
@@ -35,36 +33,17 @@ REFERENCE_ARGS = ("temperature", "per_device_train_batch_size", "cast_lm_head_to
 _WEIGHTS_DIGEST_MAX = 2_000_000_000      # bytes of weights hashed at attach; a bigger model is keyed by config
 
 
-def _digest_text(text: str) -> str:
-    return xxhash.xxh3_64_hexdigest(text.encode())
-
-
-def source_digest(fn: Any) -> str:
-    """A digest of a function's source (a callable object: its class's), else of its qualified name."""
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
-    try:
-        return _digest_text(inspect.getsource(target))
-    except (OSError, TypeError):
-        return _digest_text(f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}")
-
-
 def model_digest(model: Any) -> Dict[str, str]:
     """A model's name or path, a digest of its config and (up to a size) of its weights."""
     config = getattr(model, "config", None)
     name = str(getattr(config, "_name_or_path", "") or type(model).__name__)
     out = {"path": name}
     if config is not None and hasattr(config, "to_dict"):
-        out["config"] = _digest_text(json.dumps(config.to_dict(), sort_keys=True, default=str))
-    params = list(model.state_dict().items()) if hasattr(model, "state_dict") else []
-    total = sum(t.numel() * t.element_size() for _, t in params)
-    if params and total <= _WEIGHTS_DIGEST_MAX:
-        h = xxhash.xxh3_64()
-        for key, t in params:
-            t = t.detach().cpu().contiguous()
-            h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
-            if t.numel():
-                h.update(t.view(torch.uint8).numpy().tobytes())
-        out["weights"] = h.hexdigest()
+        out["config"] = digest_text(json.dumps(config.to_dict(), sort_keys=True, default=str))
+    if hasattr(model, "state_dict"):
+        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        if 0 < total <= _WEIGHTS_DIGEST_MAX:
+            out["weights"] = weights_digest(model)
     return out
 
 
@@ -136,4 +115,4 @@ def install(trainer: Any, harness: Any) -> Callable[[], None]:
 
 
 __all__ = ["LOGPS_METHOD", "REFERENCE_ARGS", "REWARD_METHOD", "install", "model_digest", "reference_key",
-           "reward_key", "source_digest"]
+           "reward_key"]

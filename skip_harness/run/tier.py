@@ -22,9 +22,12 @@ Trainer's thread only.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+
+import xxhash
 
 from skip_harness.errors import StoreError
 from skip_harness.run.stats import HIT, MISS, PhaseTime
@@ -54,6 +57,34 @@ def key_changes(recorded: Mapping[str, str], now: Mapping[str, str]) -> List[str
         elif recorded[comp] != now[comp]:
             out.append(f"{comp} changed")
     return out
+
+
+def digest_text(text: str) -> str:
+    """A short digest of a text (a key component's value)."""
+    return xxhash.xxh3_64_hexdigest(text.encode())
+
+
+def source_digest(fn: Any) -> str:
+    """A digest of a function's source (a callable object: its class's), else of its qualified name: the
+    key component that changes when a reward function is edited."""
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    try:
+        return digest_text(inspect.getsource(target))
+    except (OSError, TypeError):
+        return digest_text(f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}")
+
+
+def weights_digest(module: Any) -> str:
+    """A digest of a torch module's weights (names, dtypes, shapes and bytes of its state dict)."""
+    import torch
+
+    h = xxhash.xxh3_64()
+    for name, t in module.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class TierPhases:
@@ -200,4 +231,5 @@ class TierPhases:
                                 self.times[name].computed) for name in order}
 
 
-__all__ = ["REFERENCE", "REWARD", "TierPhases", "key_changes", "phase_label"]
+__all__ = ["REFERENCE", "REWARD", "TierPhases", "digest_text", "key_changes", "phase_label", "source_digest",
+           "weights_digest"]
