@@ -236,3 +236,23 @@ def test_the_tier_on_another_backend(url, tmp_path):
     assert torch.equal(got.values["r"], torch.arange(4.0)) and got.record.seconds == 0.2
     assert store.read(3, "reward", REWARD_KEY, 0, 0, commit_created=2.0) is None      # another write of the step
     assert store.read(3, "reward", {"other": "x"}, 0, 0, commit_created=1.5) is None
+
+
+@pytest.mark.slow
+def test_the_tier_bench_reports_both_ratios(tmp_path):
+    """scripts/bench_tier.py --quick as a user runs it: both replay_step_ratio figures are there and sane (never
+    how fast: speed is the bench's to report), and the replay with the tier reproduced the recording."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_tier.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--json", "--work-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    for key in ("replay_step_ratio_tier", "replay_step_ratio_no_tier", "tier_record_step_s", "tier_reward_cost_s"):
+        assert isinstance(doc[key], float) and doc[key] > 0, key
+    assert doc["tier_replay_reproduced"] is True
+    assert "reward 0.0s spent" in proc.stderr             # the replay with the tier ran no reward
+    assert not list(tmp_path.iterdir())                   # its work dir removed
