@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -256,3 +257,72 @@ def test_the_tier_bench_reports_both_ratios(tmp_path):
     assert doc["tier_replay_reproduced"] is True
     assert "reward 0.0s spent" in proc.stderr             # the replay with the tier ran no reward
     assert not list(tmp_path.iterdir())                   # its work dir removed
+
+
+# --------------------------------------------------------------------------- every backend
+from s3server import s3_server  # noqa: E402,F401  (fixture)
+from test_backend import make_ns  # noqa: E402,F401  (fixture: posix, memory, s3 on a moto server)
+
+
+def test_the_tier_on_every_backend(make_ns):
+    """Create-only, checksummed, bound to the commit record, listed per key, removed with its step: on POSIX,
+    in memory and on S3 alike."""
+    ns = make_ns()
+    store = TierStore(ns)
+    data = store.encode({"r": torch.arange(4.0), "names": ["a", "b"]})
+    assert store.write(3, "reward", 0, 0, REWARD_KEY, data, commit_created=1.5, seconds=0.2)
+    assert not store.write(3, "reward", 0, 0, REWARD_KEY, store.encode(torch.zeros(1)), commit_created=1.5, seconds=0.1)
+    other = {"reward function length_reward": "v2"}
+    assert store.write(3, "reward", 0, 0, other, data, commit_created=1.5, seconds=0.3)
+    got = store.read(3, "reward", REWARD_KEY, 0, 0, commit_created=1.5)
+    assert torch.equal(got.values["r"], torch.arange(4.0)) and got.values["names"] == ["a", "b"]
+    assert got.record.seconds == 0.2 and got.record.key == REWARD_KEY
+    assert store.read(3, "reward", REWARD_KEY, 0, 0, commit_created=2.0) is None      # another write of the step
+    assert {r.digest for r in store.keys(3, "reward")} == {key_digest(REWARD_KEY), key_digest(other)}
+    assert ns.remove_step(3) > 0
+    assert store.read(3, "reward", REWARD_KEY, 0, 0, commit_created=1.5) is None and not store.step_records(3)
+
+
+# --------------------------------------------------------------------------- the demo
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _demo(tmp_path, *overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from skip_harness.demo import TINY_OVERRIDES
+    from skip_harness.demo.config import register_demo_configs
+    from skip_harness.demo.run import train
+
+    register_demo_configs()
+    OmegaConf.register_new_resolver("skip_harness_run_id", lambda: "run", replace=True)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY_OVERRIDES, "trainer.total_training_steps=3", "trainer.torch_threads=1",
+                                           f"skip.rollout_tq.dump_dir={tmp_path / 'cache'}", *overrides])
+    GlobalHydra.instance().clear()
+    return train(cfg, run_dir=tmp_path / "run")
+
+
+NOISY_DEMO = ("trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2",
+              "reward_model.noise=0.5", "actor_rollout_ref.actor.use_kl_loss=true")
+
+
+def test_the_demo_replays_a_noisy_reward_and_its_kl_term_exactly_with_the_tier(tmp_path, caplog):
+    first = _demo(tmp_path, *NOISY_DEMO)
+    assert set(first.summary.phases) == {"reward", "reference"} and first.summary.phases["reward"].computed == 6
+    assert all(row["kl_loss"] >= 0 for row in first.metrics)
+    again = _demo(tmp_path, *NOISY_DEMO)
+    assert again.summary.replay_line.startswith("replay: 3 of 3 served steps reproduced ("), again.summary.replay_line
+    assert again.summary.phases["reward"].served == 6 and again.summary.phases["reference"].served == 6
+    with caplog.at_level(logging.WARNING, logger="skip_harness"):
+        off = _demo(tmp_path, *NOISY_DEMO, "skip.rollout_tq.tier=false")
+    assert off.summary.replay_line.startswith("replay diverged at step 1 (reward_mean "), off.summary.replay_line
+    assert off.summary.phases["reward"].computed == 6
+
+
+def test_the_demos_reward_and_kl_term_are_off_by_default(tmp_path):
+    run = _demo(tmp_path)
+    assert run.summary.phases == {} and "kl_loss" not in run.metrics[0]

@@ -129,7 +129,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
         if bar is not None:
             bar.set_postfix(cache=row["cache"], loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", refresh=False)
             bar.update(1)
-        harness.observe(step, **metrics)   # recorded with a generated step; checked on a served one
+        # recorded with a generated step; checked on a served one: the reward first, the loss it moves after
+        harness.observe(step, **{"reward_mean": metrics["reward_mean"], **metrics})
 
     t0 = time.perf_counter()
     if bar is not None:

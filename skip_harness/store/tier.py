@@ -192,22 +192,20 @@ class TierStore:
     def keys(self, step: int, phase: str, *, commit_created: Optional[float] = None) -> List[TierRecord]:
         """One record per key stored for (step, phase), newest first (for saying which component of a
         key changed); with `commit_created`, only those bound to that write of the step."""
-        prefix = f"{TIER_DIR}/{int(step)}/{_check_phase(phase)}"
-        out: List[TierRecord] = []
+        prefix = f"{TIER_DIR}/{int(step)}/{_check_phase(phase)}/"
+        first: Dict[str, str] = {}           # digest -> the key of one of its records
         try:
-            digests = [e.name for e in self.backend.list_dir(prefix)]
+            for e in self.backend.storage.list(prefix):
+                digest, _, name = e.key[len(prefix):].partition("/")
+                if name.endswith(RECORD_SUFFIX) and (digest not in first or e.key < first[digest]):
+                    first[digest] = e.key
         except (OSError, CorruptStepError):
-            return out
-        for d in digests:
-            try:
-                names = sorted(e.name for e in self.backend.storage.list(f"{prefix}/{d}/")
-                               if e.name.endswith(RECORD_SUFFIX))
-            except (OSError, CorruptStepError):
-                continue
-            for name in names[:1]:
-                rec = self.record_at(f"{prefix}/{d}/{name}")
-                if rec is not None and (commit_created is None or rec.commit_created == commit_created):
-                    out.append(rec)
+            return []
+        out: List[TierRecord] = []
+        for key in first.values():
+            rec = self.record_at(key)
+            if rec is not None and (commit_created is None or rec.commit_created == commit_created):
+                out.append(rec)
         return sorted(out, key=lambda r: r.recorded, reverse=True)
 
     def record_at(self, key: str) -> Optional[TierRecord]:
