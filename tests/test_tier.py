@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -197,10 +198,15 @@ def test_a_corrupt_entry_is_recomputed_with_a_warning(tmp_path, caplog):
 def test_a_regenerated_step_is_not_served_its_old_tier(tmp_path):
     """A step removed and generated again is other rollouts: the tier bound to its old commit is not served."""
     run(tmp_path, steps=(0,))
-    ns = namespace_of_run(tmp_path)
-    ns.remove_step(0)
+    root = tmp_path / "c" / "e_p" / "K2_W1"
+    shutil.rmtree(root / "0")                 # the step gone, its tier left behind (a step rewritten in place)
+    _, t, counts, _, _ = run(tmp_path, steps=(0,), tier=False)      # generated again, no tier written
+    assert t.calls == 2
+    _, t, counts, _, _ = run(tmp_path, steps=(0,))                   # a hit: the stale tier is not served
+    assert t.calls == 0 and counts == {"reward": 2, "reference": 2}
+    # the new write of the step replaced the stale entries: a replay serves them
     _, t, counts, _, _ = run(tmp_path, steps=(0,))
-    assert t.calls == 2 and counts == {"reward": 2, "reference": 2}
+    assert t.calls == 0 and counts == {"reward": 0, "reference": 0}
 
 
 def test_a_step_generated_with_sync_writes_stores_its_tier_too(tmp_path):

@@ -131,20 +131,25 @@ class TierStore:
     def write(self, step: int, phase: str, inner: int, rank: int, key: Mapping[str, str], data: bytes, *,
               commit_created: Optional[float], seconds: float) -> bool:
         """Store `data` (`encode`'s bytes) for (step, phase, inner, rank) under `key`, create-only: the
-        values, then the record. False when an entry for that key is there already (it is kept, never
-        replaced). Raises the storage's errors."""
+        values, then the record. False when this write of the step (`commit_created`) has an entry for
+        that key already (it is kept, never replaced); an entry bound to an earlier write of the step, or
+        values left without their record, are removed first. Raises the storage's errors."""
         digest = key_digest(key)
         stem = entry_stem(step, phase, digest, inner, rank)
         storage = self.backend.storage
-        if storage.stat(stem + RECORD_SUFFIX) is not None:
-            return False
+        there = self.record_at(stem + RECORD_SUFFIX)
+        if there is not None and there.commit_created == commit_created:
+            return False                    # this write of the step has its entry: kept, never replaced
+        if there is not None or storage.stat(stem + RECORD_SUFFIX) is not None \
+                or storage.stat(stem + VALUES_SUFFIX) is not None:
+            # an entry of an earlier write of the step (removed and generated again since), an unreadable
+            # record, or values whose record never landed (an interrupted write): gone first, record first
+            for suffix in (RECORD_SUFFIX, VALUES_SUFFIX):
+                self.backend.locker.fence(key=stem + suffix)
+                storage.delete(stem + suffix)
         self.backend.locker.fence(key=stem + VALUES_SUFFIX)
         if storage.put_if_absent(stem + VALUES_SUFFIX, data) is None:
-            # values without a record: a write interrupted before its record, or another run's. Only
-            # the same bytes may be completed with a record.
-            there = storage.get(stem + VALUES_SUFFIX)
-            if there is None or checksum_bytes(there) != checksum_bytes(data):
-                return False
+            return False                    # another writer got there first
         doc = {
             "format": TIER_FORMAT, "step": int(step), "phase": phase, "inner": int(inner), "rank": int(rank),
             "digest": digest, "key": {str(k): str(v) for k, v in key.items()}, "size": len(data),
