@@ -68,8 +68,8 @@ def run(tmp_path, steps=(0, 1, 2), K=2, reward_key=REWARD_KEY, ref_key=REF_KEY, 
         state["step"] = s
         batches = [t.generate([f"p{s}-{i}", "q"]) for i in range(K)]
         for b in batches:
-            r = h.phase("reward", s, lambda: reward(b), key=reward_key)
-            ref = h.phase("reference", s, lambda: reference(b), key=ref_key)
+            r = h.phase("reward", s, lambda b=b: reward(b), key=reward_key)
+            ref = h.phase("reference", s, lambda b=b: reference(b), key=ref_key)
             got.append((r, ref))
     summary = h.close()
     return h, t, counts, got, summary
@@ -270,7 +270,7 @@ from s3server import s3_server  # noqa: E402,F401  (fixture)
 from test_backend import make_ns  # noqa: E402,F401  (fixture: posix, memory, s3 on a moto server)
 
 
-def test_the_tier_on_every_backend(make_ns):
+def test_the_tier_on_every_backend(make_ns):  # noqa: F811  (the fixture imported above)
     """Create-only, checksummed, bound to the commit record, listed per key, removed with its step: on POSIX,
     in memory and on S3 alike."""
     ns = make_ns()
@@ -332,3 +332,27 @@ def test_the_demo_replays_a_noisy_reward_and_its_kl_term_exactly_with_the_tier(t
 def test_the_demos_reward_and_kl_term_are_off_by_default(tmp_path):
     run = _demo(tmp_path)
     assert run.summary.phases == {} and "kl_loss" not in run.metrics[0]
+
+
+@pytest.mark.parametrize("key", ["reward_model.cost_s", "reward_model.noise", "actor_rollout_ref.actor.kl_loss_coef"])
+def test_the_demos_tier_keys_refuse_a_negative_value_naming_the_key(key):
+    from skip_harness.demo.config import to_demo_config
+    from skip_harness.errors import ConfigError
+
+    section, _, leaf = key.rpartition(".")
+    cfg: dict = {}
+    node = cfg
+    for part in section.split("."):
+        node = node.setdefault(part, {})
+    node[leaf] = -1.0
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        to_demo_config(cfg)
+
+
+def test_the_tier_setting_is_a_bool_off_by_hydras_words():
+    from omegaconf import OmegaConf
+
+    from skip_harness.config import rollout_tq_from
+
+    assert rollout_tq_from({}).tier is True
+    assert rollout_tq_from(OmegaConf.create({"skip": {"rollout_tq": {"tier": "off"}}})).tier is False

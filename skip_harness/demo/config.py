@@ -110,10 +110,10 @@ class DemoConfig:
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
-        for key, value in (("reward_model.cost_s", self.reward_model.cost_s), ("reward_model.noise", self.reward_model.noise),
-                           ("actor_rollout_ref.actor.kl_loss_coef", self.actor_rollout_ref.actor.kl_loss_coef)):
-            if not value >= 0:
-                raise ConfigError(key, f"must be >= 0, got {value}")
+        for name, amount in (("reward_model.cost_s", self.reward_model.cost_s), ("reward_model.noise", self.reward_model.noise),
+                             ("actor_rollout_ref.actor.kl_loss_coef", self.actor_rollout_ref.actor.kl_loss_coef)):
+            if not amount >= 0:
+                raise ConfigError(name, f"must be >= 0, got {amount}")
         threads = self.trainer.torch_threads
         if threads is not None and threads < 1:
             raise ConfigError("trainer.torch_threads", f"must be >= 1 or null (cores / processes per machine), got {threads}")
