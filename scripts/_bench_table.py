@@ -13,7 +13,8 @@ TARGETS = {"s3_save_ratio": 1.1, "s3_load_ratio": 1.1, "save_ratio": 1.05, "load
            "step_vs_floor_ratio": 1.02, "hit_vs_floor_ratio": 1.02, "s3_hit_vs_floor_ratio": 1.02,
            "scan_index_ratio": 0.1,
            "scan_10k_s": 0.25, "load_peak_mem_ratio": 1.1, "disk_ratio": 0.35, "step_overhead_ratio_zstd": 1.05,
-           "hit_overhead_ratio_zstd": 1.05, "concurrent_hit_ratio": 1.1}
+           "hit_overhead_ratio_zstd": 1.05, "concurrent_hit_ratio": 1.1,
+           "replay_step_ratio_tier": 0.2}
 
 
 
@@ -79,6 +80,11 @@ def render_table(r: Dict[str, Any]) -> str:
         + (row(f"{r['concurrent_replays']} replays at once vs a lone one", f"{r['concurrent_hit_s']:.3f} s",
                f"{r['lone_hit_s']:.3f} s", f"{r['concurrent_hit_ratio']:.2f}", tgt("concurrent_hit_ratio"))
            if "concurrent_hit_ratio" in r else "")
+        + (row("second tier: replay step / recorded step", f"{r['tier_replay_step_s']:.3f} s",
+               f"{r['tier_record_step_s']:.3f} s", f"{r['replay_step_ratio_tier']:.3f}", tgt("replay_step_ratio_tier"))
+           + row("  the same, tier off (reward, reference rerun)", f"{r['tier_replay_no_tier_step_s']:.3f} s",
+                 f"{r['tier_record_step_s']:.3f} s", f"{r['replay_step_ratio_no_tier']:.3f}")
+           if "replay_step_ratio_tier" in r else "")
         + "\n"
         + (f"bytes the concurrent replays wrote into the namespace: {r['replays_bytes_written']}\n"
            if "replays_bytes_written" in r else "")

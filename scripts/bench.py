@@ -282,6 +282,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         result["scan_index_ratio"] = result["scan_10k_s"] / result["scan_full_10k_s"]
         if not args.no_s3:
             result.update(bench_object_store(args))
+        if not args.no_tier:
+            result.update(bench_second_tier(args))
         return result
     finally:
         log.info("removing %s", work)
@@ -309,6 +311,21 @@ def bench_object_store(args: argparse.Namespace) -> Dict[str, Any]:
     return json.loads(proc.stdout)
 
 
+def bench_second_tier(args: argparse.Namespace) -> Dict[str, Any]:
+    """The second tier's rows (issue 32): scripts/bench_tier.py run as a subprocess -- the demo with a
+    reference KL term and a reward costing as much as its generation, recorded and replayed with the
+    tier and without it; replay_step_ratio_tier / _no_tier (its docstring says how)."""
+    script = Path(__file__).resolve().parent / "bench_tier.py"
+    cmd = [sys.executable, str(script), "--json", *(["--quick"] if args.quick else [])]
+    log.info("second tier: the demo replayed with rewards and reference log-probs served, and without")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise BenchError(f"the second tier's rows (scripts/bench_tier.py) failed with exit {proc.returncode}: "
+                         f"{proc.stderr.strip()[-2000:]}")
+    doc = json.loads(proc.stdout)
+    return {k: v for k, v in doc.items() if k.startswith(("tier_", "replay_step_ratio"))}
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -326,6 +343,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None,
                    help="where to write (default: a temp dir, removed at the end); the scan namespaces are kept there for reuse")
     p.add_argument("--no-s3", action="store_true", help="skip the object-store rows (they start a moto S3 server)")
+    p.add_argument("--no-tier", action="store_true", help="skip the second tier's rows (the demo recorded and replayed)")
     p.add_argument("-v", "--verbose", action="store_true", help="also show the harness's own log lines")
     args = p.parse_args(argv)
     defaults = dict(rows=64 if args.quick else 1024, repeats=3 if args.quick else 7,

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -54,9 +55,22 @@ def prompts(n: int, changed: Optional[int] = None) -> List[str]:
     return out
 
 
+REWARD_NOISE = 0.0      # --reward-noise: added uniform noise from the OS (a judge whose scores vary from run to run)
+
+
 def digit_reward(completions: List[str], **_: Any) -> List[float]:
     """Fraction of a completion's characters that are digits: cheap, checkable, varies per sample."""
-    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+    noise = random.SystemRandom()       # never the seeded generators: a replay cannot reproduce it
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) + REWARD_NOISE * noise.random()
+            for text in completions]
+
+
+def digit_reward_edited(completions: List[str], **_: Any) -> List[float]:
+    """`digit_reward` as edited between a recording and its replay (--reward-edited): digits count double."""
+    return [2 * sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+digit_reward_edited.__name__ = "digit_reward"     # the same reward function, its source changed
 
 
 # --------------------------------------------------------------------------- one training run
@@ -76,13 +90,26 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
 
     torch.set_num_threads(opts.threads)
     generations: Counter = Counter()
+    phases: Counter = Counter()
+    global REWARD_NOISE
+    REWARD_NOISE = opts.reward_noise
 
     class CountingGRPOTrainer(GRPOTrainer):
-        """Counts the generation calls that really ran (a hit never reaches this method)."""
+        """Counts the generation calls, reward computations and reference forwards that really ran
+        (a hit, and a phase served from the cache's second tier, never reach these methods)."""
 
         def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
             generations["train" if self.model.training else "eval"] += 1
             return super()._generate_single_turn(*args, **kwargs)
+
+        def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Any:
+            phases["reward"] += self.model.training
+            return super()._calculate_rewards(*args, **kwargs)
+
+        def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+            if model is self.ref_model and self.model.training:
+                phases["reference"] += 1
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     model_dir = build_assets(Path(opts.workdir) / "model")
     train = Dataset.from_dict({"prompt": prompts(opts.prompts, opts.changed_prompt)})
@@ -111,11 +138,11 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
         per_device_eval_batch_size=2 * opts.num_generations,
     )
     trainer = CountingGRPOTrainer(
-        model=str(model_dir), reward_funcs=digit_reward, args=args, train_dataset=train, eval_dataset=evaluate,
+        model=str(model_dir), reward_funcs=digit_reward_edited if opts.reward_edited else digit_reward, args=args, train_dataset=train, eval_dataset=evaluate,
     )
     harness = None
     if not opts.no_cache:
-        harness = attach(trainer, dump_dir=opts.dump_dir, experiment_name="trl_demo")
+        harness = attach(trainer, dump_dir=opts.dump_dir, experiment_name="trl_demo", tier=not opts.no_tier)
     t0 = time.perf_counter()
     trainer.train()
     wall_s = time.perf_counter() - t0
@@ -124,6 +151,7 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
         "wall_s": wall_s,
         "log_history": trainer.state.log_history,
         "generation_calls": dict(generations),
+        "phase_calls": dict(phases),
         # after train() the harness is closed and TRL's own generation method is back
         "trainer_untouched_after": "_generate_single_turn" not in trainer.__dict__,
     }
@@ -131,6 +159,8 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
         summary = harness.summary()
         result["summary"] = {k: getattr(summary, k) for k in ("hits", "misses", "repeats", "off", "uncommitted",
                                                               "gen_s_spent", "gen_s_saved")}
+        result["summary"]["phases"] = {name: {"spent_s": t.spent_s, "saved_s": t.saved_s, "served": t.served,
+                                              "computed": t.computed} for name, t in summary.phases.items()}
         result["outcomes"] = {s: harness.outcome(s) for s in range(opts.steps)}
         result["namespace"] = str(harness.layout.root)
         result["replay"] = summary.replay_line
@@ -183,6 +213,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: let TRL use the GPU")
     p.add_argument("--no-cache", action="store_true", help="run TRL without the harness")
+    p.add_argument("--no-tier", action="store_true", help="skip.rollout_tq.tier=false: rewards and reference "
+                   "log-probs are recomputed on a replay")
+    p.add_argument("--reward-noise", type=float, default=0.0, help="add this much OS-random noise to each reward")
+    p.add_argument("--reward-edited", action="store_true", help="use an edited digit_reward (its source differs)")
     opts = p.parse_args(argv)
     opts.own_workdir = opts.workdir is None   # made here: removed when the run ends
     if opts.workdir is None:
@@ -249,6 +283,8 @@ def run(opts: argparse.Namespace, argv: List[str]) -> int:
         "replay_wall_s": round(replay["wall_s"], 3),
         "record_generation_calls": record["generation_calls"],
         "replay_generation_calls": replay["generation_calls"],
+        "record_phase_calls": record["phase_calls"],
+        "replay_phase_calls": replay["phase_calls"],
         "untouched_after_train": record["trainer_untouched_after"] and replay["trainer_untouched_after"],
         "record_summary": record.get("summary"),
         "replay_summary": replay.get("summary"),

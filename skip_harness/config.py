@@ -87,6 +87,9 @@ class RolloutTQConfig:
     # Serve from another recording of the same batch (a namespace path or URL, or `auto`), re-chunked to
     # this run's K and re-sharded to its ranks; read only. None: this run's own namespace.
     replay_from: Optional[str] = None
+    # The second tier (docs/api.md#the-second-tier): store rewards and reference log-probs with a step and
+    # serve them on a replay whose validity keys match (False: every phase runs, nothing is stored).
+    tier: bool = True
 
     def __post_init__(self) -> None:
         key = ROLLOUT_TQ_KEY

@@ -297,3 +297,58 @@ def test_tiny_llama_is_saved_once_from_its_seed_and_leaves_the_callers_random_st
     assert (tmp_path / "a" / "config.json").stat().st_mtime_ns == mtime
     tokenizer = AutoTokenizer.from_pretrained(first)
     assert tokenizer.decode(tokenizer("1+2=")["input_ids"], skip_special_tokens=True) == "1+2="
+
+
+# --------------------------------------------------------------------------- the second tier (issue 32)
+@pytest.fixture(scope="module")
+def noisy(tmp_path_factory):
+    """A recording whose reward is noisy (OS randomness: no seed reproduces it) and whose loss has a KL
+    term against a reference model (beta > 0)."""
+    workdir = tmp_path_factory.mktemp("trl_noisy")
+    out = workdir / "runs"
+    out.mkdir()
+    record, _ = _run("record", workdir, workdir / "cache", out, *NOISY)
+    return SimpleNamespace(workdir=workdir, dump_dir=workdir / "cache", record=record)
+
+
+NOISY = ("--steps", "3", "--beta", "0.04", "--reward-noise", "0.5", "--eval-steps", "0")
+
+
+@pytest.mark.slow
+def test_a_noisy_reward_and_the_reference_are_served_and_replay_bit_identical(noisy, tmp_path):
+    record = noisy.record
+    assert record["phase_calls"] == {"reward": 3, "reference": 3}
+    replay, stderr = _run("replay", noisy.workdir, _copy_cache(noisy, tmp_path), tmp_path, *NOISY)
+    assert replay["phase_calls"] == {} and replay["generation_calls"] == {}   # no reward function, no reference forward
+    assert differing(record, replay) == []
+    assert replay["replay"].startswith("replay: 3 of 3 served steps reproduced"), replay["replay"]
+    phases = replay["summary"]["phases"]
+    assert list(phases) == ["reward", "reference"]
+    assert phases["reward"]["served"] == 3 and phases["reference"]["served"] == 3
+    assert phases["reference"]["spent_s"] == 0.0 and phases["reference"]["saved_s"] > 0
+    assert "; reward 0.0s spent, " in stderr and "; reference 0.0s spent, " in stderr
+
+
+@pytest.mark.slow
+def test_without_the_tier_the_noisy_reward_diverges_and_the_check_names_it(noisy, tmp_path):
+    replay, _ = _run("replay", noisy.workdir, _copy_cache(noisy, tmp_path), tmp_path, *NOISY, "--no-tier")
+    assert replay["phase_calls"] == {"reward": 3, "reference": 3}
+    assert replay["replay"].startswith("replay diverged at step 0 (rewards/digit_reward/mean "), replay["replay"]
+
+
+@pytest.mark.slow
+def test_an_edited_reward_function_is_recomputed_and_said(noisy, tmp_path):
+    replay, stderr = _run("replay", noisy.workdir, _copy_cache(noisy, tmp_path), tmp_path, *NOISY,
+                          "--reward-edited")
+    assert replay["phase_calls"] == {"reward": 3}          # the reference is still served
+    assert "rewards recomputed: reward function digit_reward changed" in stderr
+    assert replay["summary"]["phases"]["reward"]["computed"] == 3
+
+
+def differing(a: dict, b: dict) -> list:
+    sys.path.insert(0, str(DEMO.parent))
+    try:
+        import trl_demo
+    finally:
+        sys.path.pop(0)
+    return trl_demo.differing_keys(a["log_history"], b["log_history"])

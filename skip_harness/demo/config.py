@@ -64,6 +64,20 @@ class OptimConfig:
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     clip_ratio: float = 0.2
+    # verl's KL loss against the reference policy (a frozen copy of the initial one); its log-probs are
+    # the second tier's `reference` phase. Off: the loss and every value are as before.
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+
+
+@dataclass
+class RewardModelConfig:
+    """The demo's reward phase, for the second tier and its bench: off unless one is set."""
+
+    # seconds each reward call spends waiting (a remote judge, a sandbox): the phase's cost
+    cost_s: float = 0.0
+    # noise added to each reward from the OS's randomness (a judge that is not deterministic)
+    noise: float = 0.0
 
 
 @dataclass
@@ -81,6 +95,7 @@ class DemoConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     skip: SkipConfig = field(default_factory=SkipConfig)
 
     def __post_init__(self) -> None:
@@ -95,6 +110,10 @@ class DemoConfig:
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
+        for name, amount in (("reward_model.cost_s", self.reward_model.cost_s), ("reward_model.noise", self.reward_model.noise),
+                             ("actor_rollout_ref.actor.kl_loss_coef", self.actor_rollout_ref.actor.kl_loss_coef)):
+            if not amount >= 0:
+                raise ConfigError(name, f"must be >= 0, got {amount}")
         threads = self.trainer.torch_threads
         if threads is not None and threads < 1:
             raise ConfigError("trainer.torch_threads", f"must be >= 1 or null (cores / processes per machine), got {threads}")

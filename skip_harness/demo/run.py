@@ -63,6 +63,10 @@ def demo_settings(cfg: DemoConfig):
         n_heads=arr.model.n_heads,
         clip_ratio=arr.actor.clip_ratio,
         val_size=cfg.data.val_batch_size,
+        use_kl_loss=arr.actor.use_kl_loss,
+        kl_loss_coef=arr.actor.kl_loss_coef,
+        reward_cost_s=cfg.reward_model.cost_s,
+        reward_noise=cfg.reward_model.noise,
     )
 
 
@@ -97,6 +101,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
 
     trainer = DemoTrainer(demo_settings(demo), accelerator)
     harness.wrap(trainer)
+    trainer.phase = lambda name, step, compute, key: harness.phase(name, step, compute, key=key)  # the second tier
     total = demo.trainer.total_training_steps
     say = log.info if dist.is_main else log.debug
     say(
@@ -125,7 +130,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
         if bar is not None:
             bar.set_postfix(cache=row["cache"], loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", refresh=False)
             bar.update(1)
-        harness.observe(step, **metrics)   # recorded with a generated step; checked on a served one
+        # recorded with a generated step; checked on a served one: the reward first, the loss it moves after
+        harness.observe(step, **{"reward_mean": metrics["reward_mean"], **metrics})
 
     t0 = time.perf_counter()
     if bar is not None:

@@ -29,7 +29,8 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+import random
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import accelerate
 import torch
@@ -37,6 +38,7 @@ import torch
 from skip_harness.config import TRAINER_MODES
 from skip_harness.demo.policy import Policy, PolicyConfig, sequence_logprobs
 from skip_harness.demo.task import SortTask, derive_seed
+from skip_harness.run.tier import REFERENCE, REWARD, digest_text, source_digest, weights_digest
 
 log = logging.getLogger("skip_harness.demo")
 
@@ -66,6 +68,10 @@ class DemoSettings:
     clip_ratio: float = 0.2
     val_size: int = 32
     max_grad_norm: float = 1.0
+    use_kl_loss: bool = False          # a KL term against the reference policy (verl's use_kl_loss, low_var_kl)
+    kl_loss_coef: float = 0.001
+    reward_cost_s: float = 0.0         # > 0 or reward_noise > 0: rewards come from the reward phase
+    reward_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in TRAINER_MODES:
@@ -132,6 +138,12 @@ class DemoTrainer:
         )
         actor = Policy(self.policy_config, seed=settings.seed)
         self.rollout = copy.deepcopy(actor).requires_grad_(False)  # the rollout engine's own weights
+        # the reference policy of the KL term: the initial weights, frozen (verl's ref)
+        self.ref = copy.deepcopy(actor).requires_grad_(False) if settings.use_kl_loss else None
+        # how a phase computed from a step's rollouts runs: `run.train` routes it through the harness's
+        # second tier (SkipHarness.phase), which may serve it from the cache instead
+        self.phase: Callable[[str, int, Callable[[], Any], Mapping[str, str]], Any] = \
+            lambda name, step, compute, key: compute()
         optimizer = torch.optim.Adam(actor.parameters(), lr=settings.lr)
         self.actor, self.optimizer = accelerator.prepare(actor, optimizer)
         self.val_prompts = self.task.validation_prompts(settings.seed, settings.val_size).tensor_split(
@@ -218,6 +230,12 @@ class DemoTrainer:
         prompts, responses = batch["prompts"], batch["responses"]
         mask = batch["response_mask"].to(torch.float32)
         old_logprobs, rewards = batch["old_logprobs"], batch["rewards"]
+        if s.reward_cost_s > 0 or s.reward_noise > 0:
+            rewards = self.phase(REWARD, step, lambda: self.judge(prompts, responses), self.reward_key())
+        ref_logprobs = None
+        if self.ref is not None:
+            ref_logprobs = self.phase(REFERENCE, step, lambda: self.reference_logprobs(prompts, responses),
+                                      self.reference_key())
         advantages = group_advantages(rewards, s.n).unsqueeze(1)
 
         self.actor.train()
@@ -233,6 +251,12 @@ class DemoTrainer:
         all_tokens = self.accelerator.reduce(mask.sum().detach(), reduction="sum").clamp_min(1.0)
         tokens = all_tokens / self.world_size
         loss = (per_token * mask).sum() / tokens
+        kl_loss = None
+        if ref_logprobs is not None:     # verl's low_var_kl, clamped as verl clamps it
+            d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+            kl = (d.exp() - d - 1.0).clamp(-10.0, 10.0)
+            kl_loss = (kl * mask).sum() / tokens
+            loss = loss + s.kl_loss_coef * kl_loss
 
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(loss)
@@ -250,9 +274,45 @@ class DemoTrainer:
                 approx_kl,
                 torch.as_tensor(grad_norm, dtype=torch.float32),
             ]).to(torch.float32)
+            if kl_loss is not None:
+                local = torch.cat([local, kl_loss.detach().reshape(1).to(torch.float32)])
         reduced = self.accelerator.reduce(local, reduction="mean")
-        names = ("loss", "reward_mean", "response_len", "clip_frac", "approx_kl", "grad_norm")
+        names = ("loss", "reward_mean", "response_len", "clip_frac", "approx_kl", "grad_norm", "kl_loss")
         return dict(zip(names, reduced.tolist()))
+
+    # ------------------------------------------------------------------ the second tier's phases
+
+    def judge(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """The reward phase: the task's reward, after `reward_cost_s` seconds of waiting (a remote judge,
+        a sandbox), plus `reward_noise` x uniform noise from the OS (no seed reproduces it)."""
+        s = self.settings
+        rewards = self.task.reward(prompts, responses)
+        if s.reward_cost_s > 0:
+            time.sleep(s.reward_cost_s)
+        if s.reward_noise > 0:
+            noise = random.SystemRandom()
+            rewards = rewards + s.reward_noise * torch.tensor([noise.random() for _ in range(len(rewards))])
+        return rewards
+
+    def reward_key(self) -> Dict[str, str]:
+        """The reward phase's validity key: the reward's source and its noise setting."""
+        if not hasattr(self, "_reward_key"):
+            self._reward_key = {"reward function sort_reward": source_digest(SortTask.reward) + source_digest(SortTask.targets),
+                                "reward config noise": repr(self.settings.reward_noise)}
+        return self._reward_key
+
+    def reference_logprobs(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """The reference phase: the frozen reference policy's per-token log-probs of the responses."""
+        with torch.no_grad():
+            return sequence_logprobs(self.ref, prompts, responses, self.settings.temperature)
+
+    def reference_key(self) -> Dict[str, str]:
+        """The reference phase's validity key: the reference's weights and the temperature it reads."""
+        if not hasattr(self, "_reference_key"):
+            self._reference_key = {"reference model weights": weights_digest(self.ref),
+                                   "reference model code": digest_text(source_digest(sequence_logprobs)),
+                                   "reference setting temperature": repr(self.settings.temperature)}
+        return self._reference_key
 
     def validate(self, step: int) -> Dict[str, float]:
         """Greedy decoding on the held-out prompts with the current weights: ``{"val_reward": ...}``."""

@@ -9,13 +9,16 @@
 
 What is cached
     The return of ``GRPOTrainer._generate_single_turn``: the completion token ids of one generation
-    call and, where the generator returns them (vLLM), the sampling log-probs. Nothing downstream of
-    it is cached: decoding, rewards, advantages, the log-probs under the current weights, the
-    reference model's log-probs, the loss and every logged metric are recomputed on a replay. So a
-    replay may change the training side (learning rate, ``beta``, loss type, clipping, reward
-    weighting): it then trains on the recorded completions, which is what the cache is for. It is
-    stored as tensors (flat ids, per-completion lengths, flat log-probs when there are any) and
-    handed back to TRL as the exact lists the generator returned.
+    call and, where the generator returns them (vLLM), the sampling log-probs. It is stored as tensors
+    (flat ids, per-completion lengths, flat log-probs when there are any) and handed back to TRL as
+    the exact lists the generator returned. Beside it, the second tier (``trl_tier``): the rewards per
+    reward function (``_calculate_rewards``) and, with ``beta > 0``, the reference model's log-probs,
+    each served on a replay while its own key (the reward functions' sources; the reference model and
+    its settings) is unchanged, recomputed and said otherwise (``tier=False`` turns it off). The rest
+    is recomputed on a replay: advantages, the log-probs under the current weights, the loss and every
+    logged metric. So a replay may change the training side (learning rate, ``beta``, loss type,
+    clipping, reward weighting): it then trains on the recorded completions, which is what the cache
+    is for.
 
 How it is keyed
     step = ``trainer.state.global_step`` (the optimizer step, 0-based: ``first_step=0``), inner
@@ -57,6 +60,7 @@ from skip_harness.integrations.trl_keys import (  # noqa: F401  (re-exported: im
     GENERATION_ARGS, NOT_TRAINING_ARGS, digest, generation_fingerprint, generations_per_step, namespace_for,
     prompt_digest, training_config,
 )
+from skip_harness.integrations import trl_tier
 from skip_harness.integrations.trl_payload import Generation, decode_generation, encode_generation  # noqa: F401
 
 __all__ = [
@@ -69,6 +73,17 @@ log = logging.getLogger("skip_harness")
 
 #: The GRPOTrainer method whose result is cached: the narrowest one returning all a generation produced.
 GENERATION_METHOD = "_generate_single_turn"
+
+
+#: Log keys computed from the rollouts and their rewards alone: the replay check compares them first, so a
+#: divergence names its earliest cause (a reward that differs, before the loss it moves).
+ROLLOUT_SIDE_PREFIXES = ("rewards/", "reward", "completions/", "num_tokens", "frac_reward_zero_std")
+
+
+def rollout_side_first(logs: Mapping[str, Any]) -> dict:
+    """A log entry with the rollout-side values first (in their order), then the rest."""
+    first = {k: v for k, v in logs.items() if str(k).startswith(ROLLOUT_SIDE_PREFIXES)}
+    return {**first, **{k: v for k, v in logs.items() if k not in first}}
 
 
 # --------------------------------------------------------------------------- attach
@@ -144,10 +159,12 @@ def attach(
         call_digest=prompt_digest,
     )
     setattr(trainer, GENERATION_METHOD, generation)
+    undo_tier = trl_tier.install(trainer, harness)     # rewards and reference log-probs: the second tier
 
     def detach() -> None:
         if trainer.__dict__.get(GENERATION_METHOD) is generation:
             del trainer.__dict__[GENERATION_METHOD]
+        undo_tier()
         harness.unwrap()
 
     class _Lifecycle(TrainerCallback):
@@ -168,7 +185,7 @@ def attach(
             if self.done or not logs or "loss" not in logs or "train_runtime" in logs:
                 return
             try:
-                harness.observe(state.global_step - 1, **logs)
+                harness.observe(state.global_step - 1, **rollout_side_first(logs))
             except ReplayDivergedError:       # replay_check=error: the run stops here, closed and reported
                 self.done = True
                 try:

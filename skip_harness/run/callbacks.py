@@ -48,6 +48,11 @@ class HarnessCallback:
         training-side keys whose values differ from the recorded run's, as (key, recorded, now); ``stopping``
         True when ``replay_check=error`` raises ReplayDivergedError right after)."""
 
+    def on_phase(self, *, step: int, phase: str, served: bool, seconds: float, saved: float, **kwargs: Any) -> None:
+        """A second-tier phase (`reward`, `reference`, ...: run.tier) of a step was served from the cache
+        (``saved``: the seconds it cost when recorded) or run (``seconds``; ``reason``: why a served step's
+        phase ran again, '' otherwise; ``inner_index``: which call of the step)."""
+
     def on_end(self, *, summary: RunSummary, **kwargs: Any) -> None:
         """The harness closed."""
 
@@ -92,6 +97,9 @@ class CallbackDispatcher(HarnessCallback):
 
     def on_replay_divergence(self, **kwargs: Any) -> None:
         self._notify("on_replay_divergence", **kwargs)
+
+    def on_phase(self, **kwargs: Any) -> None:
+        self._notify("on_phase", **kwargs)
 
     def on_end(self, **kwargs: Any) -> None:
         self._notify("on_end", **kwargs)
@@ -182,6 +190,8 @@ def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size:
         + "; "
         f"generation {s.gen_s_spent:.1f}s spent, {s.gen_s_saved:.1f}s saved; loading {s.load_s:.1f}s"
     )
+    for name, t in getattr(s, "phases", {}).items():      # the second tier's phases (run.tier)
+        line += f"; {name} {t.spent_s:.1f}s spent, {t.saved_s:.1f}s saved"
     replay = getattr(s, "replay_line", "")
     if replay:
         line += f"; {replay}"

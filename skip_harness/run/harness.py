@@ -37,8 +37,10 @@ from skip_harness.run.source import Source, load_regrouped, start_source
 from skip_harness.run.startup import StartupResult, start_namespace
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
+from skip_harness.run.tier import TierPhases
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.stepstore import StepStore
+from skip_harness.store.tier import TierStore
 from skip_harness.store.values import flatten_config, new_run_id
 
 _DEFAULT = object()
@@ -86,6 +88,7 @@ class SkipHarness:
         self._prefetcher: Optional[Prefetcher] = None
         self._values: Optional[ValuesTracker] = None
         self._follower: Optional[Follower] = None
+        self._tier: Optional[TierPhases] = None
         self._training_config = None if training_config is None else flatten_config(training_config)
         self.callbacks = CallbackDispatcher(self._user_callbacks)
 
@@ -253,6 +256,7 @@ class SkipHarness:
         self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
         # a reader writes no rollouts, but its values (small JSON files beside the steps: store.values)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
+from skip_harness.store.tier import TierStore
                                      dist.is_main and (not read_only or bool(shared_with)), self._training_config)
         self._values.run_id = new_run_id() if dist.is_main else None   # a replay's values go under it
         self._follower = Follower(store, self.settings, self.fingerprint, dist, shared_with) if shared_with else None
@@ -329,7 +333,26 @@ class SkipHarness:
         summary = (self._runner.stats if self._runner is not None else RunStats()).summary()
         if self._values is not None:
             summary = dataclasses.replace(summary, replay=self._values.report())
+        if self._tier is not None and self._tier.times:
+            summary = dataclasses.replace(summary, phases=self._tier.summary())
         return summary
+
+    # ----------------------------------------------------------------- the second tier
+    def phase(self, name: str, step: int, compute: Callable[[], Any], *, key: Mapping[str, Any],
+              index: Optional[int] = None) -> Any:
+        """Run `compute()` -- a phase computed from `step`'s rollouts by a part training does not change
+        (`"reward"`, `"reference"`, or a name of yours) -- or serve what it returned when the step was
+        recorded. `key` is the phase's validity key, {component: value} (`{"reward function
+        digit_reward": <digest of its source>}`): on a step served from the cache, values stored under
+        the same key are verified and returned and `compute` is not called; otherwise `compute` runs
+        and, for a generated step (after its commit) or a served step without them, its values are
+        stored (tensors, containers, scalars: the payload kinds). `index` numbers the step's calls of
+        this phase (by default in call order: 0, 1, ...). With `skip.rollout_tq.tier=false`, caching
+        off, before start or after close, `compute` just runs. Call it after the step's `sample`
+        calls (the step must be decided). docs/api.md#the-second-tier."""
+        if self._tier is None or self._closed or not self.enabled:
+            return compute()
+        return self._tier.run(str(name), operator.index(step), compute, key, index)
 
     # ----------------------------------------------------------------- what each step produced
     def observe(self, step: int, /, **values: Any) -> None:
@@ -368,6 +391,7 @@ class SkipHarness:
         try:
             self._runner.finish()
         finally:
+            self._tier.close()
             self._prefetcher.close()
             if not self._coordinator.close():
                 self._fault(str(self._runner.store.layout.root), "the writer did not finish in time; "

@@ -76,6 +76,17 @@ class StepRecord:
     served_from: str = ""      # a hit from another recording (replay_from): `re-chunked from K=4 to K=2`, ...
 
 
+@dataclass
+class PhaseTime:
+    """A second-tier phase's time in the run (run.tier): seconds spent running it, seconds saved by serving
+    its stored values (what they cost when recorded), and how many calls were served or computed."""
+
+    spent_s: float = 0.0
+    saved_s: float = 0.0
+    served: int = 0
+    computed: int = 0
+
+
 @dataclass(frozen=True)
 class RunSummary:
     hits: int
@@ -92,6 +103,15 @@ class RunSummary:
     load_s: float
     bytes_not_written: int = 0   # a read-only cache: what the misses generated, which nothing wrote
     replay: Any = None      # a run.replay.ReplayReport: did the served steps reproduce their recorded values
+    phases: Dict[str, PhaseTime] = field(default_factory=dict)   # the second tier: reward, reference, ...
+
+    @property
+    def phases_line(self) -> str:
+        """`generation 0.0s spent, 41.2s saved; reward 0.0s spent, 12.4s saved; reference ...`: the
+        time each phase cost and saved (generation, then the second tier's phases, run.tier)."""
+        parts = [f"generation {self.gen_s_spent:.1f}s spent, {self.gen_s_saved:.1f}s saved"]
+        parts += [f"{name} {t.spent_s:.1f}s spent, {t.saved_s:.1f}s saved" for name, t in self.phases.items()]
+        return "; ".join(parts)
 
     @property
     def replay_line(self) -> str:

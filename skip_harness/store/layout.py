@@ -27,6 +27,7 @@ LOCK_NAME = ".lock"
 LOCK_HOLDER_NAME = ".lock.holder.json"
 QUARANTINE_DIR = ".quarantine"
 VALUES_DIR = ".values"          # what each step produced when recorded (store.values): {step}.json
+TIER_DIR = ".tier"              # a step's second tier (store.tier): rewards, reference log-probs
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 

@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 from skip_harness.errors import CorruptStepError
-from skip_harness.store.layout import COMMIT_NAME, QUARANTINE_DIR, TMP_PREFIX, TRASH_PREFIX, VALUES_DIR, parse_step_name
+from skip_harness.store.layout import (
+    COMMIT_NAME, QUARANTINE_DIR, TIER_DIR, TMP_PREFIX, TRASH_PREFIX, VALUES_DIR, parse_step_name,
+)
 from skip_harness.store.locking import Hold, Locker, RunMarkers, StorageRunMarkers
 from skip_harness.store.storage import DIR, FILE, LINK, LINK_WHAT, TEMPORARY, Entry, Storage
 
@@ -213,7 +215,10 @@ class Namespace:
         bound to its commit record) go with it: no orphan is left behind in `.values/`."""
         key = f"{VALUES_DIR}/{int(step)}.json"
         self.locker.fence(key=key)
-        return self.storage.delete(key)
+        freed = self.storage.delete(key)
+        tier = f"{TIER_DIR}/{int(step)}"       # its second tier (store.tier) too
+        self.locker.fence(key=tier)
+        return freed + self.storage.delete_prefix(tier + "/")
 
     def set_aside(self, step: int, reason: str = "") -> str:
         """Move the step out of the namespace's steps, under `.quarantine/`; returns where it went. One
