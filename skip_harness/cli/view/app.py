@@ -43,6 +43,10 @@ _HEADERS = {
 }
 
 
+FAVICON = (b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '
+           b'fill="#1d2330"/><path d="M4 11h8M4 8h5M4 5h8" stroke="#cfe0ff" stroke-width="1.6"/></svg>')
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, float):
         return None
@@ -93,6 +97,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
                 return await run_in_threadpool(fn, request)
             except pages.NotFound as exc:
                 return error(404, "not found", str(exc), api)
+            except pages.BadQuery as exc:
+                return error(400, "bad request", str(exc), api)
             except (SkipHarnessError, OSError) as exc:
                 logger.warning("%s: %s", request.url.path, exc)
                 return error(502, "cannot read the cache", f"{type(exc).__name__}: {exc}", api)
@@ -119,7 +125,14 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
 
     def trajectory_page(request: Request) -> Response:
         return html("trajectory", pages.trajectory(cache, ns_of(request), step_of(request),
-                                                   request.path_params["ref"], decoder))
+                                                   request.path_params["ref"], decoder,
+                                                   request.query_params.get("color", "")))
+
+    def bad_step(request: Request) -> Response:
+        raise pages.BadQuery(f"step {request.path_params['step']!r} is not a step number")
+
+    def favicon(request: Request) -> Response:
+        return Response(FAVICON, media_type="image/svg+xml", headers=_HEADERS)
 
     def compare_page(request: Request) -> Response:
         a, b, step = _compare_args(request)
@@ -171,9 +184,12 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
 
     routes = [
         Route("/", handler(overview_page)),
+        Route("/favicon.ico", favicon),
         Route("/compare", handler(compare_page)),
         Route("/ns/{key:path}/step/{step:int}/t/{ref}", handler(trajectory_page)),
         Route("/ns/{key:path}/step/{step:int}", handler(step_page)),
+        Route("/ns/{key:path}/step/{step}/t/{ref}", handler(bad_step)),
+        Route("/ns/{key:path}/step/{step}", handler(bad_step)),
         Route("/ns/{key:path}/charts", handler(charts_page)),
         Route("/ns/{key:path}", handler(namespace_page)),
         Route("/api/namespaces", handler(api_namespaces, True)),

@@ -14,6 +14,7 @@ from skip_harness.cli.view import charts
 from skip_harness.cli.view.data import Cache, Namespace, StepRead
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
 from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last, group_size_of, step_table
+from skip_harness.cli.view.values import default_order
 from skip_harness.store import scan as _scan
 
 SORT_KEYS = ("stored", "reward", "advantage", "length", "group")
@@ -25,6 +26,10 @@ VALUE_CHARTS = 12            # recorded values charted (the first keys, in sorte
 
 class NotFound(Exception):
     """A namespace, step or trajectory the cache does not have; the message says which."""
+
+
+class BadQuery(Exception):
+    """A URL parameter that means nothing (a reward bound that is not a number...); the message says which."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,11 +179,19 @@ class StepQuery:
 
     @classmethod
     def from_params(cls, params: Any) -> "StepQuery":
+        """The query, or BadQuery naming the parameter a URL got wrong (never silently ignored)."""
         page = params.get("page", "1")
         sort = params.get("sort", "stored")
+        if not (page.isdigit() and int(page) > 0):
+            raise BadQuery(f"page={page!r}: a page is a number from 1")
+        if sort not in SORT_KEYS:
+            raise BadQuery(f"sort={sort!r}: sort by one of {', '.join(SORT_KEYS)}")
+        for name in ("min_reward", "max_reward"):
+            text = params.get(name, "")
+            if text.strip() and _number(text) is None:
+                raise BadQuery(f"{name}={text!r} is not a number")
         return cls(params.get("q", "")[:200], params.get("min_reward", ""), params.get("max_reward", ""),
-                   sort if sort in SORT_KEYS else "stored", "desc" if params.get("order") == "desc" else "asc",
-                   params.get("color", ""), int(page) if page.isdigit() and int(page) > 0 else 1)
+                   sort, "desc" if params.get("order") == "desc" else "asc", params.get("color", ""), int(page))
 
 
 def _number(text: str) -> Optional[float]:
@@ -227,11 +240,22 @@ def colour_keys(shown: Sequence[Shown]) -> List[str]:
     return plain + [n for n in names if n not in plain]
 
 
+def _decoder(ns: Namespace, s: Optional[_scan.StepReport], decoder: Decoder) -> Decoder:
+    return decoder.for_namespace(ns.group, _fp_values(s))
+
+
+def _no_step(ns: Namespace, step: int, report: _scan.NamespaceReport) -> NotFound:
+    steps = [r.step for r in report.steps]
+    held = f"it holds steps {steps[0]} .. {steps[-1]}" if steps else "it holds no step"
+    return NotFound(f"{ns.layout.root}: no step {step} ({held})")
+
+
 def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder: Decoder) -> Dict[str, Any]:
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
-        raise NotFound(f"{ns.layout.root}: no step {step}")
+        raise _no_step(ns, step, report)
+    decoder = _decoder(ns, s, decoder)
     steps = [r.step for r in report.steps]
     at = steps.index(step)
     read = cache.read_step(ns, step)
@@ -254,12 +278,19 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
             items.append({"traj": t, "shown": sh})
         shown_groups.append((g, items))
     keys = colour_keys(all_shown)
+    if query.color and keys and query.color not in keys:
+        raise BadQuery(f"color={query.color!r}: colour by one of {', '.join(keys)}")
     color = query.color if query.color in keys else (keys[0] if keys else "")
-    mask = next((k for k in keys if _last(k) in MASK), None)
+    legend_row = None
     for _g, items in shown_groups:
         for it in items:
             it["colour_row"] = token_row(it["shown"], color) if color else None  # type: ignore[arg-type]
-            it["mask_row"] = token_row(it["shown"], mask) if mask else None  # type: ignore[arg-type]
+            legend_row = legend_row or it["colour_row"]
+    legend = _step_scale(color, [it["colour_row"] for _g, items in shown_groups for it in items])
+    for _g, items in shown_groups:          # one scale for the page: the legend's
+        for it in items:
+            if it["colour_row"] is not None and legend is not None:
+                it["colour_row"] = TokenRow(color, it["colour_row"].values, legend.low, legend.high)
     metas = {(i, r): m for i, r, m in read.metas}
     minibatches = []
     for i, r, _payload in read.batches:
@@ -279,8 +310,32 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     ctx.update(vars(query))
     ctx.update(table=table, summary=table.summary(), groups=shown_groups, shown_count=len(rows), page=page,
                pages=pages, page_url=page_url, sort_keys=SORT_KEYS, colour_keys=keys, color=color,
-               minibatches=minibatches, decoder_name=decoder.name)
+               minibatches=minibatches, decoder_name=decoder.name, legend=legend,
+               rewards=[t.reward for t in table.trajectories if t.reward is not None],
+               recorded=_recorded(cache.values(ns, step)), reward_note=_reward_note(table))
     return ctx
+
+
+def _step_scale(name: str, rows: Sequence[Optional[TokenRow]]) -> Optional[TokenRow]:
+    """One colour scale for a page: the range of the field over every shown row's real, unmasked tokens."""
+    got = [r for r in rows if r is not None]
+    if not got:
+        return None
+    return TokenRow(name, [], min(r.low for r in got), max(r.high for r in got))
+
+
+def _recorded(values: Optional[Dict[str, float]]) -> List[Tuple[str, str]]:
+    """The step's recorded values (the trainer's metrics), in the default chart order, then the rest."""
+    if not values:
+        return []
+    return [(k, fmt_value(values[k])) for k in default_order(list(values))]
+
+
+def _reward_note(table: StepTable) -> Optional[str]:
+    if any(t.reward is not None for t in table.trajectories):
+        return None
+    return ("no reward stored with these rollouts (TRL recomputes rewards each step: its logged reward is among "
+            "the recorded values below)")
 
 
 def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
@@ -289,7 +344,7 @@ def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
-        raise NotFound(f"{ns.layout.root}: no step {step}")
+        raise _no_step(ns, step, report)
     read = cache.read_step(ns, step)
     doc: Dict[str, Any] = {"namespace": str(ns.layout.root), "key": ns.key, "step": step, "K": ns.layout.K,
                            "W": ns.layout.W, "status": read.status, "reason": read.reason}
@@ -308,24 +363,30 @@ def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
     return doc
 
 
-def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decoder) -> Dict[str, Any]:
+def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decoder, color: str = "") -> Dict[str, Any]:
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
-        raise NotFound(f"{ns.layout.root}: no step {step}")
+        raise _no_step(ns, step, report)
     read = cache.read_step(ns, step)
     if not read.ok:
         raise NotFound(f"step {step} of {ns.layout.root} is {read.status}: {read.reason}")
+    decoder = _decoder(ns, s, decoder)
     table = step_table(read.batches, group_size_of(_fp_values(s)))
-    t = table.find(ref)
-    if t is None:
+    at = next((k for k, t in enumerate(table.trajectories) if t.ref == ref), None)
+    if at is None:
         raise NotFound(f"step {step} of {ns.layout.root} has no trajectory {ref} (inner.rank.index)")
+    t = table.trajectories[at]
     shown = show(t, decoder)
     keys = colour_keys([shown])
-    mask = next((k for k in keys if _last(k) in MASK), None)
+    if color and keys and color not in keys:
+        raise BadQuery(f"color={color!r}: colour by one of {', '.join(keys)}")
+    color = color if color in keys else (keys[0] if keys else "")
     return {"ns": ns, "step": step, "traj": t, "shown": shown, "advantage_computed": table.advantage_computed,
-            "colour_row": token_row(shown, keys[0]) if keys else None,
-            "mask_row": token_row(shown, mask) if mask else None}
+            "colour_row": token_row(shown, color) if color else None, "colour_keys": keys, "color": color,
+            "prev_ref": table.trajectories[at - 1].ref if at > 0 else None,
+            "next_ref": table.trajectories[at + 1].ref if at + 1 < len(table.trajectories) else None,
+            "count": len(table.trajectories), "position": at + 1, "decoder_name": decoder.name}
 
 
 # --------------------------------------------------------------------------------------------

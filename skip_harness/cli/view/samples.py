@@ -28,6 +28,7 @@ RESPONSE_TEXT = ("response_text", "completion", "completions", "completion_text"
 REWARD = ("rewards", "reward", "scores", "score", "token_level_rewards", "token_level_scores", "rm_scores")
 ADVANTAGE = ("advantages", "advantage")
 MASK = ("response_mask", "completion_mask", "loss_mask")
+ATTENTION_MASK = ("attention_mask",)
 GROUP = ("uid", "prompt_uid", "group", "group_id", "prompt_id")
 LENGTHS = ("lengths", "response_length", "response_lengths")
 KEYS = ("keys",)           # verl's trajectory keys {uid}_{session}_{index}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from jinja2 import DictLoader, Environment, select_autoescape
 from markupsafe import Markup
 
-from skip_harness.cli.view.style import CSS, adv_colour, colour, fmt, tokens_html
+from skip_harness.cli.view.style import CSS, adv_colour, colour, fmt, histogram_svg, legend_html, per_token_html, tokens_html
 
 BASE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -77,6 +77,10 @@ STEP = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }}{% 
 reward mean {{ fmt(summary.reward_mean) }} ± {{ fmt(summary.reward_std) }} (min {{ fmt(summary.reward_min) }}, max {{ fmt(summary.reward_max) }}) ·
 length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% if table.advantage_computed %} · advantages computed (GRPO: group-normalised reward){% endif %}
 {% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
+{% if rewards %}<p class="facts">rewards {{ histogram_svg(rewards) }}</p>{% endif %}
+{% if reward_note %}<p class="note" id="reward-note">{{ reward_note }}</p>{% endif %}
+{% if recorded %}<details id="recorded" class="fold"{% if reward_note %} open{% endif %}><summary>the step's recorded values ({{ recorded|length }})</summary>
+<table class="grid-table small values-table"><tbody>{% for k, v in recorded %}<tr><th class="mono">{{ k }}</th><td class="num">{{ v }}</td></tr>{% endfor %}</tbody></table></details>{% endif %}
 <table id="minibatches" class="grid-table small"><thead><tr><th>inner index</th><th>rank</th><th>trajectories</th><th>generation</th><th>fields</th></tr></thead><tbody>
 {% for mb in minibatches %}<tr><td class="num">{{ mb.inner }}</td><td class="num">{{ mb.rank }}</td><td class="num">{{ mb.n }}</td><td class="num">{{ mb.gen }}</td><td class="mono">{{ mb.fields }}</td></tr>{% endfor %}
 </tbody></table>
@@ -88,17 +92,21 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 <label>order <select name="order">{% for k in ("asc", "desc") %}<option{% if k == order %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
 <label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
 <button type="submit">apply</button> <a href="/ns/{{ ns.key }}/step/{{ step }}">reset</a></form>
+{{ legend_html(legend) }}
 <p class="facts" id="shown">{{ shown_count }} of {{ summary.trajectories }} trajectories shown{% if pages > 1 %} · page {{ page }} of {{ pages }}
 {% if page > 1 %}<a href="{{ page_url(page - 1) }}">previous page</a>{% endif %} {% if page < pages %}<a href="{{ page_url(page + 1) }}">next page</a>{% endif %}{% endif %}</p>
 {% for group, members in groups %}<section class="group"><h3>group <span class="mono uid">{{ group }}</span> · {{ members|length }} sample{{ "s" if members|length != 1 }}</h3>
 {% set first = members[0] %}<div class="prompt"><span class="label">prompt</span>
-{% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens_html(first.shown.prompt_tokens, None, None) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}</div>
+{% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens_html(first.shown.prompt_tokens) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}
+{% if first.shown.prompt_folded %}<details class="fold"><summary>… {{ first.shown.prompt_folded }} more prompt tokens ({{ first.shown.prompt_tokens|length + first.shown.prompt_folded }} in all{% if first.shown.prompt_padding %}, {{ first.shown.prompt_padding }} padding dropped{% endif %})</summary><div class="rest">{{ first.shown.prompt_rest }}</div></details>
+{% elif first.shown.prompt_tokens is not none %}<span class="facts small">{{ first.shown.prompt_tokens|length }} tokens{% if first.shown.prompt_padding %} ({{ first.shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</div>
 <table class="samples grid-table"><thead><tr><th>trajectory</th><th>reward</th><th>advantage</th><th>length</th><th>response</th></tr></thead><tbody>
 {% for t in members %}<tr class="sample" data-ref="{{ t.traj.ref }}"><td><a class="traj-link" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">{{ t.traj.ref }}</a></td>
 <td class="num">{{ fmt(t.traj.reward) }}</td><td class="num" style="color:{{ adv_colour(t.traj.advantage) }}">{{ fmt(t.traj.advantage) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
 <td class="response">{% if t.shown.response_text is not none %}<pre class="text">{{ t.shown.response_text }}</pre>{% endif %}
-{% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.mask_row) }}{% endif %}
-{% if t.shown.truncated %}<a class="more" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">… {{ t.shown.truncated }} more tokens</a>{% endif %}</td></tr>{% endfor %}
+{% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.shown.masked) }}{% endif %}
+{% if t.shown.truncated %}<details class="fold"><summary>… {{ t.shown.truncated }} more tokens ({{ t.shown.response_real }} in all{% if t.shown.response_padding %}, padding dropped{% endif %})</summary><div class="rest">{{ t.shown.rest }}</div>
+<a class="more" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">coloured, with every per-token value</a></details>{% endif %}</td></tr>{% endfor %}
 </tbody></table></section>{% endfor %}
 {% endif %}
 {% endblock %}"""
@@ -106,17 +114,22 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 TRAJECTORY = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }} {{ traj.ref }}{% endblock %}
 {% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a> / <a href="/ns/{{ ns.key }}/step/{{ step }}">step {{ step }}</a> / {{ traj.ref }}{% endblock %}
 {% block main %}
-<h1>step {{ step }}, trajectory {{ traj.ref }}</h1>
+<nav class="trajnav">{% if prev_ref %}<a id="prev-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ prev_ref }}{% if color %}?color={{ color|urlencode }}{% endif %}">← {{ prev_ref }}</a>{% endif %}
+<h1>step {{ step }}, trajectory {{ traj.ref }}</h1>{% if next_ref %}<a id="next-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ next_ref }}{% if color %}?color={{ color|urlencode }}{% endif %}">{{ next_ref }} →</a>{% endif %}
+<span class="facts">{{ position }} of {{ count }}</span></nav>
 <p id="traj-facts" class="facts">inner index {{ traj.inner }} · rank {{ traj.rank }} · index {{ traj.index }} · group <span class="mono">{{ traj.group }}</span> ·
-reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b></p>
-<h2>prompt</h2>{% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
-{% if shown.prompt_tokens is not none %}{{ tokens_html(shown.prompt_tokens, None, None) }}{% endif %}
-<h2>response</h2>{% if shown.response_text is not none %}<pre id="response-text" class="text">{{ shown.response_text }}</pre>{% endif %}
-{% if shown.response_tokens is not none %}<div id="response-tokens">{{ tokens_html(shown.response_tokens, colour_row, mask_row) }}</div>{% endif %}
-{% if shown.token_rows %}<h2>per token</h2><div class="pertoken"><table id="per-token" class="grid-table small"><thead><tr><th></th>
-{% for tok in shown.response_tokens or [] %}<th class="mono">{{ tok }}</th>{% endfor %}</tr></thead><tbody>
-{% for row in shown.token_rows %}<tr><th class="mono">{{ row.name }}</th>{% for v in row.values %}<td class="num" {% if v is not none %}style="background:{{ colour(v, row) }}"{% endif %}>{{ '%.3g'|format(v) if v is not none else "-" }}</td>{% endfor %}</tr>{% endfor %}
-</tbody></table></div>{% endif %}
+reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b>
+{% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
+<h2>prompt{% if shown.prompt_tokens is not none %} <span class="facts small">{{ shown.prompt_tokens|length }} tokens{% if shown.prompt_padding %} ({{ shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
+{% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
+{% if shown.prompt_tokens is not none %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens) }}</div>{% endif %}
+<h2>response{% if shown.response_real is not none %} <span class="facts small">{{ shown.response_real }} tokens{% if shown.response_padding %} ({{ shown.response_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
+{% if shown.response_text is not none %}<pre id="response-text" class="text">{{ shown.response_text }}</pre>{% endif %}
+{% if colour_keys %}<form class="controls" method="get"><label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label> <button type="submit">apply</button></form>{% endif %}
+{{ legend_html(colour_row) }}
+{% if shown.response_tokens is not none %}<div id="response-tokens">{{ tokens_html(shown.response_tokens, colour_row, shown.masked) }}</div>{% endif %}
+{% if shown.token_rows %}<h2>per token</h2><details class="fold" id="per-token-values"><summary>every per-token value, a row per token ({{ shown.response_tokens|length if shown.response_tokens else 0 }} rows)</summary>
+{{ per_token_html(shown) }}</details>{% endif %}
 <h2>other fields</h2><table id="fields" class="grid-table small"><tbody>
 {% for k, v in shown.fields.items() %}<tr><th class="mono">{{ k }}</th><td class="mono">{{ v }}</td></tr>{% endfor %}</tbody></table>
 {% endblock %}"""
@@ -154,5 +167,6 @@ def environment() -> Environment:
                                          "trajectory": TRAJECTORY, "compare": COMPARE, "error": ERROR}),
                       autoescape=select_autoescape(default=True, default_for_string=True))
     env.globals.update(css=Markup(CSS), colour=colour, adv_colour=adv_colour, fmt=fmt,
-                       tokens_html=tokens_html)   # our own stylesheet
+                       tokens_html=tokens_html, legend_html=legend_html, histogram_svg=histogram_svg,
+                       per_token_html=per_token_html)   # our own stylesheet
     return env
