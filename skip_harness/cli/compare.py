@@ -238,15 +238,16 @@ def _first_config(reader: Any, steps: Sequence[int]) -> Optional[Dict[str, Any]]
     return None
 
 
-def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
-    """One pair of namespaces, step by step."""
+def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True) -> Dict[str, Any]:
+    """One pair of namespaces, step by step. `read_payloads=False` (the viewer's compare page, which pairs
+    one step's trajectories itself): steps whose checksums differ are not read (`rollouts: "not read"`)."""
     sa, sb = StepStore(la), StepStore(lb)
     ra = {s.step: s for s in _scan.scan_namespace(la, use_index=False).steps}
     rb = {s.step: s for s in _scan.scan_namespace(lb, use_index=False).steps}
     steps_out: List[Dict[str, Any]] = []
     first_values = None
     max_diff: Dict[str, float] = {}
-    same_rollouts = differ_rollouts = same_records = 0
+    same_rollouts = differ_rollouts = same_records = unread = 0
     only = {"a": 0, "b": 0, "neither": 0}
     keys_only: Tuple[Dict[str, None], Dict[str, None]] = ({}, {})
     values_compared = 0
@@ -265,6 +266,9 @@ def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
             row["by"] = "commit records"         # payloads not read
             same_rollouts += 1
             same_records += 1
+        elif not read_payloads:
+            row["rollouts"] = "not read"
+            unread += 1
         else:
             try:
                 content = _content(sa.reader, sb.reader, step, max(la.W, lb.W) if la.W == lb.W else 1)
@@ -304,11 +308,13 @@ def compare_namespaces(la: Layout, lb: Layout) -> Dict[str, Any]:
         "steps": steps_out,
         "rollouts_same": same_rollouts, "rollouts_differ": differ_rollouts,
         "rollouts_same_records": same_records, "payloads_read": same_records < same_rollouts + differ_rollouts,
+        **({"rollouts_not_read": unread} if not read_payloads else {}),
         "steps_only_in_a": only["a"], "steps_only_in_b": only["b"], "steps_in_neither": only["neither"],
         "values": {"steps_compared": values_compared, "first_divergence": first_values,
                    "max_abs_diff": {k: max_diff[k] for k in sorted(max_diff)},
                    "keys_only_in_a": sorted(keys_only[0]), "keys_only_in_b": sorted(keys_only[1])},
-        "identical": differ_rollouts == 0 and first_values is None and not cfg and not only["a"] and not only["b"],
+        "identical": differ_rollouts == 0 and first_values is None and not cfg and not only["a"] and not only["b"]
+        and not unread,
     }
 
 
@@ -320,9 +326,10 @@ def _one_side(a: Optional[_scan.StepReport], b: Optional[_scan.StepReport]) -> O
     return "a" if in_a else "b" if in_b else "neither"
 
 
-def compare(a: str, b: str) -> Dict[str, Any]:
+def compare(a: str, b: str, read_payloads: bool = True) -> Dict[str, Any]:
     """`skip-harness diff A B --json`'s document: A and B are two namespaces, or two cache roots (local
-    paths or object-store URLs; namespaces paired by name). CliError (exit 2) on bad input."""
+    paths or object-store URLs; namespaces paired by name). CliError (exit 2) on bad input.
+    `read_payloads=False`: rollouts compared by their commit records only (see compare_namespaces)."""
     single_a, nsa = _namespaces(str(a), "A")
     single_b, nsb = _namespaces(str(b), "B")
     pairs: List[Dict[str, Any]] = []
@@ -330,7 +337,8 @@ def compare(a: str, b: str) -> Dict[str, Any]:
         if not (single_a and single_b):
             raise CliError(f"diff compares two namespaces or two cache roots; {a if single_a else b} is a "
                            f"namespace and {b if single_a else a} is not")
-        pairs.append(dict(name=next(iter(nsa)), **compare_namespaces(next(iter(nsa.values())), next(iter(nsb.values())))))
+        pairs.append(dict(name=next(iter(nsa)), **compare_namespaces(next(iter(nsa.values())), next(iter(nsb.values())),
+                                                                     read_payloads)))
     else:
         for name in sorted(set(nsa) | set(nsb)):
             if name not in nsb or name not in nsa:
@@ -338,7 +346,7 @@ def compare(a: str, b: str) -> Dict[str, Any]:
                               "a": str(nsa[name].root) if name in nsa else None,
                               "b": str(nsb[name].root) if name in nsb else None})
                 continue
-            pairs.append(dict(name=name, **compare_namespaces(nsa[name], nsb[name])))
+            pairs.append(dict(name=name, **compare_namespaces(nsa[name], nsb[name], read_payloads)))
     config = []
     for p in pairs:
         for c in p.get("config", []):

@@ -13,6 +13,7 @@ from skip_harness.cli.show import describe
 from skip_harness.cli.view import charts
 from skip_harness.cli.view.data import Cache, Namespace, StepRead
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
+from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
 from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last, group_size_of, step_table
 from skip_harness.cli.view.values import default_order
 from skip_harness.store import scan as _scan
@@ -269,7 +270,8 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     pages = max(1, math.ceil(len(ordered) / ROWS_PER_PAGE))
     page = min(query.page, pages)
     groups = table.groups(ordered[(page - 1) * ROWS_PER_PAGE: page * ROWS_PER_PAGE])
-    shown_groups, all_shown = [], []
+    shown_groups: List[Tuple[str, List[Dict[str, Any]]]] = []
+    all_shown: List[Shown] = []
     for g, members in groups:
         items = []
         for t in members:
@@ -281,16 +283,13 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     if query.color and keys and query.color not in keys:
         raise BadQuery(f"color={query.color!r}: colour by one of {', '.join(keys)}")
     color = query.color if query.color in keys else (keys[0] if keys else "")
-    legend_row = None
-    for _g, items in shown_groups:
-        for it in items:
-            it["colour_row"] = token_row(it["shown"], color) if color else None  # type: ignore[arg-type]
-            legend_row = legend_row or it["colour_row"]
-    legend = _step_scale(color, [it["colour_row"] for _g, items in shown_groups for it in items])
+    rows_of = {id(sh): token_row(sh, color) if color else None for sh in all_shown}
+    legend = _step_scale(color, list(rows_of.values()))
     for _g, items in shown_groups:          # one scale for the page: the legend's
         for it in items:
-            if it["colour_row"] is not None and legend is not None:
-                it["colour_row"] = TokenRow(color, it["colour_row"].values, legend.low, legend.high)
+            row = rows_of[id(it["shown"])]
+            it["colour_row"] = None if row is None or legend is None else TokenRow(color, row.values, legend.low,
+                                                                                   legend.high)
     metas = {(i, r): m for i, r, m in read.metas}
     minibatches = []
     for i, r, _payload in read.batches:
@@ -393,45 +392,105 @@ def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decode
 # compare
 
 
-def _brief(t: Optional[Trajectory], decoder: Decoder) -> Tuple[Optional[List[str]], str]:
+COMPARE_ROWS = 50          # pairs on one page of compare
+
+
+def _brief(t: Optional[Trajectory], decoder: Decoder) -> str:
     if t is None:
-        return None, "-"
-    s = show(t, decoder, 64)
-    text = s.response_text if s.response_text is not None else " ".join(s.response_tokens or [])
-    return s.response_tokens, text
+        return "-"
+    sh = show(t, decoder, TOKENS_ON_STEP_PAGE)
+    text = " ".join(sh.response_tokens or []) if sh.response_text is None else sh.response_text
+    return text + (f" … {sh.truncated} more tokens ({sh.response_real} in all)" if sh.truncated else "")
 
 
-def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decoder) -> Dict[str, Any]:
-    sides, tables = [], []
-    for ns in (a, b):
-        s = cache.scan(ns).get(step)
-        read = cache.read_step(ns, step) if s is not None else StepRead(ns, step, "missing", f"no step {step}", [], [])
-        table = step_table(read.batches, group_size_of(_fp_values(s))) if read.ok else None
-        tables.append(table)
-        sides.append({"ns": ns, "read": read, "summary": table.summary() if table else None})
-    rows, same = [], 0
-    if tables[0] is not None and tables[1] is not None:
-        refs = list(dict.fromkeys([t.ref for t in tables[0].trajectories] + [t.ref for t in tables[1].trajectories]))
-        for ref in refs:
-            ta, tb = tables[0].find(ref), tables[1].find(ref)
-            toks_a, text_a = _brief(ta, decoder)
-            toks_b, text_b = _brief(tb, decoder)
-            equal = ta is not None and tb is not None and toks_a == toks_b and ta.reward == tb.reward
-            same += equal
-            rows.append({"ref": ref, "reward_a": ta.reward if ta else None, "reward_b": tb.reward if tb else None,
-                         "text_a": text_a, "text_b": text_b, "same": equal})
-    return {"sides": sides, "rows": rows, "same": same, "step": step, "ns_rows": compare_choices(cache),
-            "pick_a": a.key, "pick_b": b.key, "pick_step": step}
+class Pairings:
+    """The last compared pair of steps (both tables and their pairing), kept while both steps' commit
+    records stay the same: paging through a compare reads and pairs the two steps once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: Optional[Tuple[Any, Dict[str, Any]]] = None
+
+    def get(self, cache: Cache, a: Namespace, b: Namespace, step: int) -> Dict[str, Any]:
+        reports = [cache.scan(ns).get(step) for ns in (a, b)]
+        stamp = (a.key, b.key, step) + tuple(None if s is None else (s.created, s.bytes, s.status) for s in reports)
+        with self._lock:
+            kept = self._kept
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        sides, tables = [], []
+        for ns, s in zip((a, b), reports):
+            read = cache.read_step(ns, step) if s is not None else StepRead(ns, step, "missing", f"no step {step}", [], [])
+            table = step_table(read.batches, group_size_of(_fp_values(s))) if read.ok else None
+            tables.append(table)
+            sides.append({"ns": ns, "read": StepRead(ns, step, read.status, read.reason, [], read.metas),
+                          "summary": table.summary() if table else None, "report": s})
+        pairing = pair(tables[0], tables[1]) if tables[0] is not None and tables[1] is not None else None
+        got = {"sides": sides, "pairing": pairing}
+        with self._lock:
+            self._kept = (stamp, got)
+        return got
+
+
+def shape_notes(a: Namespace, b: Namespace, pairing: Optional[Pairing]) -> List[str]:
+    """What differs in the two runs' shapes, said on top, and how the page handles it."""
+    notes = []
+    for name, x, y in (("K", a.layout.K, b.layout.K), ("W", a.layout.W, b.layout.W)):
+        if x != y:
+            how = (f"trajectories are paired by {pairing.by} and sample index across mini-batches and ranks"
+                   if pairing is not None and pairing.by != "position" else
+                   "these rollouts store no prompt ids or uid: trajectories cannot be paired across mini-batches")
+            notes.append(f"{name} differs: A has {name} = {x}, B has {name} = {y}; {how}")
+    return notes
+
+
+def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decoder, pairings: Pairings,
+            page: int = 1, only: str = "") -> Dict[str, Any]:
+    """Two namespaces at one step: each side's summary, and their trajectories paired by identity (one page
+    of pairs; `only=differ` shows the pairs that differ and the one-sided ones)."""
+    got = pairings.get(cache, a, b, step)
+    pairing: Optional[Pairing] = got["pairing"]
+    rows: List[Dict[str, Any]] = []
+    listed: List[Pair] = []
+    if pairing is not None:
+        listed = [p for p in pairing.pairs if not p.same] if only == "differ" else pairing.pairs
+    pages_n = max(1, math.ceil(len(listed) / COMPARE_ROWS))
+    if page > pages_n:
+        raise BadQuery(f"page={page}: this compare has {pages_n} page{'s' if pages_n != 1 else ''}")
+    dec_a = _decoder(a, got["sides"][0]["report"], decoder)
+    dec_b = _decoder(b, got["sides"][1]["report"], decoder)
+    for p in listed[(page - 1) * COMPARE_ROWS: page * COMPARE_ROWS]:
+        rows.append({"identity": p.identity, "ref_a": p.a.ref if p.a else None, "ref_b": p.b.ref if p.b else None,
+                     "reward_a": p.a.reward if p.a else None, "reward_b": p.b.reward if p.b else None,
+                     "text_a": _brief(p.a, dec_a), "text_b": _brief(p.b, dec_b), "same": p.same,
+                     "state": "same" if p.same else "only in A" if p.b is None else "only in B" if p.a is None
+                     else "differs"})
+
+    def page_url(n: int) -> str:
+        from urllib.parse import urlencode
+
+        params: Dict[str, Any] = {"a": a.key, "b": b.key, "step": step, "page": n}
+        if only:
+            params["only"] = only
+        return f"/compare?{urlencode(params)}"
+
+    return {"sides": got["sides"], "pairing": pairing, "rows": rows, "step": step, "page": page, "pages": pages_n,
+            "page_url": page_url, "only": only, "differs": DIFFERS, "notes": shape_notes(a, b, pairing),
+            "ns_rows": compare_choices(cache), "pick_a": a.key, "pick_b": b.key, "pick_step": step}
 
 
 def diff_at(diff: Optional[Dict[str, Any]], step: int) -> Dict[str, Any]:
-    """From `skip-harness diff --json`'s document for two namespaces: whether they are identical, the
-    training-side config keys that differ, the first step whose recorded values diverge, and this step's row."""
+    """From `skip-harness diff --json`'s document for two namespaces (rollouts by commit records only): the
+    training-side config keys that differ, the first step whose recorded values diverge, the keys recorded
+    on one side only, the steps on one side only. Trajectories are counted by the page's pairing alone (one
+    definition of "differs")."""
     if diff is None:
-        return {"diff_pair": None, "diff_step": None}
-    pair = (diff.get("namespaces") or [{}])[0]
-    row = next((r for r in pair.get("steps", []) if r.get("step") == step), None)
-    return {"diff_pair": {"identical": diff.get("identical"), "config": diff.get("config") or [],
-                          "first_divergence": (pair.get("values") or {}).get("first_divergence"),
-                          "rollouts_same": pair.get("rollouts_same"), "rollouts_differ": pair.get("rollouts_differ")},
-            "diff_step": row}
+        return {"diff_pair": None}
+    one = (diff.get("namespaces") or [{}])[0]
+    values = one.get("values") or {}
+    return {"diff_pair": {"config": diff.get("config") or [], "first_divergence": values.get("first_divergence"),
+                          "steps_compared": values.get("steps_compared"),
+                          "keys_only_in_a": values.get("keys_only_in_a") or [],
+                          "keys_only_in_b": values.get("keys_only_in_b") or [],
+                          "steps_only_in_a": one.get("steps_only_in_a"), "steps_only_in_b": one.get("steps_only_in_b"),
+                          "same_records": one.get("rollouts_same_records")}}

@@ -138,23 +138,29 @@ COMPARE = """{% extends "base" %}{% block title %}compare step {{ step }}{% endb
 {% block crumbs %}/ compare step {{ step }}{% endblock %}
 {% block main %}
 <h1>compare at step {{ step }}</h1>
+{% for n in notes %}<p class="note shape-note">{{ n }}</p>{% endfor %}
 {% include "compare_form" %}
 <div class="side-by-side">{% for side in sides %}<section class="side" id="side-{{ loop.index0 }}">
 <h2><a href="/ns/{{ side.ns.key }}/step/{{ step }}">{% if roots|length > 1 %}[{{ side.ns.root_index }}] {% endif %}{{ side.ns.label }}</a></h2>
 {% if side.read.reason %}<p class="refused"><b>{{ side.read.status }}</b>: {{ side.read.reason }}</p>
-{% else %}<p class="facts">{{ side.summary.trajectories }} trajectories · reward mean {{ fmt(side.summary.reward_mean) }} ± {{ fmt(side.summary.reward_std) }} · length mean {{ fmt(side.summary.length_mean) }}</p>{% endif %}
+{% else %}<p class="facts">{{ side.summary.trajectories }} trajectories · K={{ side.ns.layout.K }} W={{ side.ns.layout.W }} · reward mean {{ fmt(side.summary.reward_mean) }} ± {{ fmt(side.summary.reward_std) }} · length mean {{ fmt(side.summary.length_mean) }}</p>{% endif %}
 </section>{% endfor %}</div>
-{% if rows %}<h2>trajectories</h2><p id="diff-summary" class="facts">{{ same }} of {{ rows|length }} trajectories identical (response tokens and reward); {{ rows|length - same }} differ</p>
-<table id="diff" class="grid-table"><thead><tr><th>trajectory</th><th>reward A</th><th>reward B</th><th>response A</th><th>response B</th></tr></thead><tbody>
-{% for r in rows %}<tr class="{{ 'same' if r.same else 'differs' }}"><td>{{ r.ref }}</td><td class="num">{{ fmt(r.reward_a) }}</td><td class="num">{{ fmt(r.reward_b) }}</td>
+{% if pairing %}<h2>trajectories</h2>
+<p id="diff-summary" class="facts">{{ pairing.same }} pairs identical, {{ pairing.differ }} differ{% if pairing.only_a %}, {{ pairing.only_a }} only in A{% endif %}{% if pairing.only_b %}, {{ pairing.only_b }} only in B{% endif %} (paired by {{ pairing.by }} and sample index)</p>
+<p id="differs-means" class="facts small">{{ differs }}.</p>
+<p class="facts">{% if only == "differ" %}<a href="{{ page_url(1)|replace('&only=differ', '') }}">show every pair</a>{% else %}<a id="only-differ" href="/compare?a={{ pick_a|urlencode }}&amp;b={{ pick_b|urlencode }}&amp;step={{ step }}&amp;only=differ">show only the pairs that differ</a>{% endif %}
+{% if pages > 1 %} · page {{ page }} of {{ pages }} {% if page > 1 %}<a id="prev-page" href="{{ page_url(page - 1) }}">previous page</a>{% endif %} {% if page < pages %}<a id="next-page" href="{{ page_url(page + 1) }}">next page</a>{% endif %}{% endif %}</p>
+<table id="diff" class="grid-table samples"><thead><tr><th>pair</th><th>reward A</th><th>reward B</th><th>state</th><th>response A</th><th>response B</th></tr></thead><tbody>
+{% for r in rows %}<tr class="{{ 'same' if r.same else 'differs' }}"><td class="mono">{{ r.identity }}<br>{% if r.ref_a %}<a href="/ns/{{ sides[0].ns.key }}/step/{{ step }}/t/{{ r.ref_a }}">A {{ r.ref_a }}</a>{% endif %} {% if r.ref_b %}<a href="/ns/{{ sides[1].ns.key }}/step/{{ step }}/t/{{ r.ref_b }}">B {{ r.ref_b }}</a>{% endif %}</td>
+<td class="num">{{ fmt(r.reward_a) }}</td><td class="num">{{ fmt(r.reward_b) }}</td><td>{{ r.state }}</td>
 <td class="response mono">{{ r.text_a }}</td><td class="response mono">{{ r.text_b }}</td></tr>{% endfor %}</tbody></table>{% endif %}
-{% if diff is not none %}<h2>skip-harness diff</h2>
-<p id="diff-verdict" class="facts">{{ "identical" if diff_pair.identical else "different" }}: rollouts of {{ diff_pair.rollouts_same }} steps the same, {{ diff_pair.rollouts_differ }} differ
-{% if diff_pair.first_divergence %} · recorded values first diverge at step {{ diff_pair.first_divergence.step }}: {{ diff_pair.first_divergence.key }} {{ fmt(diff_pair.first_divergence.a) }} vs {{ fmt(diff_pair.first_divergence.b) }}{% endif %}</p>
+{% if diff is not none %}<h2>recorded values and config (skip-harness diff)</h2>
+<p id="diff-verdict" class="facts">{% if diff_pair.first_divergence %}recorded values first diverge at step {{ diff_pair.first_divergence.step }}: {{ diff_pair.first_divergence.key }} {{ fmt(diff_pair.first_divergence.a) }} vs {{ fmt(diff_pair.first_divergence.b) }}{% else %}recorded values the same on the {{ diff_pair.steps_compared }} steps both recorded{% endif %}
+{% if diff_pair.steps_only_in_a %} · steps only in A: {{ diff_pair.steps_only_in_a }}{% endif %}{% if diff_pair.steps_only_in_b %} · steps only in B: {{ diff_pair.steps_only_in_b }}{% endif %}
+{% if diff_pair.keys_only_in_a %} · recorded in A only (not compared): {{ diff_pair.keys_only_in_a|join(", ") }}{% endif %}{% if diff_pair.keys_only_in_b %} · recorded in B only (not compared): {{ diff_pair.keys_only_in_b|join(", ") }}{% endif %}</p>
 {% if diff_pair.config %}<table id="diff-config" class="grid-table small"><thead><tr><th>training-side key</th><th>A</th><th>B</th></tr></thead><tbody>
 {% for c in diff_pair.config %}<tr><td class="mono">{{ c.key }}</td><td class="mono">{{ c.a }}</td><td class="mono">{{ c.b }}</td></tr>{% endfor %}</tbody></table>{% endif %}
-{% if diff_step %}<table id="diff-step" class="grid-table small"><tbody>{% for k, v in diff_step.items() %}<tr><th>{{ k }}</th><td class="mono">{{ v }}</td></tr>{% endfor %}</tbody></table>{% endif %}
-<details><summary>the whole document (<code>skip-harness diff --json</code>)</summary><pre id="diff-doc" class="text">{{ diff }}</pre></details>{% endif %}
+<details><summary>the whole document (<code>skip-harness diff --json</code>, rollouts by their commit records only)</summary><pre id="diff-doc" class="text">{{ diff }}</pre></details>{% endif %}
 {% endblock %}"""
 
 ERROR = """{% extends "base" %}{% block title %}{{ title }}{% endblock %}
