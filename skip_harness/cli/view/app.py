@@ -115,10 +115,12 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         return html("overview", ctx)
 
     def namespace_page(request: Request) -> Response:
-        return html("namespace", pages.namespace(cache, ns_of(request)))
+        return html("namespace", pages.namespace(cache, ns_of(request), summaries,
+                                                 pages.ChartQuery.from_params(request.query_params)))
 
     def charts_page(request: Request) -> Response:
-        return html("charts", pages.namespace_charts(cache, ns_of(request), summaries))
+        return html("charts", pages.namespace_charts(cache, ns_of(request), summaries,
+                                                     pages.ChartQuery.from_params(request.query_params)))
 
     def step_page(request: Request) -> Response:
         query = pages.StepQuery.from_params(request.query_params)

@@ -15,14 +15,13 @@ from skip_harness.cli.view.data import Cache, Namespace, StepRead
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
 from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
 from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last, group_size_of, step_table
-from skip_harness.cli.view.values import default_order
+from skip_harness.cli.view.values import by_prefix, default_order, pick
 from skip_harness.store import scan as _scan
 
 SORT_KEYS = ("stored", "reward", "advantage", "length", "group")
 ROWS_PER_PAGE = 32           # trajectories on one page of a step (its groups in order; a group may go on)
 TOKENS_ON_STEP_PAGE = 64     # response tokens of each (all of them on the trajectory's own page)
 CHART_STEPS = 200            # steps read for the rollout charts; more are sampled evenly
-VALUE_CHARTS = 12            # recorded values charted (the first keys, in sorted order)
 
 
 class NotFound(Exception):
@@ -58,7 +57,29 @@ def overview_json(cache: Cache) -> Dict[str, Any]:
             "total_bytes": sum(d["total_bytes"] for d in docs)}
 
 
-def namespace(cache: Cache, ns: Namespace) -> Dict[str, Any]:
+@dataclass
+class ChartQuery:
+    """What the charts show: picked keys (`k`, repeatable), a search over the keys (`q`), other runs to
+    overlay (`with`, namespace keys, repeatable)."""
+
+    keys: List[str]
+    q: str
+    runs: List[str]
+
+    @classmethod
+    def from_params(cls, params: Any) -> "ChartQuery":
+        return cls([k for k in params.getlist("k") if k][:200], params.get("q", "")[:200],
+                   [r for r in params.getlist("with") if r][:8])
+
+    def query_string(self) -> str:
+        from urllib.parse import urlencode
+
+        return urlencode([("k", k) for k in self.keys] + ([("q", self.q)] if self.q else [])
+                         + [("with", r) for r in self.runs])
+
+
+def namespace(cache: Cache, ns: Namespace, summaries: "Summaries", query: Optional[ChartQuery] = None) -> Dict[str, Any]:
+    query = query or ChartQuery([], "", [])
     report = cache.scan(ns)
     view = cache.namespace_view(ns, report)
     doc = cache.namespace_doc(ns, view)
@@ -67,19 +88,37 @@ def namespace(cache: Cache, ns: Namespace) -> Dict[str, Any]:
               "written": fmt_ago(r.written), "gen": fmt_seconds(r.gen_s), "reason": r.report.reason,
               "fingerprint": None if r.report.fingerprint is None else r.report.fingerprint.digest} for r in view.rows]
     servable = [s.step for s in report.steps if s.servable]
+    series = value_series(cache, ns, summaries, report)
+    keys = default_order(list(series))
+    shown = pick(keys, query.keys, query.q)
+    missing = [k for k in query.keys if k not in series]
+    runs = [r for r in query.runs if cache.namespace(r) is not None]
+    bad = [r for r in query.runs if r not in runs]
+    if missing or bad:
+        raise BadQuery("; ".join(([f"no recorded value {', '.join(missing)} in {ns.label}"] if missing else [])
+                                 + ([f"no namespace {', '.join(bad)} to overlay"] if bad else [])))
     return {"ns": ns, "doc": doc, "mode": fmt_value(mode), "seed": fmt_value(seed), "size": human_bytes(view.bytes),
             "steps": steps, "note": report.index_note, "ns_rows": compare_choices(cache), "pick_a": ns.key,
             "pick_b": _other(cache, ns.key), "pick_step": servable[-1] if servable else 1,
-            "chart_rows": _chart_rows(cache, ns, servable)}
+            "chart_rows": 1 + math.ceil(len(shown) / 2), "chart_extra": 14 * len(runs),
+            "value_groups": by_prefix(keys), "charted": set(shown), "query": query, "runs": runs,
+            "charts_src": f"/ns/{ns.key}/charts" + (f"?{query.query_string()}" if query.query_string() else ""),
+            "key_count": len(keys)}
 
 
-def _chart_rows(cache: Cache, ns: Namespace, servable: Sequence[int]) -> int:
-    """Rows of two charts the charts frame will hold: the rollouts' row, and the recorded values' (one
-    step's values read to count them)."""
-    if not servable:
-        return 1
-    values = cache.values(ns, servable[-1]) or {}
-    return 1 + math.ceil(min(len(values), VALUE_CHARTS) / 2)
+def value_series(cache: Cache, ns: Namespace, summaries: "Summaries", report: _scan.NamespaceReport
+                 ) -> Dict[str, List[charts.Point]]:
+    """Every recorded numeric value over the charted steps: {key: points}."""
+    servable = [s for s in report.steps if s.servable]
+    picked = set(chart_steps([s.step for s in servable]))
+    values: Dict[str, List[charts.Point]] = {}
+    for s in servable:
+        if s.step not in picked:
+            continue
+        for k, v in (summaries.values(cache, ns, s) or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                values.setdefault(k, []).append(charts.Point(s.step, float(v)))
+    return values
 
 
 def compare_choices(cache: Cache) -> List[Dict[str, Any]]:
@@ -98,6 +137,7 @@ class Summaries:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: Dict[Tuple[str, int], Tuple[Any, Dict[str, Any]]] = {}
+        self._values: Dict[Tuple[str, int], Tuple[Any, Optional[Dict[str, float]]]] = {}
 
     def get(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, Any]]:
         stamp = (s.created, s.bytes, s.status)
@@ -116,6 +156,19 @@ class Summaries:
         return summary
 
 
+    def values(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, float]]:
+        """The step's recorded values, kept while its commit record stays the same."""
+        stamp = (s.created, s.bytes, s.status)
+        with self._lock:
+            kept = self._values.get((ns.key, s.step))
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        got = cache.values(ns, s.step)
+        with self._lock:
+            self._values[(ns.key, s.step)] = (stamp, got)
+        return got
+
+
 def _fp_values(s: Optional[_scan.StepReport]) -> Optional[Dict[str, Any]]:
     return None if s is None or s.fingerprint is None else dict(s.fingerprint.values)
 
@@ -127,8 +180,8 @@ def chart_steps(steps: Sequence[int], budget: int = CHART_STEPS) -> List[int]:
     return sorted(picked)
 
 
-def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries) -> Dict[str, Any]:
-    report = cache.scan(ns)
+def _rollout_series(cache: Cache, ns: Namespace, summaries: Summaries, report: _scan.NamespaceReport
+                    ) -> Tuple[List[charts.Point], List[charts.Point]]:
     servable = [s for s in report.steps if s.servable]
     picked = set(chart_steps([s.step for s in servable]))
     reward, length = [], []
@@ -143,25 +196,46 @@ def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries) -> Dict[
             reward.append(charts.Point(s.step, sm["reward_mean"], sm["reward_mean"] - std, sm["reward_mean"] + std))
         if sm["length_mean"] is not None:
             length.append(charts.Point(s.step, sm["length_mean"], sm["length_min"], sm["length_max"]))
+    return reward, length
+
+
+def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries, query: Optional[ChartQuery] = None
+                     ) -> Dict[str, Any]:
+    """The rollouts' reward and length over steps, then the recorded values picked (by default: loss,
+    reward, KL, grad norm, lengths... timings last), each overlaid with the runs `with` names; every step's
+    status marked along the step axis."""
+    query = query or ChartQuery([], "", [])
+    report = cache.scan(ns)
+    servable = [s for s in report.steps if s.servable]
+    picked = set(chart_steps([s.step for s in servable]))
+    reward, length = _rollout_series(cache, ns, summaries, report)
+    others = []
+    for key in query.runs:
+        other = cache.namespace(key)
+        if other is None:
+            raise BadQuery(f"with={key!r}: no such namespace to overlay")
+        rep = cache.scan(other)
+        others.append((other.label, _rollout_series(cache, other, summaries, rep),
+                       value_series(cache, other, summaries, rep)))
+    marks = [(s.step, s.status) for s in report.steps]
 
     def href(step: int) -> str:
         return f"/ns/{ns.key}/step/{step}"
 
-    svgs = [charts.line_chart("reward: mean ± std per step", reward, href, css_id="chart-reward"),
-            charts.line_chart("response length: mean (min .. max)", length, href, css_id="chart-length")]
-    values: Dict[str, List[charts.Point]] = {}
-    for s in servable:
-        if s.step not in picked:
-            continue
-        for k, v in (cache.values(ns, s.step) or {}).items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                values.setdefault(k, []).append(charts.Point(s.step, float(v)))
-    for n, k in enumerate(sorted(values)[:VALUE_CHARTS]):
-        svgs.append(charts.line_chart(f"recorded: {k}", values[k], href, css_id=f"chart-value-{n}"))
+    svgs = [charts.line_chart("reward: mean ± std per step", reward, href, css_id="chart-reward", marks=marks,
+                              overlays=[(label, rl[0]) for label, rl, _v in others]),
+            charts.line_chart("response length: mean (min .. max)", length, href, css_id="chart-length", marks=marks,
+                              overlays=[(label, rl[1]) for label, rl, _v in others])]
+    values = value_series(cache, ns, summaries, report)
+    keys = default_order(list(values))
+    shown = pick(keys, query.keys, query.q)
+    for n, k in enumerate(shown):
+        svgs.append(charts.line_chart(f"recorded: {k}", values[k], href, css_id=f"chart-value-{n}", marks=marks,
+                                      overlays=[(label, v.get(k, [])) for label, _rl, v in others]))
     note = None
     if len(picked) < len(servable):
         note = f"charts from {len(picked)} of {len(servable)} steps, evenly spaced"
-    return {"charts": svgs, "note": note, "values": sorted(values)}
+    return {"charts": svgs, "note": note, "values": keys, "shown": shown}
 
 
 # --------------------------------------------------------------------------------------------

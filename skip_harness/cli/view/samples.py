@@ -69,16 +69,28 @@ class Batch:
         return value[j]
 
 
+def _lengths_of(leaves: List[Tuple[str, Any]], name: str) -> Optional[torch.Tensor]:
+    return next((v for k, v in leaves if _last(k) == name and isinstance(v, torch.Tensor) and v.dim() == 1
+                 and not v.is_floating_point()), None)
+
+
 def _split_flat(leaves: List[Tuple[str, Any]]) -> Tuple[Optional[int], List[Tuple[str, Any]]]:
-    """TRL's generation payload: flat token fields and `lengths`; split them into one row per trajectory."""
-    lengths = next((v for k, v in leaves if _last(k) == "lengths" and isinstance(v, torch.Tensor) and v.dim() == 1
-                    and not v.is_floating_point()), None)
+    """TRL's generation payload: flat token fields and `lengths` (and, stored since issue 31, flat
+    `prompt_ids` with `prompt_lengths`); split them into one row per trajectory."""
+    lengths = _lengths_of(leaves, "lengths")
     if lengths is None or lengths.numel() == 0:
         return None, leaves
     total, sizes = int(lengths.sum()), [int(x) for x in lengths.tolist()]
+    prompt_lengths = _lengths_of(leaves, "prompt_lengths")
+    p_sizes = None if prompt_lengths is None or prompt_lengths.numel() != len(sizes) else \
+        [int(x) for x in prompt_lengths.tolist()]
     out = []
     for k, v in leaves:
-        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == total and total != len(sizes):
+        if p_sizes is not None and _last(k) == "prompt_ids" and isinstance(v, torch.Tensor) and v.dim() == 1 \
+                and v.numel() == sum(p_sizes):
+            v = list(torch.split(v, p_sizes))
+        elif isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == total and total != len(sizes) \
+                and _last(k) != "prompt_ids":
             v = list(torch.split(v, sizes))
         out.append((k, v))
     return len(sizes), out

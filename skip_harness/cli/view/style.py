@@ -33,6 +33,7 @@ font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12px;color:#1d
 .hist{display:inline-block;vertical-align:middle}.hist rect{fill:#4c78a8}.values-table td{max-width:420px;overflow-wrap:anywhere}
 table{max-width:100%}td.mono,td.response,td.reason{overflow-wrap:anywhere}
 .trajnav{display:flex;gap:16px;align-items:center}
+fieldset.key-group{border:1px solid #dde1e8;margin:4px 0;padding:2px 8px}label.key{margin-right:10px;font-size:12px;white-space:nowrap}
 pre.text{white-space:pre-wrap;word-break:break-word;margin:2px 0;background:#f3f5f8;padding:4px 6px;border-radius:4px}
 .samples{width:100%;table-layout:fixed}.samples td:nth-child(-n+4),.samples th:nth-child(-n+4){width:84px}.response{overflow-wrap:anywhere}
 .controls{background:#fff;border:1px solid #dde1e8;padding:6px 10px;border-radius:6px}.controls label{margin-right:10px}

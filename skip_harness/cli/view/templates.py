@@ -47,7 +47,14 @@ NAMESPACE = """{% extends "base" %}{% block title %}{{ ns.label }}{% endblock %}
 {% for s, n in doc.counts.items() %}{{ n }} {{ s }}{% if not loop.last %}, {% endif %}{% endfor %} · {{ size }}
 · <a href="/api/ns/{{ ns.key }}">JSON</a></p>
 {% if note %}<p class="note">{{ note }}</p>{% endif %}
-<iframe id="charts" src="/ns/{{ ns.key }}/charts" title="charts over steps" loading="eager"{% if chart_rows > 1 %} style="height:{{ 190 * chart_rows }}px"{% endif %}></iframe>
+<form id="chart-picker" class="controls" method="get" action="/ns/{{ ns.key }}">
+<label>search the recorded values <input name="q" value="{{ query.q }}" placeholder="loss, reward, kl ..."></label>
+{% if ns_rows|length >= 2 %}<label>overlay runs <select name="with" multiple size="2">{% for r in ns_rows %}{% if r.key != ns.key %}<option value="{{ r.key }}"{% if r.key in runs %} selected{% endif %}>{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</option>{% endif %}{% endfor %}</select></label>{% endif %}
+<button type="submit">chart</button> <a href="/ns/{{ ns.key }}">defaults</a>
+<details id="value-keys"><summary>every recorded value ({{ key_count }}): pick any to chart (charted ones ticked)</summary>
+{% for prefix, keys in value_groups %}<fieldset class="key-group"><legend class="mono">{{ prefix }}</legend>{% for k in keys %}<label class="mono key"><input type="checkbox" name="k" value="{{ k }}"{% if k in charted %} checked{% endif %}> {{ k }}</label> {% endfor %}</fieldset>{% endfor %}
+</details></form>
+<iframe id="charts" src="{{ charts_src }}" title="charts over steps" loading="eager" style="height:{{ (190 + chart_extra) * chart_rows + 30 }}px"></iframe>
 {% if ns_rows|length >= 2 %}{% include "compare_form" %}{% endif %}
 <table id="steps" class="grid-table"><thead><tr><th>step</th><th>status</th><th>size</th><th>written</th><th>gen</th><th>fingerprint</th><th>reason</th></tr></thead><tbody>
 {% for s in steps %}<tr class="status-{{ s.status }}"><td class="num"><a class="step-link" href="/ns/{{ ns.key }}/step/{{ s.step }}">{{ s.step }}</a></td>
