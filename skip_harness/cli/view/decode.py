@@ -47,7 +47,7 @@ class Decoder:
 
     def tokens(self, ids: Sequence[int]) -> List[str]:
         if self._tok is None:
-            return [str(i) for i in ids]
+            return list(map(str, ids))
         return [self._tok.decode([i], skip_special_tokens=False) for i in ids]
 
     def for_namespace(self, group: str, fingerprint: Optional[Dict[str, Any]]) -> "Decoder":
@@ -198,12 +198,29 @@ def _mask_row(b: Batch, j: int, n_resp: Optional[int]) -> Optional[torch.Tensor]
     return None
 
 
+def _mask_ends(b: Batch) -> Optional[List[int]]:
+    """Per trajectory of a padded [n, R] response mask: one past its last unmasked position (computed
+    once for the whole mini-batch)."""
+    if "ends" not in b.derived:
+        name = b.find(MASK)
+        m = b.columns.get(name) if name is not None else None
+        ends = None
+        if isinstance(m, torch.Tensor) and not m.is_nested and m.dim() == 2 and m.shape[1] > 0:
+            live = (m != 0).flip(1)
+            ends = torch.where(live.any(1), m.shape[1] - live.int().argmax(1), torch.zeros_like(live[:, 0], dtype=torch.long))
+        b.derived["ends"] = ends.tolist() if ends is not None else None
+    return b.derived["ends"]
+
+
 def response_span(b: Batch, j: int, n_resp: Optional[int], length: Optional[int]) -> Tuple[int, Optional[torch.Tensor]]:
     """(real response tokens: up to the last unmasked one, else the stored length, the response mask)."""
     if n_resp is None:
         return 0, None
     m = _mask_row(b, j, n_resp)
     if m is not None:
+        ends = _mask_ends(b)
+        if ends is not None:
+            return int(ends[j]), m
         nz = torch.nonzero(m).flatten()
         return (int(nz[-1]) + 1 if nz.numel() else 0), m
     if length is not None and 0 <= length <= n_resp:
@@ -240,9 +257,10 @@ def _derived_rows(b: Batch, j: int, real: int) -> List[Tuple[str, torch.Tensor]]
     return [(f"{_last(roll)} − {_last(train)}", (x[:real].double() - y[:real].double()))]
 
 
-def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None) -> Shown:
+def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: bool = True) -> Shown:
     """Prompt, response, per-token rows and other fields of trajectory `t`, padding dropped; with `limit`,
-    the first `limit` real response tokens as tokens and the rest folded as one text (`rest`)."""
+    the first `limit` real response tokens as tokens and the rest folded as one text (`rest`; not made
+    when `fold` is False: a brief, as compare's)."""
     b: Batch = t.batch
     j = t.index
     prompt_name, response_name = b.find(PROMPT_IDS), b.find(RESPONSE_IDS)
@@ -255,12 +273,12 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None) -> Shown:
         prompt_row = prompt_row[start:]
     prompt_rest_ids = None
     if prompt_row is not None and limit is not None and n_prompt is not None and n_prompt - start > limit:
-        prompt_rest_ids = _ids(prompt_row[limit:])
+        prompt_rest_ids = _ids(prompt_row[limit:]) if fold else None
         prompt_row = prompt_row[:limit]
     shown_n = real if limit is None else min(real, limit)
     rest_ids = None
     if response_row is not None:
-        if shown_n < real:
+        if shown_n < real and fold:
             rest_ids = _ids(response_row[shown_n:real])
         response_row = response_row[:shown_n]           # sliced before a list is made
     prompt_ids = _ids(prompt_row) if prompt_row is not None else None
@@ -312,4 +330,4 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None) -> Shown:
 def _joined(ids: List[int], decoder: Decoder) -> str:
     """Folded tokens as one text: decoded when a decoder is active, else the ids."""
     text = decoder.text(ids) if decoder.active else None
-    return text if text is not None else " ".join(str(i) for i in ids)
+    return text if text is not None else str(ids)[1:-1].replace(",", "")     # ints: the list's own repr, in C

@@ -51,6 +51,7 @@ class Batch:
     scalars: Dict[str, Any]            # fields with one value for the mini-batch
 
     found: Dict[Tuple[str, ...], Optional[str]] = field(default_factory=dict, repr=False)
+    derived: Dict[str, Any] = field(default_factory=dict, repr=False)    # computed once per mini-batch
 
     def find(self, names: Sequence[str]) -> Optional[str]:
         """The field playing the role `names` lists (the first name that one of the fields ends in)."""
