@@ -145,6 +145,7 @@ class Shown:
     rest: Optional[str] = None         # the folded real tokens, as one text (ids, or decoded)
     prompt_folded: int = 0             # real prompt tokens left out of `prompt_tokens` (folded)
     prompt_rest: Optional[str] = None
+    response_ids: Optional[List[int]] = None   # the shown response tokens' ids (search finds them too)
 
 
 def _ids(value: Any) -> Optional[List[int]]:
@@ -198,7 +199,7 @@ def _mask_row(b: Batch, j: int, n_resp: Optional[int]) -> Optional[torch.Tensor]
     return None
 
 
-def _mask_ends(b: Batch) -> Optional[List[int]]:
+def mask_ends(b: Batch) -> Optional[List[int]]:
     """Per trajectory of a padded [n, R] response mask: one past its last unmasked position (computed
     once for the whole mini-batch)."""
     if "ends" not in b.derived:
@@ -207,7 +208,7 @@ def _mask_ends(b: Batch) -> Optional[List[int]]:
         ends = None
         if isinstance(m, torch.Tensor) and not m.is_nested and m.dim() == 2 and m.shape[1] > 0:
             live = (m != 0).flip(1)
-            ends = torch.where(live.any(1), m.shape[1] - live.int().argmax(1), torch.zeros_like(live[:, 0], dtype=torch.long))
+            ends = torch.where(live.any(1), m.shape[1] - live.to(torch.uint8).argmax(1), 0)
         b.derived["ends"] = ends.tolist() if ends is not None else None
     return b.derived["ends"]
 
@@ -218,7 +219,7 @@ def response_span(b: Batch, j: int, n_resp: Optional[int], length: Optional[int]
         return 0, None
     m = _mask_row(b, j, n_resp)
     if m is not None:
-        ends = _mask_ends(b)
+        ends = b.derived.get("ends")           # computed for the whole mini-batch when all rows are needed
         if ends is not None:
             return int(ends[j]), m
         nz = torch.nonzero(m).flatten()
@@ -257,10 +258,12 @@ def _derived_rows(b: Batch, j: int, real: int) -> List[Tuple[str, torch.Tensor]]
     return [(f"{_last(roll)} − {_last(train)}", (x[:real].double() - y[:real].double()))]
 
 
-def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: bool = True) -> Shown:
+def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: bool = True,
+         prompt: bool = True) -> Shown:
     """Prompt, response, per-token rows and other fields of trajectory `t`, padding dropped; with `limit`,
     the first `limit` real response tokens as tokens and the rest folded as one text (`rest`; not made
-    when `fold` is False: a brief, as compare's)."""
+    when `fold` is False: a brief, as compare's); `prompt=False`: the prompt's folded part is not made
+    (a group's later samples, whose prompt the page does not repeat)."""
     b: Batch = t.batch
     j = t.index
     prompt_name, response_name = b.find(PROMPT_IDS), b.find(RESPONSE_IDS)
@@ -273,7 +276,7 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
         prompt_row = prompt_row[start:]
     prompt_rest_ids = None
     if prompt_row is not None and limit is not None and n_prompt is not None and n_prompt - start > limit:
-        prompt_rest_ids = _ids(prompt_row[limit:]) if fold else None
+        prompt_rest_ids = _ids(prompt_row[limit:]) if fold and prompt else None
         prompt_row = prompt_row[:limit]
     shown_n = real if limit is None else min(real, limit)
     rest_ids = None
@@ -324,7 +327,8 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
                  decoder.tokens(response_ids) if response_ids is not None else None, token_rows, real - shown_n, fields,
                  masked=masked, response_real=real if n_resp is not None else None,
                  response_padding=(n_resp or 0) - real, prompt_padding=start, rest=rest,
-                 prompt_folded=len(prompt_rest_ids) if prompt_rest_ids is not None else 0, prompt_rest=prompt_rest)
+                 prompt_folded=len(prompt_rest_ids) if prompt_rest_ids is not None else 0, prompt_rest=prompt_rest,
+                 response_ids=response_ids)
 
 
 def _joined(ids: List[int], decoder: Decoder) -> str:

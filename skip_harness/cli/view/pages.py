@@ -279,7 +279,8 @@ def _number(text: str) -> Optional[float]:
 def _search_text(t: Trajectory, decoder: Decoder) -> str:
     s = show(t, decoder)
     parts = [t.group, t.ref, s.prompt_text or "", s.response_text or "",
-             " ".join(s.response_tokens or []), " ".join(s.prompt_tokens or [])]
+             " ".join(s.response_tokens or []), " ".join(s.prompt_tokens or []),
+             " ".join(map(str, s.response_ids or []))]
     return "\n".join(parts).lower()
 
 
@@ -348,8 +349,8 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     all_shown: List[Shown] = []
     for g, members in groups:
         items = []
-        for t in members:
-            sh = show(t, decoder, TOKENS_ON_STEP_PAGE)
+        for n, t in enumerate(members):
+            sh = show(t, decoder, TOKENS_ON_STEP_PAGE, prompt=n == 0)
             all_shown.append(sh)
             items.append({"traj": t, "shown": sh})
         shown_groups.append((g, items))
@@ -454,8 +455,9 @@ def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decode
     keys = colour_keys([shown])
     if color and keys and color not in keys:
         raise BadQuery(f"color={color!r}: colour by one of {', '.join(keys)}")
-    color = color if color in keys else (keys[0] if keys else "")
-    return {"ns": ns, "step": step, "traj": t, "shown": shown, "advantage_computed": table.advantage_computed,
+    asked = color if color in keys else ""
+    color = asked or (keys[0] if keys else "")
+    return {"ns": ns, "step": step, "traj": t, "asked_color": asked, "shown": shown, "advantage_computed": table.advantage_computed,
             "colour_row": token_row(shown, color) if color else None, "colour_keys": keys, "color": color,
             "prev_ref": table.trajectories[at - 1].ref if at > 0 else None,
             "next_ref": table.trajectories[at + 1].ref if at + 1 < len(table.trajectories) else None,

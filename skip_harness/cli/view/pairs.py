@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from skip_harness.cli.view.decode import _length, prompt_start, response_span
-from skip_harness.cli.view.samples import GROUP, KEYS, PROMPT_IDS, RESPONSE_IDS, StepTable, Trajectory
+from skip_harness.cli.view.decode import _length, mask_ends, prompt_start, response_span
+from skip_harness.cli.view.samples import ATTENTION_MASK, GROUP, KEYS, PROMPT_IDS, RESPONSE_IDS, Batch, StepTable, Trajectory
 
 DIFFERS = ("a pair differs when its real response tokens (padding dropped) or its reward differ; trajectories "
            "are paired by prompt and sample index, never by position")
@@ -39,10 +39,51 @@ class Pairing:
     by: str                         # what identifies a prompt: "prompt tokens" | "uid" | "position"
 
 
+_WEIGHTS = 1 << 16
+
+
+def _weights(width: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Two fixed pseudo-random int64 weights per position, counted from the row's end (a left-padded prompt's
+    tokens keep their weights whatever its padded width)."""
+    if width > _WEIGHTS:
+        return None
+    g = torch.Generator().manual_seed(31)
+    w = torch.randint(1, 1 << 62, (2, _WEIGHTS), generator=g, dtype=torch.int64)
+    return w[0, :width].flip(0), w[1, :width].flip(0)
+
+
+def _prompt_digests(b: Batch) -> Optional[List[str]]:
+    """Every prompt of a padded [n, P] mini-batch as a digest of its real tokens (padding masked out by the
+    attention mask), computed with tensor operations: two wrapping 64-bit weighted sums of (id + 1)."""
+    if "prompt_digests" in b.derived:
+        return b.derived["prompt_digests"]
+    out = None
+    name = b.find(PROMPT_IDS)
+    ids = b.columns.get(name) if name is not None else None
+    if isinstance(ids, torch.Tensor) and not ids.is_nested and ids.dim() == 2 and not ids.is_floating_point():
+        width = int(ids.shape[1])
+        w = _weights(width)
+        if w is not None:
+            x = ids.to(torch.int64) + 1
+            att = b.find(ATTENTION_MASK)
+            a = b.columns.get(att) if att is not None else None
+            resp = b.columns.get(b.find(RESPONSE_IDS)) if b.find(RESPONSE_IDS) else None
+            r_width = int(resp.shape[1]) if isinstance(resp, torch.Tensor) and not resp.is_nested and resp.dim() == 2 else 0
+            if isinstance(a, torch.Tensor) and not a.is_nested and a.dim() == 2 and a.shape[1] in (width, width + r_width):
+                x = x * (a[:, :width] != 0)
+            h1, h2 = (x * w[0]).sum(1).tolist(), (x * w[1]).sum(1).tolist()
+            out = [f"{u & 0xFFFFFFFFFFFFFFFF:016x}{v & 0xFFFFFFFFFFFFFFFF:016x}" for u, v in zip(h1, h2)]
+    b.derived["prompt_digests"] = out
+    return out
+
+
 def _prompt_key(t: Trajectory) -> Tuple[str, str]:
     """(the prompt's identity, how it was found): a digest of its real token ids, else the stored group
     (uid), else its position's group."""
     b, j = t.batch, t.index
+    digests = _prompt_digests(b)
+    if digests is not None:
+        return digests[j][:12], "prompt tokens"
     name = b.find(PROMPT_IDS)
     if name is not None:
         row = b.row(name, j)
@@ -50,7 +91,7 @@ def _prompt_key(t: Trajectory) -> Tuple[str, str]:
             n_resp = _length(b.row(b.find(RESPONSE_IDS), j)) if b.find(RESPONSE_IDS) else None
             start = prompt_start(b, j, int(row.shape[0]), n_resp)
             data = row[start:].contiguous().to(torch.int64).numpy().tobytes()
-            return hashlib.blake2b(data, digest_size=6).hexdigest(), "prompt tokens"
+            return hashlib.blake2b(data, digest_size=6).hexdigest(), "prompt tokens"   # a jagged row
         if isinstance(row, list):
             return hashlib.blake2b(repr(row).encode(), digest_size=6).hexdigest(), "prompt tokens"
     if b.find(GROUP) is not None or b.find(KEYS) is not None:
@@ -89,33 +130,83 @@ def _real_response(t: Trajectory) -> Optional[torch.Tensor]:
 
 
 def same_trajectory(a: Trajectory, b: Trajectory) -> bool:
-    """The one definition (DIFFERS): equal real response tokens and equal rewards."""
+    """The one definition (DIFFERS): equal real response tokens and equal rewards (one pair, row by row;
+    `pair` decides the same thing a mini-batch pair at a time)."""
+    return _same_row(a, b) and _same_reward(a, b)
+
+
+def _padded(b: Batch) -> Optional[torch.Tensor]:
+    name = b.find(RESPONSE_IDS)
+    v = b.columns.get(name) if name is not None else None
+    if isinstance(v, torch.Tensor) and not v.is_nested and v.dim() == 2 and b.derived.get("ends") is not None:
+        return v
+    return None
+
+
+def _same_tokens(matched: List[Tuple[Trajectory, Trajectory]]) -> List[bool]:
+    """Whether each pair's real response tokens are equal: padded mini-batches compared a mini-batch pair at
+    a time with tensor operations (every token, exactly), jagged ones row by row."""
+    out = [False] * len(matched)
+    groups: Dict[Tuple[int, int], List[int]] = {}
+    for n, (ta, tb) in enumerate(matched):
+        groups.setdefault((id(ta.batch), id(tb.batch)), []).append(n)
+    for members in groups.values():
+        ba, bb = matched[members[0]][0].batch, matched[members[0]][1].batch
+        ra, rb = _padded(ba), _padded(bb)
+        if ra is None or rb is None:
+            for n in members:
+                out[n] = _same_row(*matched[n])
+            continue
+        ia = torch.tensor([matched[n][0].index for n in members])
+        ib = torch.tensor([matched[n][1].index for n in members])
+        ea = torch.tensor(ba.derived["ends"])[ia]
+        eb = torch.tensor(bb.derived["ends"])[ib]
+        width = min(int(ra.shape[1]), int(rb.shape[1]))
+        live = torch.arange(width).unsqueeze(0) < ea.unsqueeze(1)
+        differ = ((ra[ia, :width] != rb[ib, :width]) & live).any(1) | (ea != eb) | (ea > width)
+        for n, d in zip(members, differ.tolist()):
+            out[n] = not d
+    return out
+
+
+def _same_row(a: Trajectory, b: Trajectory) -> bool:
     ra, rb = _real_response(a), _real_response(b)
     if (ra is None) != (rb is None):
         return False
-    if ra is not None and rb is not None and (ra.shape != rb.shape or not torch.equal(ra, rb)):
-        return False
+    return ra is None or rb is None or (ra.shape == rb.shape and torch.equal(ra, rb))
+
+
+def _same_reward(a: Trajectory, b: Trajectory) -> bool:
     return a.reward == b.reward or (a.reward is not None and b.reward is not None
                                     and a.reward != a.reward and b.reward != b.reward)
 
 
 def pair(table_a: StepTable, table_b: StepTable) -> Pairing:
     """Both steps' trajectories paired by identity, A's order first, then B's trajectories A lacks."""
+    for t in table_a.trajectories + table_b.trajectories:      # every row's end: once per mini-batch
+        if "ends" not in t.batch.derived:
+            mask_ends(t.batch)
     ids_a, by_a = identities(table_a)
     ids_b, by_b = identities(table_b)
     in_b = dict(ids_b)
     pairs: List[Pair] = []
     same = differ = only_a = 0
+    matched: List[Tuple[Trajectory, Trajectory]] = []
+    slots: List[int] = []
     for ident, ta in ids_a:
         tb = in_b.pop(ident, None)
         if tb is None:
             only_a += 1
             pairs.append(Pair(ident, ta, None, False))
             continue
-        equal = same_trajectory(ta, tb)
+        slots.append(len(pairs))
+        matched.append((ta, tb))
+        pairs.append(Pair(ident, ta, tb, False))
+    for slot, (ta, tb), tokens in zip(slots, matched, _same_tokens(matched)):
+        equal = tokens and _same_reward(ta, tb)
+        pairs[slot].same = equal
         same += equal
         differ += not equal
-        pairs.append(Pair(ident, ta, tb, equal))
     for ident, tb in ids_b:
         if ident in in_b:
             pairs.append(Pair(ident, None, tb, False))

@@ -144,25 +144,18 @@ def histogram_svg(values: Sequence[float], bins: int = 12, width: int = 240, hei
 
 def per_token_html(shown: Any) -> Markup:
     """Every per-token value of a response as a table with a row per token (long, never wide), built in
-    one pass; a masked token's values are not coloured."""
+    one pass (the coloured tokens above carry the colours; a masked token's row is marked)."""
     rows = shown.token_rows
     tokens = shown.response_tokens or []
     masked = shown.masked
     parts: List[str] = ['<table id="per-token" class="grid-table small"><thead><tr><th>#</th><th>token</th>']
     parts += [f'<th class="mono">{html_escape(r.name)}</th>' for r in rows]
     parts.append("</tr></thead><tbody>")
-    add = parts.append
+    columns = [["-" if v is None else f"{v:.3g}" for v in r.values] for r in rows]
+    n_masked = len(masked)
     for k, tok in enumerate(tokens):
-        off = k < len(masked) and masked[k]
-        cells = []
-        for r in rows:
-            v = r.values[k] if k < len(r.values) else None
-            if v is None:
-                cells.append('<td class="num">-</td>')
-            elif off:
-                cells.append(f'<td class="num masked">{v:.3g}</td>')
-            else:
-                cells.append(f'<td class="num" style="background:{colour(v, r)}">{v:.3g}</td>')
-        add(f'<tr><td class="num">{k}</td><td class="mono">{html_escape(tok)}</td>{"".join(cells)}</tr>')
-    add("</tbody></table>")
+        cells = "".join(f'<td class="num">{col[k] if k < len(col) else "-"}</td>' for col in columns)
+        cls = ' class="masked"' if k < n_masked and masked[k] else ""
+        parts.append(f'<tr{cls}><td class="num">{k}</td><td class="mono">{html_escape(tok)}</td>{cells}</tr>')
+    parts.append("</tbody></table>")
     return Markup("".join(parts))

@@ -121,8 +121,8 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 TRAJECTORY = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }} {{ traj.ref }}{% endblock %}
 {% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a> / <a href="/ns/{{ ns.key }}/step/{{ step }}">step {{ step }}</a> / {{ traj.ref }}{% endblock %}
 {% block main %}
-<nav class="trajnav">{% if prev_ref %}<a id="prev-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ prev_ref }}{% if color %}?color={{ color|urlencode }}{% endif %}">← {{ prev_ref }}</a>{% endif %}
-<h1>step {{ step }}, trajectory {{ traj.ref }}</h1>{% if next_ref %}<a id="next-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ next_ref }}{% if color %}?color={{ color|urlencode }}{% endif %}">{{ next_ref }} →</a>{% endif %}
+<nav class="trajnav">{% if prev_ref %}<a id="prev-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ prev_ref }}{% if asked_color %}?color={{ asked_color|urlencode }}{% endif %}">← {{ prev_ref }}</a>{% endif %}
+<h1>step {{ step }}, trajectory {{ traj.ref }}</h1>{% if next_ref %}<a id="next-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ next_ref }}{% if asked_color %}?color={{ asked_color|urlencode }}{% endif %}">{{ next_ref }} →</a>{% endif %}
 <span class="facts">{{ position }} of {{ count }}</span></nav>
 <p id="traj-facts" class="facts">inner index {{ traj.inner }} · rank {{ traj.rank }} · index {{ traj.index }} · group <span class="mono">{{ traj.group }}</span> ·
 reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b>
