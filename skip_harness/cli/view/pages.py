@@ -494,6 +494,9 @@ class Pairings:
             kept = self._kept
         if kept is not None and kept[0] == stamp:
             return kept[1]
+        with self._lock:
+            self._kept = None          # the last pair's buffers go back to the pools before these are read
+        del kept
         sides, tables = [], []
         for ns, s in zip((a, b), reports):
             read = cache.read_step(ns, step) if s is not None else StepRead(ns, step, "missing", f"no step {step}", [], [])

@@ -40,6 +40,7 @@ class Pairing:
 
 
 _WEIGHTS = 1 << 16
+_drawn: Optional[torch.Tensor] = None
 
 
 def _weights(width: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -47,14 +48,15 @@ def _weights(width: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     tokens keep their weights whatever its padded width)."""
     if width > _WEIGHTS:
         return None
-    g = torch.Generator().manual_seed(31)
-    w = torch.randint(1, 1 << 62, (2, _WEIGHTS), generator=g, dtype=torch.int64)
-    return w[0, :width].flip(0), w[1, :width].flip(0)
+    global _drawn
+    if _drawn is None:
+        _drawn = torch.randint(1, 1 << 62, (2, _WEIGHTS), generator=torch.Generator().manual_seed(31), dtype=torch.int64)
+    return _drawn[0, :width].flip(0), _drawn[1, :width].flip(0)
 
 
 def _prompt_digests(b: Batch) -> Optional[List[str]]:
     """Every prompt of a padded [n, P] mini-batch as a digest of its real tokens (padding masked out by the
-    attention mask), computed with tensor operations: two wrapping 64-bit weighted sums of (id + 1)."""
+    attention mask), computed with tensor operations: a wrapping 64-bit weighted sum of (id + 1)."""
     if "prompt_digests" in b.derived:
         return b.derived["prompt_digests"]
     out = None
@@ -71,8 +73,8 @@ def _prompt_digests(b: Batch) -> Optional[List[str]]:
             r_width = int(resp.shape[1]) if isinstance(resp, torch.Tensor) and not resp.is_nested and resp.dim() == 2 else 0
             if isinstance(a, torch.Tensor) and not a.is_nested and a.dim() == 2 and a.shape[1] in (width, width + r_width):
                 x = x * (a[:, :width] != 0)
-            h1, h2 = (x * w[0]).sum(1).tolist(), (x * w[1]).sum(1).tolist()
-            out = [f"{u & 0xFFFFFFFFFFFFFFFF:016x}{v & 0xFFFFFFFFFFFFFFFF:016x}" for u, v in zip(h1, h2)]
+            h = (x * w[0]).sum(1).tolist()           # one wrapping 64-bit sum: prompts of one step told apart
+            out = [f"{u & 0xFFFFFFFFFFFFFFFF:016x}" for u in h]
     b.derived["prompt_digests"] = out
     return out
 
@@ -157,13 +159,18 @@ def _same_tokens(matched: List[Tuple[Trajectory, Trajectory]]) -> List[bool]:
             for n in members:
                 out[n] = _same_row(*matched[n])
             continue
-        ia = torch.tensor([matched[n][0].index for n in members])
-        ib = torch.tensor([matched[n][1].index for n in members])
+        ja = [matched[n][0].index for n in members]
+        jb = [matched[n][1].index for n in members]
+        ia, ib = torch.tensor(ja), torch.tensor(jb)
         ea = torch.tensor(ba.derived["ends"])[ia]
         eb = torch.tensor(bb.derived["ends"])[ib]
         width = min(int(ra.shape[1]), int(rb.shape[1]))
-        live = torch.arange(width).unsqueeze(0) < ea.unsqueeze(1)
-        differ = ((ra[ia, :width] != rb[ib, :width]) & live).any(1) | (ea != eb) | (ea > width)
+        in_order = ja == list(range(ba.n)) and jb == list(range(bb.n))      # no gather: compare the batches
+        xa = ra[:, :width] if in_order else ra[ia, :width]
+        xb = rb[:, :width] if in_order else rb[ib, :width]
+        ne = xa != xb
+        first = ne.to(torch.uint8).argmax(1)            # the first differing position (0 when none differs)
+        differ = (ne.any(1) & (first < ea)) | (ea != eb) | (ea > width)
         for n, d in zip(members, differ.tolist()):
             out[n] = not d
     return out
