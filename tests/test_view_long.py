@@ -139,6 +139,7 @@ def test_every_recorded_value_is_listed_and_chartable(tmp_path):
     keys = [f"clip_ratio/k{i}" for i in range(8)] + [f"completions/c{i}" for i in range(8)] + \
         ["loss", "reward", "kl", "grad_norm", "timing/gen_s", "response_length/mean"]
     assert default_order(keys)[:5] == ["loss", "reward", "kl", "grad_norm", "response_length/mean"]
+    assert default_order(["frac_reward_zero_std", "reward_std", "reward"])[:2] == ["reward", "reward_std"]
     assert default_order(keys)[-1] == "timing/gen_s"
     a = write_namespace(tmp_path / "cache", "trl_like", {s: demo_batch(s) for s in (1, 2, 3)})
     b = write_namespace(tmp_path / "cache", "other_run", {s: demo_batch(s) for s in (1, 2, 3)})
@@ -239,7 +240,7 @@ def test_a_trl_step_shows_prompt_completion_and_recorded_reward(tmp_path):
     assert t["prompt_tokens"] == ["8", "9"] and t["response_tokens"] == ["10", "2", "3"]
     page = c.get(f"/ns/{key(lay)}/step/0").text
     assert page.count('<div class="prompt">') == 2 and "no prompt stored" not in page
-    assert 'id="recorded"' in page and ">reward</th><td class=\"num\">0.75<" in page
+    assert 'id="recorded"' in page and '<span class="mono key">reward</span> <span class="num">0.75<' in page
     assert "no reward stored with these rollouts" in page
     assert "no prompt stored" in c.get(f"/ns/{key(lay)}/step/1").text           # an older cache still loads
 

@@ -46,4 +46,4 @@ def test_a_trl_step_page_shows_prompt_completion_and_reward(tmp_path):
     assert "no prompt stored" not in page and 'id="recorded"' in page
     recorded = json.loads(json.dumps(c.get(f"/api/ns/{key}").json()))
     assert recorded["steps"][0]["status"] == "complete"
-    assert ">reward</th>" in page                         # TRL's logged reward, recorded with the step
+    assert '<span class="mono key">reward</span>' in page     # TRL's logged reward, recorded with the step

@@ -30,7 +30,10 @@ background:linear-gradient(90deg,hsl(0,65%,80%),hsl(60,65%,86%),hsl(120,65%,80%)
 .legend .swatch{display:inline-block;width:18px;height:10px;border:1px dashed #c9ced8}
 details.fold>summary{cursor:pointer;color:#2458b3;font-size:12px}details.fold .rest{white-space:pre-wrap;overflow-wrap:anywhere;
 font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12px;color:#1d2330;margin:4px 0}
-.hist{display:inline-block;vertical-align:middle}.hist rect{fill:#4c78a8}.values-table td{max-width:420px;overflow-wrap:anywhere}
+.hist{display:inline-block;vertical-align:middle}.hist rect{fill:#4c78a8}
+.values-grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:2px 14px;font-size:12px;
+background:#fff;border:1px solid #dde1e8;padding:4px 8px;margin:4px 0}.values-grid .value{display:flex;justify-content:space-between;
+gap:8px;border-bottom:1px solid #eef1f6}.values-grid .key{overflow-wrap:anywhere}
 table{max-width:100%}td.mono,td.response,td.reason{overflow-wrap:anywhere}
 .trajnav{display:flex;gap:16px;align-items:center}
 fieldset.key-group{border:1px solid #dde1e8;margin:4px 0;padding:2px 8px}label.key{margin-right:10px;font-size:12px;white-space:nowrap}

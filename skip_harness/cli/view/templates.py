@@ -87,7 +87,7 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 {% if rewards %}<p class="facts">rewards {{ histogram_svg(rewards) }}</p>{% endif %}
 {% if reward_note %}<p class="note" id="reward-note">{{ reward_note }}</p>{% endif %}
 {% if recorded %}<details id="recorded" class="fold"{% if reward_note %} open{% endif %}><summary>the step's recorded values ({{ recorded|length }})</summary>
-<table class="grid-table small values-table"><tbody>{% for k, v in recorded %}<tr><th class="mono">{{ k }}</th><td class="num">{{ v }}</td></tr>{% endfor %}</tbody></table></details>{% endif %}
+<div class="values-grid">{% for k, v in recorded %}<div class="value"><span class="mono key">{{ k }}</span> <span class="num">{{ v }}</span></div>{% endfor %}</div></details>{% endif %}
 <table id="minibatches" class="grid-table small"><thead><tr><th>inner index</th><th>rank</th><th>trajectories</th><th>generation</th><th>fields</th></tr></thead><tbody>
 {% for mb in minibatches %}<tr><td class="num">{{ mb.inner }}</td><td class="num">{{ mb.rank }}</td><td class="num">{{ mb.n }}</td><td class="num">{{ mb.gen }}</td><td class="mono">{{ mb.fields }}</td></tr>{% endfor %}
 </tbody></table>
@@ -97,7 +97,7 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 <label>≤ <input name="max_reward" value="{{ max_reward }}" size="6"></label>
 <label>sort <select name="sort">{% for k in sort_keys %}<option{% if k == sort %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
 <label>order <select name="order">{% for k in ("asc", "desc") %}<option{% if k == order %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
-<label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
+{% if colour_keys %}<label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>{% endif %}
 <button type="submit">apply</button> <a href="/ns/{{ ns.key }}/step/{{ step }}">reset</a></form>
 {{ legend_html(legend) }}
 <p class="facts" id="shown">{{ shown_count }} of {{ summary.trajectories }} trajectories shown{% if pages > 1 %} · page {{ page }} of {{ pages }}
@@ -129,7 +129,9 @@ reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">
 {% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
 <h2>prompt{% if shown.prompt_tokens is not none %} <span class="facts small">{{ shown.prompt_tokens|length }} tokens{% if shown.prompt_padding %} ({{ shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
 {% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
-{% if shown.prompt_tokens is not none %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens) }}</div>{% endif %}
+{% if shown.prompt_tokens is not none %}{% if shown.prompt_tokens|length > 128 %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens[:64]) }}
+<details class="fold"><summary>… {{ shown.prompt_tokens|length - 64 }} more prompt tokens</summary>{{ tokens_html(shown.prompt_tokens[64:]) }}</details></div>
+{% else %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens) }}</div>{% endif %}{% endif %}
 <h2>response{% if shown.response_real is not none %} <span class="facts small">{{ shown.response_real }} tokens{% if shown.response_padding %} ({{ shown.response_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
 {% if shown.response_text is not none %}<pre id="response-text" class="text">{{ shown.response_text }}</pre>{% endif %}
 {% if colour_keys %}<form class="controls" method="get"><label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label> <button type="submit">apply</button></form>{% endif %}

@@ -21,18 +21,18 @@ def is_timing(key: str) -> bool:
     return any(fnmatch.fnmatchcase(low, p) for p in DEFAULT_REPLAY_IGNORE)
 
 
-def _rank(key: str) -> Tuple[int, int, str]:
+def _rank(key: str) -> Tuple[int, int, int, str]:
     if is_timing(key):
-        return (2, 0, key)
+        return (2, 0, 0, key)
     low = key.lower()
     last = low.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
     for n, words in enumerate(FIRST):
-        if any(w in last for w in words):
-            return (0, n, key)
+        if any(w in last for w in words):        # the key named just so (`reward`) before its kin (`frac_reward_...`)
+            return (0, n, 0 if last in words else 1 if last.startswith(words) else 2, key)
     for n, words in enumerate(FIRST):
         if any(w in low for w in words):
-            return (0, len(FIRST) + n, key)
-    return (1, 0, key)
+            return (0, len(FIRST) + n, 0, key)
+    return (1, 0, 0, key)
 
 
 def default_order(keys: Sequence[str]) -> List[str]:
