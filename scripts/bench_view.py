@@ -3,6 +3,12 @@
 - view_step_ratio      time to the first byte of a step page (`GET /ns/{key}/step/1` from a running
                        `skip-harness view`) over a bare verified read of that step (`StepReader.read_served`),
                        for the benchmark's batch (1024 trajectories x 4096 tokens, about 112 MiB; target <= 1.5).
+- view_trajectory_ratio  the same for the page of the step's longest trajectory (`GET .../t/{ref}`: every
+                       token coloured, the per-token table) over the same verified read (target <= 1.5).
+- view_compare_ratio   the same for the compare page of two real-size runs at one step (`GET /compare?...`:
+                       both steps read, every trajectory paired by identity, the first page of pairs) over
+                       two verified reads (target <= 1.5). The page keeps the last pair of steps it paired, so
+                       the timed requests alternate between two steps: each is computed, none served from it.
 - view_overview_ratio  time to the first byte of the overview (`GET /`) of a cache holding the 10,000-step
                        x K = 4 namespace over its indexed scan (`scan_namespace` with the index; target <= 1.5).
 
@@ -109,14 +115,35 @@ def timed(fn: Callable[[], Any]) -> Callable[[], float]:
     return run
 
 
+def other_run(payload: Dict[str, Any]) -> Dict[str, Any]:
+    """A second run of the same step: the same prompts, every other trajectory's response another (its
+    tokens shifted by one) with another reward."""
+    out = dict(payload)
+    ids = payload["input_ids"].clone()
+    P = ids.shape[1] - payload["response_mask"].shape[1]
+    ids[::2, P:] = (ids[::2, P:] + 1) * payload["response_mask"][::2]
+    scores = payload["scores"].clone()
+    scores[::2] = 1.0 - scores[::2]
+    out.update(input_ids=ids, scores=scores)
+    return out
+
+
 def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
     cache = work / "cache"
     step_ns = Layout(cache / "bench_view" / "GBS1024_N8_in1024_out3072", K=1, W=1)
-    store = StepStore(step_ns)
+    other_ns = Layout(cache / "bench_view_b" / "GBS1024_N8_in1024_out3072", K=1, W=1)
+    store, other = StepStore(step_ns), StepStore(other_ns)
     payload = make_payload(rows)
-    entries = store.writer.write_inner(1, 0, 0, payload, {"bench": "view"})
-    store.writer.commit(1, entries, None)
-    nbytes = sum(e.bytes for e in entries)
+    longest = int(payload["response_length"].argmax())
+    longest_tokens = int(payload["response_length"][longest])
+    nbytes = 0
+    for step in (1, 2):                           # two steps a side: the compare arm alternates between them
+        entries = store.writer.write_inner(step, 0, 0, payload, {"bench": "view"})
+        store.writer.commit(step, entries, None)
+        nbytes = sum(e.bytes for e in entries)
+    payload = other_run(payload)
+    for step in (1, 2):
+        other.writer.commit(step, other.writer.write_inner(step, 0, 0, payload, {"bench": "view"}), None)
     del payload
     log.info("step of %.1f MiB written; building %d steps x K=%d", nbytes / MiB, steps, SCAN_K)
     big = build_scan_namespace(work / "scan" / "bench_scan" / f"GBS8_N1_in16_out16_K{SCAN_K}_W1", steps)
@@ -133,12 +160,33 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
         if report.counts()["complete"] != steps or not report.index_used:
             raise SystemExit(f"the indexed scan found {report.counts()} (index used: {report.index_used})")
 
+    other_reader = StepStore(other_ns).reader
+
+    def two_reads() -> None:
+        for r in (reader, other_reader):
+            status, reason, batches, _ = r.read_served(1, 0)
+            if reason is not None:
+                raise SystemExit(f"the bench step does not verify: {reason}")
+
     out: Dict[str, Any] = {"payload_mib": round(nbytes / MiB, 1), "rows": rows, "steps": steps}
     viewer = Viewer(cache, work)
+    ns = "/ns/0/bench_view/GBS1024_N8_in1024_out3072"
+    turn = [0]
+
+    def compare_page() -> float:                  # steps 1 and 2 in turn: each request pairs its steps anew
+        turn[0] += 1
+        return viewer.ttfb(f"/compare?a=0/bench_view/GBS1024_N8_in1024_out3072&b=0/bench_view_b/"
+                           f"GBS1024_N8_in1024_out3072&step={1 + turn[0] % 2}")
+
     try:
-        t = interleave({"page": lambda: viewer.ttfb("/ns/0/bench_view/GBS1024_N8_in1024_out3072/step/1"),
-                        "bare": timed(bare_read)}, repeats)
+        t = interleave({"page": lambda: viewer.ttfb(f"{ns}/step/1"), "bare": timed(bare_read)}, repeats)
         out.update(view_step_ttfb_s=median(t["page"]), bare_read_s=median(t["bare"]))
+        t = interleave({"page": lambda: viewer.ttfb(f"{ns}/step/1/t/0.0.{longest}"), "bare": timed(bare_read)},
+                       repeats)
+        out.update(view_trajectory_ttfb_s=median(t["page"]), trajectory_bare_read_s=median(t["bare"]),
+                   trajectory_tokens=longest_tokens)
+        t = interleave({"page": compare_page, "bare": timed(two_reads)}, repeats)
+        out.update(view_compare_ttfb_s=median(t["page"]), two_reads_s=median(t["bare"]))
     finally:
         viewer.stop()
     viewer = Viewer(work / "scan", work)
@@ -148,6 +196,8 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
     finally:
         viewer.stop()
     out["view_step_ratio"] = out["view_step_ttfb_s"] / out["bare_read_s"]
+    out["view_trajectory_ratio"] = out["view_trajectory_ttfb_s"] / out["trajectory_bare_read_s"]
+    out["view_compare_ratio"] = out["view_compare_ttfb_s"] / out["two_reads_s"]
     out["view_overview_ratio"] = out["view_overview_ttfb_s"] / out["indexed_scan_s"]
     return out
 
@@ -179,6 +229,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"view_step_ratio      {result['view_step_ratio']:.2f}  (target <= 1.5)  step page first byte "
             f"{result['view_step_ttfb_s'] * 1000:.0f} ms vs verified read {result['bare_read_s'] * 1000:.0f} ms "
             f"of {result['payload_mib']} MiB ({rows} trajectories)\n"
+            f"view_trajectory_ratio {result['view_trajectory_ratio']:.2f}  (target <= 1.5)  trajectory page first byte "
+            f"{result['view_trajectory_ttfb_s'] * 1000:.0f} ms ({result['trajectory_tokens']} tokens) vs verified read "
+            f"{result['trajectory_bare_read_s'] * 1000:.0f} ms\n"
+            f"view_compare_ratio   {result['view_compare_ratio']:.2f}  (target <= 1.5)  compare page first byte "
+            f"{result['view_compare_ttfb_s'] * 1000:.0f} ms vs two verified reads {result['two_reads_s'] * 1000:.0f} ms\n"
             f"view_overview_ratio  {result['view_overview_ratio']:.2f}  (target <= 1.5)  overview first byte "
             f"{result['view_overview_ttfb_s'] * 1000:.0f} ms vs indexed scan {result['indexed_scan_s'] * 1000:.0f} ms "
             f"({steps} steps x K={SCAN_K})\n")

@@ -149,3 +149,19 @@ def viewer(tmp_path: Path, *args: str, env: Optional[dict] = None, timeout: floa
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def long_payload(rows: int = 16, prompt_len: int = 1024, response_len: int = 4096, seed: int = 0) -> dict:
+    """An LLM-length mini-batch: scripts/_benchlib.make_payload's (the benchmark's: left-padded prompts and
+    right-padded responses in verl's `input_ids`, an attention mask over both, a response mask, log-probs,
+    per-token rewards, uids of 8 samples), plus the rollout's own log-probs (the trainer's plus a little noise)."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(REPO / "scripts"))
+    from _benchlib import make_payload
+
+    out = make_payload(rows, seed=seed, prompt_len=prompt_len, response_len=response_len)
+    g = torch.Generator().manual_seed(seed + 1)
+    out["rollout_log_probs"] = out["old_log_probs"] + 0.01 * torch.randn(out["old_log_probs"].shape, generator=g) \
+        * out["response_mask"]
+    return out

@@ -1,12 +1,16 @@
 """What `skip-harness diff A B` compares: two namespaces, or two cache roots, step by step (the viewer's
 compare page shows the same document; `diff.py` prints it).
 
-Rollouts first by the checksums the commit records list (no payload is read when they match), then,
-where they differ, by content: how many trajectories differ, and how the reward mean and the response
-length moved. Then the values the trainer recorded for each step (store.values): the first step and key
-that differ and the largest difference per key. The training-side configs recorded with the values are
-compared on top. `compare(a, b)` returns the document `diff --json` prints; bad input is a CliError
-(exit 2).
+Rollouts first by the checksums the commit records list (no payload is read when they match: the
+document says `same commit records (payloads not read)`, and `skip-harness verify` is what reads them),
+then, where they differ, by content: how many trajectories differ, and how the reward mean and the
+response length moved. Steps present on one side only are counted apart (`steps_only_in_a` / `_b`), not
+as differing rollouts. Then the values the trainer recorded for each step (store.values), on the keys
+both sides recorded: the first step and key that differ and the largest difference per key; keys
+recorded on one side only are listed apart (`keys_only_in_a` / `_b`) and never make a divergence. The
+training-side configs recorded with the values are compared on top, less the keys that cannot change
+training (run length, thread counts, paths, logging: `NOT_EXPLANATIONS`); a null and an absent key are
+the same. `compare(a, b)` returns the document `diff --json` prints; bad input is a CliError (exit 2).
 """
 from __future__ import annotations
 
@@ -31,6 +35,16 @@ _REWARD_NAMES = ("reward", "score")
 _MASK_NAMES = ("response_mask", "completion_mask")
 _LENGTH_NAMES = ("response_length", "response_lengths", "lengths", "completion_lengths")
 _RESPONSE_NAMES = ("responses", "completion_ids", "response_ids")
+
+#: Config keys (their last dotted part, lower case) that cannot change what a step trains on: how long the
+#: run is, how many threads or workers it uses, where it writes, how it logs. A difference in them is not
+#: offered as an explanation of a divergence.
+NOT_EXPLANATIONS = (
+    "total_training_steps", "total_epochs", "num_train_epochs", "max_steps", "*threads*", "*num_workers*",
+    "*_dir", "*dir", "*path", "*_path*", "*_file", "output_*", "logger", "log_*", "*logging*", "*_log", "report_to",
+    "project_name", "experiment_name", "run_name", "save_*", "*_freq", "resume_*", "*checkpoint*", "tensorboard*",
+    "wandb*", "disable_tqdm", "*progress*", "val_before_train", "val_only", "test_freq", "*_dump*",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,11 +191,14 @@ def _ignored(key: str) -> bool:
     return any(fnmatch.fnmatchcase(low, p) for p in DEFAULT_REPLAY_IGNORE)
 
 
-def _compare_values(a: Optional[Dict[str, float]], b: Optional[Dict[str, float]]) -> Tuple[str, Optional[Tuple[str, float, float]], Dict[str, float]]:
+def _compare_values(a: Optional[Dict[str, float]], b: Optional[Dict[str, float]]
+                    ) -> Tuple[str, Optional[Tuple[str, float, float]], Dict[str, float], Tuple[List[str], List[str]]]:
     """('same' | 'differ' | 'unrecorded', the first differing key (in A's recorded order) with both values,
-    |a - b| by key). Timings are left out, as the replay check leaves them out by default."""
+    |a - b| by key, (keys only A recorded, keys only B recorded)). Only keys both sides recorded are
+    compared (as the replay check compares them); timings are left out, as the replay check leaves them
+    out by default."""
     if a is None or b is None:
-        return "unrecorded", None, {}
+        return "unrecorded", None, {}, ([], [])
     a = {k: v for k, v in a.items() if not _ignored(k)}
     b = {k: v for k, v in b.items() if not _ignored(k)}
     first = None
@@ -193,10 +210,23 @@ def _compare_values(a: Optional[Dict[str, float]], b: Optional[Dict[str, float]]
         diffs[key] = d
         if not same and first is None:
             first = (key, x, y)
-    for key in sorted(set(a) ^ set(b)):
-        if first is None:
-            first = (key, a.get(key), b.get(key))
-    return ("same" if first is None else "differ"), first, diffs
+    only = (sorted(set(a) - set(b)), sorted(set(b) - set(a)))
+    return ("same" if first is None else "differ"), first, diffs, only
+
+
+def explains_nothing(key: str) -> bool:
+    """A config key that cannot change what a step trains on (`NOT_EXPLANATIONS`)."""
+    last = key.rsplit(".", 1)[-1].lower()
+    return any(fnmatch.fnmatchcase(last, p) for p in NOT_EXPLANATIONS)
+
+
+def config_diff(ca: Optional[Dict[str, Any]], cb: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The training-side keys whose recorded values differ and could explain a divergence: a null and an
+    absent key are the same; run length, threads, paths and logging are left out."""
+    if ca is None or cb is None:
+        return []
+    return [{"key": k, "a": x, "b": y} for k, x, y in config_changes(ca, cb)
+            if not explains_nothing(k) and not (x is None and y is None)]
 
 
 def _first_config(reader: Any, steps: Sequence[int]) -> Optional[Dict[str, Any]]:
@@ -255,9 +285,11 @@ class _RunValues:
         return self.store.reader.read_training_config(digest) if isinstance(digest, str) else None
 
 
-def compare_namespaces(la: Layout, lb: Layout, run_a: Optional[str] = None, run_b: Optional[str] = None) -> Dict[str, Any]:
-    """One pair of namespaces, step by step; `run_a`, `run_b`: compare that replay's values (its run
-    id, or 'latest') instead of the recording's."""
+def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a: Optional[str] = None,
+                       run_b: Optional[str] = None) -> Dict[str, Any]:
+    """One pair of namespaces, step by step. `read_payloads=False` (the viewer's compare page, which pairs
+    one step's trajectories itself): steps whose checksums differ are not read (`rollouts: "not read"`).
+    `run_a`, `run_b`: compare that replay's values (its run id, or 'latest') instead of the recording's."""
     sa, sb = StepStore(la), StepStore(lb)
     va_of, vb_of = _RunValues(sa, _run_of(sa, run_a, "A")), _RunValues(sb, _run_of(sb, run_b, "B"))
     ra = {s.step: s for s in _scan.scan_namespace(la, use_index=False).steps}
@@ -265,22 +297,28 @@ def compare_namespaces(la: Layout, lb: Layout, run_a: Optional[str] = None, run_
     steps_out: List[Dict[str, Any]] = []
     first_values = None
     max_diff: Dict[str, float] = {}
-    same_rollouts = differ_rollouts = 0
+    same_rollouts = differ_rollouts = same_records = unread = 0
+    only = {"a": 0, "b": 0, "neither": 0}
+    keys_only: Tuple[Dict[str, None], Dict[str, None]] = ({}, {})
     values_compared = 0
     for step in sorted(set(ra) | set(rb)):
         a, b = ra.get(step), rb.get(step)
         row: Dict[str, Any] = {"step": step, "a": None if a is None else a.status, "b": None if b is None else b.status}
-        if a is None or b is None or not a.servable or not b.servable:
-            row["rollouts"] = "only in a" if b is None or not b.servable else "only in b"
-            if (a is None or not a.servable) and (b is None or not b.servable):
-                row["rollouts"] = "in neither"
-            differ_rollouts += 1
+        side = _one_side(a, b)
+        if side is not None:                    # counted apart: not a difference of rollouts
+            row["rollouts"] = "in neither" if side == "neither" else f"only in {side}"
+            only[side] += 1
             steps_out.append(row)
             continue
         fa, fb = _files(a), _files(b)
         if fa is not None and fa == fb:
             row["rollouts"] = "same"
+            row["by"] = "commit records"         # payloads not read
             same_rollouts += 1
+            same_records += 1
+        elif not read_payloads:
+            row["rollouts"] = "not read"
+            unread += 1
         else:
             try:
                 content = _content(sa.reader, sb.reader, step, max(la.W, lb.W) if la.W == lb.W else 1)
@@ -298,7 +336,9 @@ def compare_namespaces(la: Layout, lb: Layout, run_a: Optional[str] = None, run_
             else:
                 differ_rollouts += 1
         va, vb = va_of.read_values(step), vb_of.read_values(step)
-        verdict, first, diffs = _compare_values(va, vb)
+        verdict, first, diffs, (only_a, only_b) = _compare_values(va, vb)
+        keys_only[0].update(dict.fromkeys(only_a))
+        keys_only[1].update(dict.fromkeys(only_b))
         row["values"] = verdict
         if verdict != "unrecorded":
             values_compared += 1
@@ -311,23 +351,37 @@ def compare_namespaces(la: Layout, lb: Layout, run_a: Optional[str] = None, run_
         steps_out.append(row)
     ca = va_of.config(sorted(ra))
     cb = vb_of.config(sorted(rb))
-    cfg = [] if ca is None or cb is None else [{"key": k, "a": x, "b": y} for k, x, y in config_changes(ca, cb)]
+    cfg = config_diff(ca, cb)
     return {
         "a": str(la.root), "b": str(lb.root), "K": [la.K, lb.K], "W": [la.W, lb.W],
         "runs": [va_of.run, vb_of.run],
         "config": cfg, "config_recorded": [ca is not None, cb is not None],
         "steps": steps_out,
         "rollouts_same": same_rollouts, "rollouts_differ": differ_rollouts,
+        "rollouts_same_records": same_records, "payloads_read": same_records < same_rollouts + differ_rollouts,
+        **({"rollouts_not_read": unread} if not read_payloads else {}),
+        "steps_only_in_a": only["a"], "steps_only_in_b": only["b"], "steps_in_neither": only["neither"],
         "values": {"steps_compared": values_compared, "first_divergence": first_values,
-                   "max_abs_diff": {k: max_diff[k] for k in sorted(max_diff)}},
-        "identical": differ_rollouts == 0 and first_values is None and not cfg,
+                   "max_abs_diff": {k: max_diff[k] for k in sorted(max_diff)},
+                   "keys_only_in_a": sorted(keys_only[0]), "keys_only_in_b": sorted(keys_only[1])},
+        "identical": differ_rollouts == 0 and first_values is None and not cfg and not only["a"] and not only["b"]
+        and not unread,
     }
 
 
-def compare(a: str, b: str) -> Dict[str, Any]:
+def _one_side(a: Optional[_scan.StepReport], b: Optional[_scan.StepReport]) -> Optional[str]:
+    """'a' / 'b' when only that side has the step servable, 'neither' when none has, None when both have."""
+    in_a, in_b = a is not None and a.servable, b is not None and b.servable
+    if in_a and in_b:
+        return None
+    return "a" if in_a else "b" if in_b else "neither"
+
+
+def compare(a: str, b: str, read_payloads: bool = True) -> Dict[str, Any]:
     """`skip-harness diff A B --json`'s document: A and B are two namespaces, or two cache roots (local
     paths or object-store URLs; namespaces paired by name). A namespace may name one of its replays,
-    `NS@RUN_ID` or `NS@latest`: its values are then that run's. CliError (exit 2) on bad input."""
+    `NS@RUN_ID` or `NS@latest`: its values are then that run's. CliError (exit 2) on bad input.
+    `read_payloads=False`: rollouts compared by their commit records only (see compare_namespaces)."""
     a, run_a = _split_run(str(a))
     b, run_b = _split_run(str(b))
     single_a, nsa = _namespaces(str(a), "A")
@@ -340,7 +394,7 @@ def compare(a: str, b: str) -> Dict[str, Any]:
             raise CliError(f"diff compares two namespaces or two cache roots; {a if single_a else b} is a "
                            f"namespace and {b if single_a else a} is not")
         pairs.append(dict(name=next(iter(nsa)), **compare_namespaces(next(iter(nsa.values())), next(iter(nsb.values())),
-                                                                     run_a, run_b)))
+                                                                     read_payloads, run_a, run_b)))
     else:
         for name in sorted(set(nsa) | set(nsb)):
             if name not in nsb or name not in nsa:
@@ -348,7 +402,7 @@ def compare(a: str, b: str) -> Dict[str, Any]:
                               "a": str(nsa[name].root) if name in nsa else None,
                               "b": str(nsb[name].root) if name in nsb else None})
                 continue
-            pairs.append(dict(name=name, **compare_namespaces(nsa[name], nsb[name])))
+            pairs.append(dict(name=name, **compare_namespaces(nsa[name], nsb[name], read_payloads)))
     config = []
     for p in pairs:
         for c in p.get("config", []):

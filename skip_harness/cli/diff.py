@@ -2,7 +2,7 @@
 its document as JSON); exit 0 when the two are the same, 1 when they differ, 2 on bad input."""
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 from skip_harness.cli._common import EXIT_OK, EXIT_USAGE, emit_json, fmt_value, stdout_console
 from skip_harness.cli.compare import compare, compare_namespaces  # noqa: F401  (importable from here as before)
@@ -61,17 +61,47 @@ def cmd_diff(a: str, b: str, as_json: bool) -> int:
             table.add_row(str(s["step"]), s["a"] or "-", s["b"] or "-", s["rollouts"], traj,
                           _delta(s.get("reward_mean_delta")), _delta(s.get("response_length_delta")), values)
         console.print(table)
-        v = p["values"]
-        fd = v["first_divergence"]
-        if fd is not None:
-            console.print("values first differ at step {}: {} {} (A) vs {} (B)".format(fd["step"], fd["key"], *_pair(fd["a"], fd["b"])))
-        big = {k: d for k, d in v["max_abs_diff"].items() if d}
-        if big:
-            console.print("largest difference per key: " + ", ".join(f"{k} {d:.3g}" for k, d in big.items()))
-        console.print(f"rollouts: {p['rollouts_same']} {_steps(p['rollouts_same'])} the same, {p['rollouts_differ']} "
-                      f"differ; values compared on {v['steps_compared']} {_steps(v['steps_compared'])} (timings left out)")
-    console.print("identical" if doc["identical"] else "the two differ")
+        _print_summary(console, p)
+    console.print(verdict(doc))
     return EXIT_OK if doc["identical"] else EXIT_DIFFER
+
+
+def _print_summary(console: Any, p: Dict[str, Any]) -> None:
+    """Below a namespace's table: the first divergence, the largest differences, what was compared."""
+    v = p["values"]
+    fd = v["first_divergence"]
+    if fd is not None:
+        console.print("values first differ at step {}: {} {} (A) vs {} (B)".format(fd["step"], fd["key"], *_pair(fd["a"], fd["b"])))
+    big = {k: d for k, d in v["max_abs_diff"].items() if d}
+    if big:
+        console.print("largest difference per key: " + ", ".join(f"{k} {d:.3g}" for k, d in big.items()))
+    for side in ("a", "b"):
+        keys = v.get(f"keys_only_in_{side}") or []
+        if keys:
+            console.print(f"recorded in {side.upper()} only (not compared): " + ", ".join(keys))
+    same, records = p["rollouts_same"], p.get("rollouts_same_records", 0)
+    how = ""
+    if records:
+        how = f" ({records} by the same commit records: payloads not read)" if records < same else \
+              " (same commit records: payloads not read)"
+    apart = [f"only in {s.upper()}: {p[f'steps_only_in_{s}']}" for s in ("a", "b") if p.get(f"steps_only_in_{s}")]
+    console.print(f"rollouts: {same} {_steps(same)} the same{how}, {p['rollouts_differ']} differ"
+                  + ("; steps " + ", ".join(apart) if apart else "")
+                  + f"; values compared on {v['steps_compared']} {_steps(v['steps_compared'])} (timings left out)")
+
+
+def verdict(doc: Dict[str, Any]) -> str:
+    """The last line: identical (saying when no payload was read), or that they differ."""
+    if not doc["identical"]:
+        pairs = [p for p in doc["namespaces"] if not p.get("only_in")]
+        if pairs and all(p["rollouts_differ"] == 0 and p["values"]["first_divergence"] is None and not p["config"]
+                         for p in pairs) and len(pairs) == len(doc["namespaces"]):
+            return "the two differ only in the steps they hold (the steps both hold are the same)"
+        return "the two differ"
+    if any(p.get("payloads_read") is False for p in doc["namespaces"] if not p.get("only_in")):
+        return ("identical: same commit records (payloads not read; `skip-harness verify` checks each payload "
+                "against its record)")
+    return "identical"
 
 
 __all__ = ["compare", "compare_namespaces", "cmd_diff", "EXIT_DIFFER", "EXIT_USAGE"]

@@ -1,5 +1,9 @@
 """What is stored for one TRL generation call: ``(completion_ids, logprobs)`` as a few flat tensors, and
-back to the exact lists TRL's generator returned. :class:`Generation` stands in for the trainer's method."""
+back to the exact lists TRL's generator returned. :class:`Generation` stands in for the trainer's method.
+
+The call's prompt token ids are stored beside them (``prompt_ids`` flat, ``prompt_lengths``), so a cache
+shows what each completion answered (`skip-harness view`); serving ignores them (the lists handed back
+are the generator's, exactly), and a cache written before they were stored still loads."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Sequence
@@ -18,7 +22,9 @@ class Generation:
         self._original = original
 
     def generate(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        return encode_generation(self._original(*args, **kwargs))
+        payload = encode_generation(self._original(*args, **kwargs))
+        add_prompts(payload, kwargs["prompt_ids"] if "prompt_ids" in kwargs else args[0] if args else None)
+        return payload
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return decode_generation(self.generate(*args, **kwargs))
@@ -59,6 +65,15 @@ def encode_generation(out: Any) -> Dict[str, Any]:
                     payload["logprob_is_none"] = torch.tensor([x is None for x in values], dtype=torch.bool)
             return payload
     return {"raw": out}
+
+
+def add_prompts(payload: Dict[str, Any], prompt_ids: Any) -> None:
+    """Store the call's prompt token ids (``_generate_single_turn(prompt_ids, ...)``: one list per
+    completion) beside an encoded generation, flat with their lengths; anything else is left out."""
+    if "raw" in payload or not _int_rows(prompt_ids) or len(prompt_ids) != int(payload["lengths"].numel()):
+        return
+    payload["prompt_ids"] = torch.tensor([x for r in prompt_ids for x in r], dtype=torch.int64)
+    payload["prompt_lengths"] = torch.tensor([len(r) for r in prompt_ids], dtype=torch.int64)
 
 
 def decode_generation(payload: Mapping[str, Any]) -> Any:

@@ -92,6 +92,12 @@ def cmd_view(targets: Sequence[str], host: str, port: Optional[int], tokenizer: 
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
                                            lifespan="off", timeout_graceful_shutdown=2))
     gc.freeze()      # what was imported stays: collections then walk a page's objects, not all of torch's
+    import torch
+
+    # a page's tensor work is small (a mask's ends, a few rows): one thread each, no intra-op pool whose
+    # threads contend with the server's (measured: 100 ms for a 64 x 3,072 mask with 2 threads on a loaded
+    # 2-core machine, 1.5 ms with one)
+    torch.set_num_threads(1)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:      # uvicorn shuts down on Ctrl-C, then raises it again: the stop asked for

@@ -43,6 +43,10 @@ _HEADERS = {
 }
 
 
+FAVICON = (b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '
+           b'fill="#1d2330"/><path d="M4 11h8M4 8h5M4 5h8" stroke="#cfe0ff" stroke-width="1.6"/></svg>')
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, float):
         return None
@@ -67,6 +71,7 @@ class _Json(JSONResponse):
 def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("127.0.0.1", "localhost")) -> Starlette:
     env = environment()
     summaries = pages.Summaries()
+    pairings = pages.Pairings()
 
     def html(name: str, ctx: Dict[str, Any], status: int = 200) -> HTMLResponse:
         ctx.setdefault("roots", [str(r) for r in cache.roots])
@@ -93,6 +98,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
                 return await run_in_threadpool(fn, request)
             except pages.NotFound as exc:
                 return error(404, "not found", str(exc), api)
+            except pages.BadQuery as exc:
+                return error(400, "bad request", str(exc), api)
             except (SkipHarnessError, OSError) as exc:
                 logger.warning("%s: %s", request.url.path, exc)
                 return error(502, "cannot read the cache", f"{type(exc).__name__}: {exc}", api)
@@ -108,10 +115,12 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         return html("overview", ctx)
 
     def namespace_page(request: Request) -> Response:
-        return html("namespace", pages.namespace(cache, ns_of(request)))
+        return html("namespace", pages.namespace(cache, ns_of(request), summaries,
+                                                 pages.ChartQuery.from_params(request.query_params)))
 
     def charts_page(request: Request) -> Response:
-        return html("charts", pages.namespace_charts(cache, ns_of(request), summaries))
+        return html("charts", pages.namespace_charts(cache, ns_of(request), summaries,
+                                                     pages.ChartQuery.from_params(request.query_params)))
 
     def step_page(request: Request) -> Response:
         query = pages.StepQuery.from_params(request.query_params)
@@ -119,15 +128,31 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
 
     def trajectory_page(request: Request) -> Response:
         return html("trajectory", pages.trajectory(cache, ns_of(request), step_of(request),
-                                                   request.path_params["ref"], decoder))
+                                                   request.path_params["ref"], decoder,
+                                                   request.query_params.get("color", "")))
+
+    def bad_step(request: Request) -> Response:
+        raise pages.BadQuery(f"step {request.path_params['step']!r} is not a step number")
+
+    def favicon(request: Request) -> Response:
+        return Response(FAVICON, media_type="image/svg+xml", headers=_HEADERS)
 
     def compare_page(request: Request) -> Response:
         a, b, step = _compare_args(request)
-        ctx = pages.compare(cache, a, b, step, decoder)
+        ctx = pages.compare(cache, a, b, step, decoder, pairings, *_compare_view(request))
         diff = cache.diff(a, b)
         ctx["diff"] = None if diff is None else json.dumps(_finite(diff), indent=1, default=str)
         ctx.update(pages.diff_at(diff, step))
         return html("compare", ctx)
+
+    def _compare_view(request: Request):
+        p = request.query_params
+        page, only = p.get("page", "1"), p.get("only", "")
+        if not (page.isdigit() and int(page) > 0):
+            raise pages.BadQuery(f"page={page!r}: a page is a number from 1")
+        if only not in ("", "differ"):
+            raise pages.BadQuery(f"only={only!r}: only=differ shows the pairs that differ, nothing else is known")
+        return int(page), only
 
     def _compare_args(request: Request):
         p = request.query_params
@@ -136,7 +161,7 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
             raise pages.NotFound(f"compare needs two namespaces: a={p.get('a', '')!r} b={p.get('b', '')!r}")
         step = p.get("step", "")
         if not step.isdigit():
-            raise pages.NotFound(f"compare needs a step number, got {step!r}")
+            raise pages.BadQuery(f"compare needs a step number, got step={step!r}")
         return a, b, int(step)
 
     # ---- the JSON API
@@ -162,18 +187,30 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
 
     def api_compare(request: Request) -> Response:
         a, b, step = _compare_args(request)
-        ctx = pages.compare(cache, a, b, step, decoder)
-        return _Json({"step": step, "a": a.key, "b": b.key,
-                      "sides": [{"key": s["ns"].key, "status": s["read"].status, "reason": s["read"].reason,
-                                 "summary": s["summary"]} for s in ctx["sides"]],
-                      "trajectories": [{k: r[k] for k in ("ref", "reward_a", "reward_b", "same")} for r in ctx["rows"]],
-                      "diff": cache.diff(a, b)}, headers=_HEADERS)
+        ctx = pages.compare(cache, a, b, step, decoder, pairings)
+        pairing = ctx["pairing"]
+        doc: Dict[str, Any] = {
+            "step": step, "a": a.key, "b": b.key, "differs": pages.DIFFERS, "notes": ctx["notes"],
+            "sides": [{"key": s["ns"].key, "status": s["read"].status, "reason": s["read"].reason,
+                       "summary": s["summary"]} for s in ctx["sides"]],
+            "diff": cache.diff(a, b)}
+        if pairing is not None:
+            doc.update(paired_by=pairing.by, same=pairing.same, differ=pairing.differ, only_in_a=pairing.only_a,
+                       only_in_b=pairing.only_b,
+                       trajectories=[{"identity": p.identity, "ref_a": p.a.ref if p.a else None,
+                                      "ref_b": p.b.ref if p.b else None, "reward_a": p.a.reward if p.a else None,
+                                      "reward_b": p.b.reward if p.b else None, "same": p.same}
+                                     for p in pairing.pairs])
+        return _Json(doc, headers=_HEADERS)
 
     routes = [
         Route("/", handler(overview_page)),
+        Route("/favicon.ico", favicon),
         Route("/compare", handler(compare_page)),
         Route("/ns/{key:path}/step/{step:int}/t/{ref}", handler(trajectory_page)),
         Route("/ns/{key:path}/step/{step:int}", handler(step_page)),
+        Route("/ns/{key:path}/step/{step}/t/{ref}", handler(bad_step)),
+        Route("/ns/{key:path}/step/{step}", handler(bad_step)),
         Route("/ns/{key:path}/charts", handler(charts_page)),
         Route("/ns/{key:path}", handler(namespace_page)),
         Route("/api/namespaces", handler(api_namespaces, True)),

@@ -88,6 +88,7 @@ class Cache:
         self.roots = list(roots)
         self._lock = threading.Lock()
         self._readers: Dict[str, StepReader] = {}
+        self._diffs: Dict[Tuple[str, str], Tuple[Any, Dict[str, Any]]] = {}
 
     # ---- namespaces
 
@@ -181,5 +182,18 @@ class Cache:
             return None
 
     def diff(self, a: Namespace, b: Namespace) -> Dict[str, Any]:
-        """`skip-harness diff --json`'s document for two namespaces."""
-        return _diff_compare(str(a.layout.root), str(b.layout.root))
+        """`skip-harness diff --json`'s document for two namespaces, rollouts by their commit records only
+        (the compare page pairs one step's trajectories itself; reading every differing step of two runs
+        would cost a read per step per side). Kept while both namespaces' steps stay as they were."""
+        stamp = (self._stamp(a), self._stamp(b))
+        with self._lock:
+            kept = self._diffs.get((a.key, b.key))
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        doc = _diff_compare(str(a.layout.root), str(b.layout.root), read_payloads=False)
+        with self._lock:
+            self._diffs[(a.key, b.key)] = (stamp, doc)
+        return doc
+
+    def _stamp(self, ns: Namespace) -> Tuple[Tuple[int, Any, int, str], ...]:
+        return tuple((s.step, s.created, s.bytes, s.status) for s in self.scan(ns).steps)

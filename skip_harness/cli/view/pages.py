@@ -13,18 +13,23 @@ from skip_harness.cli.show import describe
 from skip_harness.cli.view import charts
 from skip_harness.cli.view.data import Cache, Namespace, StepRead
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
+from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
 from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last, group_size_of, step_table
+from skip_harness.cli.view.values import by_prefix, default_order, pick
 from skip_harness.store import scan as _scan
 
 SORT_KEYS = ("stored", "reward", "advantage", "length", "group")
 ROWS_PER_PAGE = 32           # trajectories on one page of a step (its groups in order; a group may go on)
 TOKENS_ON_STEP_PAGE = 64     # response tokens of each (all of them on the trajectory's own page)
 CHART_STEPS = 200            # steps read for the rollout charts; more are sampled evenly
-VALUE_CHARTS = 12            # recorded values charted (the first keys, in sorted order)
 
 
 class NotFound(Exception):
     """A namespace, step or trajectory the cache does not have; the message says which."""
+
+
+class BadQuery(Exception):
+    """A URL parameter that means nothing (a reward bound that is not a number...); the message says which."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,7 +57,29 @@ def overview_json(cache: Cache) -> Dict[str, Any]:
             "total_bytes": sum(d["total_bytes"] for d in docs)}
 
 
-def namespace(cache: Cache, ns: Namespace) -> Dict[str, Any]:
+@dataclass
+class ChartQuery:
+    """What the charts show: picked keys (`k`, repeatable), a search over the keys (`q`), other runs to
+    overlay (`with`, namespace keys, repeatable)."""
+
+    keys: List[str]
+    q: str
+    runs: List[str]
+
+    @classmethod
+    def from_params(cls, params: Any) -> "ChartQuery":
+        return cls([k for k in params.getlist("k") if k][:200], params.get("q", "")[:200],
+                   [r for r in params.getlist("with") if r][:8])
+
+    def query_string(self) -> str:
+        from urllib.parse import urlencode
+
+        return urlencode([("k", k) for k in self.keys] + ([("q", self.q)] if self.q else [])
+                         + [("with", r) for r in self.runs])
+
+
+def namespace(cache: Cache, ns: Namespace, summaries: "Summaries", query: Optional[ChartQuery] = None) -> Dict[str, Any]:
+    query = query or ChartQuery([], "", [])
     report = cache.scan(ns)
     view = cache.namespace_view(ns, report)
     doc = cache.namespace_doc(ns, view)
@@ -61,19 +88,37 @@ def namespace(cache: Cache, ns: Namespace) -> Dict[str, Any]:
               "written": fmt_ago(r.written), "gen": fmt_seconds(r.gen_s), "reason": r.report.reason,
               "fingerprint": None if r.report.fingerprint is None else r.report.fingerprint.digest} for r in view.rows]
     servable = [s.step for s in report.steps if s.servable]
+    series = value_series(cache, ns, summaries, report)
+    keys = default_order(list(series))
+    shown = pick(keys, query.keys, query.q)
+    missing = [k for k in query.keys if k not in series]
+    runs = [r for r in query.runs if cache.namespace(r) is not None]
+    bad = [r for r in query.runs if r not in runs]
+    if missing or bad:
+        raise BadQuery("; ".join(([f"no recorded value {', '.join(missing)} in {ns.label}"] if missing else [])
+                                 + ([f"no namespace {', '.join(bad)} to overlay"] if bad else [])))
     return {"ns": ns, "doc": doc, "mode": fmt_value(mode), "seed": fmt_value(seed), "size": human_bytes(view.bytes),
             "steps": steps, "note": report.index_note, "ns_rows": compare_choices(cache), "pick_a": ns.key,
             "pick_b": _other(cache, ns.key), "pick_step": servable[-1] if servable else 1,
-            "chart_rows": _chart_rows(cache, ns, servable)}
+            "chart_rows": 1 + math.ceil(len(shown) / 2), "chart_extra": 14 * len(runs),
+            "value_groups": by_prefix(keys), "charted": set(shown), "query": query, "runs": runs,
+            "charts_src": f"/ns/{ns.key}/charts" + (f"?{query.query_string()}" if query.query_string() else ""),
+            "key_count": len(keys)}
 
 
-def _chart_rows(cache: Cache, ns: Namespace, servable: Sequence[int]) -> int:
-    """Rows of two charts the charts frame will hold: the rollouts' row, and the recorded values' (one
-    step's values read to count them)."""
-    if not servable:
-        return 1
-    values = cache.values(ns, servable[-1]) or {}
-    return 1 + math.ceil(min(len(values), VALUE_CHARTS) / 2)
+def value_series(cache: Cache, ns: Namespace, summaries: "Summaries", report: _scan.NamespaceReport
+                 ) -> Dict[str, List[charts.Point]]:
+    """Every recorded numeric value over the charted steps: {key: points}."""
+    servable = [s for s in report.steps if s.servable]
+    picked = set(chart_steps([s.step for s in servable]))
+    values: Dict[str, List[charts.Point]] = {}
+    for s in servable:
+        if s.step not in picked:
+            continue
+        for k, v in (summaries.values(cache, ns, s) or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                values.setdefault(k, []).append(charts.Point(s.step, float(v)))
+    return values
 
 
 def compare_choices(cache: Cache) -> List[Dict[str, Any]]:
@@ -92,6 +137,7 @@ class Summaries:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: Dict[Tuple[str, int], Tuple[Any, Dict[str, Any]]] = {}
+        self._values: Dict[Tuple[str, int], Tuple[Any, Optional[Dict[str, float]]]] = {}
 
     def get(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, Any]]:
         stamp = (s.created, s.bytes, s.status)
@@ -110,6 +156,19 @@ class Summaries:
         return summary
 
 
+    def values(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, float]]:
+        """The step's recorded values, kept while its commit record stays the same."""
+        stamp = (s.created, s.bytes, s.status)
+        with self._lock:
+            kept = self._values.get((ns.key, s.step))
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        got = cache.values(ns, s.step)
+        with self._lock:
+            self._values[(ns.key, s.step)] = (stamp, got)
+        return got
+
+
 def _fp_values(s: Optional[_scan.StepReport]) -> Optional[Dict[str, Any]]:
     return None if s is None or s.fingerprint is None else dict(s.fingerprint.values)
 
@@ -121,8 +180,8 @@ def chart_steps(steps: Sequence[int], budget: int = CHART_STEPS) -> List[int]:
     return sorted(picked)
 
 
-def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries) -> Dict[str, Any]:
-    report = cache.scan(ns)
+def _rollout_series(cache: Cache, ns: Namespace, summaries: Summaries, report: _scan.NamespaceReport
+                    ) -> Tuple[List[charts.Point], List[charts.Point]]:
     servable = [s for s in report.steps if s.servable]
     picked = set(chart_steps([s.step for s in servable]))
     reward, length = [], []
@@ -137,25 +196,46 @@ def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries) -> Dict[
             reward.append(charts.Point(s.step, sm["reward_mean"], sm["reward_mean"] - std, sm["reward_mean"] + std))
         if sm["length_mean"] is not None:
             length.append(charts.Point(s.step, sm["length_mean"], sm["length_min"], sm["length_max"]))
+    return reward, length
+
+
+def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries, query: Optional[ChartQuery] = None
+                     ) -> Dict[str, Any]:
+    """The rollouts' reward and length over steps, then the recorded values picked (by default: loss,
+    reward, KL, grad norm, lengths... timings last), each overlaid with the runs `with` names; every step's
+    status marked along the step axis."""
+    query = query or ChartQuery([], "", [])
+    report = cache.scan(ns)
+    servable = [s for s in report.steps if s.servable]
+    picked = set(chart_steps([s.step for s in servable]))
+    reward, length = _rollout_series(cache, ns, summaries, report)
+    others = []
+    for key in query.runs:
+        other = cache.namespace(key)
+        if other is None:
+            raise BadQuery(f"with={key!r}: no such namespace to overlay")
+        rep = cache.scan(other)
+        others.append((other.label, _rollout_series(cache, other, summaries, rep),
+                       value_series(cache, other, summaries, rep)))
+    marks = [(s.step, s.status) for s in report.steps]
 
     def href(step: int) -> str:
         return f"/ns/{ns.key}/step/{step}"
 
-    svgs = [charts.line_chart("reward: mean ± std per step", reward, href, css_id="chart-reward"),
-            charts.line_chart("response length: mean (min .. max)", length, href, css_id="chart-length")]
-    values: Dict[str, List[charts.Point]] = {}
-    for s in servable:
-        if s.step not in picked:
-            continue
-        for k, v in (cache.values(ns, s.step) or {}).items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                values.setdefault(k, []).append(charts.Point(s.step, float(v)))
-    for n, k in enumerate(sorted(values)[:VALUE_CHARTS]):
-        svgs.append(charts.line_chart(f"recorded: {k}", values[k], href, css_id=f"chart-value-{n}"))
+    svgs = [charts.line_chart("reward: mean ± std per step", reward, href, css_id="chart-reward", marks=marks,
+                              overlays=[(label, rl[0]) for label, rl, _v in others]),
+            charts.line_chart("response length: mean (min .. max)", length, href, css_id="chart-length", marks=marks,
+                              overlays=[(label, rl[1]) for label, rl, _v in others])]
+    values = value_series(cache, ns, summaries, report)
+    keys = default_order(list(values))
+    shown = pick(keys, query.keys, query.q)
+    for n, k in enumerate(shown):
+        svgs.append(charts.line_chart(f"recorded: {k}", values[k], href, css_id=f"chart-value-{n}", marks=marks,
+                                      overlays=[(label, v.get(k, [])) for label, _rl, v in others]))
     note = None
     if len(picked) < len(servable):
         note = f"charts from {len(picked)} of {len(servable)} steps, evenly spaced"
-    return {"charts": svgs, "note": note, "values": sorted(values)}
+    return {"charts": svgs, "note": note, "values": keys, "shown": shown}
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,11 +254,19 @@ class StepQuery:
 
     @classmethod
     def from_params(cls, params: Any) -> "StepQuery":
+        """The query, or BadQuery naming the parameter a URL got wrong (never silently ignored)."""
         page = params.get("page", "1")
         sort = params.get("sort", "stored")
+        if not (page.isdigit() and int(page) > 0):
+            raise BadQuery(f"page={page!r}: a page is a number from 1")
+        if sort not in SORT_KEYS:
+            raise BadQuery(f"sort={sort!r}: sort by one of {', '.join(SORT_KEYS)}")
+        for name in ("min_reward", "max_reward"):
+            text = params.get(name, "")
+            if text.strip() and _number(text) is None:
+                raise BadQuery(f"{name}={text!r} is not a number")
         return cls(params.get("q", "")[:200], params.get("min_reward", ""), params.get("max_reward", ""),
-                   sort if sort in SORT_KEYS else "stored", "desc" if params.get("order") == "desc" else "asc",
-                   params.get("color", ""), int(page) if page.isdigit() and int(page) > 0 else 1)
+                   sort, "desc" if params.get("order") == "desc" else "asc", params.get("color", ""), int(page))
 
 
 def _number(text: str) -> Optional[float]:
@@ -191,7 +279,8 @@ def _number(text: str) -> Optional[float]:
 def _search_text(t: Trajectory, decoder: Decoder) -> str:
     s = show(t, decoder)
     parts = [t.group, t.ref, s.prompt_text or "", s.response_text or "",
-             " ".join(s.response_tokens or []), " ".join(s.prompt_tokens or [])]
+             " ".join(s.response_tokens or []), " ".join(s.prompt_tokens or []),
+             " ".join(map(str, s.response_ids or []))]
     return "\n".join(parts).lower()
 
 
@@ -227,11 +316,22 @@ def colour_keys(shown: Sequence[Shown]) -> List[str]:
     return plain + [n for n in names if n not in plain]
 
 
+def _decoder(ns: Namespace, s: Optional[_scan.StepReport], decoder: Decoder) -> Decoder:
+    return decoder.for_namespace(ns.group, _fp_values(s))
+
+
+def _no_step(ns: Namespace, step: int, report: _scan.NamespaceReport) -> NotFound:
+    steps = [r.step for r in report.steps]
+    held = f"it holds steps {steps[0]} .. {steps[-1]}" if steps else "it holds no step"
+    return NotFound(f"{ns.layout.root}: no step {step} ({held})")
+
+
 def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder: Decoder) -> Dict[str, Any]:
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
-        raise NotFound(f"{ns.layout.root}: no step {step}")
+        raise _no_step(ns, step, report)
+    decoder = _decoder(ns, s, decoder)
     steps = [r.step for r in report.steps]
     at = steps.index(step)
     read = cache.read_step(ns, step)
@@ -245,21 +345,26 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     pages = max(1, math.ceil(len(ordered) / ROWS_PER_PAGE))
     page = min(query.page, pages)
     groups = table.groups(ordered[(page - 1) * ROWS_PER_PAGE: page * ROWS_PER_PAGE])
-    shown_groups, all_shown = [], []
+    shown_groups: List[Tuple[str, List[Dict[str, Any]]]] = []
+    all_shown: List[Shown] = []
     for g, members in groups:
         items = []
-        for t in members:
-            sh = show(t, decoder, TOKENS_ON_STEP_PAGE)
+        for n, t in enumerate(members):
+            sh = show(t, decoder, TOKENS_ON_STEP_PAGE, prompt=n == 0)
             all_shown.append(sh)
             items.append({"traj": t, "shown": sh})
         shown_groups.append((g, items))
     keys = colour_keys(all_shown)
+    if query.color and keys and query.color not in keys:
+        raise BadQuery(f"color={query.color!r}: colour by one of {', '.join(keys)}")
     color = query.color if query.color in keys else (keys[0] if keys else "")
-    mask = next((k for k in keys if _last(k) in MASK), None)
-    for _g, items in shown_groups:
+    rows_of = {id(sh): token_row(sh, color) if color else None for sh in all_shown}
+    legend = _step_scale(color, list(rows_of.values()))
+    for _g, items in shown_groups:          # one scale for the page: the legend's
         for it in items:
-            it["colour_row"] = token_row(it["shown"], color) if color else None  # type: ignore[arg-type]
-            it["mask_row"] = token_row(it["shown"], mask) if mask else None  # type: ignore[arg-type]
+            row = rows_of[id(it["shown"])]
+            it["colour_row"] = None if row is None or legend is None else TokenRow(color, row.values, legend.low,
+                                                                                   legend.high)
     metas = {(i, r): m for i, r, m in read.metas}
     minibatches = []
     for i, r, _payload in read.batches:
@@ -279,8 +384,32 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     ctx.update(vars(query))
     ctx.update(table=table, summary=table.summary(), groups=shown_groups, shown_count=len(rows), page=page,
                pages=pages, page_url=page_url, sort_keys=SORT_KEYS, colour_keys=keys, color=color,
-               minibatches=minibatches, decoder_name=decoder.name)
+               minibatches=minibatches, decoder_name=decoder.name, legend=legend,
+               rewards=[t.reward for t in table.trajectories if t.reward is not None],
+               recorded=_recorded(cache.values(ns, step)), reward_note=_reward_note(table))
     return ctx
+
+
+def _step_scale(name: str, rows: Sequence[Optional[TokenRow]]) -> Optional[TokenRow]:
+    """One colour scale for a page: the range of the field over every shown row's real, unmasked tokens."""
+    got = [r for r in rows if r is not None]
+    if not got:
+        return None
+    return TokenRow(name, [], min(r.low for r in got), max(r.high for r in got))
+
+
+def _recorded(values: Optional[Dict[str, float]]) -> List[Tuple[str, str]]:
+    """The step's recorded values (the trainer's metrics), in the default chart order, then the rest."""
+    if not values:
+        return []
+    return [(k, fmt_value(values[k])) for k in default_order(list(values))]
+
+
+def _reward_note(table: StepTable) -> Optional[str]:
+    if any(t.reward is not None for t in table.trajectories):
+        return None
+    return ("no reward stored with these rollouts (TRL recomputes rewards each step: its logged reward is among "
+            "the recorded values below)")
 
 
 def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
@@ -289,7 +418,7 @@ def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
-        raise NotFound(f"{ns.layout.root}: no step {step}")
+        raise _no_step(ns, step, report)
     read = cache.read_step(ns, step)
     doc: Dict[str, Any] = {"namespace": str(ns.layout.root), "key": ns.key, "step": step, "K": ns.layout.K,
                            "W": ns.layout.W, "status": read.status, "reason": read.reason}
@@ -308,69 +437,139 @@ def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
     return doc
 
 
-def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decoder) -> Dict[str, Any]:
+def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decoder, color: str = "") -> Dict[str, Any]:
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
-        raise NotFound(f"{ns.layout.root}: no step {step}")
+        raise _no_step(ns, step, report)
     read = cache.read_step(ns, step)
     if not read.ok:
         raise NotFound(f"step {step} of {ns.layout.root} is {read.status}: {read.reason}")
+    decoder = _decoder(ns, s, decoder)
     table = step_table(read.batches, group_size_of(_fp_values(s)))
-    t = table.find(ref)
-    if t is None:
+    at = next((k for k, t in enumerate(table.trajectories) if t.ref == ref), None)
+    if at is None:
         raise NotFound(f"step {step} of {ns.layout.root} has no trajectory {ref} (inner.rank.index)")
+    t = table.trajectories[at]
     shown = show(t, decoder)
     keys = colour_keys([shown])
-    mask = next((k for k in keys if _last(k) in MASK), None)
-    return {"ns": ns, "step": step, "traj": t, "shown": shown, "advantage_computed": table.advantage_computed,
-            "colour_row": token_row(shown, keys[0]) if keys else None,
-            "mask_row": token_row(shown, mask) if mask else None}
+    if color and keys and color not in keys:
+        raise BadQuery(f"color={color!r}: colour by one of {', '.join(keys)}")
+    asked = color if color in keys else ""
+    color = asked or (keys[0] if keys else "")
+    return {"ns": ns, "step": step, "traj": t, "asked_color": asked, "shown": shown, "advantage_computed": table.advantage_computed,
+            "colour_row": token_row(shown, color) if color else None, "colour_keys": keys, "color": color,
+            "prev_ref": table.trajectories[at - 1].ref if at > 0 else None,
+            "next_ref": table.trajectories[at + 1].ref if at + 1 < len(table.trajectories) else None,
+            "count": len(table.trajectories), "position": at + 1, "decoder_name": decoder.name}
 
 
 # --------------------------------------------------------------------------------------------
 # compare
 
 
-def _brief(t: Optional[Trajectory], decoder: Decoder) -> Tuple[Optional[List[str]], str]:
+COMPARE_ROWS = 50          # pairs on one page of compare
+
+
+def _brief(t: Optional[Trajectory], decoder: Decoder) -> str:
     if t is None:
-        return None, "-"
-    s = show(t, decoder, 64)
-    text = s.response_text if s.response_text is not None else " ".join(s.response_tokens or [])
-    return s.response_tokens, text
+        return "-"
+    sh = show(t, decoder, TOKENS_ON_STEP_PAGE, fold=False)
+    text = " ".join(sh.response_tokens or []) if sh.response_text is None else sh.response_text
+    return text + (f" … {sh.truncated} more tokens ({sh.response_real} in all)" if sh.truncated else "")
 
 
-def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decoder) -> Dict[str, Any]:
-    sides, tables = [], []
-    for ns in (a, b):
-        s = cache.scan(ns).get(step)
-        read = cache.read_step(ns, step) if s is not None else StepRead(ns, step, "missing", f"no step {step}", [], [])
-        table = step_table(read.batches, group_size_of(_fp_values(s))) if read.ok else None
-        tables.append(table)
-        sides.append({"ns": ns, "read": read, "summary": table.summary() if table else None})
-    rows, same = [], 0
-    if tables[0] is not None and tables[1] is not None:
-        refs = list(dict.fromkeys([t.ref for t in tables[0].trajectories] + [t.ref for t in tables[1].trajectories]))
-        for ref in refs:
-            ta, tb = tables[0].find(ref), tables[1].find(ref)
-            toks_a, text_a = _brief(ta, decoder)
-            toks_b, text_b = _brief(tb, decoder)
-            equal = ta is not None and tb is not None and toks_a == toks_b and ta.reward == tb.reward
-            same += equal
-            rows.append({"ref": ref, "reward_a": ta.reward if ta else None, "reward_b": tb.reward if tb else None,
-                         "text_a": text_a, "text_b": text_b, "same": equal})
-    return {"sides": sides, "rows": rows, "same": same, "step": step, "ns_rows": compare_choices(cache),
-            "pick_a": a.key, "pick_b": b.key, "pick_step": step}
+class Pairings:
+    """The last compared pair of steps (both tables and their pairing), kept while both steps' commit
+    records stay the same: paging through a compare reads and pairs the two steps once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: Optional[Tuple[Any, Dict[str, Any]]] = None
+
+    def get(self, cache: Cache, a: Namespace, b: Namespace, step: int) -> Dict[str, Any]:
+        reports = [cache.scan(ns).get(step) for ns in (a, b)]
+        stamp = (a.key, b.key, step) + tuple(None if s is None else (s.created, s.bytes, s.status) for s in reports)
+        with self._lock:
+            kept = self._kept
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        with self._lock:
+            self._kept = None          # the last pair's buffers go back to the pools before these are read
+        del kept
+        sides, tables = [], []
+        for ns, s in zip((a, b), reports):
+            read = cache.read_step(ns, step) if s is not None else StepRead(ns, step, "missing", f"no step {step}", [], [])
+            table = step_table(read.batches, group_size_of(_fp_values(s))) if read.ok else None
+            tables.append(table)
+            sides.append({"ns": ns, "read": StepRead(ns, step, read.status, read.reason, [], read.metas),
+                          "summary": table.summary() if table else None, "report": s})
+        pairing = pair(tables[0], tables[1]) if tables[0] is not None and tables[1] is not None else None
+        got = {"sides": sides, "pairing": pairing}
+        with self._lock:
+            self._kept = (stamp, got)
+        return got
+
+
+def shape_notes(a: Namespace, b: Namespace, pairing: Optional[Pairing]) -> List[str]:
+    """What differs in the two runs' shapes, said on top, and how the page handles it."""
+    notes = []
+    for name, x, y in (("K", a.layout.K, b.layout.K), ("W", a.layout.W, b.layout.W)):
+        if x != y:
+            how = (f"trajectories are paired by {pairing.by} and sample index across mini-batches and ranks"
+                   if pairing is not None and pairing.by != "position" else
+                   "these rollouts store no prompt ids or uid: trajectories cannot be paired across mini-batches")
+            notes.append(f"{name} differs: A has {name} = {x}, B has {name} = {y}; {how}")
+    return notes
+
+
+def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decoder, pairings: Pairings,
+            page: int = 1, only: str = "") -> Dict[str, Any]:
+    """Two namespaces at one step: each side's summary, and their trajectories paired by identity (one page
+    of pairs; `only=differ` shows the pairs that differ and the one-sided ones)."""
+    got = pairings.get(cache, a, b, step)
+    pairing: Optional[Pairing] = got["pairing"]
+    rows: List[Dict[str, Any]] = []
+    listed: List[Pair] = []
+    if pairing is not None:
+        listed = [p for p in pairing.pairs if not p.same] if only == "differ" else pairing.pairs
+    pages_n = max(1, math.ceil(len(listed) / COMPARE_ROWS))
+    if page > pages_n:
+        raise BadQuery(f"page={page}: this compare has {pages_n} page{'s' if pages_n != 1 else ''}")
+    dec_a = _decoder(a, got["sides"][0]["report"], decoder)
+    dec_b = _decoder(b, got["sides"][1]["report"], decoder)
+    for p in listed[(page - 1) * COMPARE_ROWS: page * COMPARE_ROWS]:
+        rows.append({"identity": p.identity, "ref_a": p.a.ref if p.a else None, "ref_b": p.b.ref if p.b else None,
+                     "reward_a": p.a.reward if p.a else None, "reward_b": p.b.reward if p.b else None,
+                     "text_a": _brief(p.a, dec_a), "text_b": _brief(p.b, dec_b), "same": p.same,
+                     "state": "same" if p.same else "only in A" if p.b is None else "only in B" if p.a is None
+                     else "differs"})
+
+    def page_url(n: int) -> str:
+        from urllib.parse import urlencode
+
+        params: Dict[str, Any] = {"a": a.key, "b": b.key, "step": step, "page": n}
+        if only:
+            params["only"] = only
+        return f"/compare?{urlencode(params)}"
+
+    return {"sides": got["sides"], "pairing": pairing, "rows": rows, "step": step, "page": page, "pages": pages_n,
+            "page_url": page_url, "only": only, "differs": DIFFERS, "notes": shape_notes(a, b, pairing),
+            "ns_rows": compare_choices(cache), "pick_a": a.key, "pick_b": b.key, "pick_step": step}
 
 
 def diff_at(diff: Optional[Dict[str, Any]], step: int) -> Dict[str, Any]:
-    """From `skip-harness diff --json`'s document for two namespaces: whether they are identical, the
-    training-side config keys that differ, the first step whose recorded values diverge, and this step's row."""
+    """From `skip-harness diff --json`'s document for two namespaces (rollouts by commit records only): the
+    training-side config keys that differ, the first step whose recorded values diverge, the keys recorded
+    on one side only, the steps on one side only. Trajectories are counted by the page's pairing alone (one
+    definition of "differs")."""
     if diff is None:
-        return {"diff_pair": None, "diff_step": None}
-    pair = (diff.get("namespaces") or [{}])[0]
-    row = next((r for r in pair.get("steps", []) if r.get("step") == step), None)
-    return {"diff_pair": {"identical": diff.get("identical"), "config": diff.get("config") or [],
-                          "first_divergence": (pair.get("values") or {}).get("first_divergence"),
-                          "rollouts_same": pair.get("rollouts_same"), "rollouts_differ": pair.get("rollouts_differ")},
-            "diff_step": row}
+        return {"diff_pair": None}
+    one = (diff.get("namespaces") or [{}])[0]
+    values = one.get("values") or {}
+    return {"diff_pair": {"config": diff.get("config") or [], "first_divergence": values.get("first_divergence"),
+                          "steps_compared": values.get("steps_compared"),
+                          "keys_only_in_a": values.get("keys_only_in_a") or [],
+                          "keys_only_in_b": values.get("keys_only_in_b") or [],
+                          "steps_only_in_a": one.get("steps_only_in_a"), "steps_only_in_b": one.get("steps_only_in_b"),
+                          "same_records": one.get("rollouts_same_records")}}

@@ -28,6 +28,7 @@ RESPONSE_TEXT = ("response_text", "completion", "completions", "completion_text"
 REWARD = ("rewards", "reward", "scores", "score", "token_level_rewards", "token_level_scores", "rm_scores")
 ADVANTAGE = ("advantages", "advantage")
 MASK = ("response_mask", "completion_mask", "loss_mask")
+ATTENTION_MASK = ("attention_mask",)
 GROUP = ("uid", "prompt_uid", "group", "group_id", "prompt_id")
 LENGTHS = ("lengths", "response_length", "response_lengths")
 KEYS = ("keys",)           # verl's trajectory keys {uid}_{session}_{index}
@@ -50,6 +51,7 @@ class Batch:
     scalars: Dict[str, Any]            # fields with one value for the mini-batch
 
     found: Dict[Tuple[str, ...], Optional[str]] = field(default_factory=dict, repr=False)
+    derived: Dict[str, Any] = field(default_factory=dict, repr=False)    # computed once per mini-batch
 
     def find(self, names: Sequence[str]) -> Optional[str]:
         """The field playing the role `names` lists (the first name that one of the fields ends in)."""
@@ -68,16 +70,28 @@ class Batch:
         return value[j]
 
 
+def _lengths_of(leaves: List[Tuple[str, Any]], name: str) -> Optional[torch.Tensor]:
+    return next((v for k, v in leaves if _last(k) == name and isinstance(v, torch.Tensor) and v.dim() == 1
+                 and not v.is_floating_point()), None)
+
+
 def _split_flat(leaves: List[Tuple[str, Any]]) -> Tuple[Optional[int], List[Tuple[str, Any]]]:
-    """TRL's generation payload: flat token fields and `lengths`; split them into one row per trajectory."""
-    lengths = next((v for k, v in leaves if _last(k) == "lengths" and isinstance(v, torch.Tensor) and v.dim() == 1
-                    and not v.is_floating_point()), None)
+    """TRL's generation payload: flat token fields and `lengths` (and, stored since issue 31, flat
+    `prompt_ids` with `prompt_lengths`); split them into one row per trajectory."""
+    lengths = _lengths_of(leaves, "lengths")
     if lengths is None or lengths.numel() == 0:
         return None, leaves
     total, sizes = int(lengths.sum()), [int(x) for x in lengths.tolist()]
+    prompt_lengths = _lengths_of(leaves, "prompt_lengths")
+    p_sizes = None if prompt_lengths is None or prompt_lengths.numel() != len(sizes) else \
+        [int(x) for x in prompt_lengths.tolist()]
     out = []
     for k, v in leaves:
-        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == total and total != len(sizes):
+        if p_sizes is not None and _last(k) == "prompt_ids" and isinstance(v, torch.Tensor) and v.dim() == 1 \
+                and v.numel() == sum(p_sizes):
+            v = list(torch.split(v, p_sizes))
+        elif isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == total and total != len(sizes) \
+                and _last(k) != "prompt_ids":
             v = list(torch.split(v, sizes))
         out.append((k, v))
     return len(sizes), out

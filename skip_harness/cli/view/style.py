@@ -16,14 +16,29 @@ main{padding:12px 20px}h1{font-size:20px;margin:8px 0}h2{font-size:16px;margin:1
 .grid-table{border-collapse:collapse;background:#fff;margin:6px 0}.grid-table th,.grid-table td{border:1px solid #dde1e8;padding:3px 7px;vertical-align:top}
 .grid-table th{background:#eef1f6;text-align:left}.small{font-size:12px}.num{text-align:right;font-variant-numeric:tabular-nums}
 .mono,.tok,pre{font-family:ui-monospace,SFMono-Regular,Menlo,monospace}.facts{color:#4a5366}.note{color:#8a5a00}
-.status-corrupt{color:#b00020}.status-incomplete{color:#9a6a00}.nonzero.status-corrupt{font-weight:700}
+tr.status-corrupt,.nonzero.status-corrupt{color:#b00020}tr.status-incomplete,.nonzero.status-incomplete{color:#9a6a00}
+.nonzero.status-corrupt{font-weight:700}
 .refused{background:#fff0f0;border:1px solid #f0b8b8;padding:8px 12px}
 .group{background:#fff;border:1px solid #dde1e8;border-radius:6px;padding:8px 10px;margin:10px 0}
 .prompt{margin:0 0 6px}.label{font-size:11px;text-transform:uppercase;color:#6b7487;margin-right:6px}
-.tokens{display:inline;line-height:1.9}.tok{padding:1px 2px;margin:0 1px;border-radius:3px;white-space:pre;font-size:12px}
-.tok.masked{opacity:.35;text-decoration:line-through}
+.tokens{display:block;line-height:1.9;overflow-wrap:anywhere;max-width:100%}
+.tok{padding:1px 2px;margin:0 1px;border-radius:3px;white-space:pre-wrap;font-size:12px;overflow-wrap:anywhere}
+.tok.masked{color:#8a93a6;background:none;border:1px dashed #c9ced8}
+.legend{font-size:12px;color:#4a5366;margin:4px 0;display:flex;gap:6px;align-items:center;flex-wrap:wrap}
+.legend .scale{display:inline-block;width:160px;height:10px;border:1px solid #c9ced8;
+background:linear-gradient(90deg,hsl(0,65%,80%),hsl(60,65%,86%),hsl(120,65%,80%))}
+.legend .swatch{display:inline-block;width:18px;height:10px;border:1px dashed #c9ced8}
+details.fold>summary{cursor:pointer;color:#2458b3;font-size:12px}details.fold .rest{white-space:pre-wrap;overflow-wrap:anywhere;
+font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12px;color:#1d2330;margin:4px 0}
+.hist{display:inline-block;vertical-align:middle}.hist rect{fill:#4c78a8}
+.values-grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:2px 14px;font-size:12px;
+background:#fff;border:1px solid #dde1e8;padding:4px 8px;margin:4px 0}.values-grid .value{display:flex;justify-content:space-between;
+gap:8px;border-bottom:1px solid #eef1f6}.values-grid .key{overflow-wrap:anywhere}
+table{max-width:100%}td.mono,td.response,td.reason{overflow-wrap:anywhere}
+.trajnav{display:flex;gap:16px;align-items:center}
+fieldset.key-group{border:1px solid #dde1e8;margin:4px 0;padding:2px 8px}label.key{margin-right:10px;font-size:12px;white-space:nowrap}
 pre.text{white-space:pre-wrap;word-break:break-word;margin:2px 0;background:#f3f5f8;padding:4px 6px;border-radius:4px}
-.samples{width:100%}.samples td:nth-child(-n+4),.samples th:nth-child(-n+4){width:84px}.response{max-width:900px}
+.samples{width:100%;table-layout:fixed}.samples td:nth-child(-n+4),.samples th:nth-child(-n+4){width:84px}.response{overflow-wrap:anywhere}
 .controls{background:#fff;border:1px solid #dde1e8;padding:6px 10px;border-radius:6px}.controls label{margin-right:10px}
 .stepnav{display:flex;gap:16px;align-items:center}.stepnav h1{margin:0}
 iframe#charts{border:0;width:100%;height:200px;resize:vertical}
@@ -65,19 +80,22 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def tokens_html(tokens: Sequence[str], row: Any = None, mask: Any = None) -> Markup:
-    """Token spans, each escaped, coloured by `row`'s value and struck through where `mask` is 0: built
-    here in one pass (a template loop costs ten times as much on a page of thousands of tokens)."""
+def tokens_html(tokens: Sequence[str], row: Any = None, masked: Sequence[bool] = ()) -> Markup:
+    """Token spans, each escaped, coloured by `row`'s value; a masked token (`masked[k]`) is neutral: never
+    coloured. Built here in one pass (a template loop costs ten times as much on a page of thousands of
+    tokens)."""
     parts: List[str] = ['<div class="tokens">']
     add = parts.append
     values = row.values if row is not None else ()
-    masks = mask.values if mask is not None else ()
     name = html_escape(row.name) if row is not None else ""
     low, span = (row.low, row.high - row.low) if row is not None else (0.0, 0.0)
-    nv, nm = len(values), len(masks)
+    nv, nm = len(values), len(masked)
     for k, tok in enumerate(tokens):
         text = tok if tok.isalnum() else html_escape(tok)      # ids and plain words need no escaping
-        cls = "tok masked" if k < nm and masks[k] == 0 else "tok"
+        if k < nm and masked[k]:
+            add(f'<span class="tok masked" title="masked (not trained on)">{text}</span>')
+            continue
+        cls = "tok"
         v = values[k] if k < nv else None
         if v is None:
             add(f'<span class="{cls}">{text}</span>')
@@ -89,4 +107,58 @@ def tokens_html(tokens: Sequence[str], row: Any = None, mask: Any = None) -> Mar
             bg = "hsl(120,55%,88%)" if v else "hsl(0,0%,88%)"
         add(f'<span class="{cls}" style="background:{bg}" title="{name} = {v:.4g}">{text}</span>')
     add("</div>")
+    return Markup(" ".join(parts))       # a space between tokens: lines break there, never inside a token
+
+
+def legend_html(row: Any, masked: bool = True) -> Markup:
+    """What the colours mean: the field, its scale (low red .. high green, over the real unmasked tokens
+    shown), and that masked tokens are neutral."""
+    if row is None:
+        return Markup('<div class="legend">no per-token values to colour by</div>')
+    name = html_escape(row.name)
+    if row.high > row.low:
+        scale = (f'<span class="num">{fmt(row.low)}</span><span class="scale" title="low .. high"></span>'
+                 f'<span class="num">{fmt(row.high)}</span>')
+    else:
+        scale = f'<span>every value {fmt(row.low)}</span>'
+    mask = '· <span class="swatch"></span> masked: not coloured' if masked else ""
+    return Markup(f'<div class="legend" id="legend">colour: <b class="mono">{name}</b> {scale} {mask}</div>')
+
+
+def histogram_svg(values: Sequence[float], bins: int = 12, width: int = 240, height: int = 48) -> Markup:
+    """A small histogram of `values` (the step's rewards), as SVG."""
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    if not xs:
+        return Markup("")
+    lo, hi = min(xs), max(xs)
+    counts = [0] * bins
+    for v in xs:
+        k = 0 if hi == lo else min(bins - 1, int((v - lo) / (hi - lo) * bins))
+        counts[k] += 1
+    top = max(counts)
+    w = width / bins
+    bars = "".join(f'<rect x="{k * w + 1:.1f}" y="{height - 12 - (c / top) * (height - 14):.1f}" width="{w - 2:.1f}" '
+                   f'height="{(c / top) * (height - 14):.1f}"><title>{c}</title></rect>' for k, c in enumerate(counts))
+    return Markup(f'<svg class="hist" id="reward-hist" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+                  f'height="{height}" role="img" aria-label="reward histogram">{bars}'
+                  f'<text x="0" y="{height - 1}" class="axis">{fmt(lo)}</text>'
+                  f'<text x="{width}" y="{height - 1}" class="axis" text-anchor="end">{fmt(hi)}</text></svg>')
+
+
+def per_token_html(shown: Any) -> Markup:
+    """Every per-token value of a response as a table with a row per token (long, never wide), built in
+    one pass (the coloured tokens above carry the colours; a masked token's row is marked)."""
+    rows = shown.token_rows
+    tokens = shown.response_tokens or []
+    masked = shown.masked
+    parts: List[str] = ['<table id="per-token" class="grid-table small"><thead><tr><th>#</th><th>token</th>']
+    parts += [f'<th class="mono">{html_escape(r.name)}</th>' for r in rows]
+    parts.append("</tr></thead><tbody>")
+    columns = [["-" if v is None else f"{v:.3g}" for v in r.values] for r in rows]
+    n_masked = len(masked)
+    for k, tok in enumerate(tokens):
+        cells = "".join(f'<td class="num">{col[k] if k < len(col) else "-"}</td>' for col in columns)
+        cls = ' class="masked"' if k < n_masked and masked[k] else ""
+        parts.append(f'<tr{cls}><td class="num">{k}</td><td class="mono">{html_escape(tok)}</td>{cells}</tr>')
+    parts.append("</tbody></table>")
     return Markup("".join(parts))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from jinja2 import DictLoader, Environment, select_autoescape
 from markupsafe import Markup
 
-from skip_harness.cli.view.style import CSS, adv_colour, colour, fmt, tokens_html
+from skip_harness.cli.view.style import CSS, adv_colour, colour, fmt, histogram_svg, legend_html, per_token_html, tokens_html
 
 BASE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -47,7 +47,14 @@ NAMESPACE = """{% extends "base" %}{% block title %}{{ ns.label }}{% endblock %}
 {% for s, n in doc.counts.items() %}{{ n }} {{ s }}{% if not loop.last %}, {% endif %}{% endfor %} · {{ size }}
 · <a href="/api/ns/{{ ns.key }}">JSON</a></p>
 {% if note %}<p class="note">{{ note }}</p>{% endif %}
-<iframe id="charts" src="/ns/{{ ns.key }}/charts" title="charts over steps" loading="eager"{% if chart_rows > 1 %} style="height:{{ 190 * chart_rows }}px"{% endif %}></iframe>
+<form id="chart-picker" class="controls" method="get" action="/ns/{{ ns.key }}">
+<label>search the recorded values <input name="q" value="{{ query.q }}" placeholder="loss, reward, kl ..."></label>
+{% if ns_rows|length >= 2 %}<label>overlay runs <select name="with" multiple size="2">{% for r in ns_rows %}{% if r.key != ns.key %}<option value="{{ r.key }}"{% if r.key in runs %} selected{% endif %}>{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</option>{% endif %}{% endfor %}</select></label>{% endif %}
+<button type="submit">chart</button> <a href="/ns/{{ ns.key }}">defaults</a>
+<details id="value-keys"><summary>every recorded value ({{ key_count }}): pick any to chart (charted ones ticked)</summary>
+{% for prefix, keys in value_groups %}<fieldset class="key-group"><legend class="mono">{{ prefix }}</legend>{% for k in keys %}<label class="mono key"><input type="checkbox" name="k" value="{{ k }}"{% if k in charted %} checked{% endif %}> {{ k }}</label> {% endfor %}</fieldset>{% endfor %}
+</details></form>
+<iframe id="charts" src="{{ charts_src }}" title="charts over steps" loading="eager" style="height:{{ (190 + chart_extra) * chart_rows + 30 }}px"></iframe>
 {% if ns_rows|length >= 2 %}{% include "compare_form" %}{% endif %}
 <table id="steps" class="grid-table"><thead><tr><th>step</th><th>status</th><th>size</th><th>written</th><th>gen</th><th>fingerprint</th><th>reason</th></tr></thead><tbody>
 {% for s in steps %}<tr class="status-{{ s.status }}"><td class="num"><a class="step-link" href="/ns/{{ ns.key }}/step/{{ s.step }}">{{ s.step }}</a></td>
@@ -77,6 +84,10 @@ STEP = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }}{% 
 reward mean {{ fmt(summary.reward_mean) }} ± {{ fmt(summary.reward_std) }} (min {{ fmt(summary.reward_min) }}, max {{ fmt(summary.reward_max) }}) ·
 length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% if table.advantage_computed %} · advantages computed (GRPO: group-normalised reward){% endif %}
 {% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
+{% if rewards %}<p class="facts">rewards {{ histogram_svg(rewards) }}</p>{% endif %}
+{% if reward_note %}<p class="note" id="reward-note">{{ reward_note }}</p>{% endif %}
+{% if recorded %}<details id="recorded" class="fold"{% if reward_note %} open{% endif %}><summary>the step's recorded values ({{ recorded|length }})</summary>
+<div class="values-grid">{% for k, v in recorded %}<div class="value"><span class="mono key">{{ k }}</span> <span class="num">{{ v }}</span></div>{% endfor %}</div></details>{% endif %}
 <table id="minibatches" class="grid-table small"><thead><tr><th>inner index</th><th>rank</th><th>trajectories</th><th>generation</th><th>fields</th></tr></thead><tbody>
 {% for mb in minibatches %}<tr><td class="num">{{ mb.inner }}</td><td class="num">{{ mb.rank }}</td><td class="num">{{ mb.n }}</td><td class="num">{{ mb.gen }}</td><td class="mono">{{ mb.fields }}</td></tr>{% endfor %}
 </tbody></table>
@@ -86,19 +97,23 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 <label>≤ <input name="max_reward" value="{{ max_reward }}" size="6"></label>
 <label>sort <select name="sort">{% for k in sort_keys %}<option{% if k == sort %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
 <label>order <select name="order">{% for k in ("asc", "desc") %}<option{% if k == order %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
-<label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
+{% if colour_keys %}<label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>{% endif %}
 <button type="submit">apply</button> <a href="/ns/{{ ns.key }}/step/{{ step }}">reset</a></form>
+{{ legend_html(legend) }}
 <p class="facts" id="shown">{{ shown_count }} of {{ summary.trajectories }} trajectories shown{% if pages > 1 %} · page {{ page }} of {{ pages }}
 {% if page > 1 %}<a href="{{ page_url(page - 1) }}">previous page</a>{% endif %} {% if page < pages %}<a href="{{ page_url(page + 1) }}">next page</a>{% endif %}{% endif %}</p>
 {% for group, members in groups %}<section class="group"><h3>group <span class="mono uid">{{ group }}</span> · {{ members|length }} sample{{ "s" if members|length != 1 }}</h3>
 {% set first = members[0] %}<div class="prompt"><span class="label">prompt</span>
-{% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens_html(first.shown.prompt_tokens, None, None) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}</div>
+{% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens_html(first.shown.prompt_tokens) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}
+{% if first.shown.prompt_folded %}<details class="fold"><summary>… {{ first.shown.prompt_folded }} more prompt tokens ({{ first.shown.prompt_tokens|length + first.shown.prompt_folded }} in all{% if first.shown.prompt_padding %}, {{ first.shown.prompt_padding }} padding dropped{% endif %})</summary><div class="rest">{{ first.shown.prompt_rest }}</div></details>
+{% elif first.shown.prompt_tokens is not none %}<span class="facts small">{{ first.shown.prompt_tokens|length }} tokens{% if first.shown.prompt_padding %} ({{ first.shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</div>
 <table class="samples grid-table"><thead><tr><th>trajectory</th><th>reward</th><th>advantage</th><th>length</th><th>response</th></tr></thead><tbody>
 {% for t in members %}<tr class="sample" data-ref="{{ t.traj.ref }}"><td><a class="traj-link" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">{{ t.traj.ref }}</a></td>
 <td class="num">{{ fmt(t.traj.reward) }}</td><td class="num" style="color:{{ adv_colour(t.traj.advantage) }}">{{ fmt(t.traj.advantage) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
 <td class="response">{% if t.shown.response_text is not none %}<pre class="text">{{ t.shown.response_text }}</pre>{% endif %}
-{% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.mask_row) }}{% endif %}
-{% if t.shown.truncated %}<a class="more" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">… {{ t.shown.truncated }} more tokens</a>{% endif %}</td></tr>{% endfor %}
+{% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.shown.masked) }}{% endif %}
+{% if t.shown.truncated %}<details class="fold"><summary>… {{ t.shown.truncated }} more tokens ({{ t.shown.response_real }} in all{% if t.shown.response_padding %}, padding dropped{% endif %})</summary><div class="rest">{{ t.shown.rest }}</div>
+<a class="more" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">coloured, with every per-token value</a></details>{% endif %}</td></tr>{% endfor %}
 </tbody></table></section>{% endfor %}
 {% endif %}
 {% endblock %}"""
@@ -106,17 +121,24 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 TRAJECTORY = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }} {{ traj.ref }}{% endblock %}
 {% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a> / <a href="/ns/{{ ns.key }}/step/{{ step }}">step {{ step }}</a> / {{ traj.ref }}{% endblock %}
 {% block main %}
-<h1>step {{ step }}, trajectory {{ traj.ref }}</h1>
+<nav class="trajnav">{% if prev_ref %}<a id="prev-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ prev_ref }}{% if asked_color %}?color={{ asked_color|urlencode }}{% endif %}">← {{ prev_ref }}</a>{% endif %}
+<h1>step {{ step }}, trajectory {{ traj.ref }}</h1>{% if next_ref %}<a id="next-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ next_ref }}{% if asked_color %}?color={{ asked_color|urlencode }}{% endif %}">{{ next_ref }} →</a>{% endif %}
+<span class="facts">{{ position }} of {{ count }}</span></nav>
 <p id="traj-facts" class="facts">inner index {{ traj.inner }} · rank {{ traj.rank }} · index {{ traj.index }} · group <span class="mono">{{ traj.group }}</span> ·
-reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b></p>
-<h2>prompt</h2>{% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
-{% if shown.prompt_tokens is not none %}{{ tokens_html(shown.prompt_tokens, None, None) }}{% endif %}
-<h2>response</h2>{% if shown.response_text is not none %}<pre id="response-text" class="text">{{ shown.response_text }}</pre>{% endif %}
-{% if shown.response_tokens is not none %}<div id="response-tokens">{{ tokens_html(shown.response_tokens, colour_row, mask_row) }}</div>{% endif %}
-{% if shown.token_rows %}<h2>per token</h2><div class="pertoken"><table id="per-token" class="grid-table small"><thead><tr><th></th>
-{% for tok in shown.response_tokens or [] %}<th class="mono">{{ tok }}</th>{% endfor %}</tr></thead><tbody>
-{% for row in shown.token_rows %}<tr><th class="mono">{{ row.name }}</th>{% for v in row.values %}<td class="num" {% if v is not none %}style="background:{{ colour(v, row) }}"{% endif %}>{{ '%.3g'|format(v) if v is not none else "-" }}</td>{% endfor %}</tr>{% endfor %}
-</tbody></table></div>{% endif %}
+reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b>
+{% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
+<h2>prompt{% if shown.prompt_tokens is not none %} <span class="facts small">{{ shown.prompt_tokens|length }} tokens{% if shown.prompt_padding %} ({{ shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
+{% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
+{% if shown.prompt_tokens is not none %}{% if shown.prompt_tokens|length > 128 %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens[:64]) }}
+<details class="fold"><summary>… {{ shown.prompt_tokens|length - 64 }} more prompt tokens</summary>{{ tokens_html(shown.prompt_tokens[64:]) }}</details></div>
+{% else %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens) }}</div>{% endif %}{% endif %}
+<h2>response{% if shown.response_real is not none %} <span class="facts small">{{ shown.response_real }} tokens{% if shown.response_padding %} ({{ shown.response_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
+{% if shown.response_text is not none %}<pre id="response-text" class="text">{{ shown.response_text }}</pre>{% endif %}
+{% if colour_keys %}<form class="controls" method="get"><label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label> <button type="submit">apply</button></form>{% endif %}
+{{ legend_html(colour_row) }}
+{% if shown.response_tokens is not none %}<div id="response-tokens">{{ tokens_html(shown.response_tokens, colour_row, shown.masked) }}</div>{% endif %}
+{% if shown.token_rows %}<h2>per token</h2><details class="fold" id="per-token-values"><summary>every per-token value, a row per token ({{ shown.response_tokens|length if shown.response_tokens else 0 }} rows)</summary>
+{{ per_token_html(shown) }}</details>{% endif %}
 <h2>other fields</h2><table id="fields" class="grid-table small"><tbody>
 {% for k, v in shown.fields.items() %}<tr><th class="mono">{{ k }}</th><td class="mono">{{ v }}</td></tr>{% endfor %}</tbody></table>
 {% endblock %}"""
@@ -125,23 +147,29 @@ COMPARE = """{% extends "base" %}{% block title %}compare step {{ step }}{% endb
 {% block crumbs %}/ compare step {{ step }}{% endblock %}
 {% block main %}
 <h1>compare at step {{ step }}</h1>
+{% for n in notes %}<p class="note shape-note">{{ n }}</p>{% endfor %}
 {% include "compare_form" %}
 <div class="side-by-side">{% for side in sides %}<section class="side" id="side-{{ loop.index0 }}">
 <h2><a href="/ns/{{ side.ns.key }}/step/{{ step }}">{% if roots|length > 1 %}[{{ side.ns.root_index }}] {% endif %}{{ side.ns.label }}</a></h2>
 {% if side.read.reason %}<p class="refused"><b>{{ side.read.status }}</b>: {{ side.read.reason }}</p>
-{% else %}<p class="facts">{{ side.summary.trajectories }} trajectories · reward mean {{ fmt(side.summary.reward_mean) }} ± {{ fmt(side.summary.reward_std) }} · length mean {{ fmt(side.summary.length_mean) }}</p>{% endif %}
+{% else %}<p class="facts">{{ side.summary.trajectories }} trajectories · K={{ side.ns.layout.K }} W={{ side.ns.layout.W }} · reward mean {{ fmt(side.summary.reward_mean) }} ± {{ fmt(side.summary.reward_std) }} · length mean {{ fmt(side.summary.length_mean) }}</p>{% endif %}
 </section>{% endfor %}</div>
-{% if rows %}<h2>trajectories</h2><p id="diff-summary" class="facts">{{ same }} of {{ rows|length }} trajectories identical (response tokens and reward); {{ rows|length - same }} differ</p>
-<table id="diff" class="grid-table"><thead><tr><th>trajectory</th><th>reward A</th><th>reward B</th><th>response A</th><th>response B</th></tr></thead><tbody>
-{% for r in rows %}<tr class="{{ 'same' if r.same else 'differs' }}"><td>{{ r.ref }}</td><td class="num">{{ fmt(r.reward_a) }}</td><td class="num">{{ fmt(r.reward_b) }}</td>
+{% if pairing %}<h2>trajectories</h2>
+<p id="diff-summary" class="facts">{{ pairing.same }} pairs identical, {{ pairing.differ }} differ{% if pairing.only_a %}, {{ pairing.only_a }} only in A{% endif %}{% if pairing.only_b %}, {{ pairing.only_b }} only in B{% endif %} (paired by {{ pairing.by }} and sample index)</p>
+<p id="differs-means" class="facts small">{{ differs }}.</p>
+<p class="facts">{% if only == "differ" %}<a href="{{ page_url(1)|replace('&only=differ', '') }}">show every pair</a>{% else %}<a id="only-differ" href="/compare?a={{ pick_a|urlencode }}&amp;b={{ pick_b|urlencode }}&amp;step={{ step }}&amp;only=differ">show only the pairs that differ</a>{% endif %}
+{% if pages > 1 %} · page {{ page }} of {{ pages }} {% if page > 1 %}<a id="prev-page" href="{{ page_url(page - 1) }}">previous page</a>{% endif %} {% if page < pages %}<a id="next-page" href="{{ page_url(page + 1) }}">next page</a>{% endif %}{% endif %}</p>
+<table id="diff" class="grid-table samples"><thead><tr><th>pair</th><th>reward A</th><th>reward B</th><th>state</th><th>response A</th><th>response B</th></tr></thead><tbody>
+{% for r in rows %}<tr class="{{ 'same' if r.same else 'differs' }}"><td class="mono">{{ r.identity }}<br>{% if r.ref_a %}<a href="/ns/{{ sides[0].ns.key }}/step/{{ step }}/t/{{ r.ref_a }}">A {{ r.ref_a }}</a>{% endif %} {% if r.ref_b %}<a href="/ns/{{ sides[1].ns.key }}/step/{{ step }}/t/{{ r.ref_b }}">B {{ r.ref_b }}</a>{% endif %}</td>
+<td class="num">{{ fmt(r.reward_a) }}</td><td class="num">{{ fmt(r.reward_b) }}</td><td>{{ r.state }}</td>
 <td class="response mono">{{ r.text_a }}</td><td class="response mono">{{ r.text_b }}</td></tr>{% endfor %}</tbody></table>{% endif %}
-{% if diff is not none %}<h2>skip-harness diff</h2>
-<p id="diff-verdict" class="facts">{{ "identical" if diff_pair.identical else "different" }}: rollouts of {{ diff_pair.rollouts_same }} steps the same, {{ diff_pair.rollouts_differ }} differ
-{% if diff_pair.first_divergence %} · recorded values first diverge at step {{ diff_pair.first_divergence.step }}: {{ diff_pair.first_divergence.key }} {{ fmt(diff_pair.first_divergence.a) }} vs {{ fmt(diff_pair.first_divergence.b) }}{% endif %}</p>
+{% if diff is not none %}<h2>recorded values and config (skip-harness diff)</h2>
+<p id="diff-verdict" class="facts">{% if diff_pair.first_divergence %}recorded values first diverge at step {{ diff_pair.first_divergence.step }}: {{ diff_pair.first_divergence.key }} {{ fmt(diff_pair.first_divergence.a) }} vs {{ fmt(diff_pair.first_divergence.b) }}{% else %}recorded values the same on the {{ diff_pair.steps_compared }} steps both recorded{% endif %}
+{% if diff_pair.steps_only_in_a %} · steps only in A: {{ diff_pair.steps_only_in_a }}{% endif %}{% if diff_pair.steps_only_in_b %} · steps only in B: {{ diff_pair.steps_only_in_b }}{% endif %}
+{% if diff_pair.keys_only_in_a %} · recorded in A only (not compared): {{ diff_pair.keys_only_in_a|join(", ") }}{% endif %}{% if diff_pair.keys_only_in_b %} · recorded in B only (not compared): {{ diff_pair.keys_only_in_b|join(", ") }}{% endif %}</p>
 {% if diff_pair.config %}<table id="diff-config" class="grid-table small"><thead><tr><th>training-side key</th><th>A</th><th>B</th></tr></thead><tbody>
 {% for c in diff_pair.config %}<tr><td class="mono">{{ c.key }}</td><td class="mono">{{ c.a }}</td><td class="mono">{{ c.b }}</td></tr>{% endfor %}</tbody></table>{% endif %}
-{% if diff_step %}<table id="diff-step" class="grid-table small"><tbody>{% for k, v in diff_step.items() %}<tr><th>{{ k }}</th><td class="mono">{{ v }}</td></tr>{% endfor %}</tbody></table>{% endif %}
-<details><summary>the whole document (<code>skip-harness diff --json</code>)</summary><pre id="diff-doc" class="text">{{ diff }}</pre></details>{% endif %}
+<details><summary>the whole document (<code>skip-harness diff --json</code>, rollouts by their commit records only)</summary><pre id="diff-doc" class="text">{{ diff }}</pre></details>{% endif %}
 {% endblock %}"""
 
 ERROR = """{% extends "base" %}{% block title %}{{ title }}{% endblock %}
@@ -154,5 +182,6 @@ def environment() -> Environment:
                                          "trajectory": TRAJECTORY, "compare": COMPARE, "error": ERROR}),
                       autoescape=select_autoescape(default=True, default_for_string=True))
     env.globals.update(css=Markup(CSS), colour=colour, adv_colour=adv_colour, fmt=fmt,
-                       tokens_html=tokens_html)   # our own stylesheet
+                       tokens_html=tokens_html, legend_html=legend_html, histogram_svg=histogram_svg,
+                       per_token_html=per_token_html)   # our own stylesheet
     return env

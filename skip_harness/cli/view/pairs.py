@@ -1,0 +1,222 @@
+"""Two runs' trajectories at one step, paired by identity -- the prompt (its real token ids, else the
+stored uid) and the sample's index among that prompt's samples -- never by position, so a run with
+K = 1 pairs with one of K = 2 (or another W) sample by sample.
+
+One definition of "differs", the one the compare page states: a pair differs when its real response
+tokens (padding dropped) or its reward differ; a trajectory whose identity one side lacks is counted
+apart (`only_a`, `only_b`), never as a difference.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from skip_harness.cli.view.decode import _length, mask_ends, prompt_start, response_span
+from skip_harness.cli.view.samples import ATTENTION_MASK, GROUP, KEYS, PROMPT_IDS, RESPONSE_IDS, Batch, StepTable, Trajectory
+
+DIFFERS = ("a pair differs when its real response tokens (padding dropped) or its reward differ; trajectories "
+           "are paired by prompt and sample index, never by position")
+
+
+@dataclass
+class Pair:
+    identity: str                  # "{prompt}#{k}": the prompt's short digest (or uid), the k-th sample of it
+    a: Optional[Trajectory]
+    b: Optional[Trajectory]
+    same: bool
+
+
+@dataclass
+class Pairing:
+    pairs: List[Pair]
+    same: int
+    differ: int
+    only_a: int
+    only_b: int
+    by: str                         # what identifies a prompt: "prompt tokens" | "uid" | "position"
+
+
+_WEIGHTS = 1 << 16
+_drawn: Optional[torch.Tensor] = None
+
+
+def _weights(width: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Two fixed pseudo-random int64 weights per position, counted from the row's end (a left-padded prompt's
+    tokens keep their weights whatever its padded width)."""
+    if width > _WEIGHTS:
+        return None
+    global _drawn
+    if _drawn is None:
+        _drawn = torch.randint(1, 1 << 62, (2, _WEIGHTS), generator=torch.Generator().manual_seed(31), dtype=torch.int64)
+    return _drawn[0, :width].flip(0), _drawn[1, :width].flip(0)
+
+
+def _prompt_digests(b: Batch) -> Optional[List[str]]:
+    """Every prompt of a padded [n, P] mini-batch as a digest of its real tokens (padding masked out by the
+    attention mask), computed with tensor operations: a wrapping 64-bit weighted sum of (id + 1)."""
+    if "prompt_digests" in b.derived:
+        return b.derived["prompt_digests"]
+    out = None
+    name = b.find(PROMPT_IDS)
+    ids = b.columns.get(name) if name is not None else None
+    if isinstance(ids, torch.Tensor) and not ids.is_nested and ids.dim() == 2 and not ids.is_floating_point():
+        width = int(ids.shape[1])
+        w = _weights(width)
+        if w is not None:
+            x = ids.to(torch.int64) + 1
+            att = b.find(ATTENTION_MASK)
+            a = b.columns.get(att) if att is not None else None
+            resp = b.columns.get(b.find(RESPONSE_IDS)) if b.find(RESPONSE_IDS) else None
+            r_width = int(resp.shape[1]) if isinstance(resp, torch.Tensor) and not resp.is_nested and resp.dim() == 2 else 0
+            if isinstance(a, torch.Tensor) and not a.is_nested and a.dim() == 2 and a.shape[1] in (width, width + r_width):
+                x = x * (a[:, :width] != 0)
+            h = (x * w[0]).sum(1).tolist()           # one wrapping 64-bit sum: prompts of one step told apart
+            out = [f"{u & 0xFFFFFFFFFFFFFFFF:016x}" for u in h]
+    b.derived["prompt_digests"] = out
+    return out
+
+
+def _prompt_key(t: Trajectory) -> Tuple[str, str]:
+    """(the prompt's identity, how it was found): a digest of its real token ids, else the stored group
+    (uid), else its position's group."""
+    b, j = t.batch, t.index
+    digests = _prompt_digests(b)
+    if digests is not None:
+        return digests[j][:12], "prompt tokens"
+    name = b.find(PROMPT_IDS)
+    if name is not None:
+        row = b.row(name, j)
+        if isinstance(row, torch.Tensor) and row.dim() == 1 and not row.is_floating_point():
+            n_resp = _length(b.row(b.find(RESPONSE_IDS), j)) if b.find(RESPONSE_IDS) else None
+            start = prompt_start(b, j, int(row.shape[0]), n_resp)
+            data = row[start:].contiguous().to(torch.int64).numpy().tobytes()
+            return hashlib.blake2b(data, digest_size=6).hexdigest(), "prompt tokens"   # a jagged row
+        if isinstance(row, list):
+            return hashlib.blake2b(repr(row).encode(), digest_size=6).hexdigest(), "prompt tokens"
+    if b.find(GROUP) is not None or b.find(KEYS) is not None:
+        return t.group, "uid"
+    return t.group, "position"
+
+
+def identities(table: StepTable) -> Tuple[List[Tuple[str, Trajectory]], str]:
+    """Every trajectory of the step with its identity "{prompt}#{k}" (k: its index among its prompt's
+    samples, in stored order), and how prompts were identified (the weakest way any trajectory needed)."""
+    seen: Dict[str, int] = {}
+    out = []
+    ways = set()
+    for t in table.trajectories:
+        key, how = _prompt_key(t)
+        ways.add(how)
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        out.append((f"{key}#{k}", t))
+    by = "position" if "position" in ways else "uid" if "uid" in ways else "prompt tokens"
+    return out, by
+
+
+def _real_response(t: Trajectory) -> Optional[torch.Tensor]:
+    b, j = t.batch, t.index
+    name = b.find(RESPONSE_IDS)
+    if name is None:
+        return None
+    row = b.row(name, j)
+    if isinstance(row, list):
+        row = torch.tensor(row, dtype=torch.int64)
+    if not isinstance(row, torch.Tensor) or row.dim() != 1:
+        return None
+    real, _mask = response_span(b, j, int(row.shape[0]), t.length)
+    return row[:real]
+
+
+def same_trajectory(a: Trajectory, b: Trajectory) -> bool:
+    """The one definition (DIFFERS): equal real response tokens and equal rewards (one pair, row by row;
+    `pair` decides the same thing a mini-batch pair at a time)."""
+    return _same_row(a, b) and _same_reward(a, b)
+
+
+def _padded(b: Batch) -> Optional[torch.Tensor]:
+    name = b.find(RESPONSE_IDS)
+    v = b.columns.get(name) if name is not None else None
+    if isinstance(v, torch.Tensor) and not v.is_nested and v.dim() == 2 and b.derived.get("ends") is not None:
+        return v
+    return None
+
+
+def _same_tokens(matched: List[Tuple[Trajectory, Trajectory]]) -> List[bool]:
+    """Whether each pair's real response tokens are equal: padded mini-batches compared a mini-batch pair at
+    a time with tensor operations (every token, exactly), jagged ones row by row."""
+    out = [False] * len(matched)
+    groups: Dict[Tuple[int, int], List[int]] = {}
+    for n, (ta, tb) in enumerate(matched):
+        groups.setdefault((id(ta.batch), id(tb.batch)), []).append(n)
+    for members in groups.values():
+        ba, bb = matched[members[0]][0].batch, matched[members[0]][1].batch
+        ra, rb = _padded(ba), _padded(bb)
+        if ra is None or rb is None:
+            for n in members:
+                out[n] = _same_row(*matched[n])
+            continue
+        ja = [matched[n][0].index for n in members]
+        jb = [matched[n][1].index for n in members]
+        ia, ib = torch.tensor(ja), torch.tensor(jb)
+        ea = torch.tensor(ba.derived["ends"])[ia]
+        eb = torch.tensor(bb.derived["ends"])[ib]
+        width = min(int(ra.shape[1]), int(rb.shape[1]))
+        in_order = ja == list(range(ba.n)) and jb == list(range(bb.n))      # no gather: compare the batches
+        xa = ra[:, :width] if in_order else ra[ia, :width]
+        xb = rb[:, :width] if in_order else rb[ib, :width]
+        ne = xa != xb
+        first = ne.to(torch.uint8).argmax(1)            # the first differing position (0 when none differs)
+        differ = (ne.any(1) & (first < ea)) | (ea != eb) | (ea > width)
+        for n, d in zip(members, differ.tolist()):
+            out[n] = not d
+    return out
+
+
+def _same_row(a: Trajectory, b: Trajectory) -> bool:
+    ra, rb = _real_response(a), _real_response(b)
+    if (ra is None) != (rb is None):
+        return False
+    return ra is None or rb is None or (ra.shape == rb.shape and torch.equal(ra, rb))
+
+
+def _same_reward(a: Trajectory, b: Trajectory) -> bool:
+    return a.reward == b.reward or (a.reward is not None and b.reward is not None
+                                    and a.reward != a.reward and b.reward != b.reward)
+
+
+def pair(table_a: StepTable, table_b: StepTable) -> Pairing:
+    """Both steps' trajectories paired by identity, A's order first, then B's trajectories A lacks."""
+    for t in table_a.trajectories + table_b.trajectories:      # every row's end: once per mini-batch
+        if "ends" not in t.batch.derived:
+            mask_ends(t.batch)
+    ids_a, by_a = identities(table_a)
+    ids_b, by_b = identities(table_b)
+    in_b = dict(ids_b)
+    pairs: List[Pair] = []
+    same = differ = only_a = 0
+    matched: List[Tuple[Trajectory, Trajectory]] = []
+    slots: List[int] = []
+    for ident, ta in ids_a:
+        tb = in_b.pop(ident, None)
+        if tb is None:
+            only_a += 1
+            pairs.append(Pair(ident, ta, None, False))
+            continue
+        slots.append(len(pairs))
+        matched.append((ta, tb))
+        pairs.append(Pair(ident, ta, tb, False))
+    for slot, (ta, tb), tokens in zip(slots, matched, _same_tokens(matched)):
+        equal = tokens and _same_reward(ta, tb)
+        pairs[slot].same = equal
+        same += equal
+        differ += not equal
+    for ident, tb in ids_b:
+        if ident in in_b:
+            pairs.append(Pair(ident, None, tb, False))
+    order = ("prompt tokens", "uid", "position")
+    by = max(by_a, by_b, key=order.index)
+    return Pairing(pairs, same, differ, only_a, len(in_b), by)
