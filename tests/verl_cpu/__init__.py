@@ -180,6 +180,25 @@ def _patch_process_group_backend() -> None:
     dist.initialize_global_process_group_ray = initialize_global_process_group_ray
 
 
+def _seed_prompt_uids() -> None:
+    """With $VERL_CPU_SEED: verl's prompt uids (``uuid.uuid4()`` in trainer_base.py) drawn from a seeded
+    generator in this module only. verl's sampler breaks ties between prompts of the same step by the order
+    of a set of those uids (``sorted(sampleable_keys, key=global_steps)``): with fresh uuid4s (and Python's
+    per-process string hashing, $PYTHONHASHSEED) two runs of an async mode with a warm-up pick different
+    groups first, and only a seeded run is comparable to another."""
+    seed = os.environ.get("VERL_CPU_SEED")
+    if not seed:
+        return
+    import random
+    import uuid
+
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+
+    rng = random.Random(int(seed))
+    trainer_base.uuid = SimpleNamespace(uuid4=lambda: uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
 _patch_process_group_backend()
 _register_engines()
+_seed_prompt_uids()
 from verl_cpu import rollout as _rollout  # noqa: E402,F401 - registers the hf_cpu backend

@@ -84,6 +84,10 @@ def main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Optio
     args += list(extra)
     env = recipe.environment()
     env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
+    if overrides_kwargs.get("seed") is not None:
+        # deterministic generation (hf_cpu's custom.seed) and prompt uids (verl_cpu._seed_prompt_uids)
+        env["VERL_CPU_SEED"] = str(overrides_kwargs["seed"])
+        env["PYTHONHASHSEED"] = "0"
     if mode == "separate_async":
         # verl 0.9.1 bug: with hybrid_engine=false, trainer_separate_async.py:181 calls logger.info(..., flush=True),
         # a TypeError whenever INFO is on; verl's loggers read their level from VERL_LOGGING_LEVEL
