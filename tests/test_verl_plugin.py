@@ -182,10 +182,12 @@ def test_the_config_file_route_loads_the_plugin_in_rays_workers(cluster):
         cls = SKIP_REGISTRY["rollout_tq"]
         return f"{cls.__module__}.{cls.__qualname__}"
 
-    env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN}
+    # verl.plugins entry points off (VERL_USE_EXTERNAL_PLUGINS=none), so only the env var can load it
+    env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN, "VERL_USE_EXTERNAL_PLUGINS": "none"}
     got = ray.get(rollout_tq_class_in_a_worker.options(runtime_env={"env_vars": env}).remote(), timeout=180)
     assert got == f"{PLUGIN}.HarnessRolloutTqSkip"
-    plain = ray.get(rollout_tq_class_in_a_worker.remote(), timeout=180)
+    off = {"VERL_USE_EXTERNAL_PLUGINS": "none"}
+    plain = ray.get(rollout_tq_class_in_a_worker.options(runtime_env={"env_vars": off}).remote(), timeout=180)
     assert plain == "verl.utils.skip.rollout_skip.RolloutTqSkip"   # without it, verl's own class
 
 

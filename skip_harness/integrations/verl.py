@@ -71,6 +71,16 @@ def check_verl_version(version: str) -> None:
                           f"VERL_USE_EXTERNAL_MODULES to run verl without the plug-in")
 
 
+def loaded_by() -> str:
+    """How verl loaded the plug-in, for its one startup line."""
+    import os
+
+    modules = [m.strip() for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")]
+    if __name__ in modules:
+        return "VERL_USE_EXTERNAL_MODULES"
+    return "verl's verl.plugins entry point; VERL_USE_EXTERNAL_PLUGINS=none turns it off"
+
+
 TRL_VALUE_HEAD = "trl.experimental.ppo"
 
 
@@ -251,7 +261,8 @@ class HarnessRolloutTqSkip(BaseSkip):
         self.harness = harness
         with _live_lock:
             _live.append(self)
-        log.info("skip_harness serves verl's skip.rollout_tq: %s", verl_config.describe(self.plan, self.steps))
+        log.info("skip_harness serves verl's skip.rollout_tq (loaded by %s): %s", loaded_by(),
+                 verl_config.describe(self.plan, self.steps))
 
     # ---------------------------------------------------------------- verl's calls (annotate_tq)
     def maybe_load_and_inject(self, step: int, new_prompt_uids: Sequence[str], partition_id: str = "train") -> bool:
@@ -272,6 +283,10 @@ class HarnessRolloutTqSkip(BaseSkip):
         self._steps[step] = _Step(uids, serving, step)
         self._forget_before(step)
         if serving:
+            cleared = verl_tq.clear_partition()
+            if cleared:
+                log.info("step %d: served from the cache; %d training keys already in TransferQueue (restored from "
+                         "verl's checkpoint, or left by an uncached step) removed first", step, cleared)
             self._inject_next(step)
         return serving
 

@@ -39,15 +39,23 @@ def comparable(metrics: Dict[int, Dict[str, float]]) -> Dict[int, Dict[str, floa
             for step, data in metrics.items()}
 
 
-def differences(a: Dict[int, Dict[str, float]], b: Dict[int, Dict[str, float]], steps: Sequence[int]) -> List[str]:
-    """Every (step, key) whose logged value differs between two runs, timing keys aside."""
+def differences(a: Dict[int, Dict[str, float]], b: Dict[int, Dict[str, float]], steps: Sequence[int],
+                rel_tol: float = 0.0) -> List[str]:
+    """Every (step, key) whose logged value differs between two runs, timing keys aside; with `rel_tol`,
+    floats within that relative distance count as equal (integers, counts and missing keys never do)."""
+    import math
+
     a, b = comparable(a), comparable(b)
     out = []
     for step in steps:
         x, y = a.get(step, {}), b.get(step, {})
         for key in sorted(set(x) | set(y)):
-            if x.get(key) != y.get(key):
-                out.append(f"step {step} {key}: {x.get(key)!r} != {y.get(key)!r}")
+            u, v = x.get(key), y.get(key)
+            if u == v:
+                continue
+            if rel_tol and isinstance(u, float) and isinstance(v, float) and math.isclose(u, v, rel_tol=rel_tol):
+                continue
+            out.append(f"step {step} {key}: {u!r} != {v!r}")
     return out
 
 

@@ -125,7 +125,7 @@ class HFServer:
             time.sleep(self.generate_delay_s)
         if self.generate_log:
             with open(self.generate_log, "a") as f:
-                f.write(f"{request_id}\n")
+                f.write(f"{request_id} {self.global_steps} {prompt} -> {out}\n")
         return TokenOutput(token_ids=out, log_probs=logprobs if params.get("logprobs") else None,
                            stop_reason="completed", extra_fields={"global_steps": self.global_steps})
 
