@@ -115,7 +115,7 @@ def test_without_the_cache_the_comparison_fails(sync_chain):
     assert driver.differences(replay.metrics, fresh.metrics, [1, 2, 3]) != []
 
 
-REL_TOL = 1e-5   # cached vs uncached: floats summed over the batch in another order (_same_experiment)
+REL_TOL = 1e-3   # cached vs uncached: floats summed over the batch in another order (_same_experiment)
 SEED = 7   # hf_cpu's custom.seed: deterministic generation, seeded prompt uids, a settled sampler (verl_cpu)
 SHOWN = ("actor/pg_loss", "critic/score/mean", "response_length/mean", "training/filter_groups/evicted_samples",
          "training/filter_groups/discarded_surplus_samples")
@@ -152,8 +152,10 @@ def _same_experiment(runs: dict, steps=(1, 2)) -> None:
     assert record.generate_calls == uncached.generate_calls
     assert sorted(record.metrics) == list(steps)
     # verl puts trajectories into its batch in the order the rollout finished them, which varies from run to run
-    # on this CPU: a float sum over the batch may then differ in its last bits (measured: 5 of ~80 keys at
-    # ~1e-7 relative, in a sync DAPO run); every count and integer is equal
+    # on this CPU: a float sum over the batch may then differ in its last bits, and step 2 trains from weights
+    # that differ as little (measured: at most 1e-4 relative, step 2's actor/grad_norm, colocate_async; most
+    # keys equal exactly); every count and integer is equal. Runs that train on other rollouts differ by 10%+
+    # (the sync chain's unseeded run)
     assert driver.differences(uncached.metrics, record.metrics, steps, rel_tol=REL_TOL) == []
     assert replay.generate_calls == 0
     assert driver.differences(record.metrics, replay.metrics, steps) == []
