@@ -182,10 +182,12 @@ def test_the_config_file_route_loads_the_plugin_in_rays_workers(cluster):
         cls = SKIP_REGISTRY["rollout_tq"]
         return f"{cls.__module__}.{cls.__qualname__}"
 
-    env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN}
+    # verl.plugins entry points off (VERL_USE_EXTERNAL_PLUGINS=none), so only the env var can load it
+    env = {"VERL_USE_EXTERNAL_MODULES": PLUGIN, "VERL_USE_EXTERNAL_PLUGINS": "none"}
     got = ray.get(rollout_tq_class_in_a_worker.options(runtime_env={"env_vars": env}).remote(), timeout=180)
     assert got == f"{PLUGIN}.HarnessRolloutTqSkip"
-    plain = ray.get(rollout_tq_class_in_a_worker.remote(), timeout=180)
+    off = {"VERL_USE_EXTERNAL_PLUGINS": "none"}
+    plain = ray.get(rollout_tq_class_in_a_worker.options(runtime_env={"env_vars": off}).remote(), timeout=180)
     assert plain == "verl.utils.skip.rollout_skip.RolloutTqSkip"   # without it, verl's own class
 
 
@@ -274,3 +276,33 @@ def test_the_harness_closes_right_after_the_last_step_it_caches(cluster, tmp_pat
     # released: another harness takes the namespace at once (lock_timeout 0)
     again = rig.run_steps(cfg, buffer="sync", salt=3, steps=steps)
     assert again.train_generations == 0
+
+
+@pytest.mark.parametrize("mode,buffer,warmup", [("colocate_async", "async", 1), ("sync", "sync", 0)])
+def test_warmup_refills_and_the_samplers_metrics_are_recorded_then_served(cluster, tmp_path, mode, buffer, warmup):
+    """DAPO (algorithm.filter_groups) with groups that tie, and in the async mode verl's warm-up: the cached
+    run submits what the uncached run submits (the warm-up kept), the replay generates nothing, draws the
+    same prompts from the dataloader (warm-up and refills), and its sampler returns the recorded metrics."""
+    extra = ["data.gen_batch_size=1", "algorithm.filter_groups.enable=true"]
+    steps = (1, 2)
+    cfg = rig.compose(str(tmp_path / "cache"), steps=steps, extra=extra, mode=mode)
+    off = rig.run_steps(rig.compose(str(tmp_path / "off"), steps=steps, extra=extra, mode=mode, enable=False),
+                        buffer=buffer, salt=1, steps=steps, warmup=warmup, tie_every=3)
+    first = rig.run_steps(cfg, buffer=buffer, salt=1, steps=steps, warmup=warmup, tie_every=3)
+    second = rig.run_steps(cfg, buffer=buffer, salt=2, steps=steps, warmup=warmup, tie_every=3)
+
+    # caching on submits exactly what caching off does: the warm-up batch first (async), then the steps' batches
+    # and the refills of the tied groups DAPO evicted
+    assert first.rollout_calls == off.rollout_calls
+    assert first.drawn == off.drawn
+    if warmup:
+        assert first.rollout_calls[0] == {"partition": "train", "prompts": 4}, first.rollout_calls
+    assert first.outcomes == {1: "miss", 2: "miss"}
+    evicted = [s.metrics.get("training/filter_groups/evicted_samples", 0) for s in first.sampled]
+    assert sum(evicted) > 0, [s.metrics for s in first.sampled]   # DAPO evicted (and refilled) tied groups
+
+    assert second.outcomes == {1: "hit", 2: "hit"}
+    assert second.train_generations == 0, second.rollout_calls
+    assert [rig.comparable(s) for s in second.sampled] == [rig.comparable(s) for s in first.sampled]
+    assert [s.metrics for s in second.sampled] == [s.metrics for s in first.sampled]
+    assert second.drawn == first.drawn   # the warm-up and the refills drew their prompts on the replay too

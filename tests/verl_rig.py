@@ -34,13 +34,14 @@ def verl_config_dir() -> str:
 
 
 def compose(dump_dir: str, *, K: int = 1, action: str = "cache", steps: Sequence[int] = (1, 2),
-            train_batch_size: int = 4, n: int = 2, extra: Sequence[str] = ()) -> Any:
+            train_batch_size: int = 4, n: int = 2, extra: Sequence[str] = (), mode: str = "",
+            enable: bool = True) -> Any:
     """verl's own ppo_trainer.yaml, composed with Hydra's compose API, on CPU."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    mode = "separate_async" if K > 1 else "sync"
+    mode = mode or ("separate_async" if K > 1 else "sync")
     overrides = [
         "trainer.device=cpu",
         "transfer_queue.enable=true",
@@ -53,7 +54,7 @@ def compose(dump_dir: str, *, K: int = 1, action: str = "cache", steps: Sequence
         "data.max_response_length=6",
         f"actor_rollout_ref.rollout.n={n}",
         "actor_rollout_ref.model.path=stand-in/tiny",
-        "skip.rollout_tq.enable=true",
+        f"skip.rollout_tq.enable={str(enable).lower()}",
         f"skip.rollout_tq.dump_dir={dump_dir}",
         f"skip.rollout_tq.steps=[{','.join(str(s) for s in steps)}]",
         f"skip.rollout_tq.action={action}",
@@ -118,9 +119,10 @@ class StandInRollout:
     once, as ``AgentLoopWorkerTQ._run_prompt`` / ``_agent_loop_postprocess`` do. `salt` makes each run's
     generations differ, so a replay that returns the first run's batches can only have read them from the cache."""
 
-    def __init__(self, cfg: Any, salt: int):
+    def __init__(self, cfg: Any, salt: int, tie_every: int = 0):
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self.salt = salt
+        self.tie_every = tie_every   # prompts whose index is a multiple of it: every session scores alike
         self.calls: List[Dict[str, Any]] = []
 
     def generate_sequences(self, batch: Any) -> None:
@@ -161,6 +163,8 @@ class StandInRollout:
         responses = torch.randint(0, 1000, (length,), generator=g, dtype=torch.int64)
         input_ids = torch.cat([prompts, responses])
         reward = float(torch.rand((), generator=g))
+        if self.tie_every and index % self.tie_every == 0:
+            reward = 0.5   # a tied group: DAPO's filter (algorithm.filter_groups) evicts it
         scores = torch.zeros(length, dtype=torch.float32)
         scores[-1] = reward
         gs = int(prompt["global_steps"])
@@ -194,21 +198,43 @@ def make_trainer(cfg: Any, rollout: StandInRollout) -> Any:
     trainer.config = cfg
     trainer.global_steps = 0
     trainer.trainer_mode = cfg.trainer.v1.trainer_mode
-    trainer.train_dataloader = dataloader(int(cfg.data.train_batch_size))
+    trainer.train_dataloader = CountingLoader(dataloader(int(cfg.data.get("gen_batch_size") or
+                                                         cfg.data.train_batch_size)))
     trainer.train_dataloader_it = None
     trainer.agent_loop_manager = rollout
+    trainer._restored_tq_prompt_count = 0
     return trainer
 
 
-def make_buffer(kind: str, cfg: Any) -> Any:
+class CountingLoader:
+    """The stand-in dataloader, counting the batches drawn from it (where a run left verl's data stream)."""
+
+    def __init__(self, batches: List[Dict[str, Any]]):
+        self.batches = batches
+        self.drawn = 0
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.drawn += 1
+            yield batch
+
+
+def make_buffer(kind: str, cfg: Any, trainer: Any = None) -> Any:
+    """verl's sampler; with algorithm.filter_groups.enable, DAPO's (refilling through `trainer`, as verl's
+    PPOTrainer._build_replay_buffer wires it)."""
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
     cls = {"sync": ReplayBuffer, "async": ReplayBufferAsync}[kind]
     sampler = cfg.trainer.v1.sampler
+    kwargs: Dict[str, Any] = {}
+    if bool(cfg.algorithm.filter_groups.enable):
+        kwargs = dict(refill_fn=trainer._add_prompts_to_generate, filter_groups_metric="reward")
+        if kind == "sync":
+            kwargs.update(train_batch_size=int(cfg.data.train_batch_size), gen_batch_size=1)
     return cls(trainer_mode=str(cfg.trainer.v1.trainer_mode), trainer_config=cfg.trainer,
                max_off_policy_threshold=sampler.max_off_policy_threshold,
                max_off_policy_strategy=sampler.max_off_policy_strategy, sampler_kwargs=sampler.sampler_kwargs,
-               poll_interval=0.05)
+               poll_interval=0.05, **kwargs)
 
 
 # ------------------------------------------------------------------------------- one run
@@ -219,6 +245,7 @@ class Sampled:
     keys: List[str]
     tags: List[Dict[str, Any]]
     data: Any            # the TensorDict verl's trainer reads for these keys
+    metrics: Dict[str, Any] = field(default_factory=dict)   # what sample returned beside the batch
 
 
 @dataclass
@@ -228,6 +255,7 @@ class RunResult:
     rollout_calls: List[Dict[str, Any]] = field(default_factory=list)
     summary: Any = None
     outcomes: Dict[int, str] = field(default_factory=dict)
+    drawn: int = 0       # dataloader batches drawn
 
     @property
     def train_generations(self) -> int:
@@ -235,17 +263,19 @@ class RunResult:
 
 
 def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validate_at: Sequence[int] = (),
-              after_sample=None, after_step=None) -> RunResult:
-    """verl's step loop for `steps` (fit's order: set_step, submit, K samples, validation, kv_clear);
-    `after_step(step, sampled)` where fit logs the step's metrics (its Sampled mini-batches)."""
+              after_sample=None, after_step=None, warmup: int = 0, tie_every: int = 0) -> RunResult:
+    """verl's step loop for `steps` (fit's order: set_step, [the async warm-up,] submit, K samples,
+    validation, kv_clear); `after_step(step, sampled)` where fit logs the step's metrics (its Sampled
+    mini-batches). `warmup`: verl's ``_add_async_warmup_batches(warmup)`` before the first step, as
+    ``on_train_begin`` calls it in the async trainers."""
     import transfer_queue as tq
     from verl.utils.skip import SkipManager
 
     SkipManager.init(cfg)
     skip = SkipManager.skip_instances["rollout_tq"]
-    rollout = StandInRollout(cfg, salt)
+    rollout = StandInRollout(cfg, salt, tie_every)
     trainer = make_trainer(cfg, rollout)
-    replay = make_buffer(buffer, cfg)
+    replay = make_buffer(buffer, cfg, trainer)
     K = int(cfg.trainer.v1.get(cfg.trainer.v1.trainer_mode, {}).get("parameter_sync_step", 1))
     per_sample = int(cfg.data.train_batch_size) // K
     result = RunResult()
@@ -253,11 +283,14 @@ def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validat
         for step in steps:
             trainer.global_steps = step
             SkipManager.set_step(step)
+            if warmup and step == steps[0]:
+                trainer._add_async_warmup_batches(warmup)
             trainer._add_batch_to_generate()
             for inner in range(K):
-                batch, _ = replay.sample(global_steps=step, partition_id="train", batch_size=per_sample)
+                batch, metrics = replay.sample(global_steps=step, partition_id="train", batch_size=per_sample)
                 data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
-                result.sampled.append(Sampled(step, inner, list(batch.keys), [dict(t) for t in batch.tags], data))
+                result.sampled.append(Sampled(step, inner, list(batch.keys), [dict(t) for t in batch.tags], data,
+                                              dict(metrics)))
                 if after_sample is not None:
                     after_sample(skip, step, inner)
                 tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
@@ -267,6 +300,7 @@ def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validat
                 after_step(step, [s for s in result.sampled if s.step == step])
     finally:
         result.rollout_calls = rollout.calls
+        result.drawn = trainer.train_dataloader.drawn
         harness = getattr(skip, "harness", None)   # None: verl's own class, or caching off
         if harness is not None:
             result.outcomes = {s: harness.outcome(s) for s in steps}

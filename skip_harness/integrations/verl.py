@@ -41,6 +41,8 @@ Lifecycle
 from __future__ import annotations
 
 import atexit
+import importlib.abc
+import importlib.machinery
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -69,23 +71,77 @@ def check_verl_version(version: str) -> None:
                           f"VERL_USE_EXTERNAL_MODULES to run verl without the plug-in")
 
 
-def trl_conflict() -> str:
-    """A sentence when the installed TRL stops verl 0.9.x from training, else "": verl imports
-    ``AutoModelForCausalLMWithValueHead`` from TRL whenever TRL is installed
-    (verl/models/transformers/monkey_patch.py:352), and TRL 1.13 removed it."""
+def loaded_by() -> str:
+    """How verl loaded the plug-in, for its one startup line."""
+    import os
+
+    modules = [m.strip() for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")]
+    if __name__ in modules:
+        return "VERL_USE_EXTERNAL_MODULES"
+    return "verl's verl.plugins entry point; VERL_USE_EXTERNAL_PLUGINS=none turns it off"
+
+
+TRL_VALUE_HEAD = "trl.experimental.ppo"
+
+
+def trl_value_head_missing() -> str:
+    """The installed TRL's version when it lacks ``AutoModelForCausalLMWithValueHead`` (TRL >= 1.13 removed
+    it), else "". Read from TRL's metadata: TRL itself is not imported."""
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.version import InvalidVersion, Version
 
     try:
         trl = version("trl")
-        if Version(trl) < Version("1.13"):
-            return ""
+        return trl if Version(trl) >= Version("1.13") else ""
     except (PackageNotFoundError, InvalidVersion):
         return ""
-    return (f"TRL {trl} is installed: verl cannot build its FSDP actor with it (ImportError: cannot import name "
-            f"'AutoModelForCausalLMWithValueHead' from 'trl'); pip install 'trl>=1.0,<1.13' (skip_harness's "
-            f"[trl] range) or uninstall trl in verl's environment")
+
+
+class _ValueHeadFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Supplies ``trl.experimental.ppo`` when the installed TRL has none (a meta-path finder consulted
+    after TRL's own modules): a module holding an empty ``AutoModelForCausalLMWithValueHead``, the one name
+    verl 0.9.x imports from it, only to set its ``state_dict`` (verl/models/transformers/monkey_patch.py:352;
+    verl never builds TRL's value-head model)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != TRL_VALUE_HEAD:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        trl = trl_value_head_missing()
+
+        class AutoModelForCausalLMWithValueHead:
+            """An empty stand-in (skip_harness): TRL {trl} removed this class; verl 0.9.x imports it only
+            to patch its ``state_dict``."""
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                raise ImportError(f"AutoModelForCausalLMWithValueHead was removed in TRL 1.13 (this is TRL {trl}); "
+                                  "skip_harness supplies this empty class only so that verl 0.9.x can import it")
+
+        module.AutoModelForCausalLMWithValueHead = AutoModelForCausalLMWithValueHead
+        module.__doc__ = "skip_harness: an empty AutoModelForCausalLMWithValueHead for verl 0.9.x (see _ValueHeadFinder)"
+
+
+def provide_trl_value_head() -> str:
+    """With a TRL >= 1.13 installed, make ``from trl.experimental.ppo import AutoModelForCausalLMWithValueHead``
+    (verl 0.9.x's import, monkey_patch.py:352) find an empty class, so verl builds its FSDP actor beside
+    current TRL. Returns the sentence the plug-in logs, or "" when TRL is absent or has the class."""
+    import sys
+
+    trl = trl_value_head_missing()
+    if not trl:
+        return ""
+    if not any(isinstance(f, _ValueHeadFinder) for f in sys.meta_path):
+        sys.meta_path.append(_ValueHeadFinder())
+    return (f"TRL {trl} has no AutoModelForCausalLMWithValueHead (removed in TRL 1.13), which verl 0.9.x imports "
+            f"from {TRL_VALUE_HEAD} whenever TRL is installed (verl/models/transformers/monkey_patch.py:352): "
+            f"skip_harness supplies an empty {TRL_VALUE_HEAD}.AutoModelForCausalLMWithValueHead (its import "
+            "only; TRL's own modules are untouched) so verl builds its actor")
 
 
 try:
@@ -93,6 +149,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - depends on the installed verl
     raise ImportError(f"skip_harness.integrations.verl needs verl (pip install 'skip_harness[verl]'): {_exc}") from _exc
 check_verl_version(_verl_version)
+_TRL_NOTE = provide_trl_value_head()   # in every process verl loads the plug-in in: its FSDP workers too
 
 try:
     from verl.utils.skip import rollout_skip as _verl_rollout_skip  # noqa: F401 - verl's classes register first
@@ -107,7 +164,7 @@ if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY
 
 from skip_harness.errors import HarnessUsageError  # noqa: E402 - after the verl version check above
 from skip_harness.run.stats import HIT, MISS, REPEAT  # noqa: E402
-from skip_harness.integrations import verl_config, verl_tq  # noqa: E402
+from skip_harness.integrations import verl_config, verl_hooks, verl_tq  # noqa: E402
 
 log = logging.getLogger("skip_harness")
 
@@ -134,6 +191,8 @@ class _Generation:
         if batch is None:
             raise HarnessUsageError(f"step {step}: skip_harness was asked to generate a mini-batch it can only "
                                     "read after verl's sampler ran (a hit whose cache could not be served?)")
+        if isinstance(batch, dict):
+            return batch   # read from TransferQueue already, with the sampler's metrics and submissions
         return verl_tq.read_minibatch(batch, step)
 
 
@@ -144,7 +203,10 @@ class _Step:
     source_step: int
     sampled: int = 0
     injected: int = 0
+    returned: int = 0      # served sample calls whose recorded metrics were returned
     trajectories: List[int] = field(default_factory=list)
+    metrics: List[Any] = field(default_factory=list)     # served: the recorded sampler metrics per mini-batch
+    refills: List[List[int]] = field(default_factory=list)   # served: refill sizes recorded per mini-batch
 
 
 @register_skip(ROLE)
@@ -168,6 +230,10 @@ class HarnessRolloutTqSkip(BaseSkip):
         self._close_after: Optional[int] = None   # that last step, once sampled: closed when verl logs it
         self.plan: Optional[verl_config.VerlPlan] = None
         self._steps: Dict[int, _Step] = {}
+        self._decided: Dict[int, bool] = {}          # step -> served (decided once, at its first call)
+        self._extras: List[List[Any]] = []           # recording: extra submissions since the last sample
+        self._extra_index: Dict[int, int] = {}       # step -> extra submissions seen so far
+        self._pending: Optional[Any] = None          # recording: (step, batch) sampled, waiting for its metrics
         for role in ("rollout", "async_rollout"):
             if verl_config.role_enabled(global_config, role):
                 log.warning("skip.%s is enabled: skip_harness.integrations.verl handles skip.rollout_tq (the V1 "
@@ -182,9 +248,9 @@ class HarnessRolloutTqSkip(BaseSkip):
             log.setLevel(logging.INFO)
         from skip_harness.run.harness import SkipHarness
 
-        conflict = trl_conflict()
-        if conflict:
-            log.warning("%s", conflict)
+        if _TRL_NOTE:
+            log.warning("%s", _TRL_NOTE)
+        install_hooks()
         self.plan = verl_config.plan_of(local_config, global_config)
         if self.plan.all_steps:
             self.steps = verl_config.EVERY_STEP
@@ -196,7 +262,8 @@ class HarnessRolloutTqSkip(BaseSkip):
         self.harness = harness
         with _live_lock:
             _live.append(self)
-        log.info("skip_harness serves verl's skip.rollout_tq: %s", verl_config.describe(self.plan, self.steps))
+        log.info("skip_harness serves verl's skip.rollout_tq (loaded by %s): %s", loaded_by(),
+                 verl_config.describe(self.plan, self.steps))
 
     # ---------------------------------------------------------------- verl's calls (annotate_tq)
     def maybe_load_and_inject(self, step: int, new_prompt_uids: Sequence[str], partition_id: str = "train") -> bool:
@@ -213,11 +280,14 @@ class HarnessRolloutTqSkip(BaseSkip):
         if len(uids) != self.plan.train_batch_size:
             raise HarnessUsageError(f"step {step}: verl submitted {len(uids)} prompts, data.train_batch_size is "
                                     f"{self.plan.train_batch_size}")
-        self._generation.prepare_data(step)   # the harness decides the step (and starts on the first one)
-        serving = self.harness.outcome(step) in (HIT, REPEAT)
+        serving = self._decide(step)
         self._steps[step] = _Step(uids, serving, step)
         self._forget_before(step)
         if serving:
+            cleared = verl_tq.clear_partition()
+            if cleared:
+                log.info("step %d: served from the cache; %d training keys already in TransferQueue (restored from "
+                         "verl's checkpoint, or left by an uncached step) removed first", step, cleared)
             self._inject_next(step)
         return serving
 
@@ -239,12 +309,89 @@ class HarnessRolloutTqSkip(BaseSkip):
         return False
 
     def prepare_data(self, step: int, batch: Any = None, global_steps: Any = None, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        """phase="sample" on a miss: hand the sampled mini-batch to the harness as the next inner index."""
+        """phase="sample" on a miss: the sampled mini-batch becomes the next inner index once ``sample``
+        returned (:meth:`sampled` adds what it returned beside the batch)."""
         if self.harness is None or self.finished:
             return
-        step = int(step)
+        self._record_pending(None)   # a sampler the plug-in does not wrap: recorded without its metrics
+        self._pending = (int(step), batch)
+
+    # ---------------------------------------------------------------- the plug-in's own hooks (verl_hooks)
+    def handles(self, step: int) -> bool:
+        return self.harness is not None and not self.finished and step in self.steps
+
+    def sampled(self, result: Any) -> Any:
+        """After verl's (decorated) ``sample`` returned `result` = (batch, metrics): on a miss the mini-batch
+        is stored with those metrics and the extra submissions made since the last sample; on a hit the
+        recorded metrics are returned in place of this run's, and the refills recorded with the mini-batch
+        advance the dataloader (this run's sampler had nothing to refill)."""
+        batch, metrics = (result[0], result[1]) if isinstance(result, tuple) and len(result) == 2 else (result, None)
+        if getattr(batch, "partition_id", None) != verl_tq.PARTITION or self.harness is None:
+            return result
+        step = int(_SkipManager.step)
+        if self._pending is not None and self._pending[0] == step:
+            self._record_pending(metrics)
+            return result
         state = self._steps.get(step)
-        self._generation.sample(step, batch)
+        if self.finished or state is None or not state.serving or state.returned >= state.sampled:
+            return result
+        index = state.returned
+        state.returned += 1
+        for prompts in state.refills[index] if index < len(state.refills) else []:
+            self._draw(prompts)
+        recorded = state.metrics[index] if index < len(state.metrics) else None
+        if recorded is None or not isinstance(result, tuple):
+            return result   # a mini-batch recorded before the plug-in stored the sampler's metrics
+        return (batch, verl_hooks.decode_metrics(recorded))
+
+    def extra_submission(self, trainer: Any, prompts: int, submit: Any, kind: str) -> int:
+        """verl's ``_add_prompts_to_generate(prompts)`` (a warm-up batch or a refill) during a cached step:
+        recorded as the step's next extra submission on a miss; on a served step the dataloader advances by
+        the same prompts and nothing is generated (the mini-batches that sampled them are served)."""
+        step = int(_SkipManager.step)
+        if not self.handles(step):
+            return int(submit())
+        index = self._extra_index.get(step, 0)
+        self._extra_index[step] = index + 1
+        if not self._decide(step):
+            out = int(submit())
+            self._extras.append([step, index, kind, int(prompts)])
+            return out
+        state = self._steps.get(step)
+        if kind == "refill" and state is not None:
+            pending = state.refills[state.returned] if state.returned < len(state.refills) else []
+            if prompts in pending:
+                pending.remove(prompts)   # this run's sampler asked for a recorded refill itself
+        return self._draw(prompts, trainer)
+
+    def _draw(self, prompts: int, trainer: Any = None) -> int:
+        trainer = trainer if trainer is not None else verl_hooks.current_trainer()
+        if trainer is None:
+            raise HarnessUsageError("skip_harness: a served step's recorded prompts must be drawn from verl's "
+                                    "dataloader, but no PPOTrainer called the plug-in yet")
+        return len(trainer._next_train_batch(int(prompts)))
+
+    def _decide(self, step: int) -> bool:
+        """Hit, repeat or miss for `step`, decided once (at verl's first call for it)."""
+        if step not in self._decided:
+            self._generation.prepare_data(step)   # the harness decides the step (and starts on the first one)
+            self._decided[step] = self.harness.outcome(step) in (HIT, REPEAT)
+            for old in [s for s in self._decided if s < step - 1]:
+                del self._decided[old]
+        return self._decided[step]
+
+    def _record_pending(self, metrics: Any) -> None:
+        """Hand the mini-batch sampled on a miss to the harness as the next inner index."""
+        if self._pending is None:
+            return
+        step, batch = self._pending
+        self._pending = None
+        payload = verl_tq.read_minibatch(batch, step)
+        payload["sampler_metrics"] = verl_hooks.encode_metrics(metrics)
+        payload["submissions"] = [list(e) for e in self._extras]
+        self._extras = []
+        state = self._steps.get(step)
+        self._generation.sample(step, payload)
         if state is not None:
             state.sampled += 1
             if state.sampled == self.plan.K and self._is_last(step):
@@ -267,6 +414,8 @@ class HarnessRolloutTqSkip(BaseSkip):
         n = verl_tq.inject(payload, state.uids[inner * P:(inner + 1) * P], step, rewrite_steps=rewrite)
         state.injected += 1
         state.trajectories.append(n)
+        state.metrics.append(payload.get("sampler_metrics"))
+        state.refills.append([int(e[3]) for e in payload.get("submissions") or [] if e[2] == "refill"])
 
     def _is_last(self, step: int) -> bool:
         """The run's last step, or the last step verl's list asks to cache."""
@@ -320,4 +469,28 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
+
+
+def _active() -> "Optional[HarnessRolloutTqSkip]":
+    """The enabled skip_harness instance verl's SkipManager built, else None (the wrappers pass through)."""
+    skip = _SkipManager.skip_instances.get(ROLE)
+    if isinstance(skip, HarnessRolloutTqSkip) and skip.enable and skip.harness is not None and not skip.finished:
+        return skip
+    return None
+
+
+def _verl_classes() -> Dict[str, type]:
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    return {"PPOTrainer": PPOTrainer, "ReplayBuffer": ReplayBuffer, "ReplayBufferAsync": ReplayBufferAsync}
+
+
+def install_hooks() -> None:
+    """Wrap the V1 trainer's calls verl's decorators miss (:mod:`verl_hooks`), once verl's trainer is
+    importable: when verl builds the plug-in (``SkipManager.init``, in the trainer's process). Not at import:
+    the plug-in is imported before other external modules (a platform) are registered."""
+    classes = _verl_classes()
+    verl_hooks.check_shapes(classes, _verl_version)
+    verl_hooks.install(_active, classes)
 from skip_harness.integrations import verl_values  # noqa: E402,F401 - verl's logged metrics reach the replay check

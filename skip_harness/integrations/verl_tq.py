@@ -78,6 +78,19 @@ def plan_injection(payload: Dict[str, Any], new_uids: Sequence[str], step: int, 
     return Injection(out_keys, out_tags, out_uids, prompts, status)
 
 
+def clear_partition() -> int:
+    """Remove every key (prompts and trajectories) of the training partition, before a served step puts its
+    recorded mini-batch in: groups left there -- restored from verl's checkpoint on a resume, or left over
+    from an uncached step -- would otherwise be sampled first (verl's sampler prefers older prompts).
+    Returns the number of keys removed."""
+    import transfer_queue as tq
+
+    items = (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
+    if items:
+        tq.kv_clear(keys=list(items), partition_id=PARTITION)
+    return len(items)
+
+
 def inject(payload: Dict[str, Any], new_uids: Sequence[str], step: int, *, rewrite_steps: bool) -> int:
     """Put a cached mini-batch into TransferQueue for `new_uids` (this sample call's prompts). Returns
     the number of trajectories put."""

@@ -17,7 +17,9 @@ Everything goes through verl's registries and extension points; nothing in verl'
   through ``rollout.checkpoint_engine.custom_backend_module``): the weights to standalone replicas through
   Ray's object store (separate_async; verl's engines need accelerators);
 
-and ONE monkeypatch, for a verl bug: ``initialize_global_process_group_ray`` builds the backend
+with ``$VERL_CPU_SEED`` (a test comparing two runs), two more for determinism (seeded prompt uids, the
+sampler polling a settled queue: :func:`_seed_prompt_uids`, :func:`_settle_before_sampling`); and ONE
+monkeypatch, for a verl bug: ``initialize_global_process_group_ray`` builds the backend
 ``cpu:gloo,{device}:{backend}`` (verl/utils/distributed.py:89), which on CPU is ``cpu:gloo,cpu:gloo`` and
 torch refuses ("Duplicate device type cpu").
 """
@@ -180,6 +182,54 @@ def _patch_process_group_backend() -> None:
     dist.initialize_global_process_group_ray = initialize_global_process_group_ray
 
 
+def _seed_prompt_uids() -> None:
+    """With $VERL_CPU_SEED: verl's prompt uids (``uuid.uuid4()`` in trainer_base.py) drawn from a seeded
+    generator in this module only. verl's sampler breaks ties between prompts of the same step by the order
+    of a set of those uids (``sorted(sampleable_keys, key=global_steps)``): with fresh uuid4s (and Python's
+    per-process string hashing, $PYTHONHASHSEED) two runs of an async mode with a warm-up pick different
+    groups first, and only a seeded run is comparable to another."""
+    seed = os.environ.get("VERL_CPU_SEED")
+    if not seed:
+        return
+    import random
+    import uuid
+
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+
+    rng = random.Random(int(seed))
+    trainer_base.uuid = SimpleNamespace(uuid4=lambda: uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _settle_before_sampling() -> None:
+    """With $VERL_CPU_SEED: each poll of verl's sampler first waits until no training prompt is pending or
+    running. verl's async sampler selects from whatever groups have finished at its poll (every 2 s), so
+    how far a CPU's rollout got by then decides which groups a step trains on; settled, a run is
+    comparable to another (a served step has nothing in flight, so a replay never waits)."""
+    if not os.environ.get("VERL_CPU_SEED"):
+        return
+    import time
+
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    original = replay_buffer.ReplayBuffer._sync_metadata_from_transfer_queue
+    if getattr(original, "_verl_cpu", False):
+        return
+
+    def _sync_metadata_from_transfer_queue(self: Any) -> Any:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            items = (replay_buffer.tq.kv_list() or {}).get("train", {})
+            if not any(tag.get("is_prompt") and tag.get("status") in ("pending", "running") for tag in items.values()):
+                break
+            time.sleep(0.05)
+        return original(self)
+
+    _sync_metadata_from_transfer_queue._verl_cpu = True  # type: ignore[attr-defined]
+    replay_buffer.ReplayBuffer._sync_metadata_from_transfer_queue = _sync_metadata_from_transfer_queue
+
+
 _patch_process_group_backend()
 _register_engines()
+_seed_prompt_uids()
+_settle_before_sampling()
 from verl_cpu import rollout as _rollout  # noqa: E402,F401 - registers the hf_cpu backend

@@ -39,15 +39,23 @@ def comparable(metrics: Dict[int, Dict[str, float]]) -> Dict[int, Dict[str, floa
             for step, data in metrics.items()}
 
 
-def differences(a: Dict[int, Dict[str, float]], b: Dict[int, Dict[str, float]], steps: Sequence[int]) -> List[str]:
-    """Every (step, key) whose logged value differs between two runs, timing keys aside."""
+def differences(a: Dict[int, Dict[str, float]], b: Dict[int, Dict[str, float]], steps: Sequence[int],
+                rel_tol: float = 0.0) -> List[str]:
+    """Every (step, key) whose logged value differs between two runs, timing keys aside; with `rel_tol`,
+    floats within that relative distance count as equal (integers, counts and missing keys never do)."""
+    import math
+
     a, b = comparable(a), comparable(b)
     out = []
     for step in steps:
         x, y = a.get(step, {}), b.get(step, {})
         for key in sorted(set(x) | set(y)):
-            if x.get(key) != y.get(key):
-                out.append(f"step {step} {key}: {x.get(key)!r} != {y.get(key)!r}")
+            u, v = x.get(key), y.get(key)
+            if u == v:
+                continue
+            if rel_tol and isinstance(u, float) and isinstance(v, float) and math.isclose(u, v, rel_tol=rel_tol):
+                continue
+            out.append(f"step {step} {key}: {u!r} != {v!r}")
     return out
 
 
@@ -84,6 +92,10 @@ def main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Optio
     args += list(extra)
     env = recipe.environment()
     env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
+    if overrides_kwargs.get("seed") is not None:
+        # deterministic generation (hf_cpu's custom.seed) and prompt uids (verl_cpu._seed_prompt_uids)
+        env["VERL_CPU_SEED"] = str(overrides_kwargs["seed"])
+        env["PYTHONHASHSEED"] = "0"
     if mode == "separate_async":
         # verl 0.9.1 bug: with hybrid_engine=false, trainer_separate_async.py:181 calls logger.info(..., flush=True),
         # a TypeError whenever INFO is on; verl's loggers read their level from VERL_LOGGING_LEVEL

@@ -25,6 +25,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
+def tied_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """A coarse reward (the response's digit count, in thirds) so that some GRPO groups tie: their samples
+    all score alike and DAPO's filter (``algorithm.filter_groups``) evicts them."""
+    text = (solution_str or "").strip()
+    return float(sum(c.isdigit() for c in text) % 3) / 2
+
+
 def save_model(model_dir: Path) -> str:
     from skip_harness.demo.tiny_llama import save_tiny_llama
 
@@ -66,7 +73,8 @@ def prepare(workdir: Path) -> Dict[str, str]:
 
 
 def overrides(paths: Dict[str, str], *, steps: int = 3, batch: int = 4, n: int = 2, response_length: int = 16,
-              mode: str = "sync", K: int = 2, experiment: str = "cpu", extra: Sequence[str] = ()) -> List[str]:
+              mode: str = "sync", K: int = 2, experiment: str = "cpu", warmup: int = 0, dapo: bool = False,
+              seed: int | None = None, extra: Sequence[str] = ()) -> List[str]:
     """``main_ppo`` overrides for a CPU run: GRPO, FSDP2 on gloo, TransferQueue, the hf_cpu rollout."""
     args = [
         "algorithm.adv_estimator=grpo",
@@ -114,7 +122,14 @@ def overrides(paths: Dict[str, str], *, steps: int = 3, batch: int = 4, n: int =
                  "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=verl_cpu.weights",
                  "+ray_kwargs.ray_init.num_gpus=2"]
     if mode in ("colocate_async", "separate_async"):
-        args.append(f"trainer.v1.{mode}.num_warmup_batches=0")
+        args.append(f"trainer.v1.{mode}.num_warmup_batches={warmup}")
+    if dapo:
+        # DAPO: groups whose samples all score alike are evicted and refilled (a reward that ties some)
+        args = [a for a in args if not a.startswith("reward.custom_reward_function.name=")]
+        args += ["reward.custom_reward_function.name=tied_score", "algorithm.filter_groups.enable=true",
+                 "algorithm.filter_groups.metric=reward"]
+    if seed is not None:
+        args.append(f"+actor_rollout_ref.rollout.custom.seed={seed}")
     return args + list(extra)
 
 

@@ -13,7 +13,10 @@ small classes plug in where vLLM's do:
   verl's ``naive`` weight sync each step and loads them into the server.
 
 Sampling is seeded from the OS on purpose: two runs generate different rollouts (as vLLM's do), so a
-replay that matches the recording can only have read the cache. Every ``generate`` call appends a line to
+replay that matches the recording can only have read the cache. With ``custom.seed`` set, each call
+samples from a generator seeded by (seed, prompt tokens, weights version, how many times this server saw
+that prompt at that version): generation is then deterministic, whatever order the calls of different
+prompts arrive in, so a run with the cache and one without can be compared. Every ``generate`` call appends a line to
 the file named by ``actor_rollout_ref.rollout.custom.generate_log`` (when set): the tests count them;
 ``custom.generate_delay_s`` slows each call (a test's window to kill a run mid-step).
 """
@@ -61,6 +64,9 @@ class HFServer:
         self.generate_log = _custom(config, "generate_log")
         self.generate_delay_s = float(_custom(config, "generate_delay_s") or 0)   # widens a test's kill window
         self.global_steps = None
+        seed = _custom(config, "seed")
+        self.seed = None if seed is None else int(seed)
+        self.seen: Dict[Any, int] = {}
 
     def load_weights(self, state: Dict[str, torch.Tensor], global_steps: Optional[int] = None) -> int:
         missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -80,6 +86,15 @@ class HFServer:
         top_k = int(params.get("top_k", -1) or -1)
         top_p = float(params.get("top_p", 1.0) or 1.0)
         with self.lock, torch.no_grad():
+            generator = self.generator
+            if self.seed is not None:
+                import hashlib
+
+                at = (tuple(prompt), self.global_steps)
+                k = self.seen.get(at, 0)
+                self.seen[at] = k + 1
+                digest = hashlib.sha256(repr((self.seed, at, k)).encode()).digest()
+                generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
             ids = torch.tensor([prompt])
             out, logprobs = [], []
             past = None
@@ -100,7 +115,7 @@ class HFServer:
                         cum = torch.cumsum(torch.softmax(scaled[order], -1), -1)
                         drop = order[(cum - torch.softmax(scaled[order], -1)) > top_p]
                         scaled[drop] = float("-inf")
-                    token = int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=self.generator))
+                    token = int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator))
                 out.append(token)
                 logprobs.append(float(full[token]))
                 if token == self.eos_token_id:
@@ -110,7 +125,7 @@ class HFServer:
             time.sleep(self.generate_delay_s)
         if self.generate_log:
             with open(self.generate_log, "a") as f:
-                f.write(f"{request_id}\n")
+                f.write(f"{request_id} {self.global_steps} {prompt} -> {out}\n")
         return TokenOutput(token_ids=out, log_probs=logprobs if params.get("logprobs") else None,
                            stop_reason="completed", extra_fields={"global_steps": self.global_steps})
 

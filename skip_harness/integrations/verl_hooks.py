@@ -1,0 +1,211 @@
+"""The V1 trainer's calls verl's skip decorators do not reach, wrapped in memory (verl's files untouched).
+
+verl decorates two places for a skip class: ``PPOTrainer._add_batch_to_generate`` (the step's batch) and
+``ReplayBuffer.sample`` / ``ReplayBufferAsync.sample`` (each mini-batch). Three things a cached run needs
+happen elsewhere, so :func:`install` wraps them -- each wrapper calls verl's own method and hands the plug-in
+what it needs; with the plug-in off (or another ``skip.rollout_tq`` class) they pass straight through:
+
+- ``PPOTrainer._add_prompts_to_generate(num_prompts)``: every prompt a V1 trainer submits outside the step's
+  batch -- the async warm-up and the sampler's refills of stale, DAPO-filtered or failed groups. Recorded
+  as the step's extra submissions (step, index); on a served step the dataloader still advances by the
+  same prompts (so later steps draw what they drew) and nothing is sent to the rollout.
+- ``PPOTrainer._add_async_warmup_batches(num_warmup_batches)``: verl 0.9.1 returns early whenever
+  ``skip.rollout_tq.enable`` is set; with the plug-in its own body runs as with caching off, so a cached
+  run keeps its warm-up (recorded, then served).
+- the samplers' ``sample`` (outside verl's decorator): what ``sample`` returned beside the batch (the
+  off-policy, DAPO filter and eviction counts) is stored with the mini-batch, and returned on a hit.
+
+Each wrapped method's shape is checked when the plug-in loads: a verl whose methods take other arguments
+(or whose warm-up no longer reads ``skip.rollout_tq.enable``) is refused with an ImportError naming the
+verl version and the method.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+_state = threading.local()
+
+#: (class attribute path, parameter names after self) the wrappers rely on
+SHAPES: Dict[str, Tuple[str, ...]] = {
+    "PPOTrainer._add_prompts_to_generate": ("num_prompts",),
+    "PPOTrainer._add_async_warmup_batches": ("num_warmup_batches",),
+    "PPOTrainer._add_batch_to_generate": (),
+    "PPOTrainer._next_train_batch": ("num_prompts",),
+    "ReplayBuffer.sample": ("global_steps", "partition_id", "batch_size"),
+    "ReplayBufferAsync.sample": ("global_steps", "partition_id", "batch_size"),
+}
+#: what verl's warm-up reads to skip itself when caching is on (trainer_base.py, 0.9.1)
+WARMUP_GATE = "skip.rollout_tq.enable"
+
+_installed: Dict[Tuple[type, str], Callable[..., Any]] = {}
+
+
+def _params(func: Callable[..., Any]) -> Tuple[str, ...]:
+    func = inspect.unwrap(func)
+    names = list(inspect.signature(func).parameters)
+    return tuple(names[1:])
+
+
+def check_shapes(classes: Dict[str, type], version: str) -> None:
+    """Refuse a verl whose wrapped methods changed shape, naming the version and the method."""
+    for path, expected in SHAPES.items():
+        owner, name = path.split(".")
+        method = classes[owner].__dict__.get(name)
+        if method is None or not callable(method):
+            raise ImportError(f"skip_harness.integrations.verl: verl {version} has no {path} (checked against "
+                              f"verl 0.9.x); this verl's V1 trainer changed, the plug-in cannot serve it")
+        got = _params(method)
+        if got != expected:
+            raise ImportError(f"skip_harness.integrations.verl: verl {version}'s {path} takes {got}, the plug-in "
+                              f"was checked against {expected} (verl 0.9.x); this verl's V1 trainer changed")
+    warmup = inspect.unwrap(classes["PPOTrainer"].__dict__["_add_async_warmup_batches"])
+    try:
+        source = inspect.getsource(warmup)
+    except (OSError, TypeError):
+        source = ""
+    if WARMUP_GATE not in source:
+        raise ImportError(f"skip_harness.integrations.verl: verl {version}'s PPOTrainer._add_async_warmup_batches "
+                          f"no longer reads {WARMUP_GATE} (checked against verl 0.9.x); the plug-in cannot keep "
+                          "its warm-up")
+
+
+_shared: Dict[str, Any] = {}
+
+
+def current_trainer() -> Any:
+    """The PPOTrainer whose calls the wrappers saw last (one trainer per process)."""
+    return _shared.get("trainer")
+
+
+def _remember(trainer: Any) -> None:
+    _shared["trainer"] = trainer
+
+
+def in_warmup() -> bool:
+    return bool(getattr(_state, "warmup", False))
+
+
+@contextlib.contextmanager
+def _warmup() -> Iterator[None]:
+    _state.warmup = True
+    try:
+        yield
+    finally:
+        _state.warmup = False
+
+
+@contextlib.contextmanager
+def _gate_open(config: Any) -> Iterator[None]:
+    """verl's config with ``skip.rollout_tq.enable`` read as false, for the warm-up's own body only."""
+    from omegaconf import open_dict
+
+    node = config.skip.rollout_tq
+    with open_dict(node):
+        before = node.enable
+        node.enable = False
+        try:
+            yield
+        finally:
+            node.enable = before
+
+
+def install(plugin: Callable[[], Any], classes: Dict[str, type]) -> None:
+    """Wrap the methods (once). `plugin()` is the enabled skip_harness instance, or None."""
+    trainer_cls = classes["PPOTrainer"]
+
+    def wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        if (cls, name) in _installed:
+            return
+        original = cls.__dict__[name]
+        wrapper = functools.wraps(original)(make(original))
+        _installed[(cls, name)] = original
+        setattr(cls, name, wrapper)
+
+    def add_prompts(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _add_prompts_to_generate(self: Any, num_prompts: int) -> int:
+            _remember(self)
+            skip = plugin()
+            if skip is None:
+                return original(self, num_prompts)
+            return skip.extra_submission(self, int(num_prompts), lambda: original(self, num_prompts),
+                                         kind="warmup" if in_warmup() else "refill")
+        return _add_prompts_to_generate
+
+    def warmup(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _add_async_warmup_batches(self: Any, num_warmup_batches: Any) -> None:
+            _remember(self)
+            skip = plugin()
+            if skip is None or not bool(self.config.skip.rollout_tq.enable):
+                return original(self, num_warmup_batches)
+            with _warmup(), _gate_open(self.config):
+                return original(self, num_warmup_batches)
+        return _add_async_warmup_batches
+
+    def add_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _add_batch_to_generate(self: Any) -> Any:
+            _remember(self)
+            return original(self)
+        return _add_batch_to_generate
+
+    def sample(original: Callable[..., Any]) -> Callable[..., Any]:
+        def sample(self: Any, global_steps: int, partition_id: str, batch_size: int) -> Any:
+            result = original(self, global_steps=global_steps, partition_id=partition_id, batch_size=batch_size)
+            skip = plugin()
+            if skip is None:
+                return result
+            return skip.sampled(result)
+        return sample
+
+    wrap(trainer_cls, "_add_prompts_to_generate", add_prompts)
+    wrap(trainer_cls, "_add_async_warmup_batches", warmup)
+    wrap(trainer_cls, "_add_batch_to_generate", add_batch)
+    for owner in ("ReplayBuffer", "ReplayBufferAsync"):
+        wrap(classes[owner], "sample", sample)
+
+
+def uninstall() -> None:
+    """Give verl its own methods back."""
+    for (cls, name), original in list(_installed.items()):
+        setattr(cls, name, original)
+        del _installed[(cls, name)]
+
+
+# ------------------------------------------------------------------ the sampler's metrics, stored
+def encode_metrics(metrics: Any) -> List[List[Any]]:
+    """What ``sample`` returned beside the batch, as plain data: ``[[name, value], ...]`` with numbers as
+    Python floats / ints, and a dict value (verl's ``_dapo_filtered_reward_counts``: {reward: groups}) as
+    ``[[name, [[key, value], ...]]]``."""
+    out: List[List[Any]] = []
+    for name, value in dict(metrics or {}).items():
+        if isinstance(value, dict):
+            out.append([str(name), [[_number(k), _number(v)] for k, v in value.items()], "dict"])
+        else:
+            out.append([str(name), _number(value)])
+    return out
+
+
+def decode_metrics(stored: Optional[List[List[Any]]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for item in stored or []:
+        if len(item) == 3:
+            out[str(item[0])] = {k: v for k, v in item[1]}
+        else:
+            out[str(item[0])] = item[1]
+    return out
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item):
+        return item()
+    return value
