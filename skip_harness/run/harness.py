@@ -256,13 +256,21 @@ class SkipHarness:
         self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
         # a reader writes no rollouts, but its values (small JSON files beside the steps: store.values)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
-from skip_harness.store.tier import TierStore
                                      dist.is_main and (not read_only or bool(shared_with)), self._training_config)
         self._values.run_id = new_run_id() if dist.is_main else None   # a replay's values go under it
         self._follower = Follower(store, self.settings, self.fingerprint, dist, shared_with) if shared_with else None
+        # like its values, a reader may store a step's second tier where none was stored for its key
+        self._tier = TierPhases(bool(self.settings.tier), TierStore(store.backend), store.reader, dist.rank,
+                                self.outcome, self.callbacks, self._fault, writable=not read_only or bool(shared_with))
+        values, tier = self._values, self._tier
+
+        def committed(step: int, created: Optional[float]) -> None:
+            values.committed(step, created)
+            tier.committed(step, created)
+
         self._runner = StepRunner(
             self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks, set(servable),
-            read_only=read_only, call_digest=self._call_digest, on_committed=self._values.committed,
+            read_only=read_only, call_digest=self._call_digest, on_committed=committed,
             follower=self._follower,
             source=source,
         )
