@@ -352,3 +352,25 @@ def differing(a: dict, b: dict) -> list:
     finally:
         sys.path.pop(0)
     return trl_demo.differing_keys(a["log_history"], b["log_history"])
+
+
+def test_the_reward_key_names_each_function_and_changes_with_its_source():
+    sys.path.insert(0, str(DEMO.parent))
+    try:
+        import trl_demo
+    finally:
+        sys.path.pop(0)
+    from skip_harness.integrations import trl_tier
+
+    def trainer(fn):
+        return SimpleNamespace(reward_funcs=[fn], reward_func_names=["digit_reward"], reward_processing_classes=[None])
+
+    a = trl_tier.reward_key(trainer(trl_demo.digit_reward))
+    b = trl_tier.reward_key(trainer(trl_demo.digit_reward_edited))
+    assert list(a) == ["reward function digit_reward"] and a != b
+    assert a == trl_tier.reward_key(trainer(trl_demo.digit_reward))
+    model = torch.nn.Linear(2, 2)
+    before = trl_tier.model_digest(model)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert trl_tier.model_digest(model)["weights"] != before["weights"]

@@ -81,19 +81,21 @@ def reference_key(trainer: Any) -> Dict[str, str]:
 def install(trainer: Any, harness: Any) -> Callable[[], None]:
     """Wrap the trainer's reward and reference computations with the harness's tier; returns the undo."""
     installed: List[str] = []
-    rkey = reward_key(trainer)
-    original_rewards = getattr(trainer, REWARD_METHOD)
+    if callable(getattr(trainer, REWARD_METHOD, None)):     # a TRL without it: rewards are simply not tiered
+        rkey = reward_key(trainer)
+        original_rewards = getattr(trainer, REWARD_METHOD)
 
-    def _calculate_rewards(*args: Any, **kwargs: Any) -> Any:
-        if not trainer.model.training:
-            return original_rewards(*args, **kwargs)
-        return harness.phase(REWARD, trainer.state.global_step, lambda: original_rewards(*args, **kwargs), key=rkey)
+        def _calculate_rewards(*args: Any, **kwargs: Any) -> Any:
+            if not trainer.model.training:
+                return original_rewards(*args, **kwargs)
+            return harness.phase(REWARD, trainer.state.global_step, lambda: original_rewards(*args, **kwargs),
+                                 key=rkey)
 
-    setattr(trainer, REWARD_METHOD, _calculate_rewards)
-    installed.append(REWARD_METHOD)
+        setattr(trainer, REWARD_METHOD, _calculate_rewards)
+        installed.append(REWARD_METHOD)
 
     if getattr(trainer, "beta", 0.0) != 0.0 and getattr(trainer, "ref_model", None) is not None \
-            and not getattr(trainer.args, "sync_ref_model", False):
+            and not getattr(trainer.args, "sync_ref_model", False) and callable(getattr(trainer, LOGPS_METHOD, None)):
         fkey = reference_key(trainer)
         original_logps = getattr(trainer, LOGPS_METHOD)
 
