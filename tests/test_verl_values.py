@@ -75,7 +75,8 @@ def test_verl_metrics_are_recorded_and_checked_on_replay(cluster, tmp_path, capl
     assert other.outcomes == {1: "hit", 2: "hit", 3: "hit"}
     assert other.summary.replay_line.startswith("replay diverged at step 3 (critic/score/mean ")
     assert other.summary.replay_line.endswith("; 2 steps reproduced before it")
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "skip_harness"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "skip_harness"
+                  and "AutoModelForCausalLMWithValueHead" not in r.getMessage()]   # the TRL note (TRL >= 1.13)
     assert "nothing in it explains this" in warning
 
 
