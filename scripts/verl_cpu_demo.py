@@ -38,13 +38,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from skip_harness.integrations.verl import trl_conflict
     from verl_cpu import driver, recipe
 
-    conflict = trl_conflict()
-    if conflict:
-        log.error("%s", conflict)
-        return 2
     work = args.workdir or Path(tempfile.mkdtemp(prefix="verl_cpu_demo_"))
     work.mkdir(parents=True, exist_ok=True)
     paths = recipe.prepare(work)
