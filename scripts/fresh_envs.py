@@ -14,7 +14,7 @@ pip is configured with (`pip config list`: find-links, extra indexes, constraint
 - trl: `from trl import GRPOTrainer`, then the README's TRL example as written (4 steps);
 - verl: `import verl` with the plug-in named in VERL_USE_EXTERNAL_MODULES (verl imports it), the plug-in's
   modules and `verl.trainer.main_ppo`;
-- view: `skip-harness view` on a tiny cache, GET of its first page and of a namespace's JSON;
+- view: `skip-harness view` on a tiny cache and a GET of its first page (it lists the namespace);
 - s3: the plain-dict example twice against a moto S3 server (`dump_dir` s3://): the server runs from THIS
   Python (moto is a [dev] package, not [s3]'s), the client side is only what [s3] installs;
 - export: `skip-harness export` of a tiny cache to Parquet, read back with pandas;
