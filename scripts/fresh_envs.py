@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -310,6 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--extras", default=",".join(EXTRAS), help=f"comma-separated, of {', '.join(EXTRAS)}")
     parser.add_argument("--workdir", type=Path, default=None, help="where the environments go (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the environments (default: removed at the end)")
+    parser.add_argument("--jobs", type=int, default=2, help="extras at a time (default 2; lines carry their [extra])")
     parser.add_argument("--torch", default="torch==2.13.0", help="the torch requirement installed with every extra")
     args = parser.parse_args(argv)
     extras = [x.strip() for x in args.extras.split(",") if x.strip()]
@@ -331,16 +333,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"sources {' '.join(sources)}", flush=True)
     results: List[Outcome] = []
     t_all = time.monotonic()
-    try:
-        for extra in extras:
-            print(f"== [{extra}] a fresh virtualenv with {'the package alone' if extra == 'base' else f'.[{extra}]'}",
-                  flush=True)
-            outcome = one_extra(extra, root, [uv_bin], sources, torch_req)
-            results.append(outcome)
-            if outcome.error:
-                say(extra, f"FAILED: extra [{extra}] installed alone: {outcome.error}")
-            else:
-                say(extra, f"ok: install {outcome.install_s:.1f} s, smoke {outcome.smoke_s:.1f} s")
+
+    def one(extra: str) -> Outcome:
+        print(f"== [{extra}] a fresh virtualenv with {'the package alone' if extra == 'base' else f'.[{extra}]'}",
+              flush=True)
+        outcome = one_extra(extra, root, [uv_bin], sources, torch_req)
+        if outcome.error:
+            say(extra, f"FAILED: extra [{extra}] installed alone: {outcome.error}")
+        else:
+            say(extra, f"ok: install {outcome.install_s:.1f} s, smoke {outcome.smoke_s:.1f} s")
+        return outcome
+
+    try:   # --jobs extras at a time: one installs (network, disk) while another's example runs (CPU)
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            results = list(pool.map(one, extras))
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
