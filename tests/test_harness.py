@@ -324,7 +324,7 @@ def test_logging_lines(tmp_path, caplog):
     text = caplog.text
     assert "rollout cache" in text and "0 complete" in text
     assert "step 1: miss, K=2" in text
-    assert "1 misses" in text
+    assert "1 miss (" in text and "1 misses" not in text
 
 
 @pytest.mark.parametrize("legacy_dir", ["", "0/"])
