@@ -103,7 +103,7 @@ def test_torchrun_resharded_global_batch_is_the_recorded_one(tmp_path, record, r
     assert snapshot(ns) == before
     line = ranks[0]["summary"]
     if K0 == K1:
-        assert line == f"replay: 3 of 3 served steps reproduced (1 values each); re-sharded from W={W0} to W={W1}; " \
+        assert line == f"replay: 3 of 3 served steps reproduced (1 value each); re-sharded from W={W0} to W={W1}; " \
                        "compared within rtol=0.0001", line
     else:
         assert f"re-chunked from K={K0} to K={K1}" in line and f"re-sharded from W={W0} to W={W1}" in line, line

@@ -154,7 +154,7 @@ def test_validation_calls_bypass_the_cache(tmp_path):
     # the replay verdict the README quotes is the one the demo prints (val_reward only on validation steps)
     import re
 
-    quoted = re.search(r"served\s+steps reproduced \(([^)]*)\)", (ROOT / "README.md").read_text())
+    quoted = re.search(r"replay: 20 of 20 served\s+steps reproduced \(([^)]*)\)", (ROOT / "README.md").read_text())
     assert quoted and f"replay: 4 of 4 served steps reproduced ({quoted.group(1)})" in again_proc.stderr + again_proc.stdout, (
         quoted, again_proc.stderr[-2000:])
     first, again = metrics(tmp_path / "first"), metrics(tmp_path / "again")
