@@ -89,18 +89,11 @@ def _merge(items: List[Any], where: str) -> Any:
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
 
 
-def cat_nested(items: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Nested tensors concatenated along dim 0 (torch.cat does not support it): jagged ones as one
-    jagged tensor of every row, with the first one's ragged dimension; strided ones from their
-    components."""
-    first = items[0]
-    if first.layout == torch.jagged:
-        # The first one's ragged dimension (a mini-batch of one row may have been built with another:
-        # torch picks the dimension whose sizes differ); rows whose other sizes differ fail in torch.cat.
-        ragged = first._ragged_idx  # type: ignore[attr-defined]  # a jagged nested tensor
-        if any(x.layout != torch.jagged for x in items):
-            raise CodecError("nested tensors of different layouts")
-        rows = [r for x in items for r in x.unbind(0)]
+def nested_of_rows(rows: List[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """A nested tensor of the layout of `like` (and, jagged, its ragged dimension) holding `rows`;
+    rows whose other sizes differ fail in torch.cat."""
+    if like.layout == torch.jagged:
+        ragged = like._ragged_idx  # type: ignore[attr-defined]  # a jagged nested tensor
         values = torch.cat(rows, dim=ragged - 1)
         lengths = torch.tensor([r.shape[ragged - 1] for r in rows], dtype=torch.int64, device=values.device)
         offsets = torch.zeros(len(rows) + 1, dtype=torch.int64, device=values.device)
@@ -108,7 +101,18 @@ def cat_nested(items: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged)
     with warnings.catch_warnings():   # torch's note that the strided layout is a prototype
         warnings.simplefilter("ignore", UserWarning)
-        return torch.nested.as_nested_tensor([r for x in items for r in x.unbind(0)], layout=first.layout)
+        return torch.nested.as_nested_tensor(rows, layout=like.layout)
+
+
+def cat_nested(items: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Nested tensors concatenated along dim 0 (torch.cat does not support it): jagged ones as one
+    jagged tensor of every row, with the first one's ragged dimension (a mini-batch of one row may have
+    been built with another: torch picks the dimension whose sizes differ); strided ones from their
+    components."""
+    first = items[0]
+    if first.layout == torch.jagged and any(x.layout != torch.jagged for x in items):
+        raise CodecError("nested tensors of different layouts")
+    return nested_of_rows([r for x in items for r in x.unbind(0)], first)
 
 
 def _nested_keys(td: Any) -> List[Any]:

@@ -12,13 +12,12 @@ field. Pure: no I/O, no logging.
 """
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from typing import Any, List, Optional, Sequence
 
 import torch
 
-from skip_harness.codec.minibatch import _merge
+from skip_harness.codec.minibatch import _merge, nested_of_rows
 from skip_harness.codec.payload_kinds import (
     construct, fields_of, is_non_tensor_data, is_tensordict, key_repr, np, registered_name,
 )
@@ -115,18 +114,9 @@ def _cut(x: Any, n: int, a: int, b: int, where: str) -> Any:
 
 def _nested_rows(parts: List[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """A nested tensor of the layout of `like` holding `parts` (its rows)."""
-    if like.layout == torch.jagged:
-        ragged = like._ragged_idx  # type: ignore[attr-defined]  # a jagged nested tensor
-        if not parts:
-            raise CodecError("cut: an empty slice of a jagged nested tensor")
-        values = torch.cat(parts, dim=ragged - 1)
-        lengths = torch.tensor([r.shape[ragged - 1] for r in parts], dtype=torch.int64, device=values.device)
-        offsets = torch.zeros(len(parts) + 1, dtype=torch.int64, device=values.device)
-        torch.cumsum(lengths, dim=0, out=offsets[1:])
-        return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged)
-    with warnings.catch_warnings():   # torch's note that the strided layout is a prototype
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.nested.as_nested_tensor(parts, layout=like.layout)
+    if like.layout == torch.jagged and not parts:
+        raise CodecError("cut: an empty slice of a jagged nested tensor")
+    return nested_of_rows(parts, like)
 
 
 def join(pieces: Sequence[Any]) -> Any:
