@@ -58,18 +58,8 @@ def line_chart(title: str, points: Sequence[Point], href: Callable[[int], str], 
     if y_max == y_min:
         y_min, y_max = y_min - 0.5, y_max + 0.5
     s_min, s_max = pts[0].step, pts[-1].step
-    span = max(s_max - s_min, 1)
-
-    def x(step: int) -> float:
-        return PAD_L + (step - s_min) / span * (WIDTH - PAD_L - PAD_R) if s_max != s_min else (PAD_L + WIDTH - PAD_R) / 2
-
-    def y(v: float) -> float:
-        return PAD_T + (y_max - v) / (y_max - y_min) * (HEIGHT - PAD_T - PAD_B)
-
-    parts: List[str] = [head]
-    for v in (y_min, (y_min + y_max) / 2, y_max):      # axis: three labels and grid lines
-        parts.append(f'<line x1="{PAD_L}" x2="{WIDTH - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" class="grid"/>'
-                     f'<text x="{PAD_L - 4}" y="{y(v) + 4:.1f}" class="axis" text-anchor="end">{_fmt(v)}</text>')
+    x, y, axis = _scales(s_min, s_max, y_min, y_max)
+    parts: List[str] = [head, *axis]
     parts.append(f'<text x="{PAD_L}" y="{HEIGHT - 6}" class="axis">step {s_min}</text>'
                  f'<text x="{WIDTH - PAD_R}" y="{HEIGHT - 6}" class="axis" text-anchor="end">step {s_max}</text>')
     parts += _marks(marks, x, s_min, s_max)
@@ -105,6 +95,23 @@ def _marks(marks: Sequence[Tuple[int, str]], x: Callable[[int], float], s_min: i
     return out
 
 
+def _scales(s_min: int, s_max: int, y_min: float, y_max: float
+            ) -> Tuple[Callable[[int], float], Callable[[float], float], List[str]]:
+    """A chart's step -> x and value -> y, and its axis: three labels and grid lines."""
+    span = max(s_max - s_min, 1)
+
+    def x(step: int) -> float:
+        return PAD_L + (step - s_min) / span * (WIDTH - PAD_L - PAD_R) if s_max != s_min else (PAD_L + WIDTH - PAD_R) / 2
+
+    def y(v: float) -> float:
+        return PAD_T + (y_max - v) / (y_max - y_min) * (HEIGHT - PAD_T - PAD_B)
+
+    axis = [f'<line x1="{PAD_L}" x2="{WIDTH - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" class="grid"/>'
+            f'<text x="{PAD_L - 4}" y="{y(v) + 4:.1f}" class="axis" text-anchor="end">{_fmt(v)}</text>'
+            for v in (y_min, (y_min + y_max) / 2, y_max)]
+    return x, y, axis
+
+
 def _overlaid(title: str, points: Sequence[Point], href: Callable[[int], str], css_id: str,
               overlays: Sequence[Tuple[str, Sequence[Point]]], marks: Sequence[Tuple[int, str]]) -> str:
     """Several runs' lines on one chart (the first is this namespace's; its points link to its steps)."""
@@ -122,18 +129,8 @@ def _overlaid(title: str, points: Sequence[Point], href: Callable[[int], str], c
     if y_max == y_min:
         y_min, y_max = y_min - 0.5, y_max + 0.5
     s_min, s_max = min(p.step for p in every), max(p.step for p in every)
-    span = max(s_max - s_min, 1)
-
-    def x(step: int) -> float:
-        return PAD_L + (step - s_min) / span * (WIDTH - PAD_L - PAD_R) if s_max != s_min else (PAD_L + WIDTH - PAD_R) / 2
-
-    def y(v: float) -> float:
-        return PAD_T + (y_max - v) / (y_max - y_min) * (HEIGHT - PAD_T - PAD_B)
-
-    parts: List[str] = [head]
-    for v in (y_min, (y_min + y_max) / 2, y_max):
-        parts.append(f'<line x1="{PAD_L}" x2="{WIDTH - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" class="grid"/>'
-                     f'<text x="{PAD_L - 4}" y="{y(v) + 4:.1f}" class="axis" text-anchor="end">{_fmt(v)}</text>')
+    x, y, axis = _scales(s_min, s_max, y_min, y_max)
+    parts: List[str] = [head, *axis]
     parts.append(f'<text x="{PAD_L}" y="{HEIGHT - 6}" class="axis">step {s_min}</text>'
                  f'<text x="{WIDTH - PAD_R}" y="{HEIGHT - 6}" class="axis" text-anchor="end">step {s_max}</text>')
     parts += _marks(marks, x, s_min, s_max)
