@@ -190,6 +190,16 @@ def smoke_verl(e: Env) -> None:
           env={"VERL_USE_EXTERNAL_MODULES": "skip_harness.integrations.verl"}, expect="verl")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """A server this script started: terminated, killed if it does not end within 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def smoke_view(e: Env) -> None:
     e.example("plain-dict", "plain_dict.py")
     port = free_port()
@@ -208,12 +218,7 @@ def smoke_view(e: Env) -> None:
             raise SmokeFailed(f"the viewer's first page does not list the namespace my_run_demo:\n{page[:2000]}")
         say(e.extra, f"  GET / -> {len(page)} characters, lists my_run_demo")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def smoke_s3(e: Env) -> None:
@@ -238,12 +243,7 @@ def smoke_s3(e: Env) -> None:
                "SKIP_HARNESS_DUMP_DIR": "s3://fresh-envs/cache"}
         e.example("plain-dict", "plain_dict.py", times=2, env=aws, expect=("misses=3", "hits=3"))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server)
 
 
 def smoke_export(e: Env) -> None:
