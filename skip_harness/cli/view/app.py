@@ -179,7 +179,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         ctx = pages.trajectory(cache, ns_of(request), step_of(request), request.path_params["ref"], decoder)
         t, s = ctx["traj"], ctx["shown"]
         return _Json({"ref": t.ref, "inner_index": t.inner, "rank": t.rank, "trajectory_index": t.index,
-                      "group": t.group, "reward": t.reward, "advantage": t.advantage, "length": t.length,
+                      "group": t.group, "reward": t.reward, "rewards_by": t.rewards_by, "advantage": t.advantage,
+                      "length": t.length,
                       "advantage_computed": ctx["advantage_computed"], "prompt_text": s.prompt_text,
                       "prompt_tokens": s.prompt_tokens, "response_text": s.response_text,
                       "response_tokens": s.response_tokens,

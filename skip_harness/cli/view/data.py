@@ -7,6 +7,10 @@ can run beside a training job on the same namespace. A step's mini-batches come 
 record in the pass that reads them, nothing unpickled); a step that is incomplete or corrupt is
 reported with its reason and none of its bytes.
 
+A step's second tier (docs/api.md#the-second-tier: the rewards per reward function TRL computed from
+its rollouts) is read by `read_step_tier`, verified and bound to the step's commit record; a step
+without one (older caches, the tier off) simply has none.
+
 The recorded per-step values (`StepReader.read_values`) and `skip-harness diff`'s `compare` come
 from the replay check (docs/replay_check.md).
 """
@@ -14,9 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Generic, Hashable, List, Optional, Sequence, Tuple, TypeVar, Union
+
+import torch
 
 from skip_harness.cli._common import mode_and_seed, step_gen_s, step_written
 from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
@@ -27,12 +34,46 @@ from skip_harness.store.open import namespace_of
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.reader import StepReader
+from skip_harness.store.tier import read_step_tier
+from skip_harness.run.tier import REWARD as REWARD_PHASE
+from skip_harness.cli.view.samples import StepTable, StoredRewards, group_size_of, step_table
 
 from skip_harness.cli.compare import compare as _diff_compare   # the same dict `diff --json` prints
 
 logger = logging.getLogger("skip_harness.cli.view")
 
 Where = Union[Path, UrlPath]
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+REWARD_FUNCTION = "reward function "      # run.tier's key component for one reward function (trl_tier.reward_key)
+
+
+class Kept(Generic[K, V]):
+    """Values kept while their stamp stays the same (a step's commit record: time, size, status): the one
+    cache of the viewer's pages. `size` bounds how many are kept (the least recently used go first, and
+    before a new one is computed: a step's buffers go back to the pools before the next step is read)."""
+
+    def __init__(self, size: Optional[int] = None) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._kept: "OrderedDict[K, Tuple[Any, V]]" = OrderedDict()
+
+    def get(self, key: K, stamp: Any, compute: Callable[[], V]) -> V:
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None and kept[0] == stamp:
+                self._kept.move_to_end(key)
+                return kept[1]
+            self._kept.pop(key, None)
+            while self.size is not None and len(self._kept) >= self.size:
+                self._kept.popitem(last=False)
+        del kept
+        value = compute()
+        with self._lock:
+            self._kept[key] = (stamp, value)
+            while self.size is not None and len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+        return value
 
 # ls --json keys the viewer leaves out: `accessed` (a stat per payload) and `logical_bytes` (every meta.json
 # read) cost a read per step, and the overview of a 10,000-step namespace comes from its index alone.
@@ -76,6 +117,15 @@ class StepRead:
         return self.reason is None
 
 
+def step_stamp(s: _scan.StepReport) -> Tuple[Optional[float], int, str]:
+    """What says a step is the one read before: its commit record's time, its size, its status."""
+    return (s.created, s.bytes, s.status)
+
+
+def fingerprint_values(s: Optional[_scan.StepReport]) -> Optional[Dict[str, Any]]:
+    return None if s is None or s.fingerprint is None else dict(s.fingerprint.values)
+
+
 def _reader(layout: Layout) -> StepReader:
     """A reader of the namespace (no writer is built: the viewer never writes)."""
     return StepReader(layout, namespace_of(layout), BufferPool())
@@ -88,7 +138,10 @@ class Cache:
         self.roots = list(roots)
         self._lock = threading.Lock()
         self._readers: Dict[str, StepReader] = {}
-        self._diffs: Dict[Tuple[str, str], Tuple[Any, Dict[str, Any]]] = {}
+        self._diffs: Kept[Tuple[str, str], Dict[str, Any]] = Kept()
+        # the last step read and turned into trajectories: a step page's links to its trajectories (and
+        # back) read it once; one kept, so a step's buffers go back to the pool before the next is read
+        self._tables: Kept[Tuple[str, int], Tuple[StepRead, Optional[StepTable]]] = Kept(size=1)
 
     # ---- namespaces
 
@@ -171,6 +224,37 @@ class Cache:
             metas += [(i, rank, m) for i, m in enumerate(got_metas)]
         return StepRead(ns, step, status, None, batches, metas)
 
+    def table(self, ns: Namespace, s: _scan.StepReport) -> Tuple[StepRead, Optional[StepTable]]:
+        """`s`'s verified read and its trajectories (None when it cannot be read), with the rewards its
+        second tier holds; kept while its commit record (time, size, status) stays the same."""
+        def compute() -> Tuple[StepRead, Optional[StepTable]]:
+            read = self.read_step(ns, s.step)
+            if not read.ok:
+                return read, None
+            return read, step_table(read.batches, group_size_of(fingerprint_values(s)),
+                                    self.stored_rewards(ns, s.step, s.created))
+        return self._tables.get((ns.key, s.step), step_stamp(s), compute)
+
+    def stored_rewards(self, ns: Namespace, step: int, created: Optional[float]
+                       ) -> Dict[Tuple[int, int], StoredRewards]:
+        """The rewards the second tier holds for `step` ({(inner, rank): rewards per reward function}),
+        verified and bound to the step's commit record (`created`, its creation time); {} when it holds
+        none (an older cache, the tier off) or cannot be read (a warning: the step itself still shows)."""
+        if created is None:
+            return {}
+        try:
+            tier = read_step_tier(self.reader(ns).backend, step, commit_created=created)
+        except (SkipHarnessError, OSError) as exc:
+            logger.warning("%s: the second tier of step %d cannot be read: %s", ns.layout.root, step, exc)
+            return {}
+        out: Dict[Tuple[int, int], StoredRewards] = {}
+        for (inner, rank), entry in tier.get(REWARD_PHASE, {}).items():
+            values = entry.values
+            if isinstance(values, torch.Tensor) and not values.is_nested and values.dim() in (1, 2):
+                names = [k[len(REWARD_FUNCTION):] for k in entry.record.key if k.startswith(REWARD_FUNCTION)]
+                out[(inner, rank)] = StoredRewards(names, values)
+        return out
+
     # ---- what the replay check recorded
 
     def values(self, ns: Namespace, step: int) -> Optional[Dict[str, float]]:
@@ -185,15 +269,8 @@ class Cache:
         """`skip-harness diff --json`'s document for two namespaces, rollouts by their commit records only
         (the compare page pairs one step's trajectories itself; reading every differing step of two runs
         would cost a read per step per side). Kept while both namespaces' steps stay as they were."""
-        stamp = (self._stamp(a), self._stamp(b))
-        with self._lock:
-            kept = self._diffs.get((a.key, b.key))
-        if kept is not None and kept[0] == stamp:
-            return kept[1]
-        doc = _diff_compare(str(a.layout.root), str(b.layout.root), read_payloads=False)
-        with self._lock:
-            self._diffs[(a.key, b.key)] = (stamp, doc)
-        return doc
+        return self._diffs.get((a.key, b.key), (self._stamp(a), self._stamp(b)),
+                               lambda: _diff_compare(str(a.layout.root), str(b.layout.root), read_payloads=False))
 
     def _stamp(self, ns: Namespace) -> Tuple[Tuple[int, Any, int, str], ...]:
         return tuple((s.step, s.created, s.bytes, s.status) for s in self.scan(ns).steps)

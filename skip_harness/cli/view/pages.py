@@ -3,7 +3,6 @@ namespace, its charts, a step (filtered, sorted, grouped, one page of groups), a
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -11,10 +10,10 @@ from skip_harness.cli._common import fmt_ago, fmt_seconds, fmt_value, human_byte
 from skip_harness.cli.listing import grand_total
 from skip_harness.cli.show import describe
 from skip_harness.cli.view import charts
-from skip_harness.cli.view.data import Cache, Namespace, StepRead
+from skip_harness.cli.view.data import Cache, Kept, Namespace, StepRead, fingerprint_values as _fp_values, step_stamp
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
 from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
-from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last, group_size_of, step_table
+from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last
 from skip_harness.cli.view.values import by_prefix, default_order, pick
 from skip_harness.store import scan as _scan
 
@@ -131,46 +130,22 @@ def _other(cache: Cache, key: str) -> str:
 
 
 class Summaries:
-    """Each step's summary (reward and length statistics), kept while its commit record's time and size
-    stay the same, so charts read a step once."""
+    """Each step's summary (reward and length statistics) and recorded values, kept while its commit
+    record's time and size stay the same, so charts read a step once."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._kept: Dict[Tuple[str, int], Tuple[Any, Dict[str, Any]]] = {}
-        self._values: Dict[Tuple[str, int], Tuple[Any, Optional[Dict[str, float]]]] = {}
+        self._kept: Kept[Tuple[str, int], Optional[Dict[str, Any]]] = Kept()
+        self._values: Kept[Tuple[str, int], Optional[Dict[str, float]]] = Kept()
 
     def get(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, Any]]:
-        stamp = (s.created, s.bytes, s.status)
-        with self._lock:
-            kept = self._kept.get((ns.key, s.step))
-        if kept is not None and kept[0] == stamp:
-            return kept[1]
-        read = cache.read_step(ns, s.step)
-        if not read.ok:
-            return None
-        table = step_table(read.batches, group_size_of(_fp_values(s)))
-        summary = table.summary()
-        del read, table
-        with self._lock:
-            self._kept[(ns.key, s.step)] = (stamp, summary)
-        return summary
-
+        def compute() -> Optional[Dict[str, Any]]:
+            table = cache.table(ns, s)[1]
+            return None if table is None else table.summary()
+        return self._kept.get((ns.key, s.step), step_stamp(s), compute)
 
     def values(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, float]]:
         """The step's recorded values, kept while its commit record stays the same."""
-        stamp = (s.created, s.bytes, s.status)
-        with self._lock:
-            kept = self._values.get((ns.key, s.step))
-        if kept is not None and kept[0] == stamp:
-            return kept[1]
-        got = cache.values(ns, s.step)
-        with self._lock:
-            self._values[(ns.key, s.step)] = (stamp, got)
-        return got
-
-
-def _fp_values(s: Optional[_scan.StepReport]) -> Optional[Dict[str, Any]]:
-    return None if s is None or s.fingerprint is None else dict(s.fingerprint.values)
+        return self._values.get((ns.key, s.step), step_stamp(s), lambda: cache.values(ns, s.step))
 
 
 def chart_steps(steps: Sequence[int], budget: int = CHART_STEPS) -> List[int]:
@@ -334,12 +309,11 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     decoder = _decoder(ns, s, decoder)
     steps = [r.step for r in report.steps]
     at = steps.index(step)
-    read = cache.read_step(ns, step)
+    read, table = cache.table(ns, s)
     ctx: Dict[str, Any] = {"ns": ns, "step": step, "read": read, "prev": steps[at - 1] if at > 0 else None,
                            "next": steps[at + 1] if at + 1 < len(steps) else None}
-    if not read.ok:
+    if table is None:
         return ctx
-    table = step_table(read.batches, group_size_of(_fp_values(s)))
     rows = select(table, query, decoder)
     ordered = [t for _g, members in table.groups(rows) for t in members]
     pages = max(1, math.ceil(len(ordered) / ROWS_PER_PAGE))
@@ -408,8 +382,8 @@ def _recorded(values: Optional[Dict[str, float]]) -> List[Tuple[str, str]]:
 def _reward_note(table: StepTable) -> Optional[str]:
     if any(t.reward is not None for t in table.trajectories):
         return None
-    return ("no reward stored with these rollouts (TRL recomputes rewards each step: its logged reward is among "
-            "the recorded values below)")
+    return ("no reward stored with these rollouts or in their second tier (a TRL run recorded with the tier off, "
+            "or before it existed, recomputes rewards each step: its logged reward is among the recorded values below)")
 
 
 def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
@@ -419,20 +393,21 @@ def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
     s = report.get(step)
     if s is None:
         raise _no_step(ns, step, report)
-    read = cache.read_step(ns, step)
+    read, table = cache.table(ns, s)
     doc: Dict[str, Any] = {"namespace": str(ns.layout.root), "key": ns.key, "step": step, "K": ns.layout.K,
                            "W": ns.layout.W, "status": read.status, "reason": read.reason}
-    if not read.ok:
+    if table is None:
         return doc
-    table = step_table(read.batches, group_size_of(_fp_values(s)))
     metas = {(i, r): m for i, r, m in read.metas}
     doc["mini_batches"] = [{"inner_index": i, "rank": r, "meta": metas.get((i, r), {}),
                             "structure": [dict(zip(("key", "type", "shape", "dtype", "bytes", "value"), row))
                                           for row in describe(payload)]} for i, r, payload in read.batches]
     doc["summary"] = table.summary()
     doc["advantage_computed"] = table.advantage_computed
+    doc["reward_functions"] = table.reward_functions
     doc["trajectories"] = [{"ref": t.ref, "inner_index": t.inner, "rank": t.rank, "trajectory_index": t.index,
-                            "group": t.group, "reward": t.reward, "advantage": t.advantage, "length": t.length}
+                            "group": t.group, "reward": t.reward, "rewards_by": t.rewards_by, "advantage": t.advantage,
+                            "length": t.length}
                            for t in table.trajectories]
     return doc
 
@@ -442,11 +417,10 @@ def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decode
     s = report.get(step)
     if s is None:
         raise _no_step(ns, step, report)
-    read = cache.read_step(ns, step)
-    if not read.ok:
+    read, table = cache.table(ns, s)
+    if table is None:
         raise NotFound(f"step {step} of {ns.layout.root} is {read.status}: {read.reason}")
     decoder = _decoder(ns, s, decoder)
-    table = step_table(read.batches, group_size_of(_fp_values(s)))
     at = next((k for k, t in enumerate(table.trajectories) if t.ref == ref), None)
     if at is None:
         raise NotFound(f"step {step} of {ns.layout.root} has no trajectory {ref} (inner.rank.index)")
@@ -484,31 +458,24 @@ class Pairings:
     records stay the same: paging through a compare reads and pairs the two steps once."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._kept: Optional[Tuple[Any, Dict[str, Any]]] = None
+        self._kept: Kept[Tuple[str, str, int], Dict[str, Any]] = Kept(size=1)
 
     def get(self, cache: Cache, a: Namespace, b: Namespace, step: int) -> Dict[str, Any]:
         reports = [cache.scan(ns).get(step) for ns in (a, b)]
-        stamp = (a.key, b.key, step) + tuple(None if s is None else (s.created, s.bytes, s.status) for s in reports)
-        with self._lock:
-            kept = self._kept
-        if kept is not None and kept[0] == stamp:
-            return kept[1]
-        with self._lock:
-            self._kept = None          # the last pair's buffers go back to the pools before these are read
-        del kept
-        sides, tables = [], []
-        for ns, s in zip((a, b), reports):
-            read = cache.read_step(ns, step) if s is not None else StepRead(ns, step, "missing", f"no step {step}", [], [])
-            table = step_table(read.batches, group_size_of(_fp_values(s))) if read.ok else None
-            tables.append(table)
-            sides.append({"ns": ns, "read": StepRead(ns, step, read.status, read.reason, [], read.metas),
-                          "summary": table.summary() if table else None, "report": s})
-        pairing = pair(tables[0], tables[1]) if tables[0] is not None and tables[1] is not None else None
-        got = {"sides": sides, "pairing": pairing}
-        with self._lock:
-            self._kept = (stamp, got)
-        return got
+
+        def compute() -> Dict[str, Any]:
+            sides, tables = [], []
+            for ns, s in zip((a, b), reports):
+                read, table = cache.table(ns, s) if s is not None else \
+                    (StepRead(ns, step, "missing", f"no step {step}", [], []), None)
+                tables.append(table)
+                sides.append({"ns": ns, "read": StepRead(ns, step, read.status, read.reason, [], read.metas),
+                              "summary": table.summary() if table else None, "report": s})
+            pairing = pair(tables[0], tables[1]) if tables[0] is not None and tables[1] is not None else None
+            return {"sides": sides, "pairing": pairing}
+
+        return self._kept.get((a.key, b.key, step), tuple(None if s is None else step_stamp(s) for s in reports),
+                              compute)
 
 
 def shape_notes(a: Namespace, b: Namespace, pairing: Optional[Pairing]) -> List[str]:

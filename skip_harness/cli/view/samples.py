@@ -8,6 +8,12 @@ part of its name, among the names below. Everything per trajectory (reward, adva
 is computed for the whole step with tensor operations; tokens are turned into Python lists only for
 the trajectories a page shows.
 
+A mini-batch without a reward field of its own (TRL's generations store token ids only) takes its
+rewards from the step's second tier where it holds them (`StoredRewards`: TRL's rewards per reward
+function, gathered over the processes): each trajectory's reward is their sum, NaN-skipping as TRL's
+(`nansum`; TRL's `reward_weights` are not recorded, so the sum is unweighted), and each function's
+value is kept beside it.
+
 A step without stored advantages gets GRPO's: each reward minus its group's mean, over the group's
 standard deviation (+1e-6), marked `computed`.
 """
@@ -38,6 +44,28 @@ GROUP_SIZE_KEYS = ("num_generations", "actor_rollout_ref.rollout.n", "rollout.n"
 def _last(name: str) -> str:
     """The role part of a field's name: its last dotted part (a derived field's after the arrow)."""
     return name.rsplit(".", 1)[-1].rsplit("→", 1)[-1]
+
+
+@dataclass(frozen=True)
+class StoredRewards:
+    """One mini-batch's rewards from the second tier: `values` [N] or [N, F] (F reward functions, named
+    by `names`), N the mini-batch's trajectories or, gathered over W processes, W times that."""
+
+    names: List[str]
+    values: torch.Tensor
+
+    def for_batch(self, n: int, rank: int) -> Optional[torch.Tensor]:
+        """[n, F] float64 for a mini-batch of `n` trajectories of process `rank`; None when the sizes disagree."""
+        v = self.values.detach().to("cpu", torch.float64)
+        v = v.reshape(v.shape[0], -1)
+        if v.shape[0] == n:
+            return v
+        if n > 0 and v.shape[0] % n == 0 and rank < v.shape[0] // n:      # gathered over the processes
+            return v[rank * n:(rank + 1) * n]
+        return None
+
+    def column_names(self, f: int) -> List[str]:
+        return self.names if len(self.names) == f else [f"reward #{i}" for i in range(f)]
 
 
 @dataclass
@@ -213,6 +241,7 @@ class Trajectory:
     advantage: Optional[float]
     length: Optional[int]
     batch: Batch = field(repr=False)
+    rewards_by: Optional[Dict[str, float]] = None     # per reward function (the second tier's), when stored
 
     @property
     def ref(self) -> str:
@@ -225,6 +254,7 @@ class StepTable:
     advantage_computed: bool
     fields: List[str]              # every per-trajectory field name, in order of first appearance
     scalars: Dict[str, Any]
+    reward_functions: List[str] = field(default_factory=list)   # the second tier's, when rewards came from it
 
     def groups(self, rows: Sequence[Trajectory]) -> List[Tuple[str, List[Trajectory]]]:
         """`rows` by group, groups in order of first appearance."""
@@ -264,17 +294,28 @@ def _listed(t: Optional[torch.Tensor]) -> List[Any]:
     return [] if t is None else t.tolist()
 
 
-def step_table(batches: Sequence[Tuple[int, int, Any]], group_size: Optional[int] = None) -> StepTable:
-    """Every trajectory of a step's mini-batches ((inner, rank, payload)), in stored order."""
+def step_table(batches: Sequence[Tuple[int, int, Any]], group_size: Optional[int] = None,
+               stored_rewards: Optional[Dict[Tuple[int, int], StoredRewards]] = None) -> StepTable:
+    """Every trajectory of a step's mini-batches ((inner, rank, payload)), in stored order; a mini-batch
+    without a reward field takes its rewards from `stored_rewards` (the second tier's) where it has them."""
     rows: List[Trajectory] = []
     fields: Dict[str, None] = {}
     scalars: Dict[str, Any] = {}
+    functions: Dict[str, None] = {}
     stored_advantage = True
     for inner, rank, payload in batches:
         b = batch_of(payload, inner, rank)
         fields.update(dict.fromkeys(b.columns))
         scalars.update({f"{inner}.{rank}:{k}": v for k, v in b.scalars.items()})
         rewards = _listed(_per_row_number(b, b.find(REWARD)))
+        parts: List[Optional[Dict[str, float]]] = [None] * b.n
+        tier = (stored_rewards or {}).get((inner, rank)) if not rewards else None
+        per_function = tier.for_batch(b.n, rank) if tier is not None else None
+        if tier is not None and per_function is not None:
+            names = tier.column_names(int(per_function.shape[1]))
+            functions.update(dict.fromkeys(names))
+            rewards = torch.nansum(per_function, dim=1).tolist()
+            parts = [dict(zip(names, row)) for row in per_function.tolist()]
         advantages = _per_row_number(b, b.find(ADVANTAGE))
         stored_advantage = stored_advantage and advantages is not None
         adv = _listed(advantages)
@@ -282,12 +323,12 @@ def step_table(batches: Sequence[Tuple[int, int, Any]], group_size: Optional[int
         groups = _groups(b, group_size)
         for j in range(b.n):
             rows.append(Trajectory(inner, rank, j, groups[j], rewards[j] if rewards else None,
-                                   adv[j] if adv else None, int(lengths[j]) if lengths else None, b))
+                                   adv[j] if adv else None, int(lengths[j]) if lengths else None, b, parts[j]))
     computed = False
     if not stored_advantage and any(t.reward is not None for t in rows):
         _grpo_advantages(rows)
         computed = True
-    return StepTable(rows, computed, list(fields), scalars)
+    return StepTable(rows, computed, list(fields), scalars, list(functions))
 
 
 def _grpo_advantages(rows: List[Trajectory]) -> None:

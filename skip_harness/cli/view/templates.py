@@ -86,6 +86,7 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 {% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
 {% if rewards %}<p class="facts">rewards {{ histogram_svg(rewards) }}</p>{% endif %}
 {% if reward_note %}<p class="note" id="reward-note">{{ reward_note }}</p>{% endif %}
+{% if table.reward_functions %}<p class="facts" id="reward-source">rewards from the step's second tier: {{ table.reward_functions|join(", ") }}{% if table.reward_functions|length > 1 %} (reward: their sum, unweighted){% endif %}</p>{% endif %}
 {% if recorded %}<details id="recorded" class="fold"{% if reward_note %} open{% endif %}><summary>the step's recorded values ({{ recorded|length }})</summary>
 <div class="values-grid">{% for k, v in recorded %}<div class="value"><span class="mono key">{{ k }}</span> <span class="num">{{ v }}</span></div>{% endfor %}</div></details>{% endif %}
 <table id="minibatches" class="grid-table small"><thead><tr><th>inner index</th><th>rank</th><th>trajectories</th><th>generation</th><th>fields</th></tr></thead><tbody>
@@ -107,9 +108,9 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 {% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens_html(first.shown.prompt_tokens) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}
 {% if first.shown.prompt_folded %}<details class="fold"><summary>… {{ first.shown.prompt_folded }} more prompt tokens ({{ first.shown.prompt_tokens|length + first.shown.prompt_folded }} in all{% if first.shown.prompt_padding %}, {{ first.shown.prompt_padding }} padding dropped{% endif %})</summary><div class="rest">{{ first.shown.prompt_rest }}</div></details>
 {% elif first.shown.prompt_tokens is not none %}<span class="facts small">{{ first.shown.prompt_tokens|length }} tokens{% if first.shown.prompt_padding %} ({{ first.shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</div>
-<table class="samples grid-table"><thead><tr><th>trajectory</th><th>reward</th><th>advantage</th><th>length</th><th>response</th></tr></thead><tbody>
+{% set funcs = table.reward_functions if table.reward_functions|length > 1 else [] %}<table class="samples grid-table"><thead><tr><th>trajectory</th><th>reward</th>{% for f in funcs %}<th class="mono small">{{ f }}</th>{% endfor %}<th>advantage</th><th>length</th><th>response</th></tr></thead><tbody>
 {% for t in members %}<tr class="sample" data-ref="{{ t.traj.ref }}"><td><a class="traj-link" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">{{ t.traj.ref }}</a></td>
-<td class="num">{{ fmt(t.traj.reward) }}</td><td class="num" style="color:{{ adv_colour(t.traj.advantage) }}">{{ fmt(t.traj.advantage) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
+<td class="num reward">{{ fmt(t.traj.reward) }}</td>{% for f in funcs %}<td class="num">{{ fmt((t.traj.rewards_by or {}).get(f)) }}</td>{% endfor %}<td class="num advantage" style="color:{{ adv_colour(t.traj.advantage) }}">{{ fmt(t.traj.advantage) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
 <td class="response">{% if t.shown.response_text is not none %}<pre class="text">{{ t.shown.response_text }}</pre>{% endif %}
 {% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.shown.masked) }}{% endif %}
 {% if t.shown.truncated %}<details class="fold"><summary>… {{ t.shown.truncated }} more tokens ({{ t.shown.response_real }} in all{% if t.shown.response_padding %}, padding dropped{% endif %})</summary><div class="rest">{{ t.shown.rest }}</div>
@@ -125,7 +126,7 @@ TRAJECTORY = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step
 <h1>step {{ step }}, trajectory {{ traj.ref }}</h1>{% if next_ref %}<a id="next-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ next_ref }}{% if asked_color %}?color={{ asked_color|urlencode }}{% endif %}">{{ next_ref }} →</a>{% endif %}
 <span class="facts">{{ position }} of {{ count }}</span></nav>
 <p id="traj-facts" class="facts">inner index {{ traj.inner }} · rank {{ traj.rank }} · index {{ traj.index }} · group <span class="mono">{{ traj.group }}</span> ·
-reward <b id="reward">{{ fmt(traj.reward) }}</b> · advantage <b id="advantage">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b>
+reward <b id="reward">{{ fmt(traj.reward) }}</b>{% if traj.rewards_by %} <span id="rewards-by" class="small">({% for f, v in traj.rewards_by.items() %}{{ f }} {{ fmt(v) }}{{ ", " if not loop.last }}{% endfor %}; the second tier's)</span>{% endif %} · advantage <b id="advantage" style="color:{{ adv_colour(traj.advantage) }}">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b>
 {% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
 <h2>prompt{% if shown.prompt_tokens is not none %} <span class="facts small">{{ shown.prompt_tokens|length }} tokens{% if shown.prompt_padding %} ({{ shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
 {% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
