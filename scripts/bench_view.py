@@ -12,6 +12,9 @@
 - view_overview_ratio  time to the first byte of the overview (`GET /`) of a cache holding the 10,000-step
                        x K = 4 namespace over its indexed scan (`scan_namespace` with the index; target <= 1.5).
 
+The viewer keeps the last step it read (a step page's links to its trajectories read it once) and the last
+pair of steps it compared, so every timed request alternates between two steps (1 and 2, the same bytes) and
+the verified reads alternate likewise: each page is computed from a fresh read, none served from what it kept.
 Both sides are warm (page cache, index present) and interleaved; each figure is a median. The viewer is
 the real command in its own process, reached over HTTP on 127.0.0.1. `--quick` (CI): 64 trajectories and
 1,000 steps, a smoke run (the step page's fixed cost of a few ms is not small beside a 7 MiB read: the
@@ -150,8 +153,11 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
     scan_namespace(big)                           # builds the index, as the first run after a training would
     reader = StepStore(step_ns).reader
 
+    turn = [0]
+
     def bare_read() -> None:
-        status, reason, batches, _ = reader.read_served(1, 0)
+        turn[0] += 1
+        status, reason, batches, _ = reader.read_served(1 + turn[0] % 2, 0)
         if reason is not None:
             raise SystemExit(f"the bench step does not verify: {reason}")
 
@@ -163,25 +169,29 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
     other_reader = StepStore(other_ns).reader
 
     def two_reads() -> None:
+        turn[0] += 1
         for r in (reader, other_reader):
-            status, reason, batches, _ = r.read_served(1, 0)
+            status, reason, batches, _ = r.read_served(1 + turn[0] % 2, 0)
             if reason is not None:
                 raise SystemExit(f"the bench step does not verify: {reason}")
 
     out: Dict[str, Any] = {"payload_mib": round(nbytes / MiB, 1), "rows": rows, "steps": steps}
     viewer = Viewer(cache, work)
     ns = "/ns/0/bench_view/GBS1024_N8_in1024_out3072"
-    turn = [0]
+    page_turn = [0]
 
-    def compare_page() -> float:                  # steps 1 and 2 in turn: each request pairs its steps anew
-        turn[0] += 1
-        return viewer.ttfb(f"/compare?a=0/bench_view/GBS1024_N8_in1024_out3072&b=0/bench_view_b/"
-                           f"GBS1024_N8_in1024_out3072&step={1 + turn[0] % 2}")
+    def alternating(path: Callable[[int], str]) -> Callable[[], float]:   # steps 1 and 2 in turn: each read anew
+        def run() -> float:
+            page_turn[0] += 1
+            return viewer.ttfb(path(1 + page_turn[0] % 2))
+        return run
 
+    compare_page = alternating(lambda step: f"/compare?a=0/bench_view/GBS1024_N8_in1024_out3072&b=0/bench_view_b/"
+                                            f"GBS1024_N8_in1024_out3072&step={step}")
     try:
-        t = interleave({"page": lambda: viewer.ttfb(f"{ns}/step/1"), "bare": timed(bare_read)}, repeats)
+        t = interleave({"page": alternating(lambda step: f"{ns}/step/{step}"), "bare": timed(bare_read)}, repeats)
         out.update(view_step_ttfb_s=median(t["page"]), bare_read_s=median(t["bare"]))
-        t = interleave({"page": lambda: viewer.ttfb(f"{ns}/step/1/t/0.0.{longest}"), "bare": timed(bare_read)},
+        t = interleave({"page": alternating(lambda step: f"{ns}/step/{step}/t/0.0.{longest}"), "bare": timed(bare_read)},
                        repeats)
         out.update(view_trajectory_ttfb_s=median(t["page"]), trajectory_bare_read_s=median(t["bare"]),
                    trajectory_tokens=longest_tokens)

@@ -156,7 +156,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
 
     def _compare_args(request: Request):
         p = request.query_params
-        a, b = cache.namespace(p.get("a", "")), cache.namespace(p.get("b", ""))
+        listed = {ns.key: ns for ns in cache.namespaces()}          # listed once for both
+        a, b = listed.get(p.get("a", "")), listed.get(p.get("b", ""))
         if a is None or b is None:
             raise pages.NotFound(f"compare needs two namespaces: a={p.get('a', '')!r} b={p.get('b', '')!r}")
         step = p.get("step", "")

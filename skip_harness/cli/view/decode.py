@@ -207,8 +207,10 @@ def mask_ends(b: Batch) -> Optional[List[int]]:
         m = b.columns.get(name) if name is not None else None
         ends = None
         if isinstance(m, torch.Tensor) and not m.is_nested and m.dim() == 2 and m.shape[1] > 0:
-            live = (m != 0).flip(1)
-            ends = torch.where(live.any(1), m.shape[1] - live.to(torch.uint8).argmax(1), 0)
+            # each unmasked position's number from 1 (int16 while it fits: the one temporary stays small), its max
+            width = int(m.shape[1])
+            numbers = torch.arange(1, width + 1, dtype=torch.int16 if width < (1 << 15) else torch.int64)
+            ends = torch.where(m != 0, numbers, 0).amax(1)
         b.derived["ends"] = ends.tolist() if ends is not None else None
     return b.derived["ends"]
 
@@ -259,11 +261,12 @@ def _derived_rows(b: Batch, j: int, real: int) -> List[Tuple[str, torch.Tensor]]
 
 
 def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: bool = True,
-         prompt: bool = True) -> Shown:
+         prompt: bool = True, rows: bool = True) -> Shown:
     """Prompt, response, per-token rows and other fields of trajectory `t`, padding dropped; with `limit`,
     the first `limit` real response tokens as tokens and the rest folded as one text (`rest`; not made
     when `fold` is False: a brief, as compare's); `prompt=False`: the prompt's folded part is not made
-    (a group's later samples, whose prompt the page does not repeat)."""
+    (a group's later samples, whose prompt the page does not repeat); `rows=False`: no per-token rows
+    and no other fields (a brief: its tokens only)."""
     b: Batch = t.batch
     j = t.index
     prompt_name, response_name = b.find(PROMPT_IDS), b.find(RESPONSE_IDS)
@@ -302,7 +305,7 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
     masked = [] if mask is None else (mask[:shown_n] == 0).tolist()
     live = None if mask is None else (mask[:shown_n] != 0)
     per_token: List[Tuple[str, torch.Tensor]] = []
-    for name in b.columns:
+    for name in b.columns if rows else ():
         if name in used:
             continue
         value = b.row(name, j)
@@ -311,7 +314,7 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
             per_token.append((name, value[:shown_n]))
         elif limit is None:              # a step page (a preview) shows no other fields
             fields[name] = _short(value)
-    per_token += [(k, v[:shown_n]) for k, v in _derived_rows(b, j, real)]
+    per_token += [(k, v[:shown_n]) for k, v in (_derived_rows(b, j, real) if rows else [])]
     for name, value in per_token:
         vals = _row_values(value)
         if vals is None:

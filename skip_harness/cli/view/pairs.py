@@ -66,14 +66,16 @@ def _prompt_digests(b: Batch) -> Optional[List[str]]:
         width = int(ids.shape[1])
         w = _weights(width)
         if w is not None:
-            x = ids.to(torch.int64) + 1
             att = b.find(ATTENTION_MASK)
             a = b.columns.get(att) if att is not None else None
             resp = b.columns.get(b.find(RESPONSE_IDS)) if b.find(RESPONSE_IDS) else None
             r_width = int(resp.shape[1]) if isinstance(resp, torch.Tensor) and not resp.is_nested and resp.dim() == 2 else 0
             if isinstance(a, torch.Tensor) and not a.is_nested and a.dim() == 2 and a.shape[1] in (width, width + r_width):
-                x = x * (a[:, :width] != 0)
-            h = (x * w[0]).sum(1).tolist()           # one wrapping 64-bit sum: prompts of one step told apart
+                live = a[:, :width] != 0
+                x = torch.mul(ids, live, out=torch.empty(ids.shape, dtype=torch.int64)).add_(live)   # (id + 1) * live
+            else:
+                x = ids.to(torch.int64, copy=True).add_(1)
+            h = x.mul_(w[0]).sum(1).tolist()         # one wrapping 64-bit sum: prompts of one step told apart
             out = [f"{u & 0xFFFFFFFFFFFFFFFF:016x}" for u in h]
     b.derived["prompt_digests"] = out
     return out
@@ -168,9 +170,10 @@ def _same_tokens(matched: List[Tuple[Trajectory, Trajectory]]) -> List[bool]:
         in_order = ja == list(range(ba.n)) and jb == list(range(bb.n))      # no gather: compare the batches
         xa = ra[:, :width] if in_order else ra[ia, :width]
         xb = rb[:, :width] if in_order else rb[ib, :width]
-        ne = xa != xb
-        first = ne.to(torch.uint8).argmax(1)            # the first differing position (0 when none differs)
-        differ = (ne.any(1) & (first < ea)) | (ea != eb) | (ea > width)
+        wide = torch.int16 if width < (1 << 15) - 1 else torch.int64      # the one temporary stays small
+        positions = torch.arange(width, dtype=wide)
+        first = torch.where(xa != xb, positions, width).amin(1)    # the first differing position (width: none)
+        differ = (first < ea) | (ea != eb) | (ea > width)
         for n, d in zip(members, differ.tolist()):
             out[n] = not d
     return out

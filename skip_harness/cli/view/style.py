@@ -154,11 +154,16 @@ def per_token_html(shown: Any) -> Markup:
     parts: List[str] = ['<table id="per-token" class="grid-table small"><thead><tr><th>#</th><th>token</th>']
     parts += [f'<th class="mono">{html_escape(r.name)}</th>' for r in rows]
     parts.append("</tr></thead><tbody>")
-    columns = [["-" if v is None else f"{v:.3g}" for v in r.values] for r in rows]
-    n_masked = len(masked)
-    for k, tok in enumerate(tokens):
-        cells = "".join(f'<td class="num">{col[k] if k < len(col) else "-"}</td>' for col in columns)
-        cls = ' class="masked"' if k < n_masked and masked[k] else ""
-        parts.append(f'<tr{cls}><td class="num">{k}</td><td class="mono">{html_escape(tok)}</td>{cells}</tr>')
+    n = len(tokens)
+    # each row's cells of every column made once, column by column (a column shorter than the tokens: "-")
+    cells = [""] * n
+    for r in rows:
+        col = ['<td class="num">-</td>' if v is None else f'<td class="num">{v:.3g}</td>' for v in r.values[:n]]
+        col += ['<td class="num">-</td>'] * (n - len(col))
+        cells = [a + b for a, b in zip(cells, col)]
+    marks = [' class="masked"' if m else "" for m in masked[:n]] + [""] * (n - min(n, len(masked)))
+    add = parts.append
+    for k, (tok, cls, row) in enumerate(zip(tokens, marks, cells)):
+        add(f'<tr{cls}><td class="num">{k}</td><td class="mono">{tok if tok.isalnum() else html_escape(tok)}</td>{row}</tr>')
     parts.append("</tbody></table>")
     return Markup("".join(parts))
