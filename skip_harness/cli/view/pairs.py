@@ -71,10 +71,10 @@ def _prompt_digests(b: Batch) -> Optional[List[str]]:
             resp = b.columns.get(b.find(RESPONSE_IDS)) if b.find(RESPONSE_IDS) else None
             r_width = int(resp.shape[1]) if isinstance(resp, torch.Tensor) and not resp.is_nested and resp.dim() == 2 else 0
             if isinstance(a, torch.Tensor) and not a.is_nested and a.dim() == 2 and a.shape[1] in (width, width + r_width):
-                live = a[:, :width] != 0
-                x = torch.mul(ids, live, out=torch.empty(ids.shape, dtype=torch.int64)).add_(live)   # (id + 1) * live
+                # (id + 1), 0 where the mask is: one temporary, worked on in place (the fastest way measured)
+                x = ids.to(torch.int64).add(1).masked_fill_(a[:, :width] == 0, 0)
             else:
-                x = ids.to(torch.int64, copy=True).add_(1)
+                x = ids.to(torch.int64).add(1)
             h = x.mul_(w[0]).sum(1).tolist()         # one wrapping 64-bit sum: prompts of one step told apart
             out = [f"{u & 0xFFFFFFFFFFFFFFFF:016x}" for u in h]
     b.derived["prompt_digests"] = out
