@@ -259,3 +259,26 @@ def test_recorded_values_are_charted_and_compare_shows_the_diff(demo):
     doc = c.get(f"/api/compare?a={key(a)}&b={key(b)}&step=2").json()
     from skip_harness.cli.diff import compare
     assert doc["diff"] == json.loads(json.dumps(compare(str(a.root), str(b.root), read_payloads=False)))
+
+
+def test_a_step_is_read_once_for_its_pages_while_its_commit_record_stays(demo):
+    """The step page's links to its trajectories (and paging, next / previous) read the step once: its read
+    and trajectories are kept while its commit record (time, size, status) is the same; one step is kept,
+    so reading another gives the first one's buffers back."""
+    import dataclasses
+
+    dump, a, _ = demo
+    cache = Cache([dump])
+    ns = cache.namespace(key(a))
+    report = cache.scan(ns)
+    s1, s2 = report.get(1), report.get(2)
+    read, table = cache.table(ns, s1)
+    assert read.ok and table is not None and len(table.trajectories) == 6
+    assert cache.table(ns, s1)[1] is table                       # kept: not read again
+    c = TestClient(build_app(cache, Decoder(), ["testserver"]))
+    assert c.get(f"/ns/{key(a)}/step/1/t/0.0.2").status_code == 200
+    assert cache.table(ns, s1)[1] is table                       # the trajectory page used the kept read
+    assert cache.table(ns, dataclasses.replace(s1, created=(s1.created or 0) + 1))[1] is not table   # rewritten
+    again = cache.table(ns, s1)[1]
+    cache.table(ns, s2)
+    assert cache.table(ns, s1)[1] is not again                   # one step kept: another read replaced it
