@@ -297,10 +297,15 @@ def run(opts: argparse.Namespace, argv: List[str]) -> int:
     for name, run in (("record", record), ("replay", replay)):
         summary = run.get("summary") or {}
         print(f"{name}: train() {run['wall_s']:.2f} s; generation calls that ran: {run['generation_calls']}; "
-              f"cache: {summary.get('hits', 0)} hits, {summary.get('misses', 0)} misses, "
+              f"cache: {_count(summary.get('hits', 0), 'hit')}, {_count(summary.get('misses', 0), 'miss', 'misses')}, "
               f"generation {summary.get('gen_s_spent', 0.0):.2f} s spent, {summary.get('gen_s_saved', 0.0):.2f} s saved")
     print("REPORT " + json.dumps(report))
     return 0 if identical else 1
+
+
+def _count(n: int, word: str, plural: str = "") -> str:
+    """`1 hit`, `2 hits`, `1 miss`, `0 misses`."""
+    return f"{n} {word if n == 1 else (plural or word + 's')}"
 
 
 if __name__ == "__main__":

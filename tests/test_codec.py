@@ -146,6 +146,27 @@ def test_tensordict_round_trips(tmp_path):
     assert torch.equal(out["a"], td["a"]) and torch.equal(out["n", "b"], td["n", "b"])
 
 
+def test_tensordict_is_imported_only_when_a_file_to_decode_holds_one(tmp_path):
+    """tensordict pulls in torch._dynamo (about 1.5 s of CPU per process): the harness and the CLI do not import
+    it; a fresh process that reads a stored TensorDict imports it then and gets a TensorDict back."""
+    import subprocess
+    import sys
+
+    tensordict = pytest.importorskip("tensordict")
+    td = tensordict.TensorDict({"a": torch.arange(6).reshape(3, 2)}, batch_size=[3])
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, {"batch": td, "x": torch.ones(2)})
+    code = ("import sys; import skip_harness.run.harness, skip_harness.cli, skip_harness.codec; "
+            "from skip_harness.store import payload_file; "
+            "before = 'tensordict' in sys.modules or 'torch._dynamo' in sys.modules; "
+            "out = payload_file.load(sys.argv[1]); import tensordict; "
+            "print(before, isinstance(out['batch'], tensordict.TensorDictBase), out['batch']['a'].tolist())")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[0] == "False True [[0, 1], [2, 3], [4, 5]]", proc.stdout
+
+
 def test_tensordict_non_tensor_entries_round_trip(tmp_path):
     tensordict = pytest.importorskip("tensordict")
     td = tensordict.TensorDict({"x": torch.arange(6.0).reshape(3, 2),

@@ -447,3 +447,12 @@ def test_scan_pauses_the_cyclic_gc_and_restores_it(tmp_path, monkeypatch):
         assert not gc.isenabled()      # left as the caller had it
     finally:
         gc.enable()
+
+
+def test_a_stale_index_note_counts_one_step_in_the_singular():
+    """Issue 29's small ones: `index stale (1 changed steps)`."""
+    from skip_harness.store.scan import _stale_note
+
+    assert _stale_note([3], [], []) == "index stale (1 changed step)"
+    assert _stale_note([3], [4], []) == "index stale (1 changed, 1 removed steps)"
+    assert _stale_note([], [], []) is None

@@ -374,3 +374,14 @@ def test_the_reward_key_names_each_function_and_changes_with_its_source():
     with torch.no_grad():
         model.weight.add_(1.0)
     assert trl_tier.model_digest(model)["weights"] != before["weights"]
+
+
+def test_the_demo_report_counts_in_words_a_single_hit_or_miss():
+    """Issue 29's small ones: the demo printed `1 hits`."""
+    sys.path.insert(0, str(DEMO.parent))
+    try:
+        import trl_demo
+    finally:
+        sys.path.pop(0)
+    assert [trl_demo._count(n, "hit") for n in (0, 1, 3)] == ["0 hits", "1 hit", "3 hits"]
+    assert [trl_demo._count(n, "miss", "misses") for n in (1, 2)] == ["1 miss", "2 misses"]

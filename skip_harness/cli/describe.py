@@ -10,7 +10,7 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack
+from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack, is_tensordict
 from skip_harness.cli._common import human_bytes
 
 try:
@@ -18,20 +18,13 @@ try:
 except ImportError:  # pragma: no cover
     np = None
 
-TensorDictBase: Any = None   # optional: typed Any, whichever extras are installed
-try:
-    import tensordict as _tensordict
-
-    TensorDictBase = _tensordict.TensorDictBase
-except Exception:  # pragma: no cover
-    pass
 
 _MAX_ROWS = 400          # structure rows shown before "... more"
 _VALUE_CHARS = 160
 
 
 def _is_td(obj: Any) -> bool:
-    return TensorDictBase is not None and isinstance(obj, TensorDictBase)
+    return is_tensordict(obj)
 
 
 def describe(obj: Any, path: str = "") -> Iterator[Tuple[str, str, str, str, int, str]]:

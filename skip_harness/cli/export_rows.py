@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack
+from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack, is_tensordict
 from skip_harness.errors import SkipHarnessError
 
 try:
@@ -23,13 +23,6 @@ try:
 except ImportError:  # pragma: no cover - numpy ships with torch wheels
     np = None
 
-TensorDictBase: Any = None   # optional: typed Any, whichever extras are installed
-try:
-    import tensordict as _tensordict
-
-    TensorDictBase = _tensordict.TensorDictBase
-except Exception:  # pragma: no cover - optional
-    pass
 
 logger = logging.getLogger("skip_harness.cli.export")
 
@@ -52,7 +45,7 @@ class _Column:
 
 
 def _is_td(obj: Any) -> bool:
-    return TensorDictBase is not None and isinstance(obj, TensorDictBase)
+    return is_tensordict(obj)
 
 
 def _children(obj: Any) -> Optional[List[Tuple[str, Any]]]:

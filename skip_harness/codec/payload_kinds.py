@@ -23,24 +23,39 @@ try:  # optional
 except ImportError:  # pragma: no cover - numpy ships with torch wheels
     np = None
 
-# Optional classes are typed Any (None when absent), so the types do not depend on which extras are installed.
-TensorDictBase: Any = None
-TensorDict: Any = None
-MetaData: Any = None
-NonTensorData: Any = None
-NonTensorStack: Any = None
-_tensordict: Any = None
-try:  # optional
-    _tensordict = importlib.import_module("tensordict")
-    TensorDictBase, TensorDict = _tensordict.TensorDictBase, _tensordict.TensorDict
-except Exception:  # ImportError, or a tensordict that does not match this torch
-    pass
-try:  # optional, and newer than TensorDict itself
-    MetaData = _tensordict.MetaData
-    NonTensorData = _tensordict.NonTensorData
-    NonTensorStack = _tensordict.NonTensorStack
-except Exception:
-    MetaData = NonTensorData = NonTensorStack = None
+# tensordict is optional and costly to import (it pulls in torch._dynamo: about 1.5 s of CPU per process), so
+# it is imported only when a file to decode names one of its kinds. Telling whether an object is one of its
+# kinds needs no import: an object cannot be a TensorDict unless its module is loaded already.
+_tensordict_lock = threading.Lock()
+_tensordict_tried = False
+
+
+def _loaded_tensordict() -> Any:
+    """The tensordict module if this process has imported it (whole), else None. Never imports it."""
+    mod = sys.modules.get("tensordict")
+    return mod if mod is not None and hasattr(mod, "TensorDictBase") else None
+
+
+def tensordict_class(name: str) -> Any:
+    """One of tensordict's classes (`TensorDict`, `NonTensorData`, `MetaData`, `NonTensorStack`), importing the
+    package on first need; None when it is missing, does not match this torch, or lacks that class."""
+    global _tensordict_tried
+    mod = _loaded_tensordict()
+    if mod is None and not _tensordict_tried:
+        with _tensordict_lock:
+            if not _tensordict_tried:
+                _tensordict_tried = True
+                try:
+                    mod = importlib.import_module("tensordict")
+                except Exception:  # ImportError, or a tensordict that does not match this torch
+                    mod = None
+        mod = mod or _loaded_tensordict()
+    return getattr(mod, name, None) if mod is not None else None
+
+
+def _loaded_class(name: str) -> Any:
+    mod = _loaded_tensordict()
+    return getattr(mod, name, None) if mod is not None else None
 
 # Attribute a CPU copy of a tensor that lived on another device may carry, so that `encode` still
 # records where it came from (the tests use it to stand for a CUDA tensor on a CPU-only machine).
@@ -210,15 +225,23 @@ def origin_device(tensor: torch.Tensor) -> torch.device:
 
 
 def is_tensordict(obj: Any) -> bool:
-    return TensorDictBase is not None and isinstance(obj, TensorDictBase)
+    base = _loaded_class("TensorDictBase")
+    return base is not None and isinstance(obj, base)
 
 
 def is_non_tensor_data(obj: Any) -> bool:
-    return NonTensorData is not None and isinstance(obj, (NonTensorData, MetaData))
+    kinds = tuple(c for c in (_loaded_class("NonTensorData"), _loaded_class("MetaData")) if c is not None)
+    return bool(kinds) and isinstance(obj, kinds)
+
+
+def is_meta_data(obj: Any) -> bool:
+    cls = _loaded_class("MetaData")
+    return cls is not None and isinstance(obj, cls)
 
 
 def is_non_tensor_stack(obj: Any) -> bool:
-    return NonTensorStack is not None and isinstance(obj, NonTensorStack)
+    cls = _loaded_class("NonTensorStack")
+    return cls is not None and isinstance(obj, cls)
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,9 +16,8 @@ import torch
 
 from skip_harness.errors import CodecError
 from skip_harness.codec.payload_kinds import (
-    SCALARS, MetaData, NonTensorData, NonTensorStack, TensorDict,
-    device_available, fields_of, is_non_tensor_data, is_non_tensor_stack, is_tensordict, key_repr, np,
-    origin_device, rebuild, registered_or_refuse,
+    SCALARS, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
+    key_repr, np, origin_device, rebuild, registered_or_refuse, tensordict_class,
 )
 
 logger = logging.getLogger("skip_harness.codec")
@@ -168,7 +167,7 @@ def _encode_non_tensor(obj: Any, where: str, active: _Walk) -> Any:
     batch_size = [int(s) for s in obj.batch_size]
     device = None if obj.device is None else str(obj.device)
     if not is_non_tensor_stack(obj):
-        return {TAG: "nontensor", "class": "MetaData" if isinstance(obj, MetaData) else "NonTensorData",
+        return {TAG: "nontensor", "class": "MetaData" if is_meta_data(obj) else "NonTensorData",
                 "batch_size": batch_size, "device": device, "value": _encode(obj.data, where, active)}
     if 0 in batch_size[:-1]:
         raise CodecError(f"{where}: a NonTensorStack of batch size {batch_size} (empty along a leading "
@@ -268,6 +267,7 @@ def _decode_tagged(kind: str, obj: Dict[str, Any], where: str, check_only: bool 
         data = {k: _decode(v, where + key_repr(k), check_only) for k, v in zip(keys, values, strict=True)}
         if check_only:
             return None
+        TensorDict = tensordict_class("TensorDict")
         if TensorDict is None:
             raise CodecError(f"{where}: stored TensorDict, but the tensordict package is not importable")
         device = obj.get("device")
@@ -366,10 +366,12 @@ def _decode_non_tensor(kind: str, obj: Dict[str, Any], where: str, check_only: b
         value = _decode(obj["value"], where, check_only)
         if check_only:
             return None
-        if NonTensorData is None:
-            raise CodecError(f"{where}: stored {cls_name}, but this tensordict has no non-tensor data")
-        cls = NonTensorData if cls_name == "NonTensorData" else MetaData
+        cls = tensordict_class(cls_name)
+        if cls is None:
+            raise CodecError(f"{where}: stored {cls_name}, but tensordict is not importable or has no non-tensor data")
         return cls(data=value, batch_size=batch_size, device=device)
+
+    NonTensorData, NonTensorStack = tensordict_class("NonTensorData"), tensordict_class("NonTensorStack")
 
     def nested(items: Any, depth: int, at: str) -> Any:
         if depth == len(batch_size):
@@ -381,8 +383,9 @@ def _decode_non_tensor(kind: str, obj: Dict[str, Any], where: str, check_only: b
         children = [nested(v, depth + 1, f"{at}[{i}]") for i, v in enumerate(items)]
         return None if check_only else NonTensorStack(*children)
 
-    if not check_only and NonTensorStack is None:
-        raise CodecError(f"{where}: stored NonTensorStack, but this tensordict has no non-tensor data")
+    if not check_only and (NonTensorStack is None or NonTensorData is None):
+        raise CodecError(f"{where}: stored NonTensorStack, but tensordict is not importable or has no non-tensor "
+                         "data")
     out = nested(obj["items"], 0, where)
     if not check_only and list(out.batch_size) != batch_size:  # a shape tensordict cannot stack
         raise CodecError(f"{where}: malformed nontensorstack record (batch size {batch_size})")

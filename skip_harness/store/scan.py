@@ -250,7 +250,8 @@ def _scan_listed(layout: Layout, ns: Namespace, use_index: bool = True, rewrite_
 def _stale_note(changed: List[int], gone: List[int], unindexed: List[int]) -> Optional[str]:
     """What the scan says of an index that no longer matches the namespace; None when it matches."""
     parts = [f"{len(x)} {what}" for x, what in ((changed, "changed"), (gone, "removed"), (unindexed, "unindexed")) if x]
-    return f"index stale ({', '.join(parts)} steps)" if parts else None
+    noun = "step" if len(changed) + len(gone) + len(unindexed) == 1 else "steps"
+    return f"index stale ({', '.join(parts)} {noun})" if parts else None
 
 
 def _agrees(entry: _index.IndexEntry, report: StepReport) -> bool:
