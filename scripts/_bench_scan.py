@@ -11,6 +11,7 @@ from typing import Any, Dict, List
 
 from _benchlib import SCAN_BUILD_FORMAT, SCAN_K, BenchError, build_scan_namespace, log, median
 
+from skip_harness.store.open import open_namespace
 from skip_harness.store import index
 from skip_harness.store.layout import Layout
 from skip_harness.store.scan import scan_namespace
@@ -45,7 +46,7 @@ def bench_scan(layout: Layout, steps: int, warm_runs: int = 3) -> Dict[str, Any]
     without it (use_index=False), interleaved."""
     def timed(use_index: bool) -> float:
         t0 = time.perf_counter()
-        report = scan_namespace(layout, use_index=use_index)
+        report = scan_namespace(layout, open_namespace(layout), use_index=use_index)
         dt = time.perf_counter() - t0
         if report.counts()["complete"] != steps or len(report.steps) != steps:
             raise BenchError(f"scan of {layout.root} found {report.counts()}, expected {steps} complete steps")

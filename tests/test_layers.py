@@ -118,3 +118,57 @@ def test_nothing_outside_the_store_opens_a_cache_file():
     assert not found, "file access outside skip_harness/store/:\n" + "\n".join(found)
     # the check sees what it looks for: the store itself is full of it
     assert sum(1 for p in (ROOT / "skip_harness" / "store").rglob("*.py") for _ in _file_calls(p)) > 20
+
+
+# ---------------------------------------------------------------------------- who opens a namespace
+
+_OPENERS = {"open_namespace", "open_store", "namespace_of", "posix_namespace"}
+# Where a namespace may be opened: a command (cli/), a run's startup (every rank once: rank 0 when it
+# locks, the others when they follow it) and a replay's source (the recording, read-only; the candidates
+# that `replay_from=auto` checks). Everything else is handed the opened one.
+_OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/source.py": 2}
+
+
+def _opener_calls(path: Path):
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in _OPENERS:
+                yield name, node.lineno
+
+
+def _namespace_openings(root: Path):
+    """What breaks 'one namespace, opened once and handed down': an opener called outside a command, the
+    run's startup or its source (or more often there than allowed), and a namespace kept between calls
+    by the opener's module."""
+    import ast
+
+    found = []
+    for path in sorted((root / "skip_harness").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("skip_harness/cli/") or rel == "skip_harness/store/open.py":
+            continue
+        calls = list(_opener_calls(path))
+        if len(calls) > _OPENED_AT.get(rel, 0):
+            found += [f"{rel}:{line}: {name}(...)" for name, line in calls]
+    tree = ast.parse((root / "skip_harness" / "store" / "open.py").read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            if isinstance(node.value, (ast.Dict, ast.Call)):
+                found.append(f"skip_harness/store/open.py:{node.lineno}: a module-level cache ({ast.unparse(node)[:60]})")
+        if isinstance(node, ast.FunctionDef) and node.name == "namespace_of":
+            found.append(f"skip_harness/store/open.py:{node.lineno}: namespace_of (a namespace per call site)")
+    return found
+
+
+def test_a_namespace_is_opened_once_and_handed_down():
+    """Issue 29: the scan, the cleanup, the step store, the follower take the namespace their run or command
+    opened; none opens its own, and the opener keeps none (an object store's namespace holds the lease the
+    run's writes check: it must be the one the startup locked)."""
+    found = _namespace_openings(ROOT)
+    assert not found, "a namespace opened where it should be handed down:\n" + "\n".join(found)
+    # the check sees what it looks for: the commands open theirs
+    assert sum(1 for p in (ROOT / "skip_harness" / "cli").rglob("*.py") for _ in _opener_calls(p)) >= 5

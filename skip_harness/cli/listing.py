@@ -12,6 +12,7 @@ from rich.table import Table
 
 from skip_harness.store import scan as _scan
 from skip_harness.store.layout import Layout
+from skip_harness.store.open import open_namespace
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.values import ValuesStore
 
@@ -83,8 +84,8 @@ class NamespaceView:
         return max(times) if times else None
 
 
-def view(layout: Layout, steps: Sequence[_scan.StepReport]) -> NamespaceView:
-    reader = StepStore(layout).reader
+def view(store: StepStore, steps: Sequence[_scan.StepReport]) -> NamespaceView:
+    layout, reader = store.layout, store.reader
     return NamespaceView(layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s), step_accessed(reader, s),
                                           reader.logical_bytes(s.step, s.bytes) if s.servable else None)
                                   for s in steps], tuple(ValuesStore(reader.backend).list_runs()))
@@ -238,7 +239,8 @@ def _print_views(views: Sequence[NamespaceView], base: Path, title: str, steps: 
 def cmd_ls(layouts: List[Layout], base: Path, as_json: bool, steps: bool, sort: str = "name",
            where: str = "") -> int:
     """`where`: how the directory was chosen, when the user did not name it (said in the title)."""
-    views = sort_views([view(lay, _scan.scan_namespace(lay).steps) for lay in layouts], sort, base)
+    stores = [StepStore(lay, open_namespace(lay)) for lay in layouts]
+    views = sort_views([view(st, _scan.scan_namespace(st.layout, st.backend).steps) for st in stores], sort, base)
     if as_json:
         emit_json({"dump_dir": str(base), "namespaces": [namespace_json(v) for v in views],
                    "total_bytes": sum(v.bytes for v in views)})
@@ -251,11 +253,12 @@ def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) ->
     views = []
     with progress() as bar:
         for lay in layouts:
-            report = _scan.scan_namespace(lay)
+            store = StepStore(lay, open_namespace(lay))
+            report = _scan.scan_namespace(lay, store.backend)
             bar.start(f"verifying {lay.root}", len(report.steps))
-            checked, failed = verified_steps(StepStore(lay).reader, report, bar.advance)
+            checked, failed = verified_steps(store.reader, report, bar.advance)
             bar.finish(f"{len(failed)} corrupt" if failed else "")
-            views.append(view(lay, checked))
+            views.append(view(store, checked))
     n_corrupt = sum(v.counts()["corrupt"] for v in views)
     if as_json:
         emit_json({"namespaces": [namespace_json(v) for v in views]})

@@ -24,7 +24,6 @@ from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.run.dist import DistContext
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.locking import Hold
-from skip_harness.store.open import namespace_of
 
 COMMITTED, HOLDER, OWN = "committed", "holder", "own"
 _POLL_S = 0.2
@@ -78,7 +77,7 @@ class Follower:
     def _take(self) -> bool:
         """Take the hold if the recorder let it go (never waits): a writer of misses from now on."""
         try:
-            hold = namespace_of(self.store.layout).lock(0.0)
+            hold = self.store.backend.lock(0.0)
         except LockHeldError:
             return False
         except (SkipHarnessError, OSError):

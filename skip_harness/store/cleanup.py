@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 from skip_harness.choices import Cleanup
 from skip_harness.errors import ConfigError, SkipHarnessError
 from skip_harness.store import index as _index
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.namespace import Namespace
-from skip_harness.store.open import namespace_of
 from skip_harness.store.scan import LeftoverEntry, NamespaceReport
 
 __all__ = ["CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]
@@ -65,15 +64,15 @@ class CleanupPlan:
         verb = {"delete": "remove", "quarantine": "quarantine"}.get(self.action, "leave")
         return f"{verb} {len(self.items)} steps, {self.bytes} bytes"
 
-    def execute(self, namespace: Optional[Namespace] = None) -> CleanupResult:
-        """Do it, through `namespace` (the layout's, opened here when not given)."""
+    def execute(self, namespace: Namespace) -> CleanupResult:
+        """Do it, through `namespace` (the layout's, as the run or command opened it)."""
         layout = self.layout
         root = layout.root
         done: List[CleanupItem] = []
         errors: List[str] = []
         quarantined: List[Path] = []
         freed = moved = 0
-        ns = namespace if namespace is not None else namespace_of(layout)
+        ns = namespace
         for item in self.items:
             if item.path.parent != root or item.path != layout.step_dir(item.step):
                 errors.append(f"{item.path}: not a step of namespace {root}; left alone")

@@ -21,7 +21,6 @@ from skip_harness.store import index as _index
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout, parse_step_name
 from skip_harness.store.namespace import Namespace, StepListing
-from skip_harness.store.open import namespace_of
 from skip_harness.store import status as _status
 from skip_harness.store.status import STATUSES, StepReport
 from skip_harness.store.storage import DIR
@@ -79,14 +78,14 @@ class NamespaceReport:
 # scanning
 
 
-def classify_step(layout: Layout, step: int, path: Optional[Path] = None, backend: Optional[Namespace] = None,
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, backend: Namespace,
                   listing: Optional[StepListing] = None) -> StepReport:
-    """`status.classify_step`, the layout's namespace opened here when not given."""
-    return _status.classify_step(layout, step, path, backend if backend is not None else namespace_of(layout), listing)
+    """`status.classify_step` of a step of `backend`, the layout's namespace."""
+    return _status.classify_step(layout, step, path, backend=backend, listing=listing)
 
 
-def scan_namespace(layout: Layout, *, use_index: bool = True, rewrite_index: bool = True,
-                   namespace: Optional[Namespace] = None) -> NamespaceReport:
+def scan_namespace(layout: Layout, namespace: Namespace, *, use_index: bool = True,
+                   rewrite_index: bool = True) -> NamespaceReport:
     """Classify every step of a namespace. Only int-named entries are steps; '.lock', '.quarantine' and
     the like are ignored; '.trash-'/'.tmp-' debris is reported as leftovers.
 
@@ -98,11 +97,9 @@ def scan_namespace(layout: Layout, *, use_index: bool = True, rewrite_index: boo
     `rewrite_index=False` (a reader beside a running job: `skip-harness view`) uses the index but never
     writes it: the steps it cannot vouch for are classified in full, and the note says it is stale.
 
-    `namespace`: the layout's namespace when the caller has it open (else it is opened here: the scan
-    is one of the store's faces, above `store.open`)."""
-    ns = namespace if namespace is not None else namespace_of(layout)
+    `namespace`: the layout's namespace, as the run or command opened it (`store.open.open_namespace`)."""
     with _gc_paused():
-        return _scan_namespace(layout, ns, use_index, rewrite_index)
+        return _scan_namespace(layout, namespace, use_index, rewrite_index)
 
 
 @contextlib.contextmanager

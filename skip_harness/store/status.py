@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from skip_harness.errors import CorruptStepError, HarnessUsageError
+from skip_harness.errors import CorruptStepError
 from skip_harness.store.commit import (  # noqa: F401  (re-exported: the names callers import from here)
     COMMIT_FORMAT, WRITER_NAME, CommitRecord, FileEntry, expected_rels, is_safe_rel, parse_commit, required_rels,
 )
@@ -62,14 +62,12 @@ def _first(items: List[str]) -> str:
     return items[0] + more
 
 
-def classify_step(layout: Layout, step: int, path: Optional[Path] = None, backend: Optional[Namespace] = None,
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, backend: Namespace,
                   listing: Optional[StepListing] = None) -> StepReport:
     """The status of one step, from one listing of it (plus its small commit record), through the
-    namespace `backend` (`store.open.namespace_of(layout)`). `path` is only what the report names;
-    `listing` the step's listing when the caller has it already (a scan that listed every step)."""
+    namespace `backend` (the layout's, as its run or command opened it). `path` is only what the report
+    names; `listing` the step's listing when the caller has it already (a scan that listed every step)."""
     path = layout.step_dir(step) if path is None else path
-    if backend is None:
-        raise HarnessUsageError("classify_step: pass the namespace (store.open.namespace_of(layout))")
 
     stamp: List[Optional[str]] = [None]
 

@@ -21,7 +21,6 @@ from skip_harness.store.commit import (  # noqa: F401  (re-exported: the store's
 )
 from skip_harness.store.layout import Layout
 from skip_harness.store.namespace import Namespace
-from skip_harness.store.open import namespace_of
 from skip_harness.store.reader import StepReader
 from skip_harness.store.status import STATUSES, StepReport, classify_step  # noqa: F401  (re-exported)
 from skip_harness.store.writer import StagedInner, StepWriter  # noqa: F401  (re-exported)
@@ -30,18 +29,14 @@ from skip_harness.store.writer import StagedInner, StepWriter  # noqa: F401  (re
 class StepStore:
     """One namespace's steps, opened: `writer` writes them, `reader` reads and verifies them."""
 
-    def __init__(self, layout: Layout, *, drop_written_pages: bool = True, pool: Optional[BufferPool] = None,
-                 form: Optional[StoredForm] = None, backend: Optional[Namespace] = None):
-        """`drop_written_pages`: where a payload is written through the page cache (a file system
-        without O_DIRECT), let the kernel drop its pages once it is durable. `pool`: the buffers
-        payloads are staged in and read into (the harness sizes one for its K; by default a small one).
-        `form`: how payloads are written (`codec.stored_form(compression, level)`; by default raw, at
-        full width); files of every form are read. `backend`: the namespace's storage (by default the
-        one its layout names)."""
+    def __init__(self, layout: Layout, backend: Namespace, *, pool: Optional[BufferPool] = None,
+                 form: Optional[StoredForm] = None):
+        """`backend`: the layout's namespace, as its run or command opened it (`store.open.open_namespace`).
+        `pool`: the buffers payloads are staged in and read into (the harness sizes one for its K; by
+        default a small one). `form`: how payloads are written (`codec.stored_form(compression, level)`;
+        by default raw, at full width); files of every form are read."""
         self.layout = layout
-        self.drop_written_pages = drop_written_pages
-        self.backend: Namespace = backend if backend is not None else \
-            namespace_of(layout, drop_written_pages=drop_written_pages)
+        self.backend = backend
         self.pool = pool if pool is not None else BufferPool()
         self.form = form if form is not None else StoredForm(narrow=False)
         self.writer = StepWriter(layout, self.backend, self.pool, self.form)
