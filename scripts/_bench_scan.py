@@ -28,7 +28,7 @@ def scan_namespace_for(work: Path, steps: int, reuse: bool) -> Layout:
             if json.loads(marker.read_text()) == want:
                 log.info("reusing the scan namespace in %s (without its index: the first scan builds it)", root)
                 layout = Layout(root, K=SCAN_K, W=1)
-                index.remove(layout)
+                index.remove(open_namespace(layout))
                 return layout
         except ValueError:
             pass

@@ -249,7 +249,7 @@ class Marker:
 def recommit_with(store, step, payload_bytes_writer):
     """Replace the payload of (step, 0, 0) and write a commit record whose sizes and checksums match it,
     so only loading the payload can tell that it is bad."""
-    from skip_harness.store.stepstore import FileEntry
+    from skip_harness.store.commit import FileEntry
     from skip_harness.store.posix.fileops import checksum_file
 
     lay = store.layout

@@ -37,7 +37,7 @@ def age(st, seconds=30.0):
     for d, dirs, files in os.walk(st.layout.root):
         for name in dirs + files:
             os.utime(os.path.join(d, name), (then, then), follow_symlinks=False)
-    index.remove(st.layout)
+    index.remove(st.backend)
     scan_namespace(st.layout, st.backend)
     assert all(not e.racy for e in index.read(st.layout, st.backend).values())
 
@@ -121,7 +121,7 @@ def test_stale_index_says_what_changed_and_is_rebuilt(tmp_path):
 def test_an_unwritable_index_is_reported_and_the_scan_still_right(tmp_path, monkeypatch):
     st = make(tmp_path)
     write_step(st, 1)
-    index.remove(st.layout)
+    index.remove(st.backend)
     monkeypatch.setattr(index, "rewrite", lambda layout, ns, entries: "Read-only file system")
     report = scan_namespace(st.layout, st.backend)
     assert report.counts()["complete"] == 1

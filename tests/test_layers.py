@@ -172,3 +172,55 @@ def test_a_namespace_is_opened_once_and_handed_down():
     assert not found, "a namespace opened where it should be handed down:\n" + "\n".join(found)
     # the check sees what it looks for: the commands open theirs
     assert sum(1 for p in (ROOT / "skip_harness" / "cli").rglob("*.py") for _ in _opener_calls(p)) >= 5
+
+
+# ---------------------------------------------------------------------------- the store's bytes: through Storage
+
+_OS_FILE_CALLS = {"open", "fdopen", "scandir", "listdir", "walk", "stat", "lstat", "fstat", "unlink", "remove",
+                  "rename", "replace", "mkdir", "makedirs", "rmdir", "readlink", "symlink", "preadv", "pread",
+                  "pwrite", "exists", "lexists", "isdir", "isfile", "islink", "getsize"}
+_PATH_READERS = {"load", "check", "stored_fields", "sibling_meta"}     # store.payload_file: a file by its path
+# Files that are not a namespace's, opened by the module that owns them: (module, call) -> what they are.
+_NOT_A_NAMESPACE = {
+    "skip_harness/store/payload_file.py": "a loose payload file named by its path (`show FILE` outside any namespace)",
+    "skip_harness/store/verl_dump.py": "verl's own dump directory (import-verl's input), not the cache",
+    "skip_harness/store/objstore/lease.py": "/proc: this host's boot id and whether a pid lives",
+}
+
+
+def _file_access(path: Path):
+    """Calls that reach a file by its path: builtin open, os.* / os.path.* file calls, payload_file's path readers."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            yield "open", node.lineno
+        elif isinstance(f, ast.Attribute):
+            owner = ast.unparse(f.value)
+            if owner in ("os", "os.path") and f.attr in _OS_FILE_CALLS:
+                yield f"{owner}.{f.attr}", node.lineno
+            elif owner == "payload_file" and f.attr in _PATH_READERS:
+                yield f"payload_file.{f.attr}", node.lineno
+
+
+def _store_file_access(root: Path):
+    found = []
+    for path in sorted((root / "skip_harness" / "store").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("skip_harness/store/posix/") or rel in _NOT_A_NAMESPACE:
+            continue
+        found += [f"{rel}:{line}: {name}(...)" for name, line in _file_access(path)]
+    return found
+
+
+def test_the_store_reaches_a_namespace_only_through_its_storage():
+    """Issue 29: above the storage seam (every store module but the POSIX backend's), a namespace's files are
+    read, listed and removed through `Storage` -- the index's removal, an older step's payloads, the
+    namespaces of a directory included -- never by path with os.* or open()."""
+    found = _store_file_access(ROOT)
+    assert not found, "file access on cache paths above the storage seam:\n" + "\n".join(found)
+    # the check sees what it looks for: the POSIX backend is made of it
+    assert sum(1 for p in (ROOT / "skip_harness" / "store" / "posix").rglob("*.py") for _ in _file_access(p)) > 20

@@ -38,7 +38,7 @@ class Gets:
 
     def __init__(self, store, monkeypatch):
         self.keys = []
-        client = store.backend.client
+        client = store.backend.storage.client
         real = client.get
         monkeypatch.setattr(client, "get", lambda key: (self.keys.append(key), real(key))[1])
 
@@ -177,7 +177,7 @@ class Puts:
 
     def __init__(self, store, monkeypatch):
         self.n = 0
-        client = store.backend.client
+        client = store.backend.storage.client
         real = client.put
 
         def put(key, data, **kw):
@@ -215,7 +215,7 @@ def test_a_step_changed_by_another_writer_after_our_commit_is_not_indexed_from_o
     # another writer replaces step 2's commit record behind this run's back (a different record)
     record = json.loads(bytes(ns.read_small("2/commit.json")))
     record["fingerprint"] = FP2.to_json()
-    ns.client.put("2/commit.json", json.dumps(record).encode())
+    ns.storage.client.put("2/commit.json", json.dumps(record).encode())
     hold.release()
     assert sorted(index.read(store.layout, ns)) == [1]
     report = scan_namespace(store.layout, store.backend)

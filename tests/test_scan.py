@@ -434,12 +434,12 @@ def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_p
 def test_scan_pauses_the_cyclic_gc_and_restores_it(tmp_path, monkeypatch):
     import gc
 
-    from skip_harness.store import stepstore as store_mod
+    from skip_harness.store import status as status_mod
 
     st = make(tmp_path, K=1)
     write_step(st, 1)
     seen = []
-    real = store_mod.classify_step
+    real = status_mod.classify_step
     monkeypatch.setattr("skip_harness.store.scan.classify_step", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
     assert gc.isenabled()
     scan_namespace(st.layout, open_namespace(st.layout), use_index=False)

@@ -25,7 +25,8 @@ from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.store.scan import classify_step, scan_namespace
-from skip_harness.store.stepstore import FileEntry, StepStore
+from skip_harness.store.commit import FileEntry, parse_commit
+from skip_harness.store.stepstore import StepStore
 
 
 def make(tmp_path, K=1, W=1) -> StepStore:
@@ -318,7 +319,7 @@ def _check_no_partial_final_files(st, step):
         if meta.exists():
             assert json.loads(meta.read_text())["bytes"] == pay.stat().st_size
     if lay.commit_path(step).exists():
-        store_mod.parse_commit(lay.commit_path(step).read_bytes(), lay, step, lay.commit_path(step))
+        parse_commit(lay.commit_path(step).read_bytes(), lay, step, lay.commit_path(step))
 
 
 @pytest.mark.parametrize("K", [1, 2])
@@ -713,12 +714,13 @@ def test_without_o_direct_payloads_go_through_the_page_cache_and_leave_it(tmp_pa
 def test_a_hit_reads_and_parses_the_commit_record_once(tmp_path, monkeypatch):
     """One verified read path: the record the status was classified with is the one served from (it was
     read and parsed twice: classify_step, then read_commit)."""
+    from skip_harness.store import reader as reader_mod
     from skip_harness.store import status as status_mod
 
     st = make(tmp_path, K=2)
     write_step(st, 1)
     parsed = []
-    for mod in (status_mod, store_mod):
+    for mod in (status_mod, reader_mod):
         real = mod.parse_commit
 
         def counting(*a, _real=real, **kw):

@@ -160,7 +160,7 @@ def test_nothing_is_written_or_locked_beside_a_running_job(tmp_path):
     dump = tmp_path / "cache"
     lay = write_namespace(dump, "busy", {s: demo_batch(s) for s in (1, 2)})
     write_namespace(dump, "busy", {3: demo_batch(3)}, commit=False)
-    _index.remove(lay)                      # a missing index: a scan that may write would rebuild it
+    _index.remove(open_namespace(lay))      # a missing index: a scan that may write would rebuild it
     holder = HolderProcess(lay)             # a training run holds the namespace
     try:
         before = snapshot(dump)

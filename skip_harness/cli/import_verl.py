@@ -31,7 +31,7 @@ from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.store.open import open_namespace
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.verl_dump import (  # noqa: F401  (verl's dump, read only: re-exported)
-    VERL_META, VERL_PAYLOAD, VERL_V0_PAYLOAD, VerlNamespace, VerlStep, find_verl_namespaces, load_trusted,
+    VerlNamespace, VerlStep, find_verl_namespaces, load_trusted,
     read_meta as _read_meta, scan_verl_namespaces,
 )
 from skip_harness.store.stepstore import StepStore

@@ -88,7 +88,7 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
     url = str(dump_dir)
     try:
         objstore = importlib.import_module("skip_harness.store.objstore")
-        open_storage, open_namespace = objstore.open_storage, objstore.open_namespace
+        open_storage, open_locker = objstore.open_storage, objstore.open_locker
     except (ImportError, AttributeError) as exc:
         raise ConfigError(
             DUMP_DIR_KEY,
@@ -96,7 +96,12 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
         ) from None
     try:
         storage = open_storage(url, dump_dir=True)
-        return DumpDir(storage, lambda rel: open_namespace(join_url(storage.url, rel)))
+
+        def on_object_store(rel: str) -> Namespace:
+            ns_storage = open_storage(join_url(storage.url, rel))
+            return Namespace(ns_storage, open_locker(ns_storage))      # its client, and the lease's locker
+
+        return DumpDir(storage, on_object_store)
     except ConfigError:
         raise
     except SkipHarnessError as exc:

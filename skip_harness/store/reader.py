@@ -4,8 +4,8 @@ A committed step is read through the namespace's backend against its commit reco
 read once (O_DIRECT into a pool buffer on POSIX, or mapped), its size and checksum checked in the pass
 that reads it, its tensors views of that buffer. A hit (`read_served`), `merged` (`read_step`),
 `show`, `export` (`read_inner`) and `verify` all read this way. A step without a commit record (an
-older cache) is loaded as it is, its files by `payload_file`. Meta files are read through the backend
-too.
+older cache) is loaded as it is, its files read whole through the backend too (nothing here opens a
+file by its path). Meta files are read through the backend as well.
 
 This module does no logging: it raises or returns, and the harness reports. `StepReader` holds no
 mutable state but its (thread-safe) buffer pool, so a prefetch thread may read and verify steps
@@ -20,7 +20,6 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from skip_harness import codec
 from skip_harness.errors import CorruptStepError
-from skip_harness.store import payload_file
 from skip_harness.store.bufferpool import BufferPool, Lease
 from skip_harness.store.checksum import checksum_bytes
 from skip_harness.store.commit import CommitRecord, FileEntry, expected_rels, parse_commit
@@ -172,8 +171,16 @@ class StepReader:
             path = self.layout.step_dir(step) / entry.rel
             with _corrupt_on_codec_error(path):     # either format, from the verified mapping
                 return codec.load_buffer(mapped, entry.bytes, path)   # tensors: views of the mapping
-        return _load_file(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank, self.backend),
-                                     self.backend))
+        path, image, size = self._unchecked(step, payload_rel_at(self.layout, step, inner_index, rank, self.backend))
+        with _corrupt_on_codec_error(path):
+            return codec.load_buffer(image, size, path)
+
+    def _unchecked(self, step: int, rel: str) -> Tuple[Path, Any, int]:
+        """(path, buffer, size) of file `rel` of a step with nothing to check it against (no commit
+        record), through the namespace, once `real_file` checked no component of it is a link."""
+        path = real_file(self.layout, step, rel, self.backend)
+        buf, size = self.backend.read_unchecked(step, rel)
+        return path, buf, size
 
     def read_step(self, step: int, rank: int) -> List[Any]:
         """The K mini-batches of this rank in inner order (a committed step's verified, as for a hit)."""
@@ -196,7 +203,7 @@ class StepReader:
         and meta files of `ranks`, if given; unknown extra files always), read as a hit reads them.
         With `load`, also every payload of `ranks` (all ranks by default) is checked to load safely --
         header, records and bounds, nothing executed, no registered type needed in this process
-        (`payload_file.check`; on an object store, the verified read and a decode); a payload that
+        (`codec.check_buffer`; on an object store, the verified read and a decode); a payload that
         would need pickled code fails. An unverified (older) step has no checksums: only the load check
         applies. Incomplete and corrupt steps fail with their status and reason."""
         wanted = None if ranks is None else set(ranks)
@@ -238,7 +245,8 @@ class StepReader:
                 if not self.backend.caps.mmap:     # no local file to check in place: the verified read and a decode
                     self.read_inner(step, i, r)
                     continue
-                payload_file.check(real_file(layout, step, payload_rel_at(layout, step, i, r, self.backend), self.backend))
+                path, image, size = self._unchecked(step, payload_rel_at(layout, step, i, r, self.backend))
+                codec.check_buffer(image, size, str(path))
             except (CorruptStepError, codec.CodecError) as exc:
                 return str(exc)
         return None
@@ -310,12 +318,6 @@ class StepReader:
             return entries[rel]
         raise CorruptStepError(self.layout.commit_path(step),
                                f"lists no entry for {self.layout.payload_rel(inner_index, rank)}")
-
-
-def _load_file(path: Path) -> Any:
-    """A payload file loaded as it is (no commit record to check it against): `payload_file.load`."""
-    with _corrupt_on_codec_error(path):
-        return payload_file.load(path)
 
 
 @contextlib.contextmanager

@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from skip_harness.errors import CorruptStepError
-from skip_harness.store.commit import (  # noqa: F401  (re-exported: the names callers import from here)
-    COMMIT_FORMAT, WRITER_NAME, CommitRecord, FileEntry, expected_rels, is_safe_rel, parse_commit, required_rels,
-)
+from skip_harness.store.commit import WRITER_NAME, CommitRecord, expected_rels, parse_commit
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import COMMIT_NAME, Layout
 from skip_harness.store.namespace import LINK_WHAT, Namespace, StepListing

@@ -4,8 +4,9 @@ commit record last) and `reader` (a `reader.StepReader`: the one verified read p
 `verify`). `status(step)` classifies a step from its listing (`status.classify_step`).
 
 How bytes reach the storage is the backend's (`store.posix`, O_DIRECT from pool buffers and
-fd-relative walks that never follow a link; `store.objstore`). The names other modules import from
-here (`fileops`, `status`) are re-exported.
+fd-relative walks that never follow a link; `store.objstore`). Its namespace is opened by the caller
+(`store.open.open_namespace`, or `open_store` for both at once) and handed in. Only `StepStore` is
+defined here: the names it uses are imported from their own modules (`commit`, `status`, `writer`).
 
 This module does no logging: it raises or returns, and the harness reports.
 """
@@ -15,15 +16,11 @@ from typing import Optional
 
 from skip_harness.codec import StoredForm
 from skip_harness.store.bufferpool import BufferPool
-from skip_harness.store.checksum import checksum_bytes  # noqa: F401  (re-exported: the store's public names)
-from skip_harness.store.commit import (  # noqa: F401  (re-exported: the store's public names)
-    COMMIT_FORMAT, WRITER_NAME, CommitRecord, FileEntry, expected_rels, is_safe_rel, parse_commit, required_rels,
-)
 from skip_harness.store.layout import Layout
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.reader import StepReader
-from skip_harness.store.status import STATUSES, StepReport, classify_step  # noqa: F401  (re-exported)
-from skip_harness.store.writer import StagedInner, StepWriter  # noqa: F401  (re-exported)
+from skip_harness.store.status import StepReport, classify_step
+from skip_harness.store.writer import StepWriter
 
 
 class StepStore:
