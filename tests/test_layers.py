@@ -224,3 +224,44 @@ def test_the_store_reaches_a_namespace_only_through_its_storage():
     assert not found, "file access on cache paths above the storage seam:\n" + "\n".join(found)
     # the check sees what it looks for: the POSIX backend is made of it
     assert sum(1 for p in (ROOT / "skip_harness" / "store" / "posix").rglob("*.py") for _ in _file_access(p)) > 20
+
+
+# ---------------------------------------------------------------------------- a step's status: one enum
+
+_STATUS_TEXTS = {"complete", "unverified", "incomplete", "corrupt"}
+# cli/view/ (the viewer: its pages and charts key colours by the status text) is another change's; the
+# enum is a str, so those keys match it.
+_STATUS_TEXT_ALLOWED = ("skip_harness/store/status.py", "skip_harness/cli/view/")
+
+
+def _status_literals(root: Path):
+    """String constants that are a step status, outside docstrings, in the package."""
+    import ast
+
+    found = []
+    for path in sorted((root / "skip_harness").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(_STATUS_TEXT_ALLOWED):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in _STATUS_TEXTS and id(node) not in docstrings:
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_a_step_status_is_the_enum_not_a_string():
+    """Issue 29: a step's status is `store.status.StepStatus` (a str-valued enum, like `Outcome`), never the
+    string spelled out again: a typo'd status would compare unequal to every step without a word."""
+    found = _status_literals(ROOT)
+    assert not found, "a step status spelled as a string (use store.status.StepStatus):\n" + "\n".join(found)
+    from skip_harness.store.status import STATUSES, StepStatus
+
+    assert [str(s) for s in STATUSES] == ["complete", "unverified", "incomplete", "corrupt"]
+    assert f"{StepStatus.CORRUPT}" == "corrupt" and StepStatus.COMPLETE == "complete"
+    import json
+
+    assert json.dumps({StepStatus.COMPLETE: [StepStatus.INCOMPLETE]}) == '{"complete": ["incomplete"]}'

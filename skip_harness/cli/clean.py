@@ -34,6 +34,7 @@ from skip_harness.cli._common import (
     step_written,
 )
 from skip_harness.cli._verify import verified_steps
+from skip_harness.store.status import StepStatus
 
 RETENTION_STATUS = "retention"   # what a step removed by a retention rule is listed as
 
@@ -188,7 +189,7 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
             doc["moved_bytes"] = result.moved_bytes
             doc["errors"] = list(result.errors)
             for item in result.items:
-                if item.status == "corrupt":
+                if item.status == StepStatus.CORRUPT:
                     logger.warning("%s: corrupt step %d %s: %s", ns.layout.root, item.step,
                                    "quarantined" if quarantine else "removed", item.reason)
             totals.add(len(result.items), result.moved_bytes if quarantine else result.freed_bytes,

@@ -27,6 +27,7 @@ from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store.layout import Layout
 from skip_harness.store.open import open_namespace
+from skip_harness.store.status import StepStatus
 from skip_harness.store.reader import StepReader
 from skip_harness.store.stepstore import StepStore
 from skip_harness.cli.clean import step_ranges
@@ -171,7 +172,7 @@ def _export_step(reader: StepReader, s: _scan.StepReport, name: str, sink: Optio
     if not s.servable:
         result.skipped.append((name, s.step, f"{s.status}: {s.reason}"))
         return
-    if s.status == "complete":
+    if s.status == StepStatus.COMPLETE:
         _status, reason = reader.verify(s.step, load=False)   # sizes and checksums; loading is next
         if reason is not None:
             result.skipped.append((name, s.step, f"corrupt: {reason}"))

@@ -33,6 +33,7 @@ from skip_harness.cli._common import (
     step_written,
 )
 from skip_harness.cli._verify import verified_steps
+from skip_harness.store.status import StepStatus
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class NamespaceView:
         return [r.report for r in self.rows]
 
     def counts(self) -> Dict[str, int]:
-        out = {k: 0 for k in _scan.STATUSES}
+        out: Dict[str, int] = {k.value: 0 for k in _scan.STATUSES}
         for r in self.rows:
             out[r.report.status] += 1
         return out
@@ -182,14 +183,14 @@ def namespace_blocks(views: Sequence[NamespaceView], base: Path, title: str) -> 
 
 
 def _count(status: str, n: int) -> str:
-    if n and status == "corrupt":
+    if n and status == StepStatus.CORRUPT:
         return f"[bold red]{n}[/]"
-    if n and status == "incomplete":
+    if n and status == StepStatus.INCOMPLETE:
         return f"[yellow]{n}[/]"
     return str(n)
 
 
-_STATUS_STYLE = {"complete": "green", "unverified": "cyan", "incomplete": "yellow", "corrupt": "bold red"}
+_STATUS_STYLE = {StepStatus.COMPLETE: "green", StepStatus.UNVERIFIED: "cyan", StepStatus.INCOMPLETE: "yellow", StepStatus.CORRUPT: "bold red"}
 
 
 def _stamp(ts: Optional[float]) -> str:
@@ -259,11 +260,11 @@ def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) ->
             checked, failed = verified_steps(store.reader, report, bar.advance)
             bar.finish(f"{len(failed)} corrupt" if failed else "")
             views.append(view(store, checked))
-    n_corrupt = sum(v.counts()["corrupt"] for v in views)
+    n_corrupt = sum(v.counts()[StepStatus.CORRUPT] for v in views)
     if as_json:
         emit_json({"namespaces": [namespace_json(v) for v in views]})
     elif views:
-        _print_views(views, base, f"verified {base}", steps, only=("incomplete", "corrupt"))
+        _print_views(views, base, f"verified {base}", steps, only=(StepStatus.INCOMPLETE, StepStatus.CORRUPT))
         console = stdout_console()
         if n_corrupt:
             console.print(f"{n_corrupt} corrupt step{'s' if n_corrupt != 1 else ''} found "

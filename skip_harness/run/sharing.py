@@ -24,6 +24,7 @@ from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.run.dist import DistContext
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.locking import Hold
+from skip_harness.store.status import StepStatus
 
 COMMITTED, HOLDER, OWN = "committed", "holder", "own"
 _POLL_S = 0.2
@@ -70,7 +71,7 @@ class Follower:
             report = self.store.status(step)
         except (SkipHarnessError, OSError):      # out of reach: not known to be committed
             return False
-        if report.status != "complete":
+        if report.status != StepStatus.COMPLETE:
             return False
         return self.fingerprint is None or self.fingerprint.matches(report.fingerprint)
 

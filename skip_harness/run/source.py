@@ -37,6 +37,7 @@ from skip_harness.store.open import open_dump_dir, open_namespace
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.urls import UrlPath, is_url, local_path
+from skip_harness.store.status import StepStatus
 
 log = logging.getLogger("skip_harness")
 
@@ -226,7 +227,7 @@ def load_regrouped(source: Source, step: int, K: int, W: int, rank: int) -> Load
     P, Q = source.K * source.W, K * W
     try:
         report = store.status(step)
-        if report.status not in ("complete", "unverified"):
+        if report.status not in (StepStatus.COMPLETE, StepStatus.UNVERIFIED):
             return Loaded(step, seconds=time.perf_counter() - t0, reason=f"{report.status}: {report.reason}",
                           step_bytes=report.bytes)
         pieces: Dict[int, Any] = {}
@@ -262,5 +263,5 @@ def load_regrouped(source: Source, step: int, K: int, W: int, rank: int) -> Load
         return Loaded(step, seconds=time.perf_counter() - t0, reason=str(exc))
     except SkipHarnessError as exc:      # an object store out of reach: a miss, the step is not blamed
         return Loaded(step, seconds=time.perf_counter() - t0, reason=f"cannot be read now: {exc}", unavailable=True)
-    return Loaded(step, batches, out_metas, report.status == "unverified", time.perf_counter() - t0,
+    return Loaded(step, batches, out_metas, report.status == StepStatus.UNVERIFIED, time.perf_counter() - t0,
                   step_bytes=report.bytes, regrouped=source.regrouped(K, W) or f"from {source.layout.url}")

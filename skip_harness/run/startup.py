@@ -24,6 +24,7 @@ from skip_harness.store.open import open_namespace
 from skip_harness.store.cleanup import CleanupItem, CleanupPlan, CleanupResult, plan_cleanup
 from skip_harness.store.scan import NamespaceReport, scan_namespace
 from skip_harness.units import human_bytes
+from skip_harness.store.status import StepStatus
 
 logger = logging.getLogger("skip_harness.run.startup")
 
@@ -63,9 +64,9 @@ class StartupResult:
         for s in self.report.steps:
             if s.step in handled:
                 continue
-            if s.status == "unverified":
+            if s.status == StepStatus.UNVERIFIED:
                 out.add(s.step)
-            elif s.status == "complete" and (fingerprint is None or fingerprint.matches(s.fingerprint)):
+            elif s.status == StepStatus.COMPLETE and (fingerprint is None or fingerprint.matches(s.fingerprint)):
                 out.add(s.step)
         return frozenset(out)
 
@@ -73,12 +74,12 @@ class StartupResult:
         return tuple(
             (s.step, s.fingerprint)
             for s in self.report.steps
-            if s.status == "complete" and s.fingerprint is not None and not fingerprint.matches(s.fingerprint)
+            if s.status == StepStatus.COMPLETE and s.fingerprint is not None and not fingerprint.matches(s.fingerprint)
         )
 
     def faults(self) -> Tuple[Tuple[str, str], ...]:
         """(path, reason) of every corrupt step found and every cleanup error: each gets a WARNING."""
-        out = [(str(s.path), f"corrupt step: {s.reason}") for s in self.report.steps if s.status == "corrupt"]
+        out = [(str(s.path), f"corrupt step: {s.reason}") for s in self.report.steps if s.status == StepStatus.CORRUPT]
         if self.cleanup is not None:
             out += [(str(self.layout.root), f"cleanup failed: {e}") for e in self.cleanup.errors]
         return tuple(out)
@@ -86,10 +87,10 @@ class StartupResult:
     def describe(self) -> str:
         """The one startup line: namespace, complete/unverified steps, what was handled (which, how, bytes)."""
         steps = self.report.steps
-        complete = sum(1 for s in steps if s.status == "complete")
-        unverified = sum(1 for s in steps if s.status == "unverified")
-        incomplete = [s.step for s in steps if s.status == "incomplete"]
-        corrupt = [s.step for s in steps if s.status == "corrupt"]
+        complete = sum(1 for s in steps if s.status == StepStatus.COMPLETE)
+        unverified = sum(1 for s in steps if s.status == StepStatus.UNVERIFIED)
+        incomplete = [s.step for s in steps if s.status == StepStatus.INCOMPLETE]
+        corrupt = [s.step for s in steps if s.status == StepStatus.CORRUPT]
         line = (
             f"rollout cache {self.layout.root}: {complete} complete, {unverified} unverified steps; "
             f"{len(incomplete)} incomplete{_steps(incomplete)}, {len(corrupt)} corrupt{_steps(corrupt)}"
@@ -188,7 +189,7 @@ def set_aside(layout: Layout, ns: Namespace, step: int, reason: str, action: str
     """A step that failed verification at run time, handled as `skip.rollout_tq.cleanup` says before it is
     regenerated: `quarantine` moves it under .quarantine/, otherwise it is removed."""
     how = Cleanup.quarantine.value if action == Cleanup.quarantine.value else Cleanup.delete.value
-    item = CleanupItem(step, layout.step_dir(step), "corrupt", reason, 0, how)
+    item = CleanupItem(step, layout.step_dir(step), StepStatus.CORRUPT, reason, 0, how)
     return CleanupPlan(layout, how, (item,)).execute(ns)
 
 

@@ -13,6 +13,7 @@ from skip_harness.store import index as _index
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.scan import LeftoverEntry, NamespaceReport
+from skip_harness.store.status import StepStatus
 
 __all__ = ["CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]
 
@@ -122,9 +123,9 @@ def plan_cleanup(report: NamespaceReport, action, extra: Iterable[Tuple[int, str
     for step, reason in extra:
         reasons.setdefault(step, reason)
     items = tuple(
-        CleanupItem(s.step, s.path, "corrupt" if s.servable else s.status,
+        CleanupItem(s.step, s.path, StepStatus.CORRUPT if s.servable else s.status,
                     reasons[s.step] if s.servable else s.reason, s.bytes, action.value)
         for s in report.steps
-        if s.status in ("incomplete", "corrupt") or (s.servable and s.step in reasons)
+        if s.status in (StepStatus.INCOMPLETE, StepStatus.CORRUPT) or (s.servable and s.step in reasons)
     )
     return CleanupPlan(report.layout, action.value, items, report.leftovers)

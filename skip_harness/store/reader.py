@@ -28,6 +28,7 @@ from skip_harness.store.namespace import Namespace
 from skip_harness.store.paths import check_position, meta_rel_at, payload_rel_at, real_file, without_path
 from skip_harness.store.status import StepReport, classify_step
 from skip_harness.store.values import StepValues, ValuesStore
+from skip_harness.store.status import StepStatus
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit('.', 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
 
@@ -126,34 +127,34 @@ class StepReader:
         the step's classification (`classify_step`) when the caller has just made it, else made here."""
         report = report if report is not None else self._classify(step)
         status = report.status
-        if status in ("incomplete", "corrupt"):
+        if status in (StepStatus.INCOMPLETE, StepStatus.CORRUPT):
             return status, f"{status}: {report.reason}", [], []
         K = self.layout.K
         try:
-            if status == "unverified":
+            if status == StepStatus.UNVERIFIED:
                 return (status, None, [self.read_inner(step, i, rank) for i in range(K)],
                         [self.read_meta(step, i, rank) for i in range(K)])
             record = report.record           # parsed once, by the listing that classified the step
             if record is None:
-                return "corrupt", self._record_gone(step), [], []
+                return StepStatus.CORRUPT, self._record_gone(step), [], []
             rank_of = self._rank_of_rels()
             entries = {e.rel: e for e in record.files}
             for entry in record.files:
                 if entry.rel not in rank_of:          # unknown extra files are checked, as by verify
                     reason = self._check_entry(step, entry)
                     if reason is not None:
-                        return "corrupt", reason, [], []
+                        return StepStatus.CORRUPT, reason, [], []
             batches, metas = [], []
             for i in range(K):
                 prel, mrel = self.layout.stored_rels(i, rank, entries.__contains__)   # as the record lists them
                 if prel not in entries or mrel not in entries:
-                    return ("corrupt", f"{self.layout.commit_path(step)}: lists no entry for "
+                    return (StepStatus.CORRUPT, f"{self.layout.commit_path(step)}: lists no entry for "
                             f"{prel if prel not in entries else mrel}", [], [])
                 metas.append(_parse_meta(self.layout.step_dir(step) / mrel,
                                          self._read_small_verified(step, entries[mrel])))
                 batches.append(self._read_payload_checked(step, entries[prel]))
         except CorruptStepError as exc:
-            return "corrupt", str(exc), [], []
+            return StepStatus.CORRUPT, str(exc), [], []
         return status, None, batches, metas
 
     def read_inner(self, step: int, inner_index: int, rank: int) -> Any:
@@ -185,9 +186,9 @@ class StepReader:
     def read_step(self, step: int, rank: int) -> List[Any]:
         """The K mini-batches of this rank in inner order (a committed step's verified, as for a hit)."""
         status, reason, batches, _metas = self.read_served(step, rank)
-        if status == "complete" and reason is None:
+        if status == StepStatus.COMPLETE and reason is None:
             return batches
-        if reason is not None and status == "corrupt":
+        if reason is not None and status == StepStatus.CORRUPT:
             raise CorruptStepError(self.layout.step_dir(step), reason)
         return [self.read_inner(step, i, rank) for i in range(self.layout.K)]
 
@@ -208,16 +209,16 @@ class StepReader:
         applies. Incomplete and corrupt steps fail with their status and reason."""
         wanted = None if ranks is None else set(ranks)
         report = self._classify(step)
-        if report.status in ("incomplete", "corrupt"):
+        if report.status in (StepStatus.INCOMPLETE, StepStatus.CORRUPT):
             return report.status, f"{report.status}: {report.reason}"
-        if report.status == "complete":
+        if report.status == StepStatus.COMPLETE:
             reason = self._checksums(step, report.record, wanted)
             if reason is not None:
-                return "corrupt", reason
+                return StepStatus.CORRUPT, reason
         if load:
             reason = self._loads(step, wanted)
             if reason is not None:
-                return "corrupt", reason
+                return StepStatus.CORRUPT, reason
         return report.status, None
 
     def _checksums(self, step: int, record: Optional[CommitRecord], wanted: Optional[set]) -> Optional[str]:

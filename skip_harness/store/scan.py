@@ -25,6 +25,7 @@ from skip_harness.store import status as _status
 from skip_harness.store.status import STATUSES, StepReport
 from skip_harness.store.storage import DIR
 from skip_harness.store.values import VALUES_DIR
+from skip_harness.store.status import StepStatus
 
 __all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace"]
 
@@ -62,7 +63,7 @@ class NamespaceReport:
         return sum(s.bytes for s in self.steps)
 
     def counts(self) -> Dict[str, int]:
-        out = {k: 0 for k in STATUSES}
+        out: Dict[str, int] = {k.value: 0 for k in STATUSES}
         for s in self.steps:
             out[s.status] += 1
         return out
@@ -165,12 +166,12 @@ def _scan_namespace(layout: Layout, ns: Namespace, use_index: bool, rewrite_inde
     stale = [s for s in changed if not (indexed[s].racy and _agrees(indexed[s], by_step[s]))]
     on_disk = set(by_step)
     gone = [s for s in indexed if s not in on_disk]
-    unindexed = [s.step for s in steps if s.status == "complete" and s.step not in indexed]
+    unindexed = [s.step for s in steps if s.status == StepStatus.COMPLETE and s.step not in indexed]
     note = note or _stale_note(stale, gone, unindexed)
     if rewrite_index and (note is not None or changed):  # changed but agreeing: racy, rewritten later-stamped
         fresh = list(trusted.values())
         for s in steps:
-            if s.status == "complete" and s.step not in trusted:
+            if s.status == StepStatus.COMPLETE and s.step not in trusted:
                 fp = None if s.fingerprint is None else s.fingerprint.to_json()
                 made = _index.make_entry(ns, layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
                 if made is not None:
@@ -223,7 +224,7 @@ def _scan_listed(layout: Layout, ns: Namespace, use_index: bool = True, rewrite_
     fresh = list(trusted.values())
     unindexed = []
     for r in steps:
-        if r.status != "complete" or r.step in trusted:
+        if r.status != StepStatus.COMPLETE or r.step in trusted:
             continue
         # indexed only when the record read is the object listed (no write slipped in between)
         etag = r.record_stamp
@@ -252,7 +253,7 @@ def _stale_note(changed: List[int], gone: List[int], unindexed: List[int]) -> Op
 
 def _agrees(entry: _index.IndexEntry, report: StepReport) -> bool:
     fp = None if report.fingerprint is None else report.fingerprint.to_json()
-    return (report.status == "complete" and report.bytes == entry.bytes and fp == entry.fingerprint
+    return (report.status == StepStatus.COMPLETE and report.bytes == entry.bytes and fp == entry.fingerprint
             and report.created == entry.created and report.gen_s == entry.gen_s)
 
 
@@ -261,7 +262,7 @@ def _from_entry(layout: Layout, e: _index.IndexEntry, fingerprints: Dict[int, Op
     fp = fingerprints.get(key)
     if fp is None and e.fingerprint is not None:
         fp = fingerprints[key] = Fingerprint.from_json(e.fingerprint)
-    return StepReport(e.step, _child(layout.root, str(e.step)), "complete", e.bytes, "", fp, True, True,
+    return StepReport(e.step, _child(layout.root, str(e.step)), StepStatus.COMPLETE, e.bytes, "", fp, True, True,
                       e.created, e.gen_s)
 
 
