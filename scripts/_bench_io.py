@@ -21,6 +21,7 @@ from _benchlib import (
     MiB, ZSTD, Arm, BenchError, interleave, iter_tensors, median, tensor_bytes, touch,
 )
 
+from skip_harness.store.open import open_store
 from skip_harness import codec
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.layout import Layout
@@ -54,7 +55,7 @@ def _raw_write(payload: Any, directory: Path) -> None:
 
 
 def bench_save(payload: Any, work: Path, repeats: int, floors: bool = True) -> Dict[str, float]:
-    store = StepStore(Layout(work / "save_ns", K=1, W=1))
+    store = open_store(Layout(work / "save_ns", K=1, W=1))
     bare_dir = work / "save_bare"
     bare_dir.mkdir(parents=True, exist_ok=True)
     cpu: Dict[str, List[float]] = {"durable": [], "bare": []}
@@ -99,7 +100,7 @@ def bench_zstd(payload: Any, work: Path, repeats: int) -> Dict[str, float]:
     decompressing it, on one thread."""
     from skip_harness.codec import tensorfile
 
-    store = StepStore(Layout(work / "zstd_ns", K=1, W=1), form=ZSTD)
+    store = open_store(Layout(work / "zstd_ns", K=1, W=1), form=ZSTD)
     nbytes = tensor_bytes(payload)
     saves, loads = [], []
     for _ in range(repeats + 1):
@@ -221,7 +222,7 @@ def _peak_rss_kib() -> Tuple[int, str]:
 def child_mem(kind: str, ns_root: str, bare_big: str, bare_small: str) -> None:
     """In a fresh process (this file run as a script): load once small (warm-up), then the big payload;
     report the peak RSS growth as one JSON line."""
-    store = StepStore(Layout(Path(ns_root), K=1, W=1))
+    store = open_store(Layout(Path(ns_root), K=1, W=1))
     if kind == "ours":
         touch(load_verified(store, 3))
     else:

@@ -70,7 +70,7 @@ def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _benchlib import SyntheticTrainer, make_harness
 
-    from skip_harness.store.open import namespace_of
+    from skip_harness.store.open import open_namespace
 
     dump = work / "replays"
     h = make_harness("async", dump)
@@ -81,7 +81,7 @@ def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
         t.sample(step)
     h.close()
     layout = h.layout
-    hold = namespace_of(layout).lock(0.0)          # a recording still running: every replay reads beside it
+    hold = open_namespace(layout).lock(0.0)          # a recording still running: every replay reads beside it
     procs = [_start(dump, steps) for _ in range(REPLAYS)]    # started (torch imported) once, for every round
     try:
         for p in procs:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List
 
 from _benchlib import SCAN_BUILD_FORMAT, SCAN_K, BenchError, build_scan_namespace, log, median
 
+from skip_harness.store.open import open_namespace
 from skip_harness.store import index
 from skip_harness.store.layout import Layout
 from skip_harness.store.scan import scan_namespace
@@ -27,7 +28,7 @@ def scan_namespace_for(work: Path, steps: int, reuse: bool) -> Layout:
             if json.loads(marker.read_text()) == want:
                 log.info("reusing the scan namespace in %s (without its index: the first scan builds it)", root)
                 layout = Layout(root, K=SCAN_K, W=1)
-                index.remove(layout)
+                index.remove(open_namespace(layout))
                 return layout
         except ValueError:
             pass
@@ -45,7 +46,7 @@ def bench_scan(layout: Layout, steps: int, warm_runs: int = 3) -> Dict[str, Any]
     without it (use_index=False), interleaved."""
     def timed(use_index: bool) -> float:
         t0 = time.perf_counter()
-        report = scan_namespace(layout, use_index=use_index)
+        report = scan_namespace(layout, open_namespace(layout), use_index=use_index)
         dt = time.perf_counter() - t0
         if report.counts()["complete"] != steps or len(report.steps) != steps:
             raise BenchError(f"scan of {layout.root} found {report.counts()}, expected {steps} complete steps")

@@ -18,11 +18,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from skip_harness.store.open import open_store
 from skip_harness import codec
 from skip_harness.config import RolloutTQConfig
 from skip_harness.run.harness import SkipHarness
 from skip_harness.store.layout import COMMIT_NAME, Layout
-from skip_harness.store.stepstore import StepStore
 
 log = logging.getLogger("skip_harness.bench")
 
@@ -358,7 +358,7 @@ def build_scan_namespace(root: Path, steps: int, K: int = SCAN_K) -> Layout:
     10,000 steps take minutes). The scan reads directory listings, lstat and commit records, so it
     sees exactly what it would see after a real run."""
     layout = Layout(root, K=K, W=1)
-    store = StepStore(layout)
+    store = open_store(layout)
     g = torch.Generator().manual_seed(2)
     entries: List[Any] = []
     for i in range(K):

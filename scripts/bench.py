@@ -108,8 +108,8 @@ from _benchlib import (  # noqa: E402,F401  (ZSTD_LEVEL, make_payload, disk_rati
     log, make_jagged_payload, make_moe_payload, make_payload, tensor_bytes,
 )
 
+from skip_harness.store.open import open_store  # noqa: E402
 from skip_harness.store.layout import Layout  # noqa: E402
-from skip_harness.store.stepstore import StepStore  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                        "save_small_ratio": small_save["save_ratio"]})
 
         log.info("load: verified read_inner vs torch.load(weights_only=True), %d repeats", args.repeats)
-        load_store = StepStore(Layout(work / "load_ns", K=1, W=1))
+        load_store = open_store(Layout(work / "load_ns", K=1, W=1))
         big_file = write_committed_step(load_store, 1, payload)
         small_file = write_committed_step(load_store, 2, small)
         warm_file = write_committed_step(load_store, 3, make_payload(4, seed=3))

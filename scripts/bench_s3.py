@@ -104,10 +104,10 @@ def bench_s3(rows: int = 1024, repeats: int = 7, work: Path | None = None) -> Di
 
     from skip_harness import codec
     from skip_harness.store.layout import Layout, UrlPath
-    from skip_harness.store.stepstore import StepStore
+    from skip_harness.store.open import open_store
 
     with _server_bucket(work, "bench-s3") as bucket:
-        steps = StepStore(Layout(UrlPath(f"s3://{bucket}/exp_proj/GBS{rows}_N1_in1024_out3072"), K=1, W=1))  # type: ignore[arg-type]  # Layout takes a UrlPath for an object store
+        steps = open_store(Layout(UrlPath(f"s3://{bucket}/exp_proj/GBS{rows}_N1_in1024_out3072"), K=1, W=1))  # type: ignore[arg-type]  # Layout takes a UrlPath for an object store
         store = S3Store(bucket)        # a bare client of the same server, from the same AWS_* environment
         payload = make_payload(rows)
         image = _image(codec, payload)

@@ -44,9 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 from _benchlib import SCAN_K, MiB, build_scan_namespace, make_payload  # noqa: E402
 
+from skip_harness.store.open import open_namespace, open_store  # noqa: E402
 from skip_harness.store.layout import Layout  # noqa: E402
 from skip_harness.store.scan import scan_namespace  # noqa: E402
-from skip_harness.store.stepstore import StepStore  # noqa: E402
 
 log = logging.getLogger("skip_harness.bench_view")
 
@@ -135,7 +135,7 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
     cache = work / "cache"
     step_ns = Layout(cache / "bench_view" / "GBS1024_N8_in1024_out3072", K=1, W=1)
     other_ns = Layout(cache / "bench_view_b" / "GBS1024_N8_in1024_out3072", K=1, W=1)
-    store, other = StepStore(step_ns), StepStore(other_ns)
+    store, other = open_store(step_ns), open_store(other_ns)
     payload = make_payload(rows)
     longest = int(payload["response_length"].argmax())
     longest_tokens = int(payload["response_length"][longest])
@@ -150,8 +150,8 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
     del payload
     log.info("step of %.1f MiB written; building %d steps x K=%d", nbytes / MiB, steps, SCAN_K)
     big = build_scan_namespace(work / "scan" / "bench_scan" / f"GBS8_N1_in16_out16_K{SCAN_K}_W1", steps)
-    scan_namespace(big)                           # builds the index, as the first run after a training would
-    reader = StepStore(step_ns).reader
+    scan_namespace(big, open_namespace(big))                           # builds the index, as the first run after a training would
+    reader = open_store(step_ns).reader
 
     turn = [0]
 
@@ -162,11 +162,11 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
             raise SystemExit(f"the bench step does not verify: {reason}")
 
     def indexed_scan() -> None:
-        report = scan_namespace(big)
+        report = scan_namespace(big, open_namespace(big))
         if report.counts()["complete"] != steps or not report.index_used:
             raise SystemExit(f"the indexed scan found {report.counts()} (index used: {report.index_used})")
 
-    other_reader = StepStore(other_ns).reader
+    other_reader = open_store(other_ns).reader
 
     def two_reads() -> None:
         turn[0] += 1

@@ -50,8 +50,8 @@ READ_WITHOUT_CUDA = textwrap.dedent(
     from pathlib import Path
     import torch
     from skip_harness.store.layout import Layout
-    from skip_harness.store.stepstore import StepStore
-    [back] = StepStore(Layout(Path(sys.argv[1]), K=1, W=1)).reader.read_step(1, 0)
+    from skip_harness.store.open import open_store
+    [back] = open_store(Layout(Path(sys.argv[1]), K=1, W=1)).reader.read_step(1, 0)
     def leaves(o):
         if isinstance(o, dict): return [x for v in o.values() for x in leaves(v)]
         if isinstance(o, (list, tuple)): return [x for v in o for x in leaves(v)]
@@ -64,7 +64,7 @@ READ_WITHOUT_CUDA = textwrap.dedent(
 
 def check_payload(work: Path, dry_run: bool) -> str:
     from skip_harness.store.layout import Layout
-    from skip_harness.store.stepstore import StepStore
+    from skip_harness.store.open import open_store
 
     devices = _devices(dry_run)
     d0 = devices[0]
@@ -80,7 +80,7 @@ def check_payload(work: Path, dry_run: bool) -> str:
         "info": {"n": 3, "name": "gpu_check", "pair": (1, 2.5)},
     }
     layout = Layout(work / "payload" / "ns", K=1, W=1)
-    store = StepStore(layout)
+    store = open_store(layout)
     entries = list(store.writer.write_inner(1, 0, 0, payload, {"note": "gpu_check"}))
     store.writer.commit(1, entries, None)
     _status, problem = store.reader.verify(1)

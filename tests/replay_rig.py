@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from skip_harness.store.open import open_store
 from skip_harness.store.layout import Layout, parse_namespace_leaf
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.values import ValuesStore
@@ -22,7 +23,7 @@ _WRITER_KEYS = ("writer", "step", "inner_index", "rank", "K", "W", "payload", "f
 
 
 def serve_other_rollouts(layout: Layout, src: int, dst: int) -> None:
-    store = StepStore(layout)
+    store = open_store(layout)
     values = ValuesStore(store.backend)
     recorded = values.read_step(dst)
     record = store.reader.read_commit(dst)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.store import index
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.stepstore import StepStore
@@ -126,10 +127,10 @@ def test_bench_rejects_a_bad_option_without_traceback(tmp_path):
 
 def test_bench_scan_namespace_is_complete_and_verifies(tmp_path):
     layout = lib.build_scan_namespace(tmp_path / "ns", 25)
-    report = scan_namespace(layout)
+    report = scan_namespace(layout, open_namespace(layout))
     assert report.counts() == {"complete": 25, "unverified": 0, "incomplete": 0, "corrupt": 0}
-    assert report.steps == scan_namespace(layout, use_index=False).steps
-    store = StepStore(layout)
+    assert report.steps == scan_namespace(layout, open_namespace(layout), use_index=False).steps
+    store = open_store(layout)
     for step in (1, 13, 25):
         assert store.reader.verify(step)[1] is None
     a, b = store.reader.read_inner(1, 3, 0), store.reader.read_inner(25, 3, 0)

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from skip_harness.store.open import open_store
 from skip_harness import SkipHarness
 from skip_harness.store.bufferpool import ALIGN, BufferPool, Copier
 from skip_harness.store.layout import Layout
@@ -64,7 +65,7 @@ def test_copier_copies_every_byte(nbytes):
 
 
 def _write_in_child(root: str, payload, q) -> None:
-    st = StepStore(Layout(__import__("pathlib").Path(root), K=1, W=1))
+    st = open_store(Layout(__import__("pathlib").Path(root), K=1, W=1))
     st.writer.commit(2, st.writer.write_inner(2, 0, 0, payload, {}), None)
     q.put(st.reader.verify(2)[1])
 
@@ -72,7 +73,7 @@ def _write_in_child(root: str, payload, q) -> None:
 def test_a_forked_child_writes_after_its_parent_copied_and_computed(tmp_path):
     """Copies use the copier's own threads, not torch's OpenMP pool, which hangs in a forked child (the
     child here runs no torch op of its own: those would hang too)."""
-    st = StepStore(Layout(tmp_path / "ns", K=1, W=1))
+    st = open_store(Layout(tmp_path / "ns", K=1, W=1))
     big = {"x": torch.randn(3 << 20)}
     st.writer.commit(1, st.writer.write_inner(1, 0, 0, big, {}), None)     # the parent used the copier...
     torch.mm(torch.randn(256, 256), torch.randn(256, 256))   # ...and torch's intra-op threads
@@ -181,7 +182,7 @@ def test_an_interrupted_copy_waits_for_its_helpers_before_the_buffer_can_go(monk
 def test_a_step_that_changes_status_while_read_is_never_served_empty(tmp_path, monkeypatch):
     from skip_harness.store.status import StepReport
 
-    st = StepStore(Layout(tmp_path / "ns", K=1, W=1))
+    st = open_store(Layout(tmp_path / "ns", K=1, W=1))
     st.writer.commit(1, st.writer.write_inner(1, 0, 0, {"x": torch.ones(3)}, {}), None)
     from skip_harness.store import reader as reader_mod
 

@@ -12,6 +12,7 @@ import os
 import re
 
 from conftest import subprocess_env, write_legacy, write_step
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.cli import main
 from skip_harness.store.layout import NamespaceKey
 from skip_harness.store.scan import scan_namespace
@@ -23,13 +24,13 @@ from skip_harness.units import human_bytes
 def cache(tmp_path):
     """Two namespaces: A (K=2) with one step of each status, B (K=1) with two complete steps."""
     dump = tmp_path / "dump"
-    a = StepStore(NamespaceKey("expA", "proj", 8, 2, 4, 4, K=2).layout(dump))
+    a = open_store(NamespaceKey("expA", "proj", 8, 2, 4, 4, K=2).layout(dump))
     write_step(a, 1)
     write_legacy(a.layout, 2)
     write_step(a, 3, inners=[0], commit=False)
     write_step(a, 4)
     a.layout.commit_path(4).write_text("garbage")
-    b = StepStore(NamespaceKey("expB", "proj", 8, 2, 4, 4).layout(dump))
+    b = open_store(NamespaceKey("expB", "proj", 8, 2, 4, 4).layout(dump))
     write_step(b, 1)
     write_step(b, 2)
     return dump, a, b
@@ -66,7 +67,7 @@ def test_ls_human(cache, capsys):
 def test_ls_shows_mode_seed_and_generation_seconds(tmp_path, capsys):
     from skip_harness.store.fingerprint import Fingerprint
 
-    store = StepStore(NamespaceKey("e", "p", 8, 2, 4, 4).layout(tmp_path))
+    store = open_store(NamespaceKey("e", "p", 8, 2, 4, 4).layout(tmp_path))
     fp = Fingerprint({"trainer.v1.trainer_mode": "colocate_async", "seed": 7})
     for step, gen_s in ((1, 1.25), (2, 2.5)):
         entries = store.writer.write_inner(step, 0, 0, {"x": torch.ones(2)}, {"gen_s": gen_s})
@@ -87,7 +88,7 @@ def test_ls_json_is_one_document_matching_the_scan(cache, capsys):
     assert [ns["path"] for ns in doc["namespaces"]] == [str(a.layout.root), str(b.layout.root)]
     ns = doc["namespaces"][0]
     assert (ns["K"], ns["W"]) == (2, 1)
-    expected = [{"step": s.step, "status": s.status, "bytes": s.bytes} for s in scan_namespace(a.layout).steps]
+    expected = [{"step": s.step, "status": s.status, "bytes": s.bytes} for s in scan_namespace(a.layout, open_namespace(a.layout)).steps]
     assert [{k: s[k] for k in ("step", "status", "bytes")} for s in ns["steps"]] == expected
     assert all(s["bytes"] > 0 for s in ns["steps"])
 
@@ -131,7 +132,7 @@ def test_verify_finds_a_flipped_byte(cache, capsys):
 def test_clean_dry_run_touches_nothing(cache, capsys):
     dump, a, b = cache
     before = sorted(str(p) for p in dump.rglob("*"))
-    plan_bytes = sum(s.bytes for s in scan_namespace(a.layout).steps if s.status in ("incomplete", "corrupt"))
+    plan_bytes = sum(s.bytes for s in scan_namespace(a.layout, open_namespace(a.layout)).steps if s.status in ("incomplete", "corrupt"))
     code, out, _ = run(capsys, "clean", str(dump), "--dry-run")
     assert code == 0
     assert f"would remove 2 steps, {human_bytes(plan_bytes)}; frees {human_bytes(plan_bytes)}" in out
@@ -143,11 +144,11 @@ def test_clean_dry_run_touches_nothing(cache, capsys):
 
 def test_clean_removes_incomplete_and_corrupt_steps(cache, capsys):
     dump, a, b = cache
-    plan_bytes = sum(s.bytes for s in scan_namespace(a.layout).steps if s.status in ("incomplete", "corrupt"))
+    plan_bytes = sum(s.bytes for s in scan_namespace(a.layout, open_namespace(a.layout)).steps if s.status in ("incomplete", "corrupt"))
     code, out, _ = run(capsys, "clean", str(dump))
     assert code == 0 and f"freed {human_bytes(plan_bytes)}" in out
-    assert {s.step: s.status for s in scan_namespace(a.layout).steps} == {1: "complete", 2: "unverified"}
-    assert len(scan_namespace(b.layout).steps) == 2
+    assert {s.step: s.status for s in scan_namespace(a.layout, open_namespace(a.layout)).steps} == {1: "complete", 2: "unverified"}
+    assert len(scan_namespace(b.layout, open_namespace(b.layout)).steps) == 2
     assert not a.layout.lock_holder_path.exists()   # the lock was taken and given back
 
 
@@ -156,7 +157,7 @@ def test_clean_quarantine(cache, capsys):
     code, out, _ = run(capsys, "clean", str(dump), "--quarantine")
     assert code == 0 and "quarantined 2 steps" in out
     assert sorted(p.name.split("-")[0] for p in a.layout.quarantine_dir.iterdir()) == ["3", "4"]
-    assert [s.step for s in scan_namespace(a.layout).steps] == [1, 2]
+    assert [s.step for s in scan_namespace(a.layout, open_namespace(a.layout)).steps] == [1, 2]
 
 
 def test_clean_refuses_a_locked_namespace_and_handles_the_others(cache, capsys, lock_holder):
@@ -167,8 +168,8 @@ def test_clean_refuses_a_locked_namespace_and_handles_the_others(cache, capsys, 
         code, out, err = run(capsys, "clean", str(dump), *extra)
         assert code == 3
         assert f"pid {holder.pid}" in err and str(a.layout.root) in err
-    assert len(scan_namespace(a.layout).steps) == 4      # untouched
-    assert [s.step for s in scan_namespace(b.layout).steps] == [1, 2]   # B was cleaned
+    assert len(scan_namespace(a.layout, open_namespace(a.layout)).steps) == 4      # untouched
+    assert [s.step for s in scan_namespace(b.layout, open_namespace(b.layout)).steps] == [1, 2]   # B was cleaned
 
 
 @pytest.mark.parametrize("kind", ["missing", "file"])
@@ -248,7 +249,7 @@ class Marker:
 def recommit_with(store, step, payload_bytes_writer):
     """Replace the payload of (step, 0, 0) and write a commit record whose sizes and checksums match it,
     so only loading the payload can tell that it is bad."""
-    from skip_harness.store.stepstore import FileEntry
+    from skip_harness.store.commit import FileEntry
     from skip_harness.store.posix.fileops import checksum_file
 
     lay = store.layout
@@ -276,7 +277,7 @@ def test_verify_reports_a_payload_safe_loading_refuses_and_clean_removes_it(cach
     assert not marker.exists()
     code, out, err = run(capsys, "clean", str(dump / "expB_proj"))
     assert code == 0 and "removed 1 step," in out and "corrupt step 2" in err
-    assert [s.step for s in scan_namespace(b.layout).steps] == [1]
+    assert [s.step for s in scan_namespace(b.layout, open_namespace(b.layout)).steps] == [1]
     assert run(capsys, "verify", str(dump / "expB_proj"))[0] == 0
     assert not marker.exists()
 
@@ -292,10 +293,10 @@ def test_clean_removes_a_checksum_corrupt_step_and_quarantine_keeps_it(cache, ca
     doc = json.loads(out)["namespaces"][0]
     assert code == 0 and [(s["step"], s["status"]) for s in doc["steps"]] == [(1, "corrupt"), (2, "corrupt")]
     assert "checksum" in doc["steps"][0]["reason"]
-    assert len(scan_namespace(b.layout).steps) == 2                         # a dry run changes nothing
+    assert len(scan_namespace(b.layout, open_namespace(b.layout)).steps) == 2                         # a dry run changes nothing
     code, out, _ = run(capsys, "clean", str(dump / "expB_proj"), "--quarantine")
     assert code == 0 and "quarantined 2 steps" in out
-    assert scan_namespace(b.layout).steps == ()
+    assert scan_namespace(b.layout, open_namespace(b.layout)).steps == ()
     assert sorted(p.name.split("-")[0] for p in b.layout.quarantine_dir.iterdir()) == ["1", "2"]
 
 
@@ -333,7 +334,7 @@ def test_clean_of_a_namespace_that_cannot_be_written_is_a_one_line_error(cache, 
     monkeypatch.setattr(lock.NamespaceLock, "acquire", refuse)
     code, out, err = run(capsys, "clean", str(dump / "expA_proj"))
     assert code == 1 and "Read-only file system" in err and "Traceback" not in err
-    assert len(scan_namespace(a.layout).steps) == 4
+    assert len(scan_namespace(a.layout, open_namespace(a.layout)).steps) == 4
 
 
 def test_ls_on_a_narrow_console_prints_a_block_per_namespace(cache, capsys, monkeypatch):
@@ -370,7 +371,7 @@ def test_ls_without_a_dump_dir_lists_where_runs_write_and_says_so(cache, capsys,
 
 def test_ls_gives_a_grand_total_a_last_read_column_and_sorts(cache, capsys):
     dump, a, b = cache
-    total = sum(s.bytes for lay in (a.layout, b.layout) for s in scan_namespace(lay).steps)
+    total = sum(s.bytes for lay in (a.layout, b.layout) for s in scan_namespace(lay, open_namespace(lay)).steps)
     code, out, _ = run(capsys, "ls", str(dump))
     assert code == 0 and f"2 namespaces, 6 steps, {human_bytes(total)} in all" in out
     rows = table_rows(out)

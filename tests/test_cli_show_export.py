@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import write_legacy
+from skip_harness.store.open import open_store
 from skip_harness.cli import main
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import NamespaceKey
@@ -44,7 +45,7 @@ def rollout(step: int, inner: int, n: int = 6) -> dict:
 @pytest.fixture
 def cache(tmp_path):
     dump = tmp_path / "dump"
-    store = StepStore(NamespaceKey("exp", "proj", 12, 2, 4, 5, K=2).layout(dump))
+    store = open_store(NamespaceKey("exp", "proj", 12, 2, 4, 5, K=2).layout(dump))
     fp = Fingerprint({"trainer.v1.trainer_mode": "separate_async", "seed": 3})
     payloads = {}
     for step in (1, 2, 3):
@@ -53,7 +54,7 @@ def cache(tmp_path):
             payloads[(step, inner)] = rollout(step, inner)
             entries += store.writer.write_inner(step, inner, 0, payloads[(step, inner)], {"gen_s": 0.5 + step})
         store.writer.commit(step, entries, fp)
-    td_store = StepStore(NamespaceKey("tdexp", "proj", 4, 1, 3, 3).layout(dump))
+    td_store = open_store(NamespaceKey("tdexp", "proj", 4, 1, 3, 3).layout(dump))
     td = tensordict.TensorDict({"ids": torch.arange(12).reshape(4, 3), "r": torch.ones(4)}, batch_size=[4])
     td_store.writer.commit(1, td_store.writer.write_inner(1, 0, 0, td, {}), None)
     return dump, store, payloads, td_store, td
@@ -286,7 +287,7 @@ def test_export_of_a_step_range_the_cache_does_not_hold_is_a_usage_error_and_wri
 
 
 def test_export_names_the_rank_of_every_shard(tmp_path, capsys):
-    store = StepStore(NamespaceKey("w2", "proj", 4, 1, 3, 3, K=1, W=2).layout(tmp_path / "dump"))
+    store = open_store(NamespaceKey("w2", "proj", 4, 1, 3, 3, K=1, W=2).layout(tmp_path / "dump"))
     entries = []
     for rank in (0, 1):
         entries += store.writer.write_inner(1, 0, rank, {"r": torch.full((3,), float(rank)), "who": f"rank{rank}"}, {})
@@ -301,7 +302,7 @@ def test_export_names_the_rank_of_every_shard(tmp_path, capsys):
 
 
 def test_show_counts_each_byte_once_in_nested_containers(tmp_path, capsys):
-    store = StepStore(NamespaceKey("nest", "proj", 4, 1, 3, 3).layout(tmp_path / "dump"))
+    store = open_store(NamespaceKey("nest", "proj", 4, 1, 3, 3).layout(tmp_path / "dump"))
     td = tensordict.TensorDict({"ids": torch.zeros(4, 3, dtype=torch.int64)}, batch_size=[4])   # 96 B
     payload = {"batch": td, "more": {"deeper": {"r": torch.zeros(4)}},                         # 16 B
                "tags": [{"a": 1}, {"a": 2}, {"a": 3}]}                                           # 3 x 8 B
@@ -314,7 +315,7 @@ def test_show_counts_each_byte_once_in_nested_containers(tmp_path, capsys):
 
 
 def test_export_jsonl_writes_nan_as_null(tmp_path, capsys):
-    store = StepStore(NamespaceKey("nan", "proj", 2, 1, 3, 3).layout(tmp_path / "dump"))
+    store = open_store(NamespaceKey("nan", "proj", 2, 1, 3, 3).layout(tmp_path / "dump"))
     store.writer.commit(1, store.writer.write_inner(1, 0, 0, {"r": torch.tensor([1.5, float("nan")])}, {}), None)
     out_path = tmp_path / "n.jsonl"
     assert run(capsys, "export", str(tmp_path / "dump"), "-o", str(out_path))[0] == 0

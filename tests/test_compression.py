@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from skip_harness.store.open import open_store
 from skip_harness import SkipHarness, codec
 from skip_harness.codec import compression, tensorfile
 from skip_harness.errors import CodecError
@@ -147,7 +148,7 @@ def test_store_files_are_smaller_by_the_ratio_the_bench_reports(tmp_path):
     ratios = bench.disk_ratios(payload, tmp_path / "bench")
     sizes = {}
     for name in ("none", "zstd"):
-        store = StepStore(Layout(tmp_path / name, K=1, W=1), form=codec.stored_form(name, bench.ZSTD_LEVEL))
+        store = open_store(Layout(tmp_path / name, K=1, W=1), form=codec.stored_form(name, bench.ZSTD_LEVEL))
         entries = store.writer.write_inner(1, 0, 0, payload, {})
         store.writer.commit(1, entries, None)
         sizes[name] = entries[0].bytes
@@ -168,7 +169,7 @@ def test_store_files_are_smaller_by_the_ratio_the_bench_reports(tmp_path):
 
 def _zstd_store(tmp_path: Path, steps=(1,)) -> StepStore:
     bench = load_bench()
-    store = StepStore(NamespaceKey("zstd", "proj", 8, 1, 2, 2).layout(tmp_path / "dump"), form=ZSTD)
+    store = open_store(NamespaceKey("zstd", "proj", 8, 1, 2, 2).layout(tmp_path / "dump"), form=ZSTD)
     for step in steps:
         store.writer.commit(step, store.writer.write_inner(step, 0, 0, bench.make_payload(8, seed=step), {}), None)
     return store
@@ -264,7 +265,7 @@ def test_a_run_finds_a_flipped_byte_cleans_the_step_and_regenerates_it(tmp_path)
     assert again.generated == [2]                        # 1 and 3 served; 2 cleaned and generated again
     for step in (1, 3):
         assert all(same(batches[step][k], served[step][k]) for k in batches[step] if isinstance(batches[step][k], torch.Tensor))
-    assert StepStore(layout).reader.verify(2)[1] is None           # rewritten whole
+    assert open_store(layout).reader.verify(2)[1] is None           # rewritten whole
 
 
 def test_format_2_files_still_load(tmp_path):
@@ -380,7 +381,7 @@ def test_a_header_asking_for_more_memory_than_there_is_is_a_codec_error(tmp_path
 def test_ls_shows_stored_and_full_width_bytes(tmp_path, capsys):
     from skip_harness.cli import main
     store = _zstd_store(tmp_path, steps=(1, 2))
-    plain = StepStore(NamespaceKey("plain", "proj", 8, 1, 2, 2).layout(tmp_path / "dump"))
+    plain = open_store(NamespaceKey("plain", "proj", 8, 1, 2, 2).layout(tmp_path / "dump"))
     plain.writer.commit(1, plain.writer.write_inner(1, 0, 0, load_bench().make_payload(8, seed=1), {}), None)
     code = main(["ls", str(tmp_path / "dump"), "--json"])
     out, err = capsys.readouterr()

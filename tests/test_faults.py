@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import subprocess_env
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness import SkipHarness
 from skip_harness.store.posix import fileops
 from skip_harness.store import stepstore as store_mod
@@ -70,7 +71,7 @@ def temporary_files(root: Path):
 
 
 def statuses(layout):
-    return {s.step: s.status for s in scan_namespace(layout).steps}
+    return {s.step: s.status for s in scan_namespace(layout, open_namespace(layout)).steps}
 
 
 def assert_nothing_half_written(dump_dir: Path, layout, committed_steps):
@@ -79,7 +80,7 @@ def assert_nothing_half_written(dump_dir: Path, layout, committed_steps):
     assert "corrupt" not in st.values(), st
     assert sorted(s for s, v in st.items() if v == "complete") == sorted(committed_steps)
     for step in committed_steps:
-        assert store_mod.StepStore(layout).reader.verify(step)[1] is None
+        assert open_store(layout).reader.verify(step)[1] is None
 
 
 def fault_warnings(caplog):

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.run.callbacks import HarnessCallback
 from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import FingerprintMismatchError, HarnessUsageError
@@ -70,7 +71,7 @@ def test_first_run_misses_rerun_hits_same_batches(tmp_path, K, caplog):
     first = run_steps(h, t, [1, 2, 3], K)
     assert t.dispatched == [1, 2, 3] and len(t.generated) == 3 * K
     assert [h.outcome(s) for s in (1, 2, 3)] == ["miss"] * 3
-    report = scan_namespace(h.layout)
+    report = scan_namespace(h.layout, open_namespace(h.layout))
     assert [s.status for s in report.steps] == ["complete"] * 3
 
     h2, t2 = make(tmp_path, K, trainer=Trainer(tag=7))  # a different generator would give other data
@@ -114,7 +115,7 @@ def test_short_step_is_not_committed_and_warned(tmp_path, caplog):
             t.sample(2)
         h.close()
     assert "after 2 of K = 3" in caplog.text
-    statuses = {s.step: s.status for s in scan_namespace(h.layout).steps}
+    statuses = {s.step: s.status for s in scan_namespace(h.layout, open_namespace(h.layout)).steps}
     assert statuses == {1: "incomplete", 2: "complete"}
 
 
@@ -125,7 +126,7 @@ def test_written_batch_is_what_sample_returned_even_if_changed_in_place(tmp_path
     original = batch["x"].clone()
     batch["x"].add_(100.0)
     h.close()
-    stored = StepStore(h.layout).reader.read_inner(1, 0, 0)
+    stored = open_store(h.layout).reader.read_inner(1, 0, 0)
     assert torch.equal(stored["x"], original)
 
 
@@ -139,7 +140,7 @@ def test_validation_calls_and_unlisted_steps_are_untouched(tmp_path):
     t.sample(2)
     h.close()
     assert h.outcome(1) == "off" and h.outcome(2) == "miss"
-    assert [s.step for s in scan_namespace(h.layout).steps] == [2]
+    assert [s.step for s in scan_namespace(h.layout, open_namespace(h.layout)).steps] == [2]
     assert (1, 0, True) in t.generated
 
 
@@ -186,7 +187,7 @@ def test_corrupt_payload_is_warned_and_regenerated_whole(tmp_path, caplog):
     assert h2.outcome(1) == "miss"
     assert str(h2.layout.step_dir(1)) in caplog.text
     assert [(s, i) for s, i, _ in t2.generated] == [(1, 0), (1, 1)]
-    assert StepStore(h2.layout).reader.verify(1)[1] is None
+    assert open_store(h2.layout).reader.verify(1)[1] is None
 
 
 def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
@@ -203,7 +204,7 @@ def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
     assert [(s, i) for s, i, _ in t2.generated] == [(1, 0), (1, 1), (1, 2)]
     g = torch.Generator().manual_seed(10 * 1 + 0)
     assert torch.equal(out[1][0]["x"], torch.randn(4, 3, generator=g))
-    assert torch.equal(StepStore(h2.layout).reader.read_inner(1, 0, 0)["x"], out[1][0]["x"])
+    assert torch.equal(open_store(h2.layout).reader.read_inner(1, 0, 0)["x"], out[1][0]["x"])
 
 
 @pytest.mark.parametrize("cleanup", ["off", "quarantine"])
@@ -216,7 +217,7 @@ def test_cleanup_off_and_quarantine_rewrite_from_inner_zero(tmp_path, cleanup):
     h2, t2 = make(tmp_path, 2, cleanup=cleanup)
     out = run_steps(h2, t2, [1], 2)
     assert h2.outcome(1) == "miss"
-    stored = StepStore(h2.layout).reader.read_inner(1, 0, 0)
+    stored = open_store(h2.layout).reader.read_inner(1, 0, 0)
     assert torch.equal(stored["x"], out[1][0]["x"])
     quarantined = list(h2.layout.quarantine_dir.glob("*")) if h2.layout.quarantine_dir.exists() else []
     assert len(quarantined) == (1 if cleanup == "quarantine" else 0)
@@ -236,7 +237,7 @@ def test_fingerprint_mismatch_stops_before_any_work(tmp_path):
     h3, t3 = make(tmp_path, 1, fingerprint=Fingerprint({"seed": 1, "mode": "sync"}), on_mismatch="regenerate")
     run_steps(h3, t3, [1], 1)
     assert h3.outcome(1) == "miss"
-    statuses = {s.step: s.fingerprint.values["seed"] for s in scan_namespace(h3.layout).steps}
+    statuses = {s.step: s.fingerprint.values["seed"] for s in scan_namespace(h3.layout, open_namespace(h3.layout)).steps}
     assert statuses == {1: 1, 2: 0}
 
 
@@ -250,7 +251,7 @@ def test_failed_write_warns_and_training_goes_on(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="skip_harness"):
         out = run_steps(h, t, [1, 2], 1)
     assert len(out) == 2 and "No space left on device" in caplog.text
-    assert scan_namespace(h.layout).steps == ()
+    assert scan_namespace(h.layout, open_namespace(h.layout)).steps == ()
 
 
 def test_restore_rng_leaves_the_process_as_a_miss_would(tmp_path):

@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from skip_harness.store.open import open_store
 from skip_harness import SkipHarness
 from skip_harness.store.stepstore import StepStore
 
@@ -63,5 +64,5 @@ def test_serving_a_prefetched_hit_touches_no_file_on_the_trainers_thread(tmp_pat
     assert t.generated == 0 and summary.hits == 4
     assert calls == [], f"the trainer's thread reached the storage while serving prefetched hits: {calls}"
     # the size each hit reports is still the step's size on disk, as `ls` counts it
-    store = StepStore(h.layout)
+    store = open_store(h.layout)
     assert summary.bytes_read == sum(store.status(s).bytes for s in range(1, 5))

@@ -9,6 +9,7 @@ import uuid
 import pytest
 import torch
 
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.cli import main
 from skip_harness.store.layout import NamespaceKey
 from skip_harness.store.scan import scan_namespace
@@ -118,11 +119,11 @@ def test_converts_both_layouts_into_committed_steps(verl_cache, tmp_path, capsys
     assert "converted 4 steps, kept 0, failed 2" in out
     failed = [r for r in err.splitlines() if "was not converted" in r and "incomplete verl step" in r]
     assert len(failed) == 2 and all("error: step 3 (" in line for line in failed), err
-    flat = StepStore(NamespaceKey("exp", "proj", 4, 2, 7, 4).layout(dump))
-    k2 = StepStore(NamespaceKey("my_exp", "proj", 8, 2, 7, 4, K=2).layout(dump))
+    flat = open_store(NamespaceKey("exp", "proj", 4, 2, 7, 4).layout(dump))
+    k2 = open_store(NamespaceKey("my_exp", "proj", 8, 2, 7, 4, K=2).layout(dump))
     assert k2.layout.root.name == "GBS8_N2_in7_out4_K2_W1" and k2.layout.root.parent.name == "my_exp_proj"
-    assert {s.step: s.status for s in scan_namespace(flat.layout).steps} == {1: "complete", 2: "complete"}
-    assert {s.step: s.status for s in scan_namespace(k2.layout).steps} == {1: "complete", 2: "complete"}
+    assert {s.step: s.status for s in scan_namespace(flat.layout, open_namespace(flat.layout)).steps} == {1: "complete", 2: "complete"}
+    assert {s.step: s.status for s in scan_namespace(k2.layout, open_namespace(k2.layout)).steps} == {1: "complete", 2: "complete"}
     for step in (1, 2):
         assert_same(flat.reader.read_inner(step, 0, 0), payloads[("flat", step, 0)])
         for inner in (0, 1):
@@ -157,7 +158,7 @@ def test_a_payload_that_disagrees_with_its_meta_is_skipped_and_nothing_half_writ
     assert code == 1 and [d["step"] for d in doc["converted"]] == [1]
     assert any("says 99" in s["reason"] and s["step"] == 2 for s in doc["failed"])
     flat = NamespaceKey("exp", "proj", 4, 2, 7, 4).layout(dump)
-    assert [s.step for s in scan_namespace(flat).steps] == [1]
+    assert [s.step for s in scan_namespace(flat, open_namespace(flat)).steps] == [1]
 
 
 def test_into_its_own_directory_is_refused(verl_cache, capsys):
@@ -174,9 +175,9 @@ def test_a_locked_target_namespace_is_refused(verl_cache, tmp_path, capsys, lock
     holder = lock_holder(target)
     code, out, err = run(capsys, "import-verl", str(root), str(dump), "--trust")
     assert code == 3 and f"pid {holder.pid}" in err
-    assert scan_namespace(target).steps == ()
+    assert scan_namespace(target, open_namespace(target)).steps == ()
     k2 = NamespaceKey("my_exp", "proj", 8, 2, 7, 4, K=2).layout(dump)
-    assert len(scan_namespace(k2).steps) == 2                  # the other namespace was converted
+    assert len(scan_namespace(k2, open_namespace(k2)).steps) == 2                  # the other namespace was converted
 
 
 def test_no_verl_cache_is_a_one_line_error(tmp_path, capsys):
@@ -194,8 +195,8 @@ def test_the_current_layout_with_one_inner_directory_is_k1(tmp_path, capsys):
     dump = tmp_path / "dump"
     code, out, err = run(capsys, "import-verl", str(tmp_path / "verl"), str(dump), "--trust")
     assert code == 0, err
-    store = StepStore(NamespaceKey("one", "proj", 2, 2, 7, 4).layout(dump))
+    store = open_store(NamespaceKey("one", "proj", 2, 2, 7, 4).layout(dump))
     assert store.layout.root.name == "GBS2_N2_in7_out4"
-    assert {s.step: s.status for s in scan_namespace(store.layout).steps} == {5: "complete"}
+    assert {s.step: s.status for s in scan_namespace(store.layout, open_namespace(store.layout)).steps} == {5: "complete"}
     assert store.layout.payload_path(5, 0, 0) == store.layout.step_dir(5) / "tq_batch.pt"
     assert_same(store.reader.read_inner(5, 0, 0), saved)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import write_legacy, write_step
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.store import index
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import NamespaceKey
@@ -22,7 +23,7 @@ FP = Fingerprint.from_values({"model": "m", "seed": 1})
 
 
 def make(tmp_path, K=1, W=1) -> StepStore:
-    return StepStore(NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=W).layout(tmp_path / "cache"))
+    return open_store(NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=W).layout(tmp_path / "cache"))
 
 
 def index_lines(st):
@@ -36,8 +37,8 @@ def age(st, seconds=30.0):
     for d, dirs, files in os.walk(st.layout.root):
         for name in dirs + files:
             os.utime(os.path.join(d, name), (then, then), follow_symlinks=False)
-    index.remove(st.layout)
-    scan_namespace(st.layout)
+    index.remove(st.backend)
+    scan_namespace(st.layout, st.backend)
     assert all(not e.racy for e in index.read(st.layout, st.backend).values())
 
 
@@ -51,9 +52,9 @@ def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
     assert [e["fp"] for e in entries if isinstance(e, dict)] == [FP.digest]   # one line per fingerprint
     assert [e[0] for e in entries if isinstance(e, list)] == [1, 2, 3]       # one line per commit
     age(st)
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert report.index_used and report.index_note is None
-    assert report.steps == scan_namespace(st.layout, use_index=False).steps
+    assert report.steps == scan_namespace(st.layout, open_namespace(st.layout), use_index=False).steps
     assert [s.fingerprint for s in report.steps] == [FP] * 3
 
 
@@ -67,7 +68,7 @@ def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
     listed = []
     real = PosixStorage.list
     monkeypatch.setattr(PosixStorage, "list", lambda self, p="": listed.append(p) or real(self, p))
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert report.counts()["complete"] == 5 and listed == []   # stamps only: no step directory listed
 
 
@@ -77,7 +78,7 @@ def test_missing_or_corrupt_index_is_rebuilt_with_a_note(tmp_path, damage):
     for step in (1, 2):
         write_step(st, step)
     path = st.layout.root / index.INDEX_NAME
-    full = scan_namespace(st.layout, use_index=False)
+    full = scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
     if damage == "missing":
         path.unlink()
     elif damage == "garbage":
@@ -90,12 +91,12 @@ def test_missing_or_corrupt_index_is_rebuilt_with_a_note(tmp_path, damage):
     else:
         lines = index_lines(st)
         path.write_text("\n".join(lines[:1] + ['["1",2]'] + lines[2:]) + "\n")
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert report.steps == full.steps
     word = "missing" if damage == "missing" else "corrupt"
     assert report.index_note.startswith(f"index {word}") and "rebuilt" in report.index_note
     assert sorted(index.read(st.layout, st.backend)) == [1, 2]
-    again = scan_namespace(st.layout)
+    again = scan_namespace(st.layout, st.backend)
     assert again.index_note is None and again.steps == full.steps
 
 
@@ -109,20 +110,20 @@ def test_stale_index_says_what_changed_and_is_rebuilt(tmp_path):
     doc = json.loads(st.layout.commit_path(9).read_text())
     doc["step"] = 9
     st.layout.commit_path(9).write_text(json.dumps(doc))
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert [(s.step, s.status) for s in report.steps] == [(1, "complete"), (3, "complete"), (9, "complete")]
     assert "1 removed" in report.index_note and "1 unindexed" in report.index_note
     assert "rebuilt" in report.index_note
     assert sorted(index.read(st.layout, st.backend)) == [1, 3, 9]
-    assert scan_namespace(st.layout).index_note is None
+    assert scan_namespace(st.layout, st.backend).index_note is None
 
 
 def test_an_unwritable_index_is_reported_and_the_scan_still_right(tmp_path, monkeypatch):
     st = make(tmp_path)
     write_step(st, 1)
-    index.remove(st.layout)
+    index.remove(st.backend)
     monkeypatch.setattr(index, "rewrite", lambda layout, ns, entries: "Read-only file system")
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert report.counts()["complete"] == 1
     assert "could not be rebuilt: Read-only file system" in report.index_note
 
@@ -174,16 +175,16 @@ def test_index_backed_scan_agrees_with_the_full_scan_on_every_status(tmp_path, a
     _every_status_behind_the_index(st, tmp_path)
     if aged:
         age(st)
-    before = scan_namespace(st.layout)
-    assert before.steps == scan_namespace(st.layout, use_index=False).steps
+    before = scan_namespace(st.layout, st.backend)
+    assert before.steps == scan_namespace(st.layout, open_namespace(st.layout), use_index=False).steps
     _hand_edits(st, tmp_path)
-    full = scan_namespace(st.layout, use_index=False)
+    full = scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
     statuses = {s.step: s.status for s in full.steps}
     assert set(statuses.values()) == {"complete", "unverified", "incomplete", "corrupt"}
     assert statuses[2] == statuses[4] == statuses[30] == "corrupt" and statuses[32] == "complete"
     assert 1 not in statuses and statuses[31] == "unverified"
     for attempt in range(2):            # the first reconciles (and rewrites) the index, the next reads it
-        report = scan_namespace(st.layout)
+        report = scan_namespace(st.layout, st.backend)
         assert report.steps == full.steps, attempt
     assert report.index_note is None
     assert report.index_used or not aged   # just written, every entry may still be racy (rechecked in full)
@@ -197,7 +198,7 @@ def test_cli_ls_and_verify_agree_with_the_full_scan(tmp_path, capsys):
     _every_status_behind_the_index(st, tmp_path)
     age(st)
     _hand_edits(st, tmp_path)
-    full = {s.step: s.status for s in scan_namespace(st.layout, use_index=False).steps}
+    full = {s.step: s.status for s in scan_namespace(st.layout, open_namespace(st.layout), use_index=False).steps}
     dump = tmp_path / "cache"
     for cmd in ("ls", "verify"):   # in this process (the console entry point runs in a subprocess in test_cli)
         capsys.readouterr()
@@ -218,9 +219,9 @@ def test_a_change_in_the_same_clock_tick_as_the_commit_is_still_seen(tmp_path):
     (step_dir / "meta.json").unlink()      # removed ...
     os.utime(step_dir, ns=(before.st_atime_ns, before.st_mtime_ns))   # ... within the same mtime tick
     assert index.read(st.layout, st.backend)[1].racy
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert report.get(1).status == "corrupt"
-    assert report.steps == scan_namespace(st.layout, use_index=False).steps
+    assert report.steps == scan_namespace(st.layout, open_namespace(st.layout), use_index=False).steps
 
 
 def test_cleanup_forgets_the_steps_it_removes(tmp_path):
@@ -231,8 +232,8 @@ def test_cleanup_forgets_the_steps_it_removes(tmp_path):
         write_step(st, step)
     p = st.layout.payload_path(2, 0, 0)
     p.write_bytes(p.read_bytes()[:-1] + b"\x00")
-    report = scan_namespace(st.layout)
-    plan_cleanup(report, "quarantine", extra=[(2, st.reader.verify(2)[1])]).execute()
+    report = scan_namespace(st.layout, st.backend)
+    plan_cleanup(report, "quarantine", extra=[(2, st.reader.verify(2)[1])]).execute(st.backend)
     assert sorted(index.read(st.layout, st.backend)) == [1, 3]
-    after = scan_namespace(st.layout)
+    after = scan_namespace(st.layout, st.backend)
     assert after.index_note is None and [s.step for s in after.steps] == [1, 3]

@@ -118,3 +118,150 @@ def test_nothing_outside_the_store_opens_a_cache_file():
     assert not found, "file access outside skip_harness/store/:\n" + "\n".join(found)
     # the check sees what it looks for: the store itself is full of it
     assert sum(1 for p in (ROOT / "skip_harness" / "store").rglob("*.py") for _ in _file_calls(p)) > 20
+
+
+# ---------------------------------------------------------------------------- who opens a namespace
+
+_OPENERS = {"open_namespace", "open_store", "namespace_of", "posix_namespace"}
+# Where a namespace may be opened: a command (cli/), a run's startup (every rank once: rank 0 when it
+# locks, the others when they follow it) and a replay's source (the recording, read-only; the candidates
+# that `replay_from=auto` checks). Everything else is handed the opened one.
+_OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/source.py": 2}
+
+
+def _opener_calls(path: Path):
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in _OPENERS:
+                yield name, node.lineno
+
+
+def _namespace_openings(root: Path):
+    """What breaks 'one namespace, opened once and handed down': an opener called outside a command, the
+    run's startup or its source (or more often there than allowed), and a namespace kept between calls
+    by the opener's module."""
+    import ast
+
+    found = []
+    for path in sorted((root / "skip_harness").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("skip_harness/cli/") or rel == "skip_harness/store/open.py":
+            continue
+        calls = list(_opener_calls(path))
+        if len(calls) > _OPENED_AT.get(rel, 0):
+            found += [f"{rel}:{line}: {name}(...)" for name, line in calls]
+    tree = ast.parse((root / "skip_harness" / "store" / "open.py").read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            if isinstance(node.value, (ast.Dict, ast.Call)):
+                found.append(f"skip_harness/store/open.py:{node.lineno}: a module-level cache ({ast.unparse(node)[:60]})")
+        if isinstance(node, ast.FunctionDef) and node.name == "namespace_of":
+            found.append(f"skip_harness/store/open.py:{node.lineno}: namespace_of (a namespace per call site)")
+    return found
+
+
+def test_a_namespace_is_opened_once_and_handed_down():
+    """Issue 29: the scan, the cleanup, the step store, the follower take the namespace their run or command
+    opened; none opens its own, and the opener keeps none (an object store's namespace holds the lease the
+    run's writes check: it must be the one the startup locked)."""
+    found = _namespace_openings(ROOT)
+    assert not found, "a namespace opened where it should be handed down:\n" + "\n".join(found)
+    # the check sees what it looks for: the commands open theirs
+    assert sum(1 for p in (ROOT / "skip_harness" / "cli").rglob("*.py") for _ in _opener_calls(p)) >= 5
+
+
+# ---------------------------------------------------------------------------- the store's bytes: through Storage
+
+_OS_FILE_CALLS = {"open", "fdopen", "scandir", "listdir", "walk", "stat", "lstat", "fstat", "unlink", "remove",
+                  "rename", "replace", "mkdir", "makedirs", "rmdir", "readlink", "symlink", "preadv", "pread",
+                  "pwrite", "exists", "lexists", "isdir", "isfile", "islink", "getsize"}
+_PATH_READERS = {"load", "check", "stored_fields", "sibling_meta"}     # store.payload_file: a file by its path
+# Files that are not a namespace's, opened by the module that owns them: (module, call) -> what they are.
+_NOT_A_NAMESPACE = {
+    "skip_harness/store/payload_file.py": "a loose payload file named by its path (`show FILE` outside any namespace)",
+    "skip_harness/store/verl_dump.py": "verl's own dump directory (import-verl's input), not the cache",
+    "skip_harness/store/objstore/lease.py": "/proc: this host's boot id and whether a pid lives",
+}
+
+
+def _file_access(path: Path):
+    """Calls that reach a file by its path: builtin open, os.* / os.path.* file calls, payload_file's path readers."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            yield "open", node.lineno
+        elif isinstance(f, ast.Attribute):
+            owner = ast.unparse(f.value)
+            if owner in ("os", "os.path") and f.attr in _OS_FILE_CALLS:
+                yield f"{owner}.{f.attr}", node.lineno
+            elif owner == "payload_file" and f.attr in _PATH_READERS:
+                yield f"payload_file.{f.attr}", node.lineno
+
+
+def _store_file_access(root: Path):
+    found = []
+    for path in sorted((root / "skip_harness" / "store").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("skip_harness/store/posix/") or rel in _NOT_A_NAMESPACE:
+            continue
+        found += [f"{rel}:{line}: {name}(...)" for name, line in _file_access(path)]
+    return found
+
+
+def test_the_store_reaches_a_namespace_only_through_its_storage():
+    """Issue 29: above the storage seam (every store module but the POSIX backend's), a namespace's files are
+    read, listed and removed through `Storage` -- the index's removal, an older step's payloads, the
+    namespaces of a directory included -- never by path with os.* or open()."""
+    found = _store_file_access(ROOT)
+    assert not found, "file access on cache paths above the storage seam:\n" + "\n".join(found)
+    # the check sees what it looks for: the POSIX backend is made of it
+    assert sum(1 for p in (ROOT / "skip_harness" / "store" / "posix").rglob("*.py") for _ in _file_access(p)) > 20
+
+
+# ---------------------------------------------------------------------------- a step's status: one enum
+
+_STATUS_TEXTS = {"complete", "unverified", "incomplete", "corrupt"}
+# cli/view/ (the viewer: its pages and charts key colours by the status text) is another change's; the
+# enum is a str, so those keys match it.
+_STATUS_TEXT_ALLOWED = ("skip_harness/store/status.py", "skip_harness/cli/view/")
+
+
+def _status_literals(root: Path):
+    """String constants that are a step status, outside docstrings, in the package."""
+    import ast
+
+    found = []
+    for path in sorted((root / "skip_harness").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(_STATUS_TEXT_ALLOWED):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in _STATUS_TEXTS and id(node) not in docstrings:
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_a_step_status_is_the_enum_not_a_string():
+    """Issue 29: a step's status is `store.status.StepStatus` (a str-valued enum, like `Outcome`), never the
+    string spelled out again: a typo'd status would compare unequal to every step without a word."""
+    found = _status_literals(ROOT)
+    assert not found, "a step status spelled as a string (use store.status.StepStatus):\n" + "\n".join(found)
+    from skip_harness.store.status import STATUSES, StepStatus
+
+    assert [str(s) for s in STATUSES] == ["complete", "unverified", "incomplete", "corrupt"]
+    assert f"{StepStatus.CORRUPT}" == "corrupt" and StepStatus.COMPLETE == "complete"
+    import json
+
+    assert json.dumps({StepStatus.COMPLETE: [StepStatus.INCOMPLETE]}) == '{"complete": ["incomplete"]}'

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from skip_harness.store.open import open_store
 from skip_harness import codec
 from skip_harness.cli import main
 from skip_harness.errors import CodecError
@@ -261,7 +262,7 @@ def test_verl_is_imported_only_for_a_dataproto(tmp_path):
 @pytest.fixture
 def jagged_cache(tmp_path):
     pytest.importorskip("verl")
-    store = StepStore(NamespaceKey("verl", "proj", 9, 1, 2, 2, K=2).layout(tmp_path / "dump"))
+    store = open_store(NamespaceKey("verl", "proj", 9, 1, 2, 2, K=2).layout(tmp_path / "dump"))
     payloads = [v1_payload(3, 1), v1_payload(4, 2)]
     entries = []
     for inner, p in enumerate(payloads):

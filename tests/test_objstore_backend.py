@@ -14,7 +14,7 @@ from skip_harness.store.layout import COMMIT_NAME
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.open import DumpDir, open_dump_dir
 from skip_harness.store.bufferpool import BufferPool
-from skip_harness.store.objstore.backend import ObjectNamespace, list_namespaces
+from objstore_namespace import ObjectNamespace, list_namespaces
 from skip_harness.store.objstore.errors import ObjectAccessDenied, ObjectCorrupt
 
 
@@ -155,7 +155,7 @@ def test_the_backend_interface_on_a_bucket(s3_server, s3_bucket):
     import time as _time
     assert abs(ns.modified("3") - _time.time()) < 60 and ns.modified("") >= ns.modified("3")
     assert ns.modified("4") is None and ns.map_verified(3, "0/tq_batch.pt", len(data), "x") is None
-    from skip_harness.store.posix.fileops import checksum_bytes
+    from skip_harness.store.checksum import checksum_bytes
     got, size = ns.read_verified(3, "0/tq_batch.pt", len(data), checksum_bytes(data), pool)
     assert size == len(data) and bytes(got.view(size)) == data
     got.release()

@@ -19,7 +19,7 @@ import xxhash
 
 from conftest import REPO
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
-from skip_harness.store.objstore.backend import ObjectNamespace
+from objstore_namespace import ObjectNamespace
 from skip_harness.store.objstore.errors import ObjectStoreUnavailable
 
 pytestmark = pytest.mark.slow
@@ -27,9 +27,10 @@ pytestmark = pytest.mark.slow
 NS = "exp_proj/GBS8_N2_in16_out32"
 BIG = 96 << 20
 
-WRITER = """
+WRITER = f"""
 import sys, os
-from skip_harness.store.objstore.backend import ObjectNamespace
+sys.path.insert(0, {str(REPO / "tests")!r})
+from objstore_namespace import ObjectNamespace
 ns = ObjectNamespace(sys.argv[1])
 ns.acquire(holder="run-killed")
 data = bytearray(os.urandom(1 << 20)) * 96

@@ -15,7 +15,7 @@ from skip_harness.cli import main as cli
 from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import ConfigError
 from skip_harness.store.objstore import ObjectCredentialsRefused
-from skip_harness.store.objstore.backend import ObjectNamespace
+from objstore_namespace import ObjectNamespace
 
 NS = "exp_proj/GBS8_N2_in16_out32"
 

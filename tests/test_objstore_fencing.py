@@ -19,7 +19,7 @@ import time
 import pytest
 
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
-from skip_harness.store.objstore.backend import ObjectNamespace
+from objstore_namespace import ObjectNamespace
 from skip_harness.store.objstore.lease import LeaseLost
 from test_objstore_scenarios import NS, TRAIN, assert_steps_whole, committed, env_of, metrics, train
 from test_train_e2e import TINY, training_metrics

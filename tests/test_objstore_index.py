@@ -11,9 +11,9 @@ import pytest
 
 from conftest import write_step
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.store import index
 from skip_harness.store.index import INDEX_KEY
-from skip_harness.store.open import namespace_of
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import NamespaceKey
 from skip_harness.store.scan import scan_namespace
@@ -26,7 +26,7 @@ FP2 = Fingerprint.from_values({"model": "m", "seed": 2})
 @pytest.fixture
 def store(s3_bucket):
     layout = NamespaceKey("exp", "proj", 8, 2, 4, 4, K=2, W=1).layout(f"s3://{s3_bucket}/dump")
-    return StepStore(layout)
+    return open_store(layout)
 
 
 def prefix(store) -> str:
@@ -38,7 +38,7 @@ class Gets:
 
     def __init__(self, store, monkeypatch):
         self.keys = []
-        client = namespace_of(store.layout).client
+        client = store.backend.storage.client
         real = client.get
         monkeypatch.setattr(client, "get", lambda key: (self.keys.append(key), real(key))[1])
 
@@ -55,19 +55,19 @@ def test_second_scan_reads_no_commit_record_of_an_indexed_step(store, s3_server,
     write_step(store, 3, commit=False)                  # payloads, no commit record: incomplete
     assert f"{prefix(store)}{INDEX_KEY}" not in s3_server.keys(s3_bucket)   # commits never write it
     gets = Gets(store, monkeypatch)
-    first = scan_namespace(store.layout)
+    first = scan_namespace(store.layout, store.backend)
     assert not first.index_used and first.index_note.startswith("index missing")
     assert "rebuilt" in first.index_note
     assert gets.commits() == [1, 2, 10]
     assert f"{prefix(store)}{INDEX_KEY}" in s3_server.keys(s3_bucket)
-    assert sorted(index.read(store.layout, namespace_of(store.layout))) == [1, 2, 10]
+    assert sorted(index.read(store.layout, store.backend)) == [1, 2, 10]
 
     gets.clear()
-    second = scan_namespace(store.layout)
+    second = scan_namespace(store.layout, store.backend)
     assert second.index_used and second.index_note is None
     assert gets.commits() == []                        # every committed step came from the index
     assert gets.keys == [INDEX_KEY, "3/0/meta.json"]   # the index, and the incomplete step's meta
-    full = scan_namespace(store.layout, use_index=False)
+    full = scan_namespace(store.layout, store.backend, use_index=False)
     assert second.steps == full.steps
     assert [s.status for s in second.steps] == ["complete", "complete", "incomplete", "complete"]
     assert [s.fingerprint for s in second.by_status("complete")] == [FP] * 3
@@ -77,28 +77,28 @@ def test_second_scan_reads_no_commit_record_of_an_indexed_step(store, s3_server,
 def test_a_step_rewritten_after_indexing_is_read_again_and_its_new_record_wins(store, monkeypatch):
     write_step(store, 1, fingerprint=FP)
     write_step(store, 2, fingerprint=FP)
-    scan_namespace(store.layout)                       # indexes 1 and 2
-    old = scan_namespace(store.layout).get(2)
+    scan_namespace(store.layout, store.backend)                       # indexes 1 and 2
+    old = scan_namespace(store.layout, store.backend).get(2)
     # a rerun rewrites step 2: the commit record goes first, new files, a new commit record
-    namespace_of(store.layout).uncommit(2)
+    store.backend.uncommit(2)
     write_step(store, 2, fingerprint=FP2)
     gets = Gets(store, monkeypatch)
-    report = scan_namespace(store.layout)
+    report = scan_namespace(store.layout, store.backend)
     assert gets.commits() == [2]                       # step 1 from the index, step 2 read again
     assert report.index_used and "1 changed" in report.index_note and "rebuilt" in report.index_note
     new = report.get(2)
     assert new.status == "complete" and new.fingerprint == FP2 and new.created > old.created
-    assert report.steps == scan_namespace(store.layout, use_index=False).steps
+    assert report.steps == scan_namespace(store.layout, store.backend, use_index=False).steps
     gets.clear()
-    again = scan_namespace(store.layout)               # the rebuilt index holds the new record
+    again = scan_namespace(store.layout, store.backend)               # the rebuilt index holds the new record
     assert gets.commits() == [] and again.index_note is None and again.get(2).fingerprint == FP2
 
 
 def test_an_uncommitted_step_is_not_taken_from_its_entry(store):
     write_step(store, 1, fingerprint=FP)
-    scan_namespace(store.layout)
-    namespace_of(store.layout).uncommit(1)            # a rewrite killed right after its first step
-    report = scan_namespace(store.layout)
+    scan_namespace(store.layout, store.backend)
+    store.backend.uncommit(1)            # a rewrite killed right after its first step
+    report = scan_namespace(store.layout, store.backend)
     assert report.get(1).status == "incomplete" and not report.index_used
     assert "1 changed" in report.index_note
 
@@ -106,14 +106,14 @@ def test_an_uncommitted_step_is_not_taken_from_its_entry(store):
 def test_a_removed_step_does_not_come_back(store, monkeypatch):
     for step in (1, 2, 3):
         write_step(store, step, fingerprint=FP)
-    scan_namespace(store.layout)
-    assert namespace_of(store.layout).remove_step(2) > 0
-    report = scan_namespace(store.layout)
+    scan_namespace(store.layout, store.backend)
+    assert store.backend.remove_step(2) > 0
+    report = scan_namespace(store.layout, store.backend)
     assert [s.step for s in report.steps] == [1, 3] and report.index_used
     assert "1 removed" in report.index_note and "rebuilt" in report.index_note
-    assert sorted(index.read(store.layout, namespace_of(store.layout))) == [1, 3]
+    assert sorted(index.read(store.layout, store.backend)) == [1, 3]
     gets = Gets(store, monkeypatch)
-    again = scan_namespace(store.layout)
+    again = scan_namespace(store.layout, store.backend)
     assert [s.step for s in again.steps] == [1, 3] and again.index_note is None and gets.commits() == []
 
 
@@ -121,8 +121,8 @@ def test_a_removed_step_does_not_come_back(store, monkeypatch):
 def test_a_damaged_or_foreign_index_object_is_ignored_and_rewritten(store, damage, monkeypatch):
     for step in (1, 2):
         write_step(store, step, fingerprint=FP)
-    backend = namespace_of(store.layout)
-    scan_namespace(store.layout)
+    backend = store.backend
+    scan_namespace(store.layout, store.backend)
     good = bytes(backend.read_small(INDEX_KEY))
     header, body = good.split(b"\n", 1)
     if damage == "garbage":
@@ -144,18 +144,18 @@ def test_a_damaged_or_foreign_index_object_is_ignored_and_rewritten(store, damag
         data = header + b"\n" + b"".join(json.dumps(x, separators=(",", ":")).encode() + b"\n" for x in lines)
     backend.write_small(INDEX_KEY, data)
     gets = Gets(store, monkeypatch)
-    report = scan_namespace(store.layout)
+    report = scan_namespace(store.layout, store.backend)
     assert gets.commits() == [1, 2]                    # nothing taken from the damaged index
-    assert report.steps == scan_namespace(store.layout, use_index=False).steps
+    assert report.steps == scan_namespace(store.layout, store.backend, use_index=False).steps
     assert [s.status for s in report.steps] == ["complete", "complete"]
     assert report.index_note is not None and "rebuilt" in report.index_note
     gets.clear()
-    again = scan_namespace(store.layout)
+    again = scan_namespace(store.layout, store.backend)
     assert again.index_used and again.index_note is None and gets.commits() == []
 
 
 def test_an_empty_namespace_gets_no_index_object(store, s3_server, s3_bucket):
-    report = scan_namespace(store.layout)
+    report = scan_namespace(store.layout, store.backend)
     assert report.steps == () and report.index_note is None
     assert s3_server.keys(s3_bucket) == []
 
@@ -166,9 +166,7 @@ def test_a_read_only_credential_scans_and_writes_nothing(store, s3_server, s3_bu
     before = s3_server.keys(s3_bucket)
     for k, v in s3_server.env("reader").items():
         monkeypatch.setenv(k, v)
-    from skip_harness.store import open as backend_mod
-    monkeypatch.setattr(backend_mod, "_NAMESPACES", {})   # a fresh client with the reader's key
-    report = scan_namespace(store.layout)
+    report = scan_namespace(store.layout, open_namespace(store.layout))   # a fresh client with the reader's key
     assert [s.status for s in report.steps] == ["complete", "complete"]
     assert "could not be rebuilt" in report.index_note
     assert s3_server.keys(s3_bucket) == before
@@ -179,7 +177,7 @@ class Puts:
 
     def __init__(self, store, monkeypatch):
         self.n = 0
-        client = namespace_of(store.layout).client
+        client = store.backend.storage.client
         real = client.put
 
         def put(key, data, **kw):
@@ -189,36 +187,36 @@ class Puts:
 
 
 def test_a_runs_commits_are_indexed_once_when_it_gives_the_namespace_back(store, monkeypatch):
-    ns = namespace_of(store.layout)
+    ns = store.backend
     write_step(store, 1, fingerprint=FP)
-    scan_namespace(store.layout)                       # the startup scan indexes step 1
+    scan_namespace(store.layout, store.backend)                       # the startup scan indexes step 1
     puts = Puts(store, monkeypatch)
     hold = ns.lock()
     for step in (2, 3, 4, 5):
         write_step(store, step, fingerprint=FP)
-    namespace_of(store.layout).remove_step(4)         # removed again during the run
-    namespace_of(store.layout).uncommit(5)            # being rewritten when the run ends
+    store.backend.remove_step(4)         # removed again during the run
+    store.backend.uncommit(5)            # being rewritten when the run ends
     assert puts.n == 0                                 # no commit touched the index object
     hold.release()
     assert puts.n == 1                                 # one PUT, when the run gave the namespace back
     assert sorted(index.read(store.layout, ns)) == [1, 2, 3]
     gets = Gets(store, monkeypatch)
-    report = scan_namespace(store.layout)
+    report = scan_namespace(store.layout, store.backend)
     assert report.index_used and gets.commits() == [] and report.index_note is None
-    assert report.steps == scan_namespace(store.layout, use_index=False).steps
+    assert report.steps == scan_namespace(store.layout, store.backend, use_index=False).steps
     assert [s.status for s in report.steps] == ["complete", "complete", "complete", "incomplete"]
 
 
 def test_a_step_changed_by_another_writer_after_our_commit_is_not_indexed_from_our_record(store, monkeypatch):
-    ns = namespace_of(store.layout)
+    ns = store.backend
     hold = ns.lock()
     write_step(store, 1, fingerprint=FP)
     write_step(store, 2, fingerprint=FP)
     # another writer replaces step 2's commit record behind this run's back (a different record)
     record = json.loads(bytes(ns.read_small("2/commit.json")))
     record["fingerprint"] = FP2.to_json()
-    ns.client.put("2/commit.json", json.dumps(record).encode())
+    ns.storage.client.put("2/commit.json", json.dumps(record).encode())
     hold.release()
     assert sorted(index.read(store.layout, ns)) == [1]
-    report = scan_namespace(store.layout)
-    assert report.get(2).fingerprint == FP2 and report.steps == scan_namespace(store.layout, use_index=False).steps
+    report = scan_namespace(store.layout, store.backend)
+    assert report.get(2).fingerprint == FP2 and report.steps == scan_namespace(store.layout, store.backend, use_index=False).steps

@@ -13,9 +13,11 @@ import pytest
 
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
 from skip_harness.errors import LockHeldError
-from skip_harness.store.objstore.backend import ObjectNamespace
+from objstore_namespace import ObjectNamespace
 from skip_harness.store.objstore.client import ObjectClient
 from skip_harness.store.objstore.lease import LEASE_KEY, Lease, LeaseLost
+
+TESTS = os.path.dirname(os.path.abspath(__file__))     # where objstore_namespace.py is, for the subprocesses
 
 
 @pytest.fixture
@@ -116,7 +118,6 @@ def test_read_only_credential_gets_no_lease_and_writes_nothing(s3_server, s3_buc
 
 
 def test_a_run_that_lost_its_lease_writes_nothing_more(client):
-    from skip_harness.store.objstore.backend import ObjectNamespace
     ns = ObjectNamespace(client.url, client)
     held = ns.acquire(ttl_s=30, skew_s=0.0, holder="run-A")
     ns.write(1, "tq_batch.pt", b"x" * 10)
@@ -140,7 +141,7 @@ def test_a_lease_still_held_at_exit_is_released(s3_server, s3_bucket, tmp_path):
     import sys
     from conftest import subprocess_env
     url = f"s3://{s3_bucket}/exit/ns"
-    code = ("from skip_harness.store.objstore.backend import ObjectNamespace\n"
+    code = (f"import sys; sys.path.insert(0, {TESTS!r})\nfrom objstore_namespace import ObjectNamespace\n"
             f"ns = ObjectNamespace({url!r}); ns.acquire(holder='run-exit'); print('held')\n")
     env = subprocess_env()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -154,7 +155,8 @@ def test_a_lease_still_held_at_exit_is_released(s3_server, s3_bucket, tmp_path):
 
 
 HOLD = ("import sys, time\n"
-        "from skip_harness.store.objstore.backend import ObjectNamespace\n"
+        f"sys.path.insert(0, {TESTS!r})\n"
+        "from objstore_namespace import ObjectNamespace\n"
         "ns = ObjectNamespace(sys.argv[1]); ns.acquire(holder=sys.argv[2], ttl_s=30)\n"
         "print('held', flush=True)\n"
         "time.sleep(600)\n")

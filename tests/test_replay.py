@@ -18,6 +18,7 @@ import torch
 
 from replay_rig import namespace_in, serve_other_rollouts
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
+from skip_harness.store.open import open_store
 from skip_harness import SkipHarness
 from skip_harness.errors import ConfigError, ReplayDivergedError
 from skip_harness.run.callbacks import HarnessCallback
@@ -80,11 +81,11 @@ def test_plain_loop_records_then_every_served_step_reproduces(tmp_path, caplog):
     _, first = plain_run(tmp_path)
     assert first.replay_line == ""                           # nothing served: nothing to say
     layout = namespace_in(tmp_path)
-    reader = StepStore(layout).reader
+    reader = open_store(layout).reader
     recorded = reader.read_values(3)
     assert set(recorded) == {"loss", "reward_mean", "w_norm", "gen_s"}   # numbers only: "note" left out
     assert all(isinstance(v, float) for v in recorded.values())
-    assert StepStore(layout).status(3).status == "complete"
+    assert open_store(layout).status(3).status == "complete"
     with caplog.at_level(logging.INFO, logger="skip_harness"):
         _, second = plain_run(tmp_path)
     assert second.hits == 5
@@ -171,7 +172,7 @@ def test_a_step_without_values_is_complete_and_unchecked(tmp_path):
     layout = namespace_in(tmp_path)
     for s in (4, 5):
         (layout.root / ".values" / f"{s}.json").unlink()
-    assert StepStore(layout).status(4).status == "complete"
+    assert open_store(layout).status(4).status == "complete"
     _, summary = plain_run(tmp_path)
     assert summary.hits == 5
     assert summary.replay_line == "replay: 3 of 5 served steps reproduced (3 values each); 2 unchecked (no recorded values)"
@@ -185,7 +186,7 @@ def test_values_belong_to_the_commit_they_were_recorded_with(tmp_path):
     """A step written again (another commit) no longer has the old step's values."""
     plain_run(tmp_path)
     layout = namespace_in(tmp_path)
-    store = StepStore(layout)
+    store = open_store(layout)
     assert store.reader.read_values(2) is not None
     entries = store.writer.write_inner(2, 0, 0, {"ids": torch.zeros(8, 16, dtype=torch.int64)}, {})
     store.writer.commit(2, entries, None)
@@ -206,14 +207,14 @@ def test_values_are_written_after_the_commit_and_a_failed_write_leaves_the_step_
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "skip_harness"]
     assert len(warnings) == 2 and all("could not record step" in w and "No space left" in w for w in warnings)
     layout = namespace_in(tmp_path)
-    assert [StepStore(layout).status(s).status for s in (1, 2)] == ["complete", "complete"]
+    assert [open_store(layout).status(s).status for s in (1, 2)] == ["complete", "complete"]
 
 
 def test_non_finite_values_round_trip_and_match(tmp_path):
-    from skip_harness.store.open import namespace_of
+    from skip_harness.store.open import open_namespace
 
     layout = namespace_in(plain_run(tmp_path, steps=1)[0].layout.root.parents[1])
-    store = ValuesStore(namespace_of(layout))
+    store = ValuesStore(open_namespace(layout))
     store.write_step(1, {"a": math.nan, "b": math.inf, "c": -math.inf, "d": 1.5}, commit_created=1.0)
     doc = json.loads((layout.root / ".values" / "1.json").read_text())   # plain JSON, no NaN literal
     assert doc["values"] == {"a": "NaN", "b": "Infinity", "c": "-Infinity", "d": 1.5}

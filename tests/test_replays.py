@@ -18,6 +18,7 @@ import pytest
 from conftest import subprocess_env
 from s3server import s3_server  # noqa: F401  (fixture)
 from sharing_rig import KEY, Loop, make, values_for
+from skip_harness.store.open import open_namespace
 from skip_harness.cli import main as cli_main
 from skip_harness.demo import TINY_OVERRIDES
 from skip_harness.store.open import posix_namespace
@@ -100,7 +101,7 @@ def test_a_reader_serves_what_is_committed_and_trains_on_its_own_rollouts_for_th
         assert "not committed (own rollouts, not written" in line and f"pid {recorder.proc.pid}" in line, line
         assert "this run trains on its own rollouts" in line
         assert tree(dump) == before                      # not one byte written by the reader
-        assert [s.step for s in scan_namespace(h.layout).steps] == [1, 2]
+        assert [s.step for s in scan_namespace(h.layout, open_namespace(h.layout)).steps] == [1, 2]
     finally:
         recorder.finish()
 
@@ -144,7 +145,7 @@ def test_a_reader_takes_the_hold_when_the_recording_ends_and_commits_its_misses(
         summary = h.close()
     assert t.generated == [3, 4] and (summary.hits, summary.committed) == (2, 2)
     assert "this run holds it now and records the steps it generates, from step 3" in caplog.text
-    assert [(s.step, s.status) for s in scan_namespace(h.layout).steps] == [(i, "complete") for i in (1, 2, 3, 4)]
+    assert [(s.step, s.status) for s in scan_namespace(h.layout, open_namespace(h.layout)).steps] == [(i, "complete") for i in (1, 2, 3, 4)]
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from conftest import write_step
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.cli import main
 from skip_harness.units import human_bytes
 from skip_harness.store.layout import NamespaceKey
@@ -112,7 +113,7 @@ def set_written(store, step, when):
 @pytest.fixture
 def cache(tmp_path):
     dump = tmp_path / "dump"
-    store = StepStore(NamespaceKey("e", "p", 8, 2, 4, 4).layout(dump))
+    store = open_store(NamespaceKey("e", "p", 8, 2, 4, 4).layout(dump))
     now = time.time()
     for step in range(1, 6):
         write_step(store, step)
@@ -122,7 +123,7 @@ def cache(tmp_path):
 
 
 def remaining(store):
-    return {s.step: s.status for s in scan_namespace(store.layout).steps}
+    return {s.step: s.status for s in scan_namespace(store.layout, open_namespace(store.layout)).steps}
 
 
 def test_clean_keep_last_with_a_pin(cache, capsys):
@@ -144,7 +145,7 @@ def test_clean_older_than(cache, capsys):
 
 def test_clean_max_size_oldest_first_and_pins(cache, capsys):
     dump, store = cache
-    per_step = scan_namespace(store.layout).get(1).bytes
+    per_step = scan_namespace(store.layout, open_namespace(store.layout)).get(1).bytes
     code, out, err = run(capsys, "clean", str(dump), "--max-size", f"{2 * per_step + per_step // 2}", "--pin", "2")
     assert code == 0
     assert remaining(store) == {2: "complete", 5: "complete"}
@@ -157,7 +158,7 @@ def test_clean_max_size_oldest_first_and_pins(cache, capsys):
 def test_clean_retention_dry_run_shows_what_would_go_and_the_bytes(cache, capsys):
     dump, store = cache
     before = sorted(str(p) for p in dump.rglob("*"))
-    report = scan_namespace(store.layout)
+    report = scan_namespace(store.layout, open_namespace(store.layout))
     expected = sum(report.get(s).bytes for s in (1, 2, 3, 6))
     code, out, _ = run(capsys, "clean", str(dump), "--keep-last", "2", "--dry-run")
     assert code == 0

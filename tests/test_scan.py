@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import write_legacy, write_step
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.errors import ConfigError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout, NamespaceKey
@@ -22,7 +23,7 @@ from skip_harness.store.stepstore import StepStore
 
 
 def make(tmp_path, K=1, W=1) -> StepStore:
-    return StepStore(NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=W).layout(tmp_path / "cache"))
+    return open_store(NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=W).layout(tmp_path / "cache"))
 
 
 def status(st, step):
@@ -222,12 +223,13 @@ def test_scan_namespace_sorts_steps_and_ignores_other_entries(tmp_path):
     (root / ".lock").write_text("")
     (root / ".trash-4-1-abc").mkdir()
     (root / ".trash-4-1-abc" / "junk").write_bytes(b"12345")
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert [s.step for s in report.steps] == [1, 2, 10]
     assert report.complete_steps == frozenset({1, 2, 10})
     assert report.bytes == sum(s.bytes for s in report.steps)
     assert [(x.path.name, x.bytes) for x in report.leftovers] == [(".trash-4-1-abc", 5)]
-    assert scan_namespace(Layout(tmp_path / "nope")).steps == ()
+    nope = Layout(tmp_path / "nope")
+    assert scan_namespace(nope, open_namespace(nope)).steps == ()
 
 
 def test_scan_namespace_reports_every_status(tmp_path):
@@ -237,7 +239,7 @@ def test_scan_namespace_reports_every_status(tmp_path):
     write_step(st, 3, inners=[0], commit=False)
     write_step(st, 4)
     st.layout.commit_path(4).write_text("garbage")
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert {s.step: s.status for s in report.steps} == {1: "complete", 2: "unverified", 3: "incomplete",
                                                          4: "corrupt"}
     assert report.complete_steps == frozenset({1, 2})
@@ -255,9 +257,9 @@ def test_large_namespace_is_scanned_in_parallel_with_the_same_result(tmp_path, m
             os.symlink(st.layout.step_dir(1), st.layout.step_dir(step))
         else:
             write_legacy(st.layout, step)
-    parallel = scan_namespace(st.layout, use_index=False)
+    parallel = scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
     monkeypatch.setattr(scan_mod, "_PARALLEL_FROM", 10**9)
-    assert scan_namespace(st.layout, use_index=False) == parallel
+    assert scan_namespace(st.layout, open_namespace(st.layout), use_index=False) == parallel
     assert len(parallel.steps) == 299
     assert parallel.by_status("incomplete") == tuple(s for s in parallel.steps if s.step % 7 == 0)
 
@@ -297,7 +299,7 @@ def _mixed_namespace(tmp_path):
 def test_plan_does_nothing_until_executed(tmp_path):
     st = _mixed_namespace(tmp_path)
     before = sorted(p for p in st.layout.root.rglob("*"))
-    plan = plan_cleanup(scan_namespace(st.layout), "delete")
+    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "delete")
     assert isinstance(plan, CleanupPlan)
     assert [(i.step, i.status, i.action) for i in plan.items] == [(3, "incomplete", "delete"), (4, "corrupt", "delete")]
     expected = du(st.layout.step_dir(3)) + du(st.layout.step_dir(4))
@@ -307,40 +309,41 @@ def test_plan_does_nothing_until_executed(tmp_path):
 
 def test_delete_removes_incomplete_and_corrupt_steps_only(tmp_path, caplog):
     st = _mixed_namespace(tmp_path)
-    plan = plan_cleanup(scan_namespace(st.layout), "delete")
+    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "delete")
     with caplog.at_level("INFO", logger="skip_harness"):
-        result = plan.execute()
+        result = plan.execute(st.backend)
     assert result.errors == () and result.freed_bytes == plan.expected_freed_bytes
     assert [(i.step, i.status) for i in result.items] == [(3, "incomplete"), (4, "corrupt")]
-    assert {s.step: s.status for s in scan_namespace(st.layout).steps} == {1: "complete", 2: "unverified"}
+    assert {s.step: s.status for s in scan_namespace(st.layout, st.backend).steps} == {1: "complete", 2: "unverified"}
     assert caplog.text == ""  # scan and cleanup never log: the caller reports the result
     assert not [p for p in st.layout.root.iterdir() if p.name.startswith(".trash-")]
 
 
 def test_quarantine_moves_steps_under_the_namespace(tmp_path):
     st = _mixed_namespace(tmp_path)
-    plan = plan_cleanup(scan_namespace(st.layout), "quarantine")
+    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "quarantine")
     assert plan.expected_freed_bytes == 0 and plan.bytes > 0
-    result = plan.execute()
+    result = plan.execute(st.backend)
     assert result.errors == () and result.freed_bytes == 0 and result.moved_bytes == plan.bytes
     moved = sorted(p.name for p in st.layout.quarantine_dir.iterdir())
     assert len(moved) == 2 and moved[0].startswith("3-") and moved[1].startswith("4-")
     assert all(p.parent == st.layout.quarantine_dir for p in result.quarantined)
     assert (st.layout.quarantine_dir / moved[1] / "commit.json").read_text() == "garbage"
-    assert {s.step for s in scan_namespace(st.layout).steps} == {1, 2}
+    assert {s.step for s in scan_namespace(st.layout, st.backend).steps} == {1, 2}
 
 
 def test_off_plans_nothing(tmp_path):
     st = _mixed_namespace(tmp_path)
-    plan = plan_cleanup(scan_namespace(st.layout), "off")
+    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "off")
     assert plan.items == () and plan.expected_freed_bytes == 0
-    assert plan.execute().freed_bytes == 0
-    assert len(scan_namespace(st.layout).steps) == 4
+    assert plan.execute(st.backend).freed_bytes == 0
+    assert len(scan_namespace(st.layout, st.backend).steps) == 4
 
 
 def test_unknown_action_names_the_config_key(tmp_path):
     with pytest.raises(ConfigError, match="skip.rollout_tq.cleanup"):
-        plan_cleanup(scan_namespace(make(tmp_path).layout), "shred")
+        layout = make(tmp_path).layout
+        plan_cleanup(scan_namespace(layout, open_namespace(layout)), "shred")
 
 
 def test_leftover_trash_is_removed_by_cleanup(tmp_path):
@@ -349,9 +352,9 @@ def test_leftover_trash_is_removed_by_cleanup(tmp_path):
     trash = st.layout.root / ".trash-7-1-abcdef"
     (trash / "0").mkdir(parents=True)
     (trash / "0" / "tq_batch.pt").write_bytes(b"x" * 100)
-    plan = plan_cleanup(scan_namespace(st.layout), "delete")
+    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "delete")
     assert plan.expected_freed_bytes == plan.bytes + 100
-    result = plan.execute()
+    result = plan.execute(st.backend)
     assert not trash.exists() and result.freed_bytes == plan.expected_freed_bytes
 
 
@@ -366,9 +369,9 @@ def test_a_values_write_killed_midway_leaves_no_temporary_after_cleanup(tmp_path
     (values / "1.json").write_text("{}")
     tmp = values / ".tmp-2.json.14803.c2858d4f"
     tmp.write_bytes(b"x" * 7)
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert [(x.path, x.bytes) for x in report.leftovers] == [(tmp, 7)]
-    result = plan_cleanup(report, action).execute()
+    result = plan_cleanup(report, action).execute(st.backend)
     assert not tmp.exists() and (values / "1.json").exists() and result.errors == ()
 
 
@@ -381,22 +384,22 @@ def test_cleanup_of_symlinked_steps_never_leaves_the_namespace(tmp_path, outside
     shutil.rmtree(st.layout.inner_dir(3, 1))
     os.symlink(outside, st.layout.inner_dir(3, 1))             # inner dir -> outside
     before = sorted(os.listdir(outside))
-    plan = plan_cleanup(scan_namespace(st.layout), action)
+    plan = plan_cleanup(scan_namespace(st.layout, st.backend), action)
     assert [i.step for i in plan.items] == [2, 3]
-    result = plan.execute()
+    result = plan.execute(st.backend)
     assert result.errors == ()
     assert sorted(os.listdir(outside)) == before and (outside / "sentinel").read_text() == "keep me"
     assert not os.path.lexists(st.layout.step_dir(2)) and not os.path.lexists(st.layout.step_dir(3))
     if action == "quarantine":
         moved = {p.name.split("-")[0]: p for p in st.layout.quarantine_dir.iterdir()}
         assert moved["2"].is_symlink()                         # the link itself was moved
-    assert [s.step for s in scan_namespace(st.layout).steps] == [1]
+    assert [s.step for s in scan_namespace(st.layout, st.backend).steps] == [1]
 
 
 def test_quarantine_refuses_a_symlinked_quarantine_dir(tmp_path, outside):
     st = _mixed_namespace(tmp_path)
     os.symlink(outside, st.layout.quarantine_dir)
-    result = plan_cleanup(scan_namespace(st.layout), "quarantine").execute()
+    result = plan_cleanup(scan_namespace(st.layout, st.backend), "quarantine").execute(st.backend)
     assert len(result.errors) == 2 and result.items == ()
     assert sorted(os.listdir(outside)) == ["meta.json", "sentinel", "tq_batch.pt"]
 
@@ -413,14 +416,14 @@ def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_p
     data = bytearray(p.read_bytes())
     data[-1] ^= 1
     p.write_bytes(bytes(data))
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert report.counts()["complete"] == 2          # sizes match: only the checksum tells
     reason = st.reader.verify(2)[1]
     plan = plan_cleanup(report, Cleanup(action), extra=[(2, reason), (99, "not a step here")])
     assert [(i.step, i.status, i.reason, i.action) for i in plan.items] == [(2, "corrupt", reason, action)]
-    result = plan.execute()
+    result = plan.execute(st.backend)
     assert result.errors == () and [i.step for i in result.items] == [2]
-    assert {s.step for s in scan_namespace(st.layout).steps} == {1}
+    assert {s.step for s in scan_namespace(st.layout, st.backend).steps} == {1}
     if action == "quarantine":
         (moved,) = result.quarantined
         assert moved.parent == st.layout.quarantine_dir and (moved / "1" / "tq_batch.pt").exists()
@@ -431,19 +434,19 @@ def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_p
 def test_scan_pauses_the_cyclic_gc_and_restores_it(tmp_path, monkeypatch):
     import gc
 
-    from skip_harness.store import stepstore as store_mod
+    from skip_harness.store import status as status_mod
 
     st = make(tmp_path, K=1)
     write_step(st, 1)
     seen = []
-    real = store_mod.classify_step
+    real = status_mod.classify_step
     monkeypatch.setattr("skip_harness.store.scan.classify_step", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
     assert gc.isenabled()
-    scan_namespace(st.layout, use_index=False)
+    scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
     assert seen == [False] and gc.isenabled()
     gc.disable()
     try:
-        scan_namespace(st.layout, use_index=False)
+        scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
         assert not gc.isenabled()      # left as the caller had it
     finally:
         gc.enable()

@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from conftest import assert_batch_equal, batch, subprocess_env, write_legacy, write_step
+from skip_harness.store.open import open_namespace, open_store, posix_namespace
 from skip_harness import codec
 from skip_harness.store import payload_file
 from skip_harness.store import stepstore as store_mod
@@ -24,11 +25,12 @@ from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.store.scan import classify_step, scan_namespace
-from skip_harness.store.stepstore import FileEntry, StepStore
+from skip_harness.store.commit import FileEntry, parse_commit
+from skip_harness.store.stepstore import StepStore
 
 
 def make(tmp_path, K=1, W=1) -> StepStore:
-    return StepStore(NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=W).layout(tmp_path / "cache"))
+    return open_store(NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=W).layout(tmp_path / "cache"))
 
 
 def temp_files(root):
@@ -211,7 +213,7 @@ def test_clear_step_unlinks_the_commit_record_first(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert st.writer.clear_step(2) > 0 and not st.layout.step_dir(2).exists()
     assert st.writer.clear_step(2) == 0 and st.writer.clear_step(99) == 0
-    report = scan_namespace(st.layout)
+    report = scan_namespace(st.layout, st.backend)
     assert report.steps == () and len(report.leftovers) == 1   # the interrupted removal's trash
 
 
@@ -317,7 +319,7 @@ def _check_no_partial_final_files(st, step):
         if meta.exists():
             assert json.loads(meta.read_text())["bytes"] == pay.stat().st_size
     if lay.commit_path(step).exists():
-        store_mod.parse_commit(lay.commit_path(step).read_bytes(), lay, step, lay.commit_path(step))
+        parse_commit(lay.commit_path(step).read_bytes(), lay, step, lay.commit_path(step))
 
 
 @pytest.mark.parametrize("K", [1, 2])
@@ -355,7 +357,7 @@ KILL_WRITER = textwrap.dedent(
     from pathlib import Path
     from skip_harness.store.layout import Layout
     from skip_harness.store.stepstore import StepStore
-    st = StepStore(Layout(Path(sys.argv[1]), K=2, W=1))
+    st = open_store(Layout(Path(sys.argv[1]), K=2, W=1))
     g = torch.Generator().manual_seed(0)
     step = 1
     while True:
@@ -385,11 +387,11 @@ def test_killed_writer_leaves_only_complete_or_incomplete_steps(tmp_path):
             proc.wait()
             proc.stdout.close()
         lay = Layout(root, K=2, W=1)
-        report = scan_namespace(lay)
+        report = scan_namespace(lay, open_namespace(lay))
         statuses = {s.status for s in report.steps}
         assert statuses <= {"complete", "incomplete"}, report
         assert report.by_status("complete")
-        st = StepStore(lay)
+        st = open_store(lay)
         for s in report.by_status("complete"):
             assert st.reader.verify(s.step)[1] is None
         # even in the step that was being written, no file under its final name is partial
@@ -705,19 +707,20 @@ def test_without_o_direct_payloads_go_through_the_page_cache_and_leave_it(tmp_pa
     assert (status, reason) == ("complete", None) and len(refused) == 4
     assert torch.equal(batches[0]["x"], st.reader.read_inner(1, 0, 0)["x"])
     advised.clear()
-    write_step(StepStore(st.layout, drop_written_pages=False), 2)
+    write_step(StepStore(st.layout, posix_namespace(st.layout, drop_written_pages=False)), 2)   # the POSIX backend's option
     assert advised == []
 
 
 def test_a_hit_reads_and_parses_the_commit_record_once(tmp_path, monkeypatch):
     """One verified read path: the record the status was classified with is the one served from (it was
     read and parsed twice: classify_step, then read_commit)."""
+    from skip_harness.store import reader as reader_mod
     from skip_harness.store import status as status_mod
 
     st = make(tmp_path, K=2)
     write_step(st, 1)
     parsed = []
-    for mod in (status_mod, store_mod):
+    for mod in (status_mod, reader_mod):
         real = mod.parse_commit
 
         def counting(*a, _real=real, **kw):

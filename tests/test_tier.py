@@ -18,7 +18,7 @@ from skip_harness import SkipHarness
 from skip_harness.errors import CorruptStepError
 from skip_harness.run.callbacks import HarnessCallback
 from skip_harness.run.tier import key_changes
-from skip_harness.store.open import namespace_of
+from skip_harness.store.open import open_namespace
 from skip_harness.store.tier import TierStore, key_digest, read_step_tier
 
 
@@ -147,7 +147,7 @@ def namespace_of_run(tmp_path):
     h.start()
     layout = h.layout
     h.close()
-    return namespace_of(layout)
+    return open_namespace(layout)
 
 
 def test_the_tier_is_beside_the_step_create_only_checksummed_and_goes_with_the_step(tmp_path):
@@ -232,7 +232,7 @@ def test_key_changes_name_the_component():
 def test_the_tier_on_another_backend(url, tmp_path):
     random.seed(0)
     np.random.seed(0)
-    ns = namespace_of(SkipHarness.create({"enable": True, "dump_dir": url},
+    ns = open_namespace(SkipHarness.create({"enable": True, "dump_dir": url},
                                          namespace={"experiment_name": "e", "project_name": "p"})
                       ._key.layout(url))
     store = TierStore(ns)

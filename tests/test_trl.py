@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("trl")
 
 from replay_rig import namespace_in, serve_other_rollouts  # noqa: E402
+from skip_harness.store.open import open_store
 from skip_harness.errors import ConfigError, HarnessUsageError  # noqa: E402
 from skip_harness.store.stepstore import StepStore  # noqa: E402
 from skip_harness.integrations import trl as integration  # noqa: E402
@@ -114,7 +115,7 @@ def test_the_demo_without_a_workdir_leaves_no_temporary_directory(tmp_path):
 def test_the_replay_check_reports_every_step_reproduced(recorded):
     replay = json.loads((recorded.workdir / "replay.json").read_text())
     assert replay["replay"].startswith(f"replay: {STEPS} of {STEPS} served steps reproduced ("), replay["replay"]
-    values = StepStore(namespace_in(recorded.dump_dir)).reader.read_values(1)
+    values = open_store(namespace_in(recorded.dump_dir)).reader.read_values(1)
     assert {"loss", "learning_rate", "reward", "grad_norm"} <= set(values)   # the log_history entry of optimizer step 2
 
 

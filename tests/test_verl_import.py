@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import verl_rig as rig  # noqa: E402
 
 from conftest import REPO  # noqa: E402
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.cli import main  # noqa: E402
 from skip_harness.store.layout import NamespaceKey  # noqa: E402
 from skip_harness.store.scan import scan_namespace  # noqa: E402
@@ -137,8 +138,8 @@ def test_a_v0_dataproto_cache_imports(cluster, tmp_path, capsys):
     code, doc, err = import_verl(capsys, verl_dir, dump)
     assert code == 0, err
     assert [(d["step"], d["trajectories"]) for d in doc["converted"]] == [(3, 4)]
-    store = StepStore(NamespaceKey(rig.EXPERIMENT, rig.PROJECT, 4, 2, 8, 6).layout(dump))
-    assert {s.step: s.status for s in scan_namespace(store.layout).steps} == {3: "complete"}
+    store = open_store(NamespaceKey(rig.EXPERIMENT, rig.PROJECT, 4, 2, 8, 6).layout(dump))
+    assert {s.step: s.status for s in scan_namespace(store.layout, open_namespace(store.layout)).steps} == {3: "complete"}
     got, want = store.reader.read_inner(3, 0, 0), made["out"]
     assert isinstance(got, DataProto)
     for k in want.batch.keys():

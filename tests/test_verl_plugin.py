@@ -242,7 +242,7 @@ def test_the_harness_closes_right_after_the_last_step_it_caches(cluster, tmp_pat
     on the replay, not at process exit."""
     from verl.utils.tracking import Tracking
 
-    from skip_harness.store.stepstore import StepStore
+    from skip_harness.store.open import open_store
     from replay_rig import namespace_in
 
     cfg = rig.compose(str(tmp_path), steps=steps)
@@ -255,7 +255,7 @@ def test_the_harness_closes_right_after_the_last_step_it_caches(cluster, tmp_pat
 
         def after_sample(skip, step, inner):
             if step == last and inner == skip.plan.K - 1:
-                durable.append(StepStore(namespace_in(tmp_path)).reader.verify(last, load=False)[0])
+                durable.append(open_store(namespace_in(tmp_path)).reader.verify(last, load=False)[0])
                 assert not skip.finished and not summary_logged()   # still open: the step's metrics come next
 
         def after_step(step, sampled):

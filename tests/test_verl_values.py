@@ -48,11 +48,11 @@ def _train(dump_dir, *extra, salt=1):
 
 
 def test_verl_metrics_are_recorded_and_checked_on_replay(cluster, tmp_path, caplog):
-    from skip_harness.store.stepstore import StepStore
+    from skip_harness.store.open import open_store
 
     first = _train(tmp_path)
     assert first.outcomes == {1: "miss", 2: "miss", 3: "miss"}
-    values = StepStore(namespace_in(tmp_path)).reader.read_values(2)
+    values = open_store(namespace_in(tmp_path)).reader.read_values(2)
     assert set(values) == {"critic/score/mean", "response_length/mean", "actor/pg_loss", "timing_s/step",
                            "val-core/test/reward/mean@1",
                            "perf/throughput"}

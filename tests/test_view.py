@@ -18,6 +18,7 @@ pytest.importorskip("jinja2")
 from starlette.testclient import TestClient  # noqa: E402
 
 from conftest import HolderProcess  # noqa: E402
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness.cli import main  # noqa: E402
 from skip_harness.cli.view.app import build_app  # noqa: E402
 from skip_harness.cli.view.data import Cache  # noqa: E402
@@ -159,7 +160,7 @@ def test_nothing_is_written_or_locked_beside_a_running_job(tmp_path):
     dump = tmp_path / "cache"
     lay = write_namespace(dump, "busy", {s: demo_batch(s) for s in (1, 2)})
     write_namespace(dump, "busy", {3: demo_batch(3)}, commit=False)
-    _index.remove(lay)                      # a missing index: a scan that may write would rebuild it
+    _index.remove(open_namespace(lay))      # a missing index: a scan that may write would rebuild it
     holder = HolderProcess(lay)             # a training run holds the namespace
     try:
         before = snapshot(dump)
@@ -176,18 +177,17 @@ def test_nothing_is_written_or_locked_beside_a_running_job(tmp_path):
 
 def test_a_scan_that_may_not_write_leaves_a_stale_index_alone(tmp_path):
     lay = write_namespace(tmp_path / "cache", "ns", {s: demo_batch(s) for s in (1, 2, 3)})
-    _scan.scan_namespace(lay)
+    _scan.scan_namespace(lay, open_namespace(lay))
     index = (lay.root / _index.INDEX_NAME).read_bytes()
     write_namespace(tmp_path / "cache", "ns", {4: demo_batch(4)})
-    from skip_harness.store.open import namespace_of
-    ns = namespace_of(lay)
+    ns = open_namespace(lay)
     _index.rewrite(lay, ns, [e for s, e in _index.read(lay, ns).items() if s != 2])   # stale: step 2 and 4 unindexed
     stale = (lay.root / _index.INDEX_NAME).read_bytes()
-    report = _scan.scan_namespace(lay, rewrite_index=False)
+    report = _scan.scan_namespace(lay, open_namespace(lay), rewrite_index=False)
     assert [s.step for s in report.steps if s.status == "complete"] == [1, 2, 3, 4]
     assert "stale" in report.index_note and "rebuilt" not in report.index_note
     assert (lay.root / _index.INDEX_NAME).read_bytes() == stale != index
-    _scan.scan_namespace(lay)                                     # a run's scan still rebuilds it
+    _scan.scan_namespace(lay, open_namespace(lay))                                     # a run's scan still rebuilds it
     assert (lay.root / _index.INDEX_NAME).read_bytes() != stale
 
 
@@ -245,7 +245,7 @@ def test_recorded_values_are_charted_and_compare_shows_the_diff(demo):
 
     dump, a, b = demo
     for lay, lr in ((a, 0.1), (b, 0.2)):
-        store = StepStore(lay)
+        store = open_store(lay)
         for s in (1, 2, 3):
             created = store.reader.read_commit(s).created
             ValuesStore(store.backend).write_step(s, {"loss": lr * s, "reward_mean": 0.5 + s}, commit_created=created)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from skip_harness.store.open import open_store
 from skip_harness.demo import TINY_OVERRIDES
 from skip_harness.store.layout import Layout
 from skip_harness.store.stepstore import StepStore
@@ -103,7 +104,7 @@ def demo_cache(tmp_path_factory):
 
 def read_batch(root: Path, ns: str, step: int) -> dict:
     leaf = root / ns
-    [batch] = StepStore(Layout(leaf, K=1, W=1)).reader.read_step(step, 0)
+    [batch] = open_store(Layout(leaf, K=1, W=1)).reader.read_step(step, 0)
     return batch
 
 

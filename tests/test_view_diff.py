@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 
+from skip_harness.store.open import open_store
 from skip_harness.cli import main
 from skip_harness.cli.compare import compare
 from skip_harness.store.stepstore import StepStore
@@ -23,7 +24,7 @@ def _cli(*argv):
 
 def record(layout, values, config=None):
     """{step: {key: value}} recorded beside the committed steps; `config` the training side under one digest."""
-    store = StepStore(layout)
+    store = open_store(layout)
     if config is not None:
         store.writer.write_training_config("cfg0", config)
     for s, v in values.items():

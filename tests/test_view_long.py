@@ -14,6 +14,7 @@ pytest.importorskip("jinja2")
 
 from starlette.testclient import TestClient  # noqa: E402
 
+from skip_harness.store.open import open_store
 from skip_harness.cli.view.app import build_app  # noqa: E402
 from skip_harness.cli.view.data import Cache  # noqa: E402
 from skip_harness.cli.view.decode import DEMO_VOCAB, Decoder  # noqa: E402
@@ -42,7 +43,7 @@ def llm(tmp_path_factory):
 
 
 def record(layout, values):
-    store = StepStore(layout)
+    store = open_store(layout)
     for s, v in values.items():
         ValuesStore(store.backend).write_step(s, v, commit_created=store.reader.read_commit(s).created)
 

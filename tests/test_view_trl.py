@@ -20,6 +20,7 @@ pytest.importorskip("starlette")
 
 from starlette.testclient import TestClient  # noqa: E402
 
+from skip_harness.store.open import open_store
 from skip_harness.cli.view.app import build_app  # noqa: E402
 from skip_harness.cli.view.data import Cache  # noqa: E402
 from skip_harness.cli.view.decode import Decoder  # noqa: E402
@@ -42,7 +43,7 @@ def test_a_trl_step_page_shows_prompt_completion_reward_and_advantage(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     [leaf] = [p for p in (tmp_path / "cache").glob("*/*") if p.is_dir()]
     layout = Layout(leaf, K=1, W=1)
-    [payload] = StepStore(layout).reader.read_step(0, 0)
+    [payload] = open_store(layout).reader.read_step(0, 0)
     assert payload["prompt_ids"].numel() == int(payload["prompt_lengths"].sum()) > 0
     c = TestClient(build_app(Cache([tmp_path / "cache"]), Decoder(str(tmp_path / "model")), ["testserver"]))
     key = f"0/{leaf.parent.name}/{leaf.name}"

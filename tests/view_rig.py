@@ -15,6 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from skip_harness.store.open import open_store
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
 from skip_harness.store.stepstore import StepStore
@@ -78,7 +79,7 @@ def write_namespace(dump_dir, name: str, payloads: Dict[int, object], K: int = 1
     """Steps {step: payload (K = 1) or [payload per inner index]} committed into `{dump_dir}/{name}/GBS..`."""
     leaf = "GBS6_N2_in4_out5" if K == 1 else f"GBS6_N2_in4_out5_K{K}_W1"
     layout = Layout(Path(dump_dir) / name / leaf, K=K, W=1)
-    store = StepStore(layout)
+    store = open_store(layout)
     fp = Fingerprint.from_values(fingerprint or {"seed": 0, "trainer_mode": "sync"})
     for step, payload in payloads.items():
         batches = payload if isinstance(payload, list) else [payload]

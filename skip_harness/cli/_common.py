@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from skip_harness.cli._discovery import default_dump_dir, namespaces_under, require_dir, short_path, where_of  # noqa: F401
 from skip_harness.cli._facts import (  # noqa: F401
-    MIXED, fingerprint_value, mode_and_seed, step_accessed, step_gen_s, step_metas, step_written,
+    mode_and_seed, step_accessed, step_gen_s, step_written,
 )
 from skip_harness.cli._output import (  # noqa: F401
-    EXIT_CORRUPT, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, Progress_, emit_json, fmt_age, fmt_ago,
+    EXIT_CORRUPT, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, emit_json, fmt_ago,
     fmt_seconds, fmt_time, fmt_value, logger, progress, stdout_console,
 )
 from skip_harness.units import human_bytes  # noqa: F401

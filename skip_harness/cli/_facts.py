@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.reader import StepReader
+from skip_harness.store.status import StepStatus
 
 
 
@@ -20,7 +21,7 @@ def step_written(reader: StepReader, report: _scan.StepReport) -> Optional[float
     created = getattr(report, "created", None)
     if created:
         return float(created)
-    if report.has_commit and report.status == "complete":
+    if report.has_commit and report.status == StepStatus.COMPLETE:
         try:
             record = reader.read_commit(report.step)
         except (CorruptStepError, OSError):

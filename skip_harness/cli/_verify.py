@@ -7,6 +7,7 @@ from typing import List, Optional, Tuple
 
 from skip_harness.store import scan as _scan
 from skip_harness.store.reader import StepReader
+from skip_harness.store.status import StepStatus
 
 _UNSAFE_ADVICE = re.compile(r"(Weights only load failed|weights_only).*", re.IGNORECASE | re.DOTALL)
 VERL_HINT = "if verl wrote it, `skip-harness import-verl VERL_DUMP_DIR DUMP_DIR --trust` converts it"
@@ -36,7 +37,7 @@ def verify_step(reader: StepReader, report: _scan.StepReport) -> Optional[str]:
     if reason is None:
         return None
     reason = _plain_reason(reason)
-    if report.status == "unverified" and _looks_like_verl(reader, report.step):
+    if report.status == StepStatus.UNVERIFIED and _looks_like_verl(reader, report.step):
         reason += f" ({VERL_HINT})"
     return reason
 
@@ -51,7 +52,7 @@ def verified_steps(reader: StepReader, report: _scan.NamespaceReport, tick=lambd
         if s.servable:
             reason = verify_step(reader, s)
             if reason is not None:
-                s = dataclasses.replace(s, status="corrupt", reason=reason)
+                s = dataclasses.replace(s, status=StepStatus.CORRUPT, reason=reason)
                 failed.append((s.step, reason))
         out.append(s)
         tick()

@@ -12,7 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from skip_harness.store.locking import Hold
-from skip_harness.store.open import namespace_of
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.open import open_namespace
 from skip_harness.store import retention as _retention
 from skip_harness.store import cleanup as _cleanup
 from skip_harness.store import scan as _scan
@@ -33,6 +34,7 @@ from skip_harness.cli._common import (
     step_written,
 )
 from skip_harness.cli._verify import verified_steps
+from skip_harness.store.status import StepStatus
 
 RETENTION_STATUS = "retention"   # what a step removed by a retention rule is listed as
 
@@ -40,6 +42,7 @@ RETENTION_STATUS = "retention"   # what a step removed by a retention rule is li
 @dataclass
 class _Namespace:
     layout: Layout
+    backend: Namespace                   # opened once by this command (its lock file, or its lease)
     lock: Optional[Hold] = None
     refused: Optional[str] = None        # locked by a running job
     read_only: Optional[str] = None      # the namespace cannot be written
@@ -51,8 +54,8 @@ class _Namespace:
 def _take(layout: Layout, dry_run: bool) -> _Namespace:
     """The namespace held for cleaning, through its backend (its lock file, or its lease on an object
     store); a dry run takes nothing and only asks who holds it."""
-    ns = _Namespace(layout)
-    backend = namespace_of(layout)
+    backend = open_namespace(layout)
+    ns = _Namespace(layout, backend)
     if dry_run:
         holder = backend.holder()      # touches nothing
         if holder is not None:
@@ -138,15 +141,15 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
             for ns in spaces:
                 if ns.refused is not None or ns.read_only is not None:
                     continue
-                ns.report = _scan.scan_namespace(ns.layout)
+                ns.report = _scan.scan_namespace(ns.layout, ns.backend)
                 bar.start(f"verifying {ns.layout.root}", len(ns.report.steps))
-                ns.verified, ns.failed = verified_steps(StepStore(ns.layout).reader, ns.report, bar.advance)
+                ns.verified, ns.failed = verified_steps(StepStore(ns.layout, ns.backend).reader, ns.report, bar.advance)
                 bar.finish(f"{len(ns.failed)} corrupt" if ns.failed else "")
         ages = []
         for ns in spaces:
             if ns.report is None:
                 continue
-            reader = StepStore(ns.layout).reader
+            reader = StepStore(ns.layout, ns.backend).reader
             for s in ns.verified:
                 written = step_written(reader, s)
                 ages.append(_retention.StepAge(str(ns.layout.root), s.step, s.bytes,
@@ -181,12 +184,12 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
                     console.print(f"  would {verb} {n_steps(len(plan.items))}, {human_bytes(plan.bytes)}; "
                                   f"frees {human_bytes(plan.expected_freed_bytes)}")
                 continue
-            result = plan.execute()
+            result = plan.execute(ns.backend)
             doc["freed_bytes"] = result.freed_bytes
             doc["moved_bytes"] = result.moved_bytes
             doc["errors"] = list(result.errors)
             for item in result.items:
-                if item.status == "corrupt":
+                if item.status == StepStatus.CORRUPT:
                     logger.warning("%s: corrupt step %d %s: %s", ns.layout.root, item.step,
                                    "quarantined" if quarantine else "removed", item.reason)
             totals.add(len(result.items), result.moved_bytes if quarantine else result.freed_bytes,

@@ -26,6 +26,7 @@ from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store import scan as _scan
 from skip_harness.store.namespaces import namespaces_at
+from skip_harness.store.open import open_namespace
 from skip_harness.store.layout import PAYLOAD_NAME, Layout, UrlPath, parse_namespace_leaf
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.values import ValuesStore, config_changes
@@ -290,10 +291,10 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     """One pair of namespaces, step by step. `read_payloads=False` (the viewer's compare page, which pairs
     one step's trajectories itself): steps whose checksums differ are not read (`rollouts: "not read"`).
     `run_a`, `run_b`: compare that replay's values (its run id, or 'latest') instead of the recording's."""
-    sa, sb = StepStore(la), StepStore(lb)
+    sa, sb = StepStore(la, open_namespace(la)), StepStore(lb, open_namespace(lb))
     va_of, vb_of = _RunValues(sa, _run_of(sa, run_a, "A")), _RunValues(sb, _run_of(sb, run_b, "B"))
-    ra = {s.step: s for s in _scan.scan_namespace(la, use_index=False).steps}
-    rb = {s.step: s for s in _scan.scan_namespace(lb, use_index=False).steps}
+    ra = {s.step: s for s in _scan.scan_namespace(la, sa.backend, use_index=False).steps}
+    rb = {s.step: s for s in _scan.scan_namespace(lb, sb.backend, use_index=False).steps}
     steps_out: List[Dict[str, Any]] = []
     first_values = None
     max_diff: Dict[str, float] = {}

@@ -26,6 +26,8 @@ import pyarrow.parquet as pq
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store.layout import Layout
+from skip_harness.store.open import open_namespace
+from skip_harness.store.status import StepStatus
 from skip_harness.store.reader import StepReader
 from skip_harness.store.stepstore import StepStore
 from skip_harness.cli.clean import step_ranges
@@ -71,13 +73,13 @@ class ExportResult:
     skipped: List[Tuple[str, int, str]] = field(default_factory=list)   # (namespace, step, reason)
 
 
-def _union_schema(layouts: Sequence[Tuple[str, Layout]], steps: Optional[Set[int]]) -> Optional[pa.Schema]:
+def _union_schema(layouts: Sequence[Tuple[str, StepStore]], steps: Optional[Set[int]]) -> Optional[pa.Schema]:
     """The columns of every namespace's first exportable mini-batch, in order of appearance, so that
     namespaces with different fields share one file (a field one of them lacks is null there)."""
     schemas: List[pa.Schema] = []
-    for name, layout in layouts:
-        reader = StepStore(layout).reader
-        for s in _scan.scan_namespace(layout).steps:
+    for name, store in layouts:
+        layout, reader = store.layout, store.reader
+        for s in _scan.scan_namespace(layout, store.backend).steps:
             if not s.servable or (steps is not None and s.step not in steps):
                 continue
             try:
@@ -120,14 +122,15 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     result = ExportResult(out, fmt)
-    sink = _ParquetSink(tmp, _union_schema(layouts, steps) if len(layouts) > 1 else None) if fmt == "parquet" else None
+    stores = [(name, StepStore(layout, open_namespace(layout))) for name, layout in layouts]   # each opened once
+    sink = _ParquetSink(tmp, _union_schema(stores, steps) if len(stores) > 1 else None) if fmt == "parquet" else None
     jf = open(tmp, "w", encoding="utf-8") if fmt == "jsonl" else None
     held: Set[int] = set()   # the servable steps the namespaces hold
     matched = 0
     try:
-        for name, layout in layouts:
-            reader = StepStore(layout).reader
-            report = _scan.scan_namespace(layout)
+        for name, store in stores:
+            layout, reader = store.layout, store.reader
+            report = _scan.scan_namespace(layout, store.backend)
             chosen = [s for s in report.steps if steps is None or s.step in steps]
             held.update(s.step for s in report.steps)
             matched += len(chosen)
@@ -169,7 +172,7 @@ def _export_step(reader: StepReader, s: _scan.StepReport, name: str, sink: Optio
     if not s.servable:
         result.skipped.append((name, s.step, f"{s.status}: {s.reason}"))
         return
-    if s.status == "complete":
+    if s.status == StepStatus.COMPLETE:
         _status, reason = reader.verify(s.step, load=False)   # sizes and checksums; loading is next
         if reason is not None:
             result.skipped.append((name, s.step, f"corrupt: {reason}"))

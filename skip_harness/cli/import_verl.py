@@ -28,10 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from skip_harness.store import scan as _scan
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.store.open import namespace_of
+from skip_harness.store.open import open_namespace
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.verl_dump import (  # noqa: F401  (verl's dump, read only: re-exported)
-    VERL_META, VERL_PAYLOAD, VERL_V0_PAYLOAD, VerlNamespace, VerlStep, find_verl_namespaces, load_trusted,
+    VerlNamespace, VerlStep, find_verl_namespaces, load_trusted,
     read_meta as _read_meta, scan_verl_namespaces,
 )
 from skip_harness.store.stepstore import StepStore
@@ -116,7 +116,7 @@ def _same_dir(a: Path, b: Path) -> bool:
 def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result: ImportResult,
                       on_step: Callable[[], None]) -> None:
     ns_lock = None
-    backend = namespace_of(layout)          # its lock file, or its lease on an object store
+    backend = open_namespace(layout)        # its lock file, or its lease on an object store
     if dry_run:
         holder = backend.holder()           # touches nothing
         if holder is not None:
@@ -133,8 +133,8 @@ def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result:
         if ns_lock.read_only:
             raise VerlImportError(f"DUMP_DIR cannot be written: {layout.root}: {ns_lock.why or 'this process may only read it'}")
     try:
-        existing = {s.step: s for s in _scan.scan_namespace(layout).steps}
-        store = StepStore(layout)
+        existing = {s.step: s for s in _scan.scan_namespace(layout, backend).steps}
+        store = StepStore(layout, backend)
         for vstep in vns.steps:
             try:
                 have = existing.get(vstep.step)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from skip_harness.store import scan as _scan
 from skip_harness.store.layout import Layout
+from skip_harness.store.open import open_namespace
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.values import ValuesStore
 
@@ -32,6 +33,7 @@ from skip_harness.cli._common import (
     step_written,
 )
 from skip_harness.cli._verify import verified_steps
+from skip_harness.store.status import StepStatus
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class NamespaceView:
         return [r.report for r in self.rows]
 
     def counts(self) -> Dict[str, int]:
-        out = {k: 0 for k in _scan.STATUSES}
+        out: Dict[str, int] = {k.value: 0 for k in _scan.STATUSES}
         for r in self.rows:
             out[r.report.status] += 1
         return out
@@ -83,8 +85,8 @@ class NamespaceView:
         return max(times) if times else None
 
 
-def view(layout: Layout, steps: Sequence[_scan.StepReport]) -> NamespaceView:
-    reader = StepStore(layout).reader
+def view(store: StepStore, steps: Sequence[_scan.StepReport]) -> NamespaceView:
+    layout, reader = store.layout, store.reader
     return NamespaceView(layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s), step_accessed(reader, s),
                                           reader.logical_bytes(s.step, s.bytes) if s.servable else None)
                                   for s in steps], tuple(ValuesStore(reader.backend).list_runs()))
@@ -181,14 +183,14 @@ def namespace_blocks(views: Sequence[NamespaceView], base: Path, title: str) -> 
 
 
 def _count(status: str, n: int) -> str:
-    if n and status == "corrupt":
+    if n and status == StepStatus.CORRUPT:
         return f"[bold red]{n}[/]"
-    if n and status == "incomplete":
+    if n and status == StepStatus.INCOMPLETE:
         return f"[yellow]{n}[/]"
     return str(n)
 
 
-_STATUS_STYLE = {"complete": "green", "unverified": "cyan", "incomplete": "yellow", "corrupt": "bold red"}
+_STATUS_STYLE = {StepStatus.COMPLETE: "green", StepStatus.UNVERIFIED: "cyan", StepStatus.INCOMPLETE: "yellow", StepStatus.CORRUPT: "bold red"}
 
 
 def _stamp(ts: Optional[float]) -> str:
@@ -238,7 +240,8 @@ def _print_views(views: Sequence[NamespaceView], base: Path, title: str, steps: 
 def cmd_ls(layouts: List[Layout], base: Path, as_json: bool, steps: bool, sort: str = "name",
            where: str = "") -> int:
     """`where`: how the directory was chosen, when the user did not name it (said in the title)."""
-    views = sort_views([view(lay, _scan.scan_namespace(lay).steps) for lay in layouts], sort, base)
+    stores = [StepStore(lay, open_namespace(lay)) for lay in layouts]
+    views = sort_views([view(st, _scan.scan_namespace(st.layout, st.backend).steps) for st in stores], sort, base)
     if as_json:
         emit_json({"dump_dir": str(base), "namespaces": [namespace_json(v) for v in views],
                    "total_bytes": sum(v.bytes for v in views)})
@@ -251,16 +254,17 @@ def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) ->
     views = []
     with progress() as bar:
         for lay in layouts:
-            report = _scan.scan_namespace(lay)
+            store = StepStore(lay, open_namespace(lay))
+            report = _scan.scan_namespace(lay, store.backend)
             bar.start(f"verifying {lay.root}", len(report.steps))
-            checked, failed = verified_steps(StepStore(lay).reader, report, bar.advance)
+            checked, failed = verified_steps(store.reader, report, bar.advance)
             bar.finish(f"{len(failed)} corrupt" if failed else "")
-            views.append(view(lay, checked))
-    n_corrupt = sum(v.counts()["corrupt"] for v in views)
+            views.append(view(store, checked))
+    n_corrupt = sum(v.counts()[StepStatus.CORRUPT] for v in views)
     if as_json:
         emit_json({"namespaces": [namespace_json(v) for v in views]})
     elif views:
-        _print_views(views, base, f"verified {base}", steps, only=("incomplete", "corrupt"))
+        _print_views(views, base, f"verified {base}", steps, only=(StepStatus.INCOMPLETE, StepStatus.CORRUPT))
         console = stdout_console()
         if n_corrupt:
             console.print(f"{n_corrupt} corrupt step{'s' if n_corrupt != 1 else ''} found "

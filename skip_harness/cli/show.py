@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from skip_harness.store import payload_file
-from skip_harness.store.open import namespace_of
+from skip_harness.store.open import open_namespace
 from skip_harness.store.paths import payload_rel_at
 from skip_harness.store import scan as _scan
 from skip_harness.errors import CodecError, CorruptStepError
@@ -34,6 +34,7 @@ class Target:
     step: Optional[int] = None
     inner: int = 0
     rank: int = 0
+    store: Optional[StepStore] = None      # the layout's steps, its namespace opened once by this command
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ def resolve(path: Path, step: Optional[int], inner: Optional[int], rank: int) ->
         if found is None:
             return Target(path)
         layout, s, i, r = found
-        return Target(path, layout, s, i, r)
+        return Target(path, layout, s, i, r, StepStore(layout, open_namespace(layout)))
     if not path.is_dir():
         raise CliError(f"{path} does not exist" if not path.exists() else f"{path} is not a file or directory")
     if step is None and parse_step_name(path.name) is not None and parse_namespace_leaf(path.parent.name):
@@ -87,7 +88,8 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
         names = ", ".join(str(lay.root) for lay in layouts[:3]) + (" ..." if len(layouts) > 3 else "")
         raise CliError(f"{path} holds {len(layouts)} namespaces ({names}); name one of them")
     layout = layouts[0]
-    report = _scan.scan_namespace(layout)
+    store = StepStore(layout, open_namespace(layout))
+    report = _scan.scan_namespace(layout, store.backend)
     if step is None:
         servable = [s.step for s in report.steps if s.servable]
         if not servable:
@@ -101,7 +103,8 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
         raise CliError(f"INNER {inner} is outside 0..{layout.K - 1} (K={layout.K} in {layout.root})")
     if not 0 <= rank < layout.W:
         raise CliError(f"--rank {rank} is outside 0..{layout.W - 1} (W={layout.W} in {layout.root})")
-    return Target(layout.step_dir(step) / payload_rel_at(layout, step, inner, rank, namespace_of(layout)), layout, step, inner, rank)
+    return Target(layout.step_dir(step) / payload_rel_at(layout, step, inner, rank, store.backend), layout, step, inner,
+                  rank, store)
 
 
 def _ranges(steps: List[int]) -> str:
@@ -163,9 +166,9 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
     target = resolve(path, step, inner, rank)
     meta: Dict[str, Any] = {}
     status = record = None
-    if target.layout is not None:
-        reader = StepStore(target.layout).reader
-        status = _scan.classify_step(target.layout, target.step)
+    if target.layout is not None and target.store is not None:
+        reader = target.store.reader
+        status = _scan.classify_step(target.layout, target.step, backend=target.store.backend)
         try:
             meta = reader.read_meta(target.step, target.inner, target.rank)
         except CorruptStepError:
@@ -177,8 +180,8 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
     else:
         meta = payload_file.sibling_meta(target.payload)
     try:
-        if target.layout is not None:         # a cache file: the verified read a hit uses
-            payload = StepStore(target.layout).reader.read_inner(target.step, target.inner, target.rank)
+        if target.store is not None:          # a cache file: the verified read a hit uses
+            payload = target.store.reader.read_inner(target.step, target.inner, target.rank)
         else:                                 # a file named on its own, outside any namespace
             payload = payload_file.load(target.payload)
     except (CodecError, CorruptStepError, OSError) as exc:

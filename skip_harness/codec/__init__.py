@@ -48,6 +48,5 @@ from skip_harness.codec.payload_kinds import (  # noqa: F401
 from skip_harness.codec.structure import TAG, decode, encode, encode_named  # noqa: F401
 from skip_harness.codec.images import check_buffer, load_buffer, plan, save_to, stored_fields, stored_form  # noqa: F401
 from skip_harness.codec.tensorfile import (  # noqa: F401  (the file format, for the store's writer and reader)
-    FORMAT_VERSION, MAGIC, FileImage, StoredField, StoredForm, fill_stored, pack_into, shapes_only,
-    staged_tensors, stored_image,
+    FORMAT_VERSION, MAGIC, StoredField, StoredForm,
 )

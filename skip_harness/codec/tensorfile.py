@@ -29,15 +29,15 @@ from typing import Any, BinaryIO, Dict, Optional
 import torch
 
 from skip_harness.codec.compression import (  # noqa: F401  (the format's face)
-    StoredForm, StoredImage, fill_stored, narrowest_dtype, stored_image,
+    StoredForm, fill_stored, narrowest_dtype, stored_image,
 )
 from skip_harness.codec.fileimage import (  # noqa: F401  (the format's face)
     FORMAT_VERSION, MAGIC, FileImage, _byte_view, pack_into, plan, shapes_only, staged_tensors,
 )
 from skip_harness.codec.fileread import (  # noqa: F401  (the format's face)
-    StoredField, is_current_image, logical_nbytes, read_buffer, read_skeleton, stored_fields,
+    StoredField, is_current_image, read_buffer, read_skeleton, stored_fields,
 )
-from skip_harness.codec.torchsave import NOT_A_PAYLOAD, looks_like_torch_image, sanitized, torch_load  # noqa: F401
+from skip_harness.codec.torchsave import sanitized, torch_load  # noqa: F401
 
 
 def write(fileobj: BinaryIO, structure: Any, names: Optional[Dict[int, str]] = None,

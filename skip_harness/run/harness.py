@@ -39,6 +39,7 @@ from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, Ru
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
 from skip_harness.store.bufferpool import BufferPool
+from skip_harness.store.namespace import Namespace
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.tier import TierStore
 from skip_harness.store.values import flatten_config, new_run_id
@@ -230,25 +231,25 @@ class SkipHarness:
         run = start_namespace(layout, self.settings, self.fingerprint, dist)
         try:
             source = start_source(self.settings, self._key.with_world_size(dist.world_size), self.fingerprint,
-                                  layout, dist)
+                                  layout, run.namespace, dist)
         except BaseException:
             if run.startup is not None:
                 run.startup.release()
             raise
         self._startup = run.startup
-        self._build(dist, layout, run.servable, run.read_only, run.shared_with, source)
+        self._build(dist, layout, run.namespace, run.servable, run.read_only, run.shared_with, source)
         self._started = True
         if run.startup is not None:
             for path, reason in run.faults:
                 self.callbacks.on_fault(path=path, reason=reason)
             self.callbacks.on_startup(namespace=str(layout.root), startup=run.startup, quiet=run.quiet)
 
-    def _build(self, dist: DistContext, layout: Layout, servable: Iterable[int], read_only: bool,
+    def _build(self, dist: DistContext, layout: Layout, namespace: Namespace, servable: Iterable[int], read_only: bool,
                shared_with: str = "", source: Optional[Source] = None) -> None:
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
-        store = StepStore(layout, pool=pool,
+        store = StepStore(layout, namespace, pool=pool,
                           form=codec.stored_form(self.settings.compression, self.settings.compression_level))
         writer = Writer(self.settings.max_pending_writes, background=self.settings.async_write)
         self._coordinator = CommitCoordinator(store.writer, dist, self.fingerprint, writer, self._fault,

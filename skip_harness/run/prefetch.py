@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 from skip_harness.codec import UnregisteredTypeError
 from skip_harness.errors import SkipHarnessError
 from skip_harness.store.stepstore import StepStore
+from skip_harness.store.status import StepStatus
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,12 @@ def load_step(store: StepStore, step: int, rank: int) -> Loaded:
     except UnregisteredTypeError:
         raise
     except (OSError, ValueError) as exc:
-        status, reason = "corrupt", str(exc)
+        status, reason = StepStatus.CORRUPT, str(exc)
     except SkipHarnessError as exc:     # e.g. ObjectStoreUnavailable, ObjectAccessDenied
         return Loaded(step, seconds=time.perf_counter() - t0, reason=f"cannot be read now: {exc}", unavailable=True)
     if reason is not None:
         return Loaded(step, seconds=time.perf_counter() - t0, reason=reason, step_bytes=step_bytes)
-    return Loaded(step, batches, metas, status == "unverified", time.perf_counter() - t0, step_bytes=step_bytes)
+    return Loaded(step, batches, metas, status == StepStatus.UNVERIFIED, time.perf_counter() - t0, step_bytes=step_bytes)
 
 
 class Prefetcher:

@@ -24,7 +24,7 @@ from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.run.dist import DistContext
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.locking import Hold
-from skip_harness.store.open import namespace_of
+from skip_harness.store.status import StepStatus
 
 COMMITTED, HOLDER, OWN = "committed", "holder", "own"
 _POLL_S = 0.2
@@ -71,14 +71,14 @@ class Follower:
             report = self.store.status(step)
         except (SkipHarnessError, OSError):      # out of reach: not known to be committed
             return False
-        if report.status != "complete":
+        if report.status != StepStatus.COMPLETE:
             return False
         return self.fingerprint is None or self.fingerprint.matches(report.fingerprint)
 
     def _take(self) -> bool:
         """Take the hold if the recorder let it go (never waits): a writer of misses from now on."""
         try:
-            hold = namespace_of(self.store.layout).lock(0.0)
+            hold = self.store.backend.lock(0.0)
         except LockHeldError:
             return False
         except (SkipHarnessError, OSError):

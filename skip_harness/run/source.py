@@ -32,10 +32,12 @@ from skip_harness.run.prefetch import Loaded
 from skip_harness.run.startup import StartupResult, _rebuild
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout, NamespaceKey, namespace_leaf_values
-from skip_harness.store.open import open_dump_dir
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.open import open_dump_dir, open_namespace
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.urls import UrlPath, is_url, local_path
+from skip_harness.store.status import StepStatus
 
 log = logging.getLogger("skip_harness")
 
@@ -62,7 +64,8 @@ class Source:
         return self.layout.W
 
     def opened(self) -> "Source":
-        self.store = StepStore(self.layout)
+        """The recording's store on this rank (its namespace opened once, here)."""
+        self.store = StepStore(self.layout, open_namespace(self.layout))
         return self
 
     def regrouped(self, K: int, W: int) -> str:
@@ -103,10 +106,10 @@ def _batch_difference(layout: Layout, key: NamespaceKey) -> Optional[str]:
     return None
 
 
-def _scan(layout: Layout) -> StartupResult:
+def _scan(layout: Layout, ns: Namespace) -> StartupResult:
     """The recording scanned read-only (the startup's read-only mode: no lock, no cleanup, no index rewritten)."""
-    return StartupResult(layout, scan_namespace(layout, rewrite_index=False), None, Cleanup.off.value, None, True,
-                         f"read by {REPLAY_FROM_KEY}")
+    return StartupResult(layout, ns, scan_namespace(layout, ns, rewrite_index=False), None, Cleanup.off.value, None,
+                         True, f"read by {REPLAY_FROM_KEY}")
 
 
 def _check(layout: Layout, key: NamespaceKey, fingerprint: Optional[Fingerprint]) -> Tuple[FrozenSet[int], str]:
@@ -114,7 +117,7 @@ def _check(layout: Layout, key: NamespaceKey, fingerprint: Optional[Fingerprint]
     diff = _batch_difference(layout, key)
     if diff is not None:
         return frozenset(), f"another batch ({diff})"
-    scanned = _scan(layout)
+    scanned = _scan(layout, open_namespace(layout))
     fp = batch_fingerprint(fingerprint)
     servable = scanned.servable_steps(fp)
     if not servable:
@@ -126,7 +129,7 @@ def _check(layout: Layout, key: NamespaceKey, fingerprint: Optional[Fingerprint]
 
 
 def resolve(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[Fingerprint],
-            own: Layout) -> Optional[Source]:
+            own: Layout, own_ns: Namespace) -> Optional[Source]:
     """The recording `settings.replay_from` names, checked (rank 0): None when there is none to read
     (not set, or `auto` finding only this run's own namespace holding steps). ConfigError naming
     skip.rollout_tq.replay_from when it cannot serve this run."""
@@ -134,7 +137,7 @@ def resolve(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[
     if spec is None:
         return None
     if spec == "auto":
-        return _auto(settings, key, fingerprint, own)
+        return _auto(settings, key, fingerprint, own, own_ns)
     layout = _layout_at(spec)
     if str(layout.root).rstrip("/") == str(own.root).rstrip("/"):
         log.info("%s=%s is this run's own namespace: served as a plain replay", REPLAY_FROM_KEY, spec)
@@ -146,7 +149,7 @@ def resolve(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[
 
 
 def _auto(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[Fingerprint],
-          own: Layout) -> Optional[Source]:
+          own: Layout, own_ns: Namespace) -> Optional[Source]:
     dump_dir = settings.resolved_dump_dir()
     group = key.group_name
     found: List[Tuple[int, str, Source]] = []
@@ -162,7 +165,7 @@ def _auto(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[Fi
         else:
             found.append((len(servable), leaf, Source(layout, servable)))
     if not found:
-        own_steps = _scan(own).servable_steps(batch_fingerprint(fingerprint))
+        own_steps = _scan(own, own_ns).servable_steps(batch_fingerprint(fingerprint))
         if own_steps:
             log.info("%s=auto: no other recording of this batch under %s; served from this run's own namespace",
                      REPLAY_FROM_KEY, own.root.parent)
@@ -181,16 +184,16 @@ def _auto(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[Fi
 
 
 def start_source(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[Fingerprint], own: Layout,
-                 dist: DistContext) -> Optional[Source]:
+                 own_ns: Namespace, dist: DistContext) -> Optional[Source]:
     """Every rank calls it together: rank 0 resolves and checks the recording; every rank gets it (opened
-    read-only), or rank 0's error as the same class."""
+    read-only), or rank 0's error as the same class. `own_ns`: this run's namespace, as its startup opened it."""
     if settings.replay_from is None:
         return None
     outcome: Any = None
     error: Optional[BaseException] = None
     if dist.is_main:
         try:
-            source = resolve(settings, key, fingerprint, own)
+            source = resolve(settings, key, fingerprint, own, own_ns)
             outcome = ("ok", None) if source is None else \
                 ("ok", (source.layout.url, source.K, source.W, sorted(source.servable)))
         except SkipHarnessError as exc:
@@ -224,7 +227,7 @@ def load_regrouped(source: Source, step: int, K: int, W: int, rank: int) -> Load
     P, Q = source.K * source.W, K * W
     try:
         report = store.status(step)
-        if report.status not in ("complete", "unverified"):
+        if report.status not in (StepStatus.COMPLETE, StepStatus.UNVERIFIED):
             return Loaded(step, seconds=time.perf_counter() - t0, reason=f"{report.status}: {report.reason}",
                           step_bytes=report.bytes)
         pieces: Dict[int, Any] = {}
@@ -260,5 +263,5 @@ def load_regrouped(source: Source, step: int, K: int, W: int, rank: int) -> Load
         return Loaded(step, seconds=time.perf_counter() - t0, reason=str(exc))
     except SkipHarnessError as exc:      # an object store out of reach: a miss, the step is not blamed
         return Loaded(step, seconds=time.perf_counter() - t0, reason=f"cannot be read now: {exc}", unavailable=True)
-    return Loaded(step, batches, out_metas, report.status == "unverified", time.perf_counter() - t0,
+    return Loaded(step, batches, out_metas, report.status == StepStatus.UNVERIFIED, time.perf_counter() - t0,
                   step_bytes=report.bytes, regrouped=source.regrouped(K, W) or f"from {source.layout.url}")

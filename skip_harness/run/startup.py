@@ -19,10 +19,12 @@ from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUs
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
 from skip_harness.store.locking import HeldByThisProcess, Hold, new_run_token
-from skip_harness.store.open import namespace_of
+from skip_harness.store.namespace import Namespace
+from skip_harness.store.open import open_namespace
 from skip_harness.store.cleanup import CleanupItem, CleanupPlan, CleanupResult, plan_cleanup
 from skip_harness.store.scan import NamespaceReport, scan_namespace
 from skip_harness.units import human_bytes
+from skip_harness.store.status import StepStatus
 
 logger = logging.getLogger("skip_harness.run.startup")
 
@@ -32,6 +34,7 @@ class StartupResult:
     """The namespace as found at startup and what was done about it. Holds the lock until released."""
 
     layout: Layout
+    namespace: Namespace = field(repr=False, compare=False)   # opened once for the run: its lock or lease, its writes
     report: NamespaceReport
     cleanup: Optional[CleanupResult]
     cleanup_action: str
@@ -61,9 +64,9 @@ class StartupResult:
         for s in self.report.steps:
             if s.step in handled:
                 continue
-            if s.status == "unverified":
+            if s.status == StepStatus.UNVERIFIED:
                 out.add(s.step)
-            elif s.status == "complete" and (fingerprint is None or fingerprint.matches(s.fingerprint)):
+            elif s.status == StepStatus.COMPLETE and (fingerprint is None or fingerprint.matches(s.fingerprint)):
                 out.add(s.step)
         return frozenset(out)
 
@@ -71,12 +74,12 @@ class StartupResult:
         return tuple(
             (s.step, s.fingerprint)
             for s in self.report.steps
-            if s.status == "complete" and s.fingerprint is not None and not fingerprint.matches(s.fingerprint)
+            if s.status == StepStatus.COMPLETE and s.fingerprint is not None and not fingerprint.matches(s.fingerprint)
         )
 
     def faults(self) -> Tuple[Tuple[str, str], ...]:
         """(path, reason) of every corrupt step found and every cleanup error: each gets a WARNING."""
-        out = [(str(s.path), f"corrupt step: {s.reason}") for s in self.report.steps if s.status == "corrupt"]
+        out = [(str(s.path), f"corrupt step: {s.reason}") for s in self.report.steps if s.status == StepStatus.CORRUPT]
         if self.cleanup is not None:
             out += [(str(self.layout.root), f"cleanup failed: {e}") for e in self.cleanup.errors]
         return tuple(out)
@@ -84,10 +87,10 @@ class StartupResult:
     def describe(self) -> str:
         """The one startup line: namespace, complete/unverified steps, what was handled (which, how, bytes)."""
         steps = self.report.steps
-        complete = sum(1 for s in steps if s.status == "complete")
-        unverified = sum(1 for s in steps if s.status == "unverified")
-        incomplete = [s.step for s in steps if s.status == "incomplete"]
-        corrupt = [s.step for s in steps if s.status == "corrupt"]
+        complete = sum(1 for s in steps if s.status == StepStatus.COMPLETE)
+        unverified = sum(1 for s in steps if s.status == StepStatus.UNVERIFIED)
+        incomplete = [s.step for s in steps if s.status == StepStatus.INCOMPLETE]
+        corrupt = [s.step for s in steps if s.status == StepStatus.CORRUPT]
         line = (
             f"rollout cache {self.layout.root}: {complete} complete, {unverified} unverified steps; "
             f"{len(incomplete)} incomplete{_steps(incomplete)}, {len(corrupt)} corrupt{_steps(corrupt)}"
@@ -131,14 +134,14 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
     timeout = settings.lock_timeout if timeout is None else timeout
     action = settings.cleanup.value
     try:
-        backend = namespace_of(layout)
+        backend = open_namespace(layout)
         hold = backend.lock(timeout)
     except HeldByThisProcess:
         raise
     except LockHeldError as exc:            # another live run records it: read beside it
         holder = _holder(backend) or _who(str(exc))
-        return StartupResult(layout, scan_namespace(layout, rewrite_index=False), None, action, None, True,
-                             f"another run records it: {holder}", holder)
+        return StartupResult(layout, backend, scan_namespace(layout, backend, rewrite_index=False), None, action,
+                             None, True, f"another run records it: {holder}", holder)
     except ConfigError:
         raise
     except (SkipHarnessError, OSError) as exc:   # not a directory, no flock there, a link as .lock, ...
@@ -146,11 +149,12 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
         raise ConfigError("skip.rollout_tq.dump_dir", f"cannot use {layout.url} for the rollout cache: {why}") from None
     if hold.read_only:
         why = hold.why or backend.writable() or "this process may only read it"
-        return StartupResult(layout, scan_namespace(layout, rewrite_index=False), None, action, None, True, why)
-    return _scan_and_clean(layout, action, hold)
+        return StartupResult(layout, backend, scan_namespace(layout, backend, rewrite_index=False), None, action,
+                             None, True, why)
+    return _scan_and_clean(layout, backend, action, hold)
 
 
-def _holder(backend: Any) -> Optional[str]:
+def _holder(backend: Namespace) -> Optional[str]:
     try:
         return backend.holder()
     except (SkipHarnessError, OSError):
@@ -165,35 +169,37 @@ def _who(message: str) -> str:
     return "another run"
 
 
-def _scan_and_clean(layout: Layout, action: str, lock: Any) -> StartupResult:
+def _scan_and_clean(layout: Layout, ns: Namespace, action: str, lock: Hold) -> StartupResult:
     """With the namespace held (a file lock or a lease): scan it and handle its incomplete and corrupt
     steps as `skip.rollout_tq.cleanup` says. The hold is released if anything here fails."""
     try:
-        report = scan_namespace(layout)
+        report = scan_namespace(layout, ns)
         cleanup = None
         if action != Cleanup.off.value:
             plan = plan_cleanup(report, action)
             if plan.items or plan.leftovers:
-                cleanup = plan.execute()
-        return StartupResult(layout, report, cleanup, action, lock)
+                cleanup = plan.execute(ns)
+        return StartupResult(layout, ns, report, cleanup, action, lock)
     except BaseException:
         lock.release()
         raise
 
 
-def set_aside(layout: Layout, step: int, reason: str, action: str) -> CleanupResult:
+def set_aside(layout: Layout, ns: Namespace, step: int, reason: str, action: str) -> CleanupResult:
     """A step that failed verification at run time, handled as `skip.rollout_tq.cleanup` says before it is
     regenerated: `quarantine` moves it under .quarantine/, otherwise it is removed."""
     how = Cleanup.quarantine.value if action == Cleanup.quarantine.value else Cleanup.delete.value
-    item = CleanupItem(step, layout.step_dir(step), "corrupt", reason, 0, how)
-    return CleanupPlan(layout, how, (item,)).execute()
+    item = CleanupItem(step, layout.step_dir(step), StepStatus.CORRUPT, reason, 0, how)
+    return CleanupPlan(layout, how, (item,)).execute(ns)
 
 
 # ---------------------------------------------------------------------------- a run's startup
 @dataclass(frozen=True)
 class StartedRun:
-    """What every rank knows after the startup: rank 0 also holds the StartupResult (and the lock)."""
+    """What every rank knows after the startup: rank 0 also holds the StartupResult (and the lock). Every
+    rank has the namespace it opened once (rank 0's is the startup's): its steps are written through it."""
 
+    namespace: Namespace
     startup: Optional[StartupResult]
     servable: FrozenSet[int]
     read_only: bool
@@ -216,19 +222,21 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
     outcome: Any = None
     quiet = False
     faults: Tuple[Tuple[str, str], ...] = ()
+    namespace: Optional[Namespace] = None
     if dist.is_main:
         try:
             startup = take_over(layout)
             quiet = startup is not None
             if startup is None:
                 startup = prepare_namespace(layout, settings)
+            namespace = startup.namespace
             servable, warning = _servable(startup, fingerprint, settings)
             # taken over from the Hydra callback: it already warned of the faults its startup found (not twice)
             faults = (() if quiet else startup.faults()) + ((warning,) if warning else ())
             token = None
             if dist.world_size > 1 and not startup.read_only:
                 token = new_run_token()
-                namespace_of(layout).put_run_marker(token)
+                namespace.put_run_marker(token)
             outcome = ("ok", sorted(servable), startup.read_only, token, startup.shared_with)
         except SkipHarnessError as exc:
             error, outcome = exc, ("error", type(exc).__name__, getattr(exc, "key", None), str(exc))
@@ -243,12 +251,14 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
         raise _rebuild(*outcome[1:])
     _, servable, read_only, token, shared_with = outcome
     try:
-        _check_shared(dist, layout, token)
+        if namespace is None:                 # the other ranks: their own opening of the namespace rank 0 holds
+            namespace = open_namespace(layout)
+        _check_shared(dist, layout, namespace, token)
     except BaseException:
         if startup is not None:
             startup.release()
         raise
-    return StartedRun(startup, frozenset(servable), read_only, quiet, faults, shared_with)
+    return StartedRun(namespace, startup, frozenset(servable), read_only, quiet, faults, shared_with)
 
 
 def _servable(startup: StartupResult, fingerprint: Optional[Fingerprint],
@@ -273,11 +283,11 @@ def _servable(startup: StartupResult, fingerprint: Optional[Fingerprint],
     return startup.servable_steps(fingerprint), warning
 
 
-def _check_shared(dist: DistContext, layout: Layout, token: Optional[str]) -> None:
-    """W > 1: every rank must see the marker rank 0 wrote, or commits would never see every shard."""
+def _check_shared(dist: DistContext, layout: Layout, backend: Namespace, token: Optional[str]) -> None:
+    """W > 1: every rank must see the marker rank 0 wrote, or commits would never see every shard (a rank
+    that sees it follows rank 0's hold through `backend`: its writes are fenced by it)."""
     if token is None:
         return
-    backend = namespace_of(layout)
     try:
         sees, why = backend.sees_run_marker(token, wait=2.0), ""
     except (SkipHarnessError, OSError) as exc:      # said in the stop below, after every rank gathered

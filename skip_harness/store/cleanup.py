@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 from skip_harness.choices import Cleanup
 from skip_harness.errors import ConfigError, SkipHarnessError
 from skip_harness.store import index as _index
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.namespace import Namespace
-from skip_harness.store.open import namespace_of
 from skip_harness.store.scan import LeftoverEntry, NamespaceReport
+from skip_harness.store.status import StepStatus
 
 __all__ = ["CleanupItem", "CleanupPlan", "CleanupResult", "plan_cleanup"]
 
@@ -65,15 +65,15 @@ class CleanupPlan:
         verb = {"delete": "remove", "quarantine": "quarantine"}.get(self.action, "leave")
         return f"{verb} {len(self.items)} steps, {self.bytes} bytes"
 
-    def execute(self, namespace: Optional[Namespace] = None) -> CleanupResult:
-        """Do it, through `namespace` (the layout's, opened here when not given)."""
+    def execute(self, namespace: Namespace) -> CleanupResult:
+        """Do it, through `namespace` (the layout's, as the run or command opened it)."""
         layout = self.layout
         root = layout.root
         done: List[CleanupItem] = []
         errors: List[str] = []
         quarantined: List[Path] = []
         freed = moved = 0
-        ns = namespace if namespace is not None else namespace_of(layout)
+        ns = namespace
         for item in self.items:
             if item.path.parent != root or item.path != layout.step_dir(item.step):
                 errors.append(f"{item.path}: not a step of namespace {root}; left alone")
@@ -123,9 +123,9 @@ def plan_cleanup(report: NamespaceReport, action, extra: Iterable[Tuple[int, str
     for step, reason in extra:
         reasons.setdefault(step, reason)
     items = tuple(
-        CleanupItem(s.step, s.path, "corrupt" if s.servable else s.status,
+        CleanupItem(s.step, s.path, StepStatus.CORRUPT if s.servable else s.status,
                     reasons[s.step] if s.servable else s.reason, s.bytes, action.value)
         for s in report.steps
-        if s.status in ("incomplete", "corrupt") or (s.servable and s.step in reasons)
+        if s.status in (StepStatus.INCOMPLETE, StepStatus.CORRUPT) or (s.servable and s.step in reasons)
     )
     return CleanupPlan(report.layout, action.value, items, report.leftovers)

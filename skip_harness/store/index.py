@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from skip_harness.store.layout import COMMIT_NAME, Layout
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.storage import DIR, FILE
 
-logger = logging.getLogger("skip_harness.store.objstore")
+logger = logging.getLogger("skip_harness.store.index")
 
 INDEX_KEY = ".index.jsonl"
 INDEX_NAME = INDEX_KEY
@@ -204,50 +203,73 @@ def parse(layout: Layout, ns: Namespace, data: bytes) -> Dict[int, IndexEntry]:
     return out
 
 
-_appended: Dict[str, Tuple[Optional[str], Optional[str]]] = {}   # index where -> (its stamp after our append, fp key)
-_append_lock = threading.Lock()
+class IndexWriter:
+    """What one step store's commits add to its namespace's index (its `StepWriter` owns one): a line
+    appended at each commit where the storage appends, else the steps committed, remembered for the one
+    rewrite when the run gives the namespace back (`flush`, a release hook of the namespace). It reads and
+    writes through the namespace (fenced like every write), never a file. Safe to call from several
+    threads."""
 
+    def __init__(self, layout: Layout, ns: Namespace):
+        self.layout, self.ns = layout, ns
+        self._guard = threading.Lock()
+        self._committed: Dict[int, Tuple[bytes, str]] = {}   # a storage without append: step -> (record, stamp)
+        self._appended: Optional[Tuple[Optional[str], Optional[str]]] = None   # (the index's stamp after our append, fp key)
 
-def committed(ns: Namespace, layout: Layout, step: int, record: Any, record_bytes: bytes, stamp: str) -> None:
-    """What a commit adds to the index (`StepWriter.commit`, after the commit record is durable): a line
-    appended now where the storage appends, else the step remembered for the one rewrite when the run
-    gives the namespace back (`flush`). Never raises: a hint."""
-    if not ns.caps.append:
-        with _append_lock:
-            ns.index_state.setdefault("committed", {})[int(step)] = (bytes(record_bytes), stamp)
-        ns.on_release("index", lambda: _flush_quietly(ns, layout))
-        return
-    fp = None if record.fingerprint is None else record.fingerprint.to_json()
-    nbytes = sum(e.bytes for e in record.files) + len(record_bytes)
-    try:
-        entry = make_entry(ns, layout, step, nbytes, fp, record.created, record.gen_s)
-    except (OSError, CorruptStepError):
-        return
-    append(ns, layout, entry)
-
-
-def append(ns: Namespace, layout: Layout, entry: Optional[IndexEntry]) -> bool:
-    """Append one entry durably (creating the index with its header if there is none, and writing the
-    entry's fingerprint line unless this process's previous append to the same index did). Returns False
-    if it could not be written: the index is a hint, and the next scan finds the step anyway."""
-    if entry is None or not ns.caps.append:
-        return False
-    where = ns.where(INDEX_KEY)
-    key = entry.fingerprint_key()
-    with _append_lock:
+    def committed(self, step: int, record: Any, record_bytes: bytes, stamp: str) -> None:
+        """What a commit adds to the index (`StepWriter.commit`, after the commit record is durable): a line
+        appended now where the storage appends, else the step remembered for `flush`. Never raises: a hint."""
+        ns, layout = self.ns, self.layout
+        if not ns.caps.append:
+            with self._guard:
+                self._committed[int(step)] = (bytes(record_bytes), stamp)
+            ns.on_release(f"index-{id(self)}", self._flush_quietly)
+            return
+        fp = None if record.fingerprint is None else record.fingerprint.to_json()
+        nbytes = sum(e.bytes for e in record.files) + len(record_bytes)
         try:
-            found = ns.stat(INDEX_KEY)
-            prefix = "" if found is not None else _header(layout, ns)
-            if key is not None and (found is None or _appended.get(where) != (found.stamp, key)):
-                prefix += _fp_line(key, entry.fingerprint)
-            ns.locker.fence(key=INDEX_KEY)
-            ns.storage.append(INDEX_KEY, (prefix + _entry_line(entry)).encode())
-            after = ns.stat(INDEX_KEY)
-            _appended[where] = (None if after is None else after.stamp, key)
+            entry = make_entry(ns, layout, step, nbytes, fp, record.created, record.gen_s)
         except (OSError, CorruptStepError):
-            _appended.pop(where, None)
+            return
+        self.append(entry)
+
+    def append(self, entry: Optional[IndexEntry]) -> bool:
+        """Append one entry durably (creating the index with its header if there is none, and writing the
+        entry's fingerprint line unless our previous append to it did). Returns False if it could not be
+        written: the index is a hint, and the next scan finds the step anyway."""
+        ns, layout = self.ns, self.layout
+        if entry is None or not ns.caps.append:
             return False
-    return True
+        key = entry.fingerprint_key()
+        with self._guard:
+            try:
+                found = ns.stat(INDEX_KEY)
+                prefix = "" if found is not None else _header(layout, ns)
+                if key is not None and (found is None or self._appended != (found.stamp, key)):
+                    prefix += _fp_line(key, entry.fingerprint)
+                ns.append_small(INDEX_KEY, (prefix + _entry_line(entry)).encode())
+                after = ns.stat(INDEX_KEY)
+                self._appended = (None if after is None else after.stamp, key)
+            except (OSError, CorruptStepError):
+                self._appended = None
+                return False
+        return True
+
+    def flush(self) -> Optional[str]:
+        """Add the steps committed through this writer to the index (a storage without append): one read
+        of the index, one listing, one write (nothing when it committed nothing). An entry is made only for
+        a step whose listed commit record has the stamp our put returned and lists exactly the sizes
+        listed. Returns None when written (or nothing to do), else why not. Never raises: a hint."""
+        with self._guard:
+            committed_steps, self._committed = self._committed, {}
+        return _flush(self.ns, self.layout, committed_steps)
+
+    def _flush_quietly(self) -> None:
+        why = self.flush()
+        if why is not None:
+            logger.info(
+                "%s: the namespace index was not updated (%s): the next startup reads the commit records of this "
+                "run's steps", self.ns.url, why)
 
 
 def rewrite(layout: Layout, ns: Namespace, entries: Iterable[IndexEntry]) -> Optional[str]:
@@ -256,8 +278,6 @@ def rewrite(layout: Layout, ns: Namespace, entries: Iterable[IndexEntry]) -> Opt
         ns.write_small(INDEX_KEY, render(layout, ns, entries))   # temp + fsync + rename + dir fsync; one PUT
     except Exception as exc:  # noqa: BLE001 - OSError, an object store's error: only a hint
         return getattr(exc, "strerror", None) or str(exc)
-    with _append_lock:
-        _appended.pop(ns.where(INDEX_KEY), None)
     return None
 
 
@@ -274,16 +294,9 @@ def drop(layout: Layout, ns: Namespace, steps: Iterable[int]) -> None:
         rewrite(layout, ns, [e for s, e in entries.items() if s not in gone])
 
 
-def remove(target: Any) -> None:
-    """Delete the index (tests, and callers that want the next scan to be a full one): `target` a
-    namespace, or a local Layout (scripts/bench.py's form)."""
-    if isinstance(target, Layout):
-        try:
-            os.unlink(os.path.join(os.fspath(target.root), INDEX_NAME))
-        except FileNotFoundError:
-            pass
-        return
-    target.storage.delete(INDEX_KEY)
+def remove(ns: Namespace) -> None:
+    """Delete the index (tests and benchmarks that want the next scan to be a full one)."""
+    ns.remove(INDEX_KEY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,13 +357,7 @@ def check_entries(ns: Namespace, names: Sequence[Tuple[int, str]], entries: Dict
 # the rewrite at release (a storage without append)
 
 
-def flush(ns: Namespace, layout: Layout) -> Optional[str]:
-    """Add the steps this run committed to the index: one read of the index, one listing, one write
-    (nothing when it committed nothing). An entry is made only for a step whose listed commit record has
-    the stamp our put returned and lists exactly the sizes listed. Returns None when written (or nothing
-    to do), else why not. Never raises: a hint."""
-    with _append_lock:
-        committed_steps = ns.index_state.pop("committed", {})
+def _flush(ns: Namespace, layout: Layout, committed_steps: Dict[int, Tuple[bytes, str]]) -> Optional[str]:
     if not committed_steps:
         return None
     try:
@@ -378,11 +385,3 @@ def flush(ns: Namespace, layout: Layout) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - an object store's error, a bad index: only a hint
         return str(exc)
     return rewrite(layout, ns, entries.values())
-
-
-def _flush_quietly(ns: Namespace, layout: Layout) -> None:
-    why = flush(ns, layout)
-    if why is not None:
-        logger.info(
-            "%s: the namespace index was not updated (%s): the next startup reads the commit records of this "
-            "run's steps", ns.url, why)

@@ -19,7 +19,7 @@ gets the same protocol from it:
   xxh3-128 against the commit record in the pass that reads (`Storage.get_verified`, `map_verified`);
 - `modified` / `last_read` come from `stat` (mtime, and atime where the storage records reads);
 - hooks run when the namespace is given back (`on_release`): the index of a storage without append is
-  rewritten there, once (`store.index`).
+  rewritten there, once (`store.index.IndexWriter`, which a step store's writer owns).
 
 Keys are relative to the namespace and '/'-separated: `'3/0/tq_batch.pt'` is a payload of step 3,
 `'3/commit.json'` its commit record. Within a step, `rel` is relative to the step (`'0/tq_batch.pt'`).
@@ -133,7 +133,6 @@ class Namespace:
         self.caps = storage.caps
         self._hooks: Dict[str, Callable[[], None]] = {}
         self._hooks_guard = threading.Lock()
-        self.index_state: Dict[str, Any] = {}      # the index module's per-namespace state (store.index)
 
     def __repr__(self) -> str:
         return f"Namespace({self.storage!r})"
@@ -173,6 +172,12 @@ class Namespace:
             return
         self.locker.fence(key=key)
         self.storage.put(key, data)
+
+    def append_small(self, key: str, data: bytes) -> int:
+        """Where the storage appends (`caps.append`): add `data` at the end of the file at `key` (the
+        index), durably, once the locker lets us write; returns the file's size before the append."""
+        self.locker.fence(key=key)
+        return self.storage.append(key, data)
 
     def commit(self, step: int, record: bytes) -> str:
         """Put the step's commit record, the last of its files, create-only: only once every file it
@@ -311,6 +316,18 @@ class Namespace:
         """A small file's bytes (a commit record, a meta.json, the index); None when there is none.
         A symlink is never followed (CorruptStepError)."""
         return self.storage.get(key)
+
+    def read_unchecked(self, step: int, rel: str) -> Tuple[Any, int]:
+        """(buffer, size) of file `rel` of `step`, with nothing to check it against (an older step: no
+        commit record): mapped where the storage maps files, else read whole. CorruptStepError naming it
+        when it is missing; a link is never followed."""
+        key = f"{int(step)}/{rel}"
+        if self.caps.mmap:
+            return self.storage.map(key)
+        data = self.storage.get(key)
+        if data is None:
+            raise CorruptStepError(self.where(key), "missing")
+        return bytearray(data), len(data)       # writable: decoded tensors are views of it
 
     def read_small_tagged(self, key: str) -> Tuple[Optional[bytes], Optional[str]]:
         """(bytes, the stamp they came with) of a small file; (None, None) when there is none."""

@@ -1,13 +1,16 @@
 """Where the namespaces are: a path that is one, an `{experiment}_{project}` directory holding them, or a
-dump dir two levels above them -- local or an object-store URL. Reads listings only."""
+dump dir two levels above them -- local or an object-store URL. Reads listings only, through the
+storage (`store.open.open_dump_dir`), never a directory by itself."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import List, Union
 
 from skip_harness.store.layout import Layout, UrlPath, is_url_text, parse_namespace_leaf
 from skip_harness.store.open import open_dump_dir
+from skip_harness.store.storage import DIR
 
 __all__ = ["namespaces_at", "find_namespaces"]
 
@@ -22,10 +25,14 @@ def namespaces_at(path: Union[Path, UrlPath]) -> List[Layout]:
     kw = parse_namespace_leaf(path.name)
     if kw is not None:
         return [Layout(path, K=kw[0], W=kw[1])]
+    storage = open_dump_dir(path).storage         # listed through the storage: links never followed
+    children = storage.list_dir("")
+    if not children and storage.stat("") is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
     direct = []
-    for child in sorted(os.scandir(path), key=lambda e: e.name):
+    for child in sorted(children, key=lambda e: e.name):
         kw = parse_namespace_leaf(child.name)
-        if kw is not None and child.is_dir(follow_symlinks=False):
+        if kw is not None and child.kind == DIR:
             direct.append(Layout(path / child.name, K=kw[0], W=kw[1]))
     return direct + find_namespaces(path)
 

@@ -3,20 +3,27 @@
 The only module that imports a backend (an import-linter contract holds it): a local path opens the
 POSIX storage with its flock locker, an object-store URL the object store's (`store.objstore`, which
 needs the [s3] extra; imported only when a URL is used).
+
+A namespace is opened once -- by a run's startup (`run.startup`), by a command -- and handed down to
+everything that reads or writes it (the scan, the cleanup, the step store): an object store's namespace
+holds its client and the lease the run takes, which every write of the run checks. Nothing here keeps
+namespaces between calls (a test holds it: tests/test_layers.py).
 """
 from __future__ import annotations
 
 import importlib
 import os
-import threading
-from typing import Any, Callable, Dict, List, Union
+from typing import Callable, List, Optional, Union
 
+from skip_harness.codec import StoredForm
 from skip_harness.errors import ConfigError, SkipHarnessError
+from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, parse_namespace_leaf
 from skip_harness.store.memory import MemoryLocker, MemoryStorage
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.posix.lock import FlockLocker
 from skip_harness.store.posix.storage import PosixStorage
+from skip_harness.store.stepstore import StepStore
 from skip_harness.store.storage import DIR, Storage
 from skip_harness.store.urls import DUMP_DIR_KEY, dump_dir_problem, is_url, join_url, local_path
 
@@ -25,12 +32,12 @@ class DumpDir:
     """A dump_dir: the namespaces under it (`{experiment}_{project}/{shape leaf}`), listed through its
     storage (directories on POSIX, key prefixes on an object store; links never followed)."""
 
-    def __init__(self, storage: Storage, opener: Callable[[str], Any]):
+    def __init__(self, storage: Storage, opener: Callable[[str], Namespace]):
         self.storage = storage
         self.url = storage.url
         self._opener = opener
 
-    def namespace(self, rel: str) -> Any:
+    def namespace(self, rel: str) -> Namespace:
         """The namespace at `rel` (`'{experiment}_{project}/GBS...'`) under this dump_dir."""
         leaf = rel.rstrip("/").rsplit("/", 1)[-1]
         if parse_namespace_leaf(leaf) is None:
@@ -62,7 +69,7 @@ def memory_namespace(name: str = "namespace") -> Namespace:
     return Namespace(MemoryStorage(url), MemoryLocker(url))
 
 
-def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> Any:
+def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
     """The DumpDir of a dump_dir: a local path -> POSIX; a URL with a scheme -> the object store
     (`skip_harness.store.objstore`, which needs the [s3] extra). ConfigError naming
     `skip.rollout_tq.dump_dir` when the URL cannot be served here."""
@@ -81,7 +88,7 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> Any:
     url = str(dump_dir)
     try:
         objstore = importlib.import_module("skip_harness.store.objstore")
-        open_storage, open_namespace = objstore.open_storage, objstore.open_namespace
+        open_storage, open_locker = objstore.open_storage, objstore.open_locker
     except (ImportError, AttributeError) as exc:
         raise ConfigError(
             DUMP_DIR_KEY,
@@ -89,7 +96,12 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> Any:
         ) from None
     try:
         storage = open_storage(url, dump_dir=True)
-        return DumpDir(storage, lambda rel: open_namespace(join_url(storage.url, rel)))
+
+        def on_object_store(rel: str) -> Namespace:
+            ns_storage = open_storage(join_url(storage.url, rel))
+            return Namespace(ns_storage, open_locker(ns_storage))      # its client, and the lease's locker
+
+        return DumpDir(storage, on_object_store)
     except ConfigError:
         raise
     except SkipHarnessError as exc:
@@ -98,24 +110,21 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> Any:
         raise ConfigError(DUMP_DIR_KEY, f"{url}: not an object-store URL this build can open: {exc}") from None
 
 
-_NAMESPACES: Dict[str, Any] = {}   # namespace URL -> its object-store namespace (one client and one lease per process)
-_NAMESPACES_GUARD = threading.Lock()
-
-
-def namespace_of(layout: Layout, *, drop_written_pages: bool = True) -> Any:
+def open_namespace(layout: Layout) -> Namespace:
     """The namespace of a Layout: the POSIX one for a directory, the object store's for a URL layout
-    (`layout.is_url`) -- one instance per namespace URL in this process, so the lease the startup takes
-    is the one the run's writes check."""
+    (`layout.is_url`). Opened once by each run (`run.startup`) and each command, and handed down: an
+    object store's namespace holds its client and the lease the run takes, which its writes check."""
     if not layout.is_url:
-        return posix_namespace(layout, drop_written_pages=drop_written_pages)
-    url = str(layout.root)
-    with _NAMESPACES_GUARD:
-        ns = _NAMESPACES.get(url)
-        if ns is None:
-            root = layout.root
-            ns = open_dump_dir(str(root.parent.parent)).namespace(f"{root.parent.name}/{root.name}")
-            _NAMESPACES[url] = ns
-        return ns
+        return posix_namespace(layout)
+    root = layout.root
+    return open_dump_dir(str(root.parent.parent)).namespace(f"{root.parent.name}/{root.name}")
 
 
-__all__ = ["DumpDir", "memory_namespace", "namespace_of", "open_dump_dir", "posix_namespace"]
+def open_store(layout: Layout, *, pool: Optional[BufferPool] = None, form: Optional[StoredForm] = None) -> StepStore:
+    """The steps of a layout's namespace, opened here (`open_namespace`): for a caller that opens one
+    namespace for one job (a command, a test, a benchmark). A run opens its namespace at startup instead,
+    and builds its `StepStore` on that one."""
+    return StepStore(layout, open_namespace(layout), pool=pool, form=form)
+
+
+__all__ = ["DumpDir", "memory_namespace", "open_dump_dir", "open_namespace", "open_store", "posix_namespace"]

@@ -4,8 +4,8 @@ A committed step is read through the namespace's backend against its commit reco
 read once (O_DIRECT into a pool buffer on POSIX, or mapped), its size and checksum checked in the pass
 that reads it, its tensors views of that buffer. A hit (`read_served`), `merged` (`read_step`),
 `show`, `export` (`read_inner`) and `verify` all read this way. A step without a commit record (an
-older cache) is loaded as it is, its files by `payload_file`. Meta files are read through the backend
-too.
+older cache) is loaded as it is, its files read whole through the backend too (nothing here opens a
+file by its path). Meta files are read through the backend as well.
 
 This module does no logging: it raises or returns, and the harness reports. `StepReader` holds no
 mutable state but its (thread-safe) buffer pool, so a prefetch thread may read and verify steps
@@ -20,7 +20,6 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from skip_harness import codec
 from skip_harness.errors import CorruptStepError
-from skip_harness.store import payload_file
 from skip_harness.store.bufferpool import BufferPool, Lease
 from skip_harness.store.checksum import checksum_bytes
 from skip_harness.store.commit import CommitRecord, FileEntry, expected_rels, parse_commit
@@ -29,6 +28,7 @@ from skip_harness.store.namespace import Namespace
 from skip_harness.store.paths import check_position, meta_rel_at, payload_rel_at, real_file, without_path
 from skip_harness.store.status import StepReport, classify_step
 from skip_harness.store.values import StepValues, ValuesStore
+from skip_harness.store.status import StepStatus
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit('.', 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
 
@@ -127,34 +127,34 @@ class StepReader:
         the step's classification (`classify_step`) when the caller has just made it, else made here."""
         report = report if report is not None else self._classify(step)
         status = report.status
-        if status in ("incomplete", "corrupt"):
+        if status in (StepStatus.INCOMPLETE, StepStatus.CORRUPT):
             return status, f"{status}: {report.reason}", [], []
         K = self.layout.K
         try:
-            if status == "unverified":
+            if status == StepStatus.UNVERIFIED:
                 return (status, None, [self.read_inner(step, i, rank) for i in range(K)],
                         [self.read_meta(step, i, rank) for i in range(K)])
             record = report.record           # parsed once, by the listing that classified the step
             if record is None:
-                return "corrupt", self._record_gone(step), [], []
+                return StepStatus.CORRUPT, self._record_gone(step), [], []
             rank_of = self._rank_of_rels()
             entries = {e.rel: e for e in record.files}
             for entry in record.files:
                 if entry.rel not in rank_of:          # unknown extra files are checked, as by verify
                     reason = self._check_entry(step, entry)
                     if reason is not None:
-                        return "corrupt", reason, [], []
+                        return StepStatus.CORRUPT, reason, [], []
             batches, metas = [], []
             for i in range(K):
                 prel, mrel = self.layout.stored_rels(i, rank, entries.__contains__)   # as the record lists them
                 if prel not in entries or mrel not in entries:
-                    return ("corrupt", f"{self.layout.commit_path(step)}: lists no entry for "
+                    return (StepStatus.CORRUPT, f"{self.layout.commit_path(step)}: lists no entry for "
                             f"{prel if prel not in entries else mrel}", [], [])
                 metas.append(_parse_meta(self.layout.step_dir(step) / mrel,
                                          self._read_small_verified(step, entries[mrel])))
                 batches.append(self._read_payload_checked(step, entries[prel]))
         except CorruptStepError as exc:
-            return "corrupt", str(exc), [], []
+            return StepStatus.CORRUPT, str(exc), [], []
         return status, None, batches, metas
 
     def read_inner(self, step: int, inner_index: int, rank: int) -> Any:
@@ -172,15 +172,23 @@ class StepReader:
             path = self.layout.step_dir(step) / entry.rel
             with _corrupt_on_codec_error(path):     # either format, from the verified mapping
                 return codec.load_buffer(mapped, entry.bytes, path)   # tensors: views of the mapping
-        return _load_file(real_file(self.layout, step, payload_rel_at(self.layout, step, inner_index, rank, self.backend),
-                                     self.backend))
+        path, image, size = self._unchecked(step, payload_rel_at(self.layout, step, inner_index, rank, self.backend))
+        with _corrupt_on_codec_error(path):
+            return codec.load_buffer(image, size, path)
+
+    def _unchecked(self, step: int, rel: str) -> Tuple[Path, Any, int]:
+        """(path, buffer, size) of file `rel` of a step with nothing to check it against (no commit
+        record), through the namespace, once `real_file` checked no component of it is a link."""
+        path = real_file(self.layout, step, rel, self.backend)
+        buf, size = self.backend.read_unchecked(step, rel)
+        return path, buf, size
 
     def read_step(self, step: int, rank: int) -> List[Any]:
         """The K mini-batches of this rank in inner order (a committed step's verified, as for a hit)."""
         status, reason, batches, _metas = self.read_served(step, rank)
-        if status == "complete" and reason is None:
+        if status == StepStatus.COMPLETE and reason is None:
             return batches
-        if reason is not None and status == "corrupt":
+        if reason is not None and status == StepStatus.CORRUPT:
             raise CorruptStepError(self.layout.step_dir(step), reason)
         return [self.read_inner(step, i, rank) for i in range(self.layout.K)]
 
@@ -196,21 +204,21 @@ class StepReader:
         and meta files of `ranks`, if given; unknown extra files always), read as a hit reads them.
         With `load`, also every payload of `ranks` (all ranks by default) is checked to load safely --
         header, records and bounds, nothing executed, no registered type needed in this process
-        (`payload_file.check`; on an object store, the verified read and a decode); a payload that
+        (`codec.check_buffer`; on an object store, the verified read and a decode); a payload that
         would need pickled code fails. An unverified (older) step has no checksums: only the load check
         applies. Incomplete and corrupt steps fail with their status and reason."""
         wanted = None if ranks is None else set(ranks)
         report = self._classify(step)
-        if report.status in ("incomplete", "corrupt"):
+        if report.status in (StepStatus.INCOMPLETE, StepStatus.CORRUPT):
             return report.status, f"{report.status}: {report.reason}"
-        if report.status == "complete":
+        if report.status == StepStatus.COMPLETE:
             reason = self._checksums(step, report.record, wanted)
             if reason is not None:
-                return "corrupt", reason
+                return StepStatus.CORRUPT, reason
         if load:
             reason = self._loads(step, wanted)
             if reason is not None:
-                return "corrupt", reason
+                return StepStatus.CORRUPT, reason
         return report.status, None
 
     def _checksums(self, step: int, record: Optional[CommitRecord], wanted: Optional[set]) -> Optional[str]:
@@ -238,7 +246,8 @@ class StepReader:
                 if not self.backend.caps.mmap:     # no local file to check in place: the verified read and a decode
                     self.read_inner(step, i, r)
                     continue
-                payload_file.check(real_file(layout, step, payload_rel_at(layout, step, i, r, self.backend), self.backend))
+                path, image, size = self._unchecked(step, payload_rel_at(layout, step, i, r, self.backend))
+                codec.check_buffer(image, size, str(path))
             except (CorruptStepError, codec.CodecError) as exc:
                 return str(exc)
         return None
@@ -310,12 +319,6 @@ class StepReader:
             return entries[rel]
         raise CorruptStepError(self.layout.commit_path(step),
                                f"lists no entry for {self.layout.payload_rel(inner_index, rank)}")
-
-
-def _load_file(path: Path) -> Any:
-    """A payload file loaded as it is (no commit record to check it against): `payload_file.load`."""
-    with _corrupt_on_codec_error(path):
-        return payload_file.load(path)
 
 
 @contextlib.contextmanager

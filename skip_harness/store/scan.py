@@ -21,11 +21,11 @@ from skip_harness.store import index as _index
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout, parse_step_name
 from skip_harness.store.namespace import Namespace, StepListing
-from skip_harness.store.open import namespace_of
 from skip_harness.store import status as _status
 from skip_harness.store.status import STATUSES, StepReport
 from skip_harness.store.storage import DIR
 from skip_harness.store.values import VALUES_DIR
+from skip_harness.store.status import StepStatus
 
 __all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace"]
 
@@ -63,7 +63,7 @@ class NamespaceReport:
         return sum(s.bytes for s in self.steps)
 
     def counts(self) -> Dict[str, int]:
-        out = {k: 0 for k in STATUSES}
+        out: Dict[str, int] = {k.value: 0 for k in STATUSES}
         for s in self.steps:
             out[s.status] += 1
         return out
@@ -79,14 +79,14 @@ class NamespaceReport:
 # scanning
 
 
-def classify_step(layout: Layout, step: int, path: Optional[Path] = None, backend: Optional[Namespace] = None,
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, backend: Namespace,
                   listing: Optional[StepListing] = None) -> StepReport:
-    """`status.classify_step`, the layout's namespace opened here when not given."""
-    return _status.classify_step(layout, step, path, backend if backend is not None else namespace_of(layout), listing)
+    """`status.classify_step` of a step of `backend`, the layout's namespace."""
+    return _status.classify_step(layout, step, path, backend=backend, listing=listing)
 
 
-def scan_namespace(layout: Layout, *, use_index: bool = True, rewrite_index: bool = True,
-                   namespace: Optional[Namespace] = None) -> NamespaceReport:
+def scan_namespace(layout: Layout, namespace: Namespace, *, use_index: bool = True,
+                   rewrite_index: bool = True) -> NamespaceReport:
     """Classify every step of a namespace. Only int-named entries are steps; '.lock', '.quarantine' and
     the like are ignored; '.trash-'/'.tmp-' debris is reported as leftovers.
 
@@ -98,11 +98,9 @@ def scan_namespace(layout: Layout, *, use_index: bool = True, rewrite_index: boo
     `rewrite_index=False` (a reader beside a running job: `skip-harness view`) uses the index but never
     writes it: the steps it cannot vouch for are classified in full, and the note says it is stale.
 
-    `namespace`: the layout's namespace when the caller has it open (else it is opened here: the scan
-    is one of the store's faces, above `store.open`)."""
-    ns = namespace if namespace is not None else namespace_of(layout)
+    `namespace`: the layout's namespace, as the run or command opened it (`store.open.open_namespace`)."""
     with _gc_paused():
-        return _scan_namespace(layout, ns, use_index, rewrite_index)
+        return _scan_namespace(layout, namespace, use_index, rewrite_index)
 
 
 @contextlib.contextmanager
@@ -168,12 +166,12 @@ def _scan_namespace(layout: Layout, ns: Namespace, use_index: bool, rewrite_inde
     stale = [s for s in changed if not (indexed[s].racy and _agrees(indexed[s], by_step[s]))]
     on_disk = set(by_step)
     gone = [s for s in indexed if s not in on_disk]
-    unindexed = [s.step for s in steps if s.status == "complete" and s.step not in indexed]
+    unindexed = [s.step for s in steps if s.status == StepStatus.COMPLETE and s.step not in indexed]
     note = note or _stale_note(stale, gone, unindexed)
     if rewrite_index and (note is not None or changed):  # changed but agreeing: racy, rewritten later-stamped
         fresh = list(trusted.values())
         for s in steps:
-            if s.status == "complete" and s.step not in trusted:
+            if s.status == StepStatus.COMPLETE and s.step not in trusted:
                 fp = None if s.fingerprint is None else s.fingerprint.to_json()
                 made = _index.make_entry(ns, layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
                 if made is not None:
@@ -226,7 +224,7 @@ def _scan_listed(layout: Layout, ns: Namespace, use_index: bool = True, rewrite_
     fresh = list(trusted.values())
     unindexed = []
     for r in steps:
-        if r.status != "complete" or r.step in trusted:
+        if r.status != StepStatus.COMPLETE or r.step in trusted:
             continue
         # indexed only when the record read is the object listed (no write slipped in between)
         etag = r.record_stamp
@@ -256,7 +254,7 @@ def _stale_note(changed: List[int], gone: List[int], unindexed: List[int]) -> Op
 
 def _agrees(entry: _index.IndexEntry, report: StepReport) -> bool:
     fp = None if report.fingerprint is None else report.fingerprint.to_json()
-    return (report.status == "complete" and report.bytes == entry.bytes and fp == entry.fingerprint
+    return (report.status == StepStatus.COMPLETE and report.bytes == entry.bytes and fp == entry.fingerprint
             and report.created == entry.created and report.gen_s == entry.gen_s)
 
 
@@ -265,7 +263,7 @@ def _from_entry(layout: Layout, e: _index.IndexEntry, fingerprints: Dict[int, Op
     fp = fingerprints.get(key)
     if fp is None and e.fingerprint is not None:
         fp = fingerprints[key] = Fingerprint.from_json(e.fingerprint)
-    return StepReport(e.step, _child(layout.root, str(e.step)), "complete", e.bytes, "", fp, True, True,
+    return StepReport(e.step, _child(layout.root, str(e.step)), StepStatus.COMPLETE, e.bytes, "", fp, True, True,
                       e.created, e.gen_s)
 
 

@@ -18,18 +18,34 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import List, Optional
 
-from skip_harness.errors import CorruptStepError, HarnessUsageError
-from skip_harness.store.commit import (  # noqa: F401  (re-exported: the names callers import from here)
-    COMMIT_FORMAT, WRITER_NAME, CommitRecord, FileEntry, expected_rels, is_safe_rel, parse_commit, required_rels,
-)
+from skip_harness.errors import CorruptStepError
+from skip_harness.store.commit import WRITER_NAME, CommitRecord, expected_rels, parse_commit
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import COMMIT_NAME, Layout
 from skip_harness.store.namespace import LINK_WHAT, Namespace, StepListing
 
-STATUSES = ("complete", "unverified", "incomplete", "corrupt")
+class StepStatus(str, Enum):
+    """A step's status: a string-valued enum (like `run.stats.Outcome`), so `status == "complete"`, a dict
+    keyed by "complete", json and printed lines all see the plain string (`str(StepStatus.COMPLETE) ==
+    "complete"`)."""
+
+    COMPLETE = "complete"         # committed: every file its commit record lists, sizes matching
+    UNVERIFIED = "unverified"     # an older cache's step without a commit record: served without checksums
+    INCOMPLETE = "incomplete"     # an interrupted write: never served
+    CORRUPT = "corrupt"           # a commit record that disagrees with the files: never served
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+STATUSES = tuple(StepStatus)     # in the order reports list them
 
 
 # --------------------------------------------------------------------------------------------
@@ -40,7 +56,7 @@ STATUSES = ("complete", "unverified", "incomplete", "corrupt")
 class StepReport:
     step: int
     path: Path
-    status: str          # one of STATUSES
+    status: StepStatus
     bytes: int
     reason: str
     fingerprint: Optional[Fingerprint]
@@ -53,7 +69,7 @@ class StepReport:
 
     @property
     def servable(self) -> bool:
-        return self.status in ("complete", "unverified")
+        return self.status in (StepStatus.COMPLETE, StepStatus.UNVERIFIED)
 
 
 def _first(items: List[str]) -> str:
@@ -62,18 +78,16 @@ def _first(items: List[str]) -> str:
     return items[0] + more
 
 
-def classify_step(layout: Layout, step: int, path: Optional[Path] = None, backend: Optional[Namespace] = None,
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, backend: Namespace,
                   listing: Optional[StepListing] = None) -> StepReport:
     """The status of one step, from one listing of it (plus its small commit record), through the
-    namespace `backend` (`store.open.namespace_of(layout)`). `path` is only what the report names;
-    `listing` the step's listing when the caller has it already (a scan that listed every step)."""
+    namespace `backend` (the layout's, as its run or command opened it). `path` is only what the report
+    names; `listing` the step's listing when the caller has it already (a scan that listed every step)."""
     path = layout.step_dir(step) if path is None else path
-    if backend is None:
-        raise HarnessUsageError("classify_step: pass the namespace (store.open.namespace_of(layout))")
 
     stamp: List[Optional[str]] = [None]
 
-    def report(status: str, nbytes: int, reason: str, fp: Optional[Fingerprint] = None,
+    def report(status: StepStatus, nbytes: int, reason: str, fp: Optional[Fingerprint] = None,
                has_commit: bool = False, exists: bool = True, record: Optional[CommitRecord] = None) -> StepReport:
         created = gen_s = None
         if record is not None:
@@ -84,22 +98,22 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None, backen
         try:
             listing = backend.list_step(step)
         except OSError as exc:
-            return report("incomplete", 0, f"cannot list the step directory: {exc}")
+            return report(StepStatus.INCOMPLETE, 0, f"cannot list the step directory: {exc}")
     if listing is None:
-        return report("incomplete", 0, "step directory does not exist", exists=False)
+        return report(StepStatus.INCOMPLETE, 0, "step directory does not exist", exists=False)
     if listing.entry == LINK_WHAT:
-        return report("incomplete", listing.total, "step directory is a symlink (never followed)")
+        return report(StepStatus.INCOMPLETE, listing.total, "step directory is a symlink (never followed)")
     if listing.entry:
-        return report("incomplete", listing.total, "step entry is not a directory")
+        return report(StepStatus.INCOMPLETE, listing.total, "step entry is not a directory")
     nbytes = listing.total
     links = [rel for rel, what in listing.odd if what == LINK_WHAT]
     others = {rel for rel, what in listing.odd if what != LINK_WHAT}
     has_commit = COMMIT_NAME in listing.files or COMMIT_NAME in links or COMMIT_NAME in others
     if links:
-        return report("incomplete", nbytes, f"{_first(links)} is a symlink (never followed)", has_commit=has_commit)
+        return report(StepStatus.INCOMPLETE, nbytes, f"{_first(links)} is a symlink (never followed)", has_commit=has_commit)
     if has_commit:
         if COMMIT_NAME not in listing.files:
-            return report("corrupt", nbytes, "commit record is not a regular file", has_commit=True)
+            return report(StepStatus.CORRUPT, nbytes, "commit record is not a regular file", has_commit=True)
         commit_path = os.path.join(str(path), COMMIT_NAME)
         try:
             data, stamp[0] = backend.read_small_tagged(f"{step}/{COMMIT_NAME}")
@@ -107,22 +121,22 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None, backen
                 raise FileNotFoundError(commit_path)
             record = parse_commit(data, layout, step, commit_path)
         except CorruptStepError as exc:
-            return report("corrupt", nbytes, exc.reason, has_commit=True)
+            return report(StepStatus.CORRUPT, nbytes, exc.reason, has_commit=True)
         except OSError as exc:
-            return report("corrupt", nbytes, f"commit record cannot be read: {exc}", has_commit=True)
+            return report(StepStatus.CORRUPT, nbytes, f"commit record cannot be read: {exc}", has_commit=True)
         for entry in record.files:
             found = listing.files.get(entry.rel)
             if found is None:
-                return report("corrupt", nbytes, f"{entry.rel} (listed in the commit record) is missing",
+                return report(StepStatus.CORRUPT, nbytes, f"{entry.rel} (listed in the commit record) is missing",
                               record.fingerprint, True, record=record)
             if found.size != entry.bytes:
-                return report("corrupt", nbytes,
+                return report(StepStatus.CORRUPT, nbytes,
                               f"{entry.rel} has {found.size} bytes, the commit record says {entry.bytes}",
                               record.fingerprint, True, record=record)
-        return report("complete", nbytes, "", record.fingerprint, True, record=record)
+        return report(StepStatus.COMPLETE, nbytes, "", record.fingerprint, True, record=record)
 
     if listing.temporaries:
-        return report("incomplete", nbytes, f"temporary file {_first(list(listing.temporaries))} (an interrupted write)")
+        return report(StepStatus.INCOMPLETE, nbytes, f"temporary file {_first(list(listing.temporaries))} (an interrupted write)")
     files = listing.files
     missing: List[str] = []
     empty: List[str] = []
@@ -136,13 +150,13 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None, backen
             empty.append(prel)
         metas.append(mrel)
     if missing:
-        return report("incomplete", nbytes, f"missing {_first(missing)}")
+        return report(StepStatus.INCOMPLETE, nbytes, f"missing {_first(missing)}")
     if empty:
-        return report("incomplete", nbytes, f"{_first(empty)} is empty")
+        return report(StepStatus.INCOMPLETE, nbytes, f"{_first(empty)} is empty")
     if _written_by_us(backend, step, metas[0]):
-        return report("incomplete", nbytes,
+        return report(StepStatus.INCOMPLETE, nbytes,
                       "no commit record: written by skip_harness, interrupted before the step was committed")
-    return report("unverified", nbytes, "no commit record (an older cache); served without checksums")
+    return report(StepStatus.UNVERIFIED, nbytes, "no commit record (an older cache); served without checksums")
 
 
 def _written_by_us(backend: Namespace, step: int, meta_rel: str) -> bool:

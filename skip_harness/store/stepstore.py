@@ -4,8 +4,9 @@ commit record last) and `reader` (a `reader.StepReader`: the one verified read p
 `verify`). `status(step)` classifies a step from its listing (`status.classify_step`).
 
 How bytes reach the storage is the backend's (`store.posix`, O_DIRECT from pool buffers and
-fd-relative walks that never follow a link; `store.objstore`). The names other modules import from
-here (`fileops`, `status`) are re-exported.
+fd-relative walks that never follow a link; `store.objstore`). Its namespace is opened by the caller
+(`store.open.open_namespace`, or `open_store` for both at once) and handed in. Only `StepStore` is
+defined here: the names it uses are imported from their own modules (`commit`, `status`, `writer`).
 
 This module does no logging: it raises or returns, and the harness reports.
 """
@@ -15,33 +16,24 @@ from typing import Optional
 
 from skip_harness.codec import StoredForm
 from skip_harness.store.bufferpool import BufferPool
-from skip_harness.store.checksum import checksum_bytes  # noqa: F401  (re-exported: the store's public names)
-from skip_harness.store.commit import (  # noqa: F401  (re-exported: the store's public names)
-    COMMIT_FORMAT, WRITER_NAME, CommitRecord, FileEntry, expected_rels, is_safe_rel, parse_commit, required_rels,
-)
 from skip_harness.store.layout import Layout
 from skip_harness.store.namespace import Namespace
-from skip_harness.store.open import namespace_of
 from skip_harness.store.reader import StepReader
-from skip_harness.store.status import STATUSES, StepReport, classify_step  # noqa: F401  (re-exported)
-from skip_harness.store.writer import StagedInner, StepWriter  # noqa: F401  (re-exported)
+from skip_harness.store.status import StepReport, classify_step
+from skip_harness.store.writer import StepWriter
 
 
 class StepStore:
     """One namespace's steps, opened: `writer` writes them, `reader` reads and verifies them."""
 
-    def __init__(self, layout: Layout, *, drop_written_pages: bool = True, pool: Optional[BufferPool] = None,
-                 form: Optional[StoredForm] = None, backend: Optional[Namespace] = None):
-        """`drop_written_pages`: where a payload is written through the page cache (a file system
-        without O_DIRECT), let the kernel drop its pages once it is durable. `pool`: the buffers
-        payloads are staged in and read into (the harness sizes one for its K; by default a small one).
-        `form`: how payloads are written (`codec.stored_form(compression, level)`; by default raw, at
-        full width); files of every form are read. `backend`: the namespace's storage (by default the
-        one its layout names)."""
+    def __init__(self, layout: Layout, backend: Namespace, *, pool: Optional[BufferPool] = None,
+                 form: Optional[StoredForm] = None):
+        """`backend`: the layout's namespace, as its run or command opened it (`store.open.open_namespace`).
+        `pool`: the buffers payloads are staged in and read into (the harness sizes one for its K; by
+        default a small one). `form`: how payloads are written (`codec.stored_form(compression, level)`;
+        by default raw, at full width); files of every form are read."""
         self.layout = layout
-        self.drop_written_pages = drop_written_pages
-        self.backend: Namespace = backend if backend is not None else \
-            namespace_of(layout, drop_written_pages=drop_written_pages)
+        self.backend = backend
         self.pool = pool if pool is not None else BufferPool()
         self.form = form if form is not None else StoredForm(narrow=False)
         self.writer = StepWriter(layout, self.backend, self.pool, self.form)

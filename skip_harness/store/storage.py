@@ -2,9 +2,11 @@
 
 Everything above this seam -- the commit protocol (payloads and metas first, the commit record last,
 removed first), step listings and statuses, verified reads, the index, the values -- is written once,
-in `store.namespace`, for every backend. A backend is one `Storage` subclass (plus a `locking.Locker`),
-in one file: `store.posix.storage` (a directory on a local or shared file system), `store.objstore.storage`
-(an S3-compatible bucket), `store.memory` (a dict, for tests and as the reference implementation).
+in `store.namespace`, for every backend. A backend is one `Storage` subclass plus a `locking.Locker`, with
+whatever helpers they need beside them: `store.posix` (a directory on a local or shared file system:
+`storage.py`, and `lock.py` with its flock, `fileops.py`, `directio.py`, `holder.py`), `store.objstore`
+(an S3-compatible bucket: `storage.py`, the lease's `locker.py` and `lease.py`, `client.py`, `errors.py`),
+`store.memory` (one module: a dict, for tests and as the reference implementation).
 Learned from zarr 3's `abc/store.py` (a handful of key operations and capability flags) and
 torch.distributed.checkpoint's `StorageWriter` / `StorageReader` (the metadata-last protocol lives
 above them, in `finish`).
@@ -130,6 +132,13 @@ class Storage(abc.ABC):
     def map_verified(self, key: str, size: int, checksum: str) -> Any:
         """Only where `caps.mmap`: the file as a private (copy-on-write) mapping of `size` bytes,
         checked like `get_verified`. Elsewhere NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot map files (caps.mmap is False)")
+
+    def map(self, key: str) -> Tuple[Any, int]:
+        """Only where `caps.mmap`: (a private (copy-on-write) mapping, size) of the whole file at `key`,
+        unchecked -- an older step's file, with no commit record to check it against (read lazily: a
+        check of its header reads only that). CorruptStepError like `get_verified` when it is missing or
+        not a regular file. Elsewhere NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} cannot map files (caps.mmap is False)")
 
     @abc.abstractmethod

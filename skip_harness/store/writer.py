@@ -88,8 +88,9 @@ class StagedInner:
 
 class StepWriter:
     """Atomic, durable writes of the steps of one namespace (through its backend), the commit record
-    last. Holds no mutable state but its (thread-safe) buffer pool: stage on the trainer's thread,
-    complete and commit on the writer thread."""
+    last. Holds no mutable state but its (thread-safe) buffer pool and what its commits add to the
+    namespace index (`index.IndexWriter`, thread-safe): stage on the trainer's thread, complete and commit
+    on the writer thread."""
 
     def __init__(self, layout: Layout, backend: Namespace, pool: BufferPool, form: tensorfile.StoredForm):
         """`pool`: the buffers payloads are staged in; `form`: how payloads are written
@@ -98,6 +99,7 @@ class StepWriter:
         self.backend = backend
         self.pool = pool
         self.form = form
+        self.index = index.IndexWriter(layout, backend)
 
     def write_inner(self, step: int, inner_index: int, rank: int, payload: Any,
                     meta: Mapping[str, Any]) -> Tuple[FileEntry, FileEntry]:
@@ -177,7 +179,7 @@ class StepWriter:
         data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
         self.backend.uncommit(step)          # a commit of a step committed already replaces its record
         stamp = self.backend.commit(step, data)
-        index.committed(self.backend, layout, step, record, data, stamp)
+        self.index.committed(step, record, data, stamp)
         return record
 
     def write_values(self, step: int, values: Mapping[str, float], commit_created: Optional[float],

@@ -30,7 +30,7 @@ from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store import scan as _scan
 from skip_harness.store.namespaces import namespaces_at
-from skip_harness.store.open import namespace_of
+from skip_harness.store.open import open_namespace
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, UrlPath
 from skip_harness.store.reader import StepReader
@@ -128,7 +128,7 @@ def fingerprint_values(s: Optional[_scan.StepReport]) -> Optional[Dict[str, Any]
 
 def _reader(layout: Layout) -> StepReader:
     """A reader of the namespace (no writer is built: the viewer never writes)."""
-    return StepReader(layout, namespace_of(layout), BufferPool())
+    return StepReader(layout, open_namespace(layout), BufferPool())
 
 
 class Cache:
@@ -173,7 +173,7 @@ class Cache:
 
     def scan(self, ns: Namespace) -> _scan.NamespaceReport:
         """The namespace's steps from its index where it vouches for them; the index is never written."""
-        return _scan.scan_namespace(ns.layout, rewrite_index=False)
+        return _scan.scan_namespace(ns.layout, self.reader(ns).backend, rewrite_index=False)
 
     def namespace_view(self, ns: Namespace, report: Optional[_scan.NamespaceReport] = None, *,
                        read_metas: bool = True) -> NamespaceView:

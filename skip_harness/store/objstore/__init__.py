@@ -1,8 +1,8 @@
 """Object storage for the cache (`dump_dir: s3://bucket/prefix`, `gs://`, `az://`, `memory://`),
 on obstore (extra `[s3]`): the client built from the URL and the standard environment, the error
-kinds, the storage (`storage`), the lease that locks a namespace (`lease`, `locker`), and the namespace
-on them (`backend`). obstore is imported only when
-an object-store URL is used."""
+kinds, the storage (`storage`) and the lease that locks a namespace (`lease`, `locker`); `store.open`
+builds the namespace on them (`open_storage`, `open_locker`). obstore is imported only when an
+object-store URL is used."""
 from skip_harness.store.objstore.client import ObjectClient, aws_config, is_object_url, join_url
 from skip_harness.store.objstore.errors import (
     ObjectAccessDenied,
@@ -24,12 +24,12 @@ def open_storage(url: str, *, dump_dir: bool = False):
     return ObjectStorage(url, dump_dir=dump_dir)
 
 
-def open_namespace(url: str):
-    """The namespace at `url` on its storage, with its lease (the hook `store.open` calls)."""
-    from skip_harness.store.objstore.backend import ObjectNamespace
-    return ObjectNamespace(url)
+def open_locker(storage):
+    """The lease that locks the namespace `storage` holds (the hook `store.open` calls)."""
+    from skip_harness.store.objstore.locker import LeaseLocker
+    return LeaseLocker(storage)
 
 
-__all__ = ["open_namespace", "open_storage", "ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectBucketMissing", "ObjectCorrupt", "ObjectCredentialsRefused",
+__all__ = ["open_locker", "open_storage", "ObjectClient", "aws_config", "is_object_url", "join_url", "ObjectAccessDenied", "ObjectBucketMissing", "ObjectCorrupt", "ObjectCredentialsRefused",
            "ObjectMissing", "ObjectRaceLost", "ObjectStoreConfigError", "ObjectStoreError",
            "ObjectStoreForkError", "ObjectStoreUnavailable"]

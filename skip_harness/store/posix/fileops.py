@@ -20,7 +20,6 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import xxhash
 
-from skip_harness.store.checksum import checksum_bytes  # noqa: F401  (re-exported)
 from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX
 
 CHUNK_BYTES = 8 << 20             # read size when verifying checksums of small files

@@ -20,11 +20,11 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.bufferpool import BufferPool, Lease
-from skip_harness.store.checksum import check_read, checksum_int
+from skip_harness.store.checksum import check_read, checksum_bytes, checksum_int
 from skip_harness.store.layout import TMP_PREFIX
 from skip_harness.store.posix.directio import read_into, write_buffer_at
 from skip_harness.store.posix.fileops import (
-    READ_FLAGS, NotARealDirectory, checksum_bytes, describe_mode, fsync_dir, open_dir_at, remove_entry_at,
+    READ_FLAGS, NotARealDirectory, describe_mode, fsync_dir, open_dir_at, remove_entry_at,
     write_file_at,
 )
 from skip_harness.store.storage import DIR, FILE, LINK, LINK_WHAT, OTHER, TEMPORARY, Capabilities, Entry, Storage
@@ -200,6 +200,18 @@ class PosixStorage(Storage):
             mapped.close()
             raise CorruptStepError(path, f"checksum {digest} does not match the commit record's {checksum}")
         return mapped
+
+    def map(self, key: str) -> Tuple[Any, int]:
+        fd = self._open_file(key, None)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return bytearray(0), 0
+            return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE), size
+        except OSError as exc:
+            raise CorruptStepError(self.path(key), f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
 
     def stat(self, key: str) -> Optional[Entry]:
         try:

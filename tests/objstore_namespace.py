@@ -1,6 +1,8 @@
-"""A namespace on an object store: the one commit protocol (`store.namespace.Namespace`) over the object
-storage (`storage.ObjectStorage`) and its lease (`locker.LeaseLocker`), plus the few conveniences the
-benchmark, the tests and a lease's owner use (`acquire` / `release`, `write`, `read_checked`).
+"""The tests' handle on a namespace on an object store: the one commit protocol (`store.namespace.Namespace`)
+over the object storage (`storage.ObjectStorage`) and its lease (`locker.LeaseLocker`) -- what
+`store.open.open_namespace` builds for a URL -- plus the few conveniences the tests use (the lease held by
+hand: `acquire` / `release`, `write`, `read_checked`). Test code: it lived in the package as
+`store/objstore/backend.py`, the layer contract's one exception (issue 29).
 
 Keys are those of the POSIX layout, relative to the namespace URL (`s3://bucket/prefix/{exp}_{proj}/
 GBS...`): `{step}/[{i}/]tq_batch[_rank{r}].pt`, `.../meta[_rank{r}].json`, `{step}/commit.json`,
