@@ -44,7 +44,6 @@ import atexit
 import importlib.abc
 import importlib.machinery
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -164,16 +163,11 @@ if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY
 
 from skip_harness.errors import HarnessUsageError  # noqa: E402 - after the verl version check above
 from skip_harness.run.stats import HIT, MISS, REPEAT  # noqa: E402
-from skip_harness.integrations import verl_config, verl_hooks, verl_tq  # noqa: E402
+from skip_harness.integrations import verl_config, verl_hooks, verl_live, verl_tq  # noqa: E402
 
 log = logging.getLogger("skip_harness")
 
 ROLE = "rollout_tq"
-
-# strong references: a harness verl replaced (SkipManager.init again) must still be closed, never collected
-# with its lock held and its writes pending
-_live: "List[HarnessRolloutTqSkip]" = []
-_live_lock = threading.Lock()
 
 
 class _Generation:
@@ -260,8 +254,7 @@ class HarnessRolloutTqSkip(BaseSkip):
                                      fingerprint=self.plan.fingerprint)
         harness.wrap(self._generation, sample="sample", prepare_data="prepare_data", dispatch_kwarg="dispatch")
         self.harness = harness
-        with _live_lock:
-            _live.append(self)
+        verl_live.add(self)   # verl_values hands verl's logged metrics to it
         log.info("skip_harness serves verl's skip.rollout_tq (loaded by %s): %s", loaded_by(),
                  verl_config.describe(self.plan, self.steps))
 
@@ -449,9 +442,7 @@ class HarnessRolloutTqSkip(BaseSkip):
 
     def close(self) -> Any:
         """Finish writes and commits, log the summary, release the namespace lock (idempotent)."""
-        with _live_lock:
-            if self in _live:
-                _live.remove(self)
+        verl_live.remove(self)
         if self.harness is None:
             return None
         return self.harness.close()
@@ -459,9 +450,7 @@ class HarnessRolloutTqSkip(BaseSkip):
 
 def close_all() -> None:
     """Close every live harness this module built (also run at process exit, when the process gets one)."""
-    with _live_lock:
-        live = list(_live)
-    for skip in live:
+    for skip in verl_live.instances():
         try:
             skip.close()
         except Exception:  # noqa: BLE001 - at exit: report, never raise
