@@ -163,7 +163,7 @@ if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY
 
 from skip_harness.errors import HarnessUsageError  # noqa: E402 - after the verl version check above
 from skip_harness.run.stats import HIT, MISS, REPEAT  # noqa: E402
-from skip_harness.integrations import verl_config, verl_hooks, verl_live, verl_tq  # noqa: E402
+from skip_harness.integrations import verl_config, verl_hooks, verl_live, verl_tier, verl_tq  # noqa: E402
 
 log = logging.getLogger("skip_harness")
 
@@ -228,6 +228,7 @@ class HarnessRolloutTqSkip(BaseSkip):
         self._extras: List[List[Any]] = []           # recording: extra submissions since the last sample
         self._extra_index: Dict[int, int] = {}       # step -> extra submissions seen so far
         self._pending: Optional[Any] = None          # recording: (step, batch) sampled, waiting for its metrics
+        self._tier_keys: Optional[verl_tier.Keys] = None   # the second tier's validity keys, once computed
         for role in ("rollout", "async_rollout"):
             if verl_config.role_enabled(global_config, role):
                 log.warning("skip.%s is enabled: skip_harness.integrations.verl handles skip.rollout_tq (the V1 "
@@ -312,6 +313,15 @@ class HarnessRolloutTqSkip(BaseSkip):
     # ---------------------------------------------------------------- the plug-in's own hooks (verl_hooks)
     def handles(self, step: int) -> bool:
         return self.harness is not None and not self.finished and step in self.steps
+
+    def tier_phase(self, phase: str, trainer: Any, batch: Any, metrics: Any, original: Any) -> Any:
+        """verl's reference forward (``phase`` "reference") or colocated reward ("reward") on a training
+        mini-batch: served from the second tier on a served step whose key matches, else run (and stored on
+        a generated step): :mod:`verl_tier`."""
+        if self._tier_keys is None:
+            self._tier_keys = verl_tier.Keys(self.global_config)
+        run = verl_tier.reference if phase == "reference" else verl_tier.reward
+        return run(self.harness, self._tier_keys, trainer, batch, metrics, original)
 
     def sampled(self, result: Any) -> Any:
         """After verl's (decorated) ``sample`` returned `result` = (batch, metrics): on a miss the mini-batch
