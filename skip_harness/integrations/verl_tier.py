@@ -148,6 +148,12 @@ def _put(batch: Any, data: Any) -> None:
     tq.kv_batch_put(keys=list(batch.keys), partition_id=batch.partition_id, fields=data)
 
 
+def _said(step: int, phase: str, what: str) -> None:
+    """One line per call of a tiered phase: `step 2: reference log-probs served from the cache (no reference
+    forward)`, or `... verl's _compute_ref_log_prob ran (the reference forward)`."""
+    log.info("step %d: %s %s", step, phase_label(phase), what)
+
+
 def _fits(phase: str, values: Any, batch: Any, step: int) -> bool:
     """Whether stored values hold one row per key of this mini-batch; else a WARNING, and the phase runs."""
     stored = values.get("fields") if isinstance(values, dict) else None
@@ -172,13 +178,16 @@ def reference(harness: Any, keys: Keys, trainer: Any, batch: Any, metrics: Any,
         changed = {k: v for k, v in after.items() if k not in before or before[k] != v}
         return {"fields": _read(batch, ["ref_log_prob"]), "extra_info": changed}
 
-    values = harness.phase(REFERENCE, int(trainer.global_steps), compute, key=keys.of(REFERENCE))
+    step = int(trainer.global_steps)
+    values = harness.phase(REFERENCE, step, compute, key=keys.of(REFERENCE))
     if ran:
+        _said(step, REFERENCE, "verl's _compute_ref_log_prob ran (the reference forward)")
         return ran[0]
-    if not _fits(REFERENCE, values, batch, int(trainer.global_steps)):
+    if not _fits(REFERENCE, values, batch, step):
         return original(trainer, batch, metrics)
     batch.extra_info.update(values.get("extra_info") or {})
     _put(batch, values["fields"])
+    _said(step, REFERENCE, "served from the cache (no reference forward)")
     return batch
 
 
@@ -192,12 +201,15 @@ def reward(harness: Any, keys: Keys, trainer: Any, batch: Any, metrics: Any,
         ran.append(result)
         return {"fields": _read(batch, ["rm_scores", *extra])}
 
-    values = harness.phase(REWARD, int(trainer.global_steps), compute, key=keys.of(REWARD))
+    step = int(trainer.global_steps)
+    values = harness.phase(REWARD, step, compute, key=keys.of(REWARD))
     if ran:
+        _said(step, REWARD, "verl's _compute_reward_colocate ran (the reward model)")
         return ran[0]
-    if not _fits(REWARD, values, batch, int(trainer.global_steps)):
+    if not _fits(REWARD, values, batch, step):
         return original(trainer, batch, metrics=metrics)
     _put(batch, values["fields"])
+    _said(step, REWARD, "served from the cache (no reward model call)")
     return batch
 
 
