@@ -42,8 +42,10 @@ SYNC_STEPS = 3   # the chain's step 2 is not the last: it commits in the backgro
 CALLS_PER_STEP = 4 * 2          # data.train_batch_size x rollout.n
 NAMESPACE = "GBS4_N2_in16_out16"
 SEED = 7   # hf_cpu's custom.seed: deterministic generation, seeded prompt uids, a settled sampler (verl_cpu)
-# a reference model: verl's KL loss against the initial policy (verl_cpu unpins its FSDP2 CPU offload)
-REFERENCE = ["actor_rollout_ref.actor.use_kl_loss=true"]
+# a reference model: verl's KL loss against the initial policy (verl_cpu unpins its FSDP2 CPU offload); a learning
+# rate at which the policy moves away from it (at verl's 1e-6 the bf16 forward of this tiny model does not change,
+# and the KL loss stays 0.0)
+REFERENCE = ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-4"]
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +147,7 @@ def test_the_replay_runs_no_reference_forward(sync_chain):
     assert (len(replay.lines(served)), len(replay.lines(ran))) == (3, 0), replay.lines("reference log-probs")
     summary = replay.lines("rollout cache summary")[-1]
     assert "reference 0.0s spent" in summary, summary
+    assert rerun.metrics[3]["actor/kl_loss"] > 0, "the policy did not move away from the reference"
     for step in (1, 2, 3):   # the KL loss verl computed from the served reference log-probs, as recorded
         assert replay.metrics[step]["actor/kl_loss"] == rerun.metrics[step]["actor/kl_loss"]
 
