@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.verl, pytest.mark.timeout(2400)]   # minutes of Ray st
 STEPS = 2
 SYNC_STEPS = 3   # the chain's step 2 is not the last: it commits in the background, the kill's window
 CALLS_PER_STEP = 4 * 2          # data.train_batch_size x rollout.n
-NAMESPACE = "GBS4_N2_in16_out16"
+NAMESPACE = "GBS1_N2_in16_out16"   # with DAPO verl's sync sampler submits one prompt at a time (gen_batch_size 1)
 SEED = 7   # hf_cpu's custom.seed: deterministic generation, seeded prompt uids, a settled sampler (verl_cpu)
 # a reference model: verl's KL loss against the initial policy (verl_cpu unpins its FSDP2 CPU offload); a learning
 # rate at which the policy moves away from it (at verl's 1e-6 the bf16 forward of this tiny model does not change,
