@@ -85,6 +85,8 @@ _NOT_THE_CACHE = {
     ("skip_harness/integrations/hydra.py", "read_text"): "a sweep job's failure record",
     ("skip_harness/codec/torchsave.py", "load"): "torch.load of bytes already in memory (io.BytesIO)",
     ("skip_harness/cli/__init__.py", "open"): "os.devnull, stdout's new target once its reader closed the pipe",
+    ("skip_harness/integrations/verl_tier.py", "open"): "verl's custom reward function's source file and the "
+                                                        "model's config.json, digested for the second tier's keys",
 }
 
 

@@ -22,10 +22,27 @@ WHICH = ("import verl\n"
 
 
 def _python(code: str, tmp_path, **env_changes: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-    env.update(env_changes)
-    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return _pythons(tmp_path, (code, env_changes))[0]
+
+
+def _pythons(tmp_path, *runs) -> list:
+    """Each (code, env changes) in a fresh ``python -c``, all at once (each is mostly ``import verl``), in order."""
+    procs = []
+    for code, env_changes in runs:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+        env.update(env_changes)
+        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
 
 
 def _rollout_tq(proc: subprocess.CompletedProcess) -> str:
@@ -35,12 +52,13 @@ def _rollout_tq(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_installed_is_enough_and_verls_switch_turns_it_off(tmp_path):
-    assert _rollout_tq(_python(WHICH, tmp_path)) == "skip_harness.integrations.verl"
-    assert _rollout_tq(_python(WHICH, tmp_path, VERL_USE_EXTERNAL_PLUGINS="none")) == "verl.utils.skip.rollout_skip"
-    # the environment variable route keeps working, also with entry points off
-    assert _rollout_tq(_python(WHICH, tmp_path, VERL_USE_EXTERNAL_PLUGINS="none",
-                               VERL_USE_EXTERNAL_MODULES="skip_harness.integrations.verl")) == \
-        "skip_harness.integrations.verl"
+    installed, off, modules = _pythons(
+        tmp_path, (WHICH, {}), (WHICH, {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+        # the environment variable route keeps working, also with entry points off
+        (WHICH, {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "skip_harness.integrations.verl"}))
+    assert _rollout_tq(installed) == "skip_harness.integrations.verl"
+    assert _rollout_tq(off) == "verl.utils.skip.rollout_skip"
+    assert _rollout_tq(modules) == "skip_harness.integrations.verl"
 
 
 def test_the_startup_line_says_once_how_verl_loaded_the_plugin(tmp_path):
@@ -79,10 +97,13 @@ def test_verl_beside_current_trl_builds_its_model(tmp_path):
     from packaging.version import Version
 
     trl = pytest.importorskip("trl")
-    code = TRL_IMPORT % str(tmp_path / "model")
-    with_plugin = _python(code, tmp_path)
+    removed = Version(version("trl")) >= Version("1.13")
+    runs = [(TRL_IMPORT % str(tmp_path / "model"), {})]
+    if removed:
+        runs.append((TRL_IMPORT % str(tmp_path / "model_without"), {"VERL_USE_EXTERNAL_PLUGINS": "none"}))
+    with_plugin, *rest = _pythons(tmp_path, *runs)
     assert with_plugin.returncode == 0 and "PATCHED" in with_plugin.stdout, with_plugin.stderr[-3000:]
-    if Version(version("trl")) >= Version("1.13"):
-        without = _python(code, tmp_path, VERL_USE_EXTERNAL_PLUGINS="none")
+    if removed:
+        (without,) = rest
         assert without.returncode != 0 and "AutoModelForCausalLMWithValueHead" in without.stderr, \
             (trl.__version__, without.stderr[-2000:])

@@ -306,3 +306,40 @@ def test_warmup_refills_and_the_samplers_metrics_are_recorded_then_served(cluste
     assert [rig.comparable(s) for s in second.sampled] == [rig.comparable(s) for s in first.sampled]
     assert [s.metrics for s in second.sampled] == [s.metrics for s in first.sampled]
     assert second.drawn == first.drawn   # the warm-up and the refills drew their prompts on the replay too
+
+
+def test_the_reference_and_the_colocated_reward_are_served_on_a_replay_while_their_keys_hold(cluster, tmp_path,
+                                                                                              caplog):
+    """The second tier in verl's V1 trainer: verl's own _compute_reward_colocate and _compute_ref_log_prob (with a
+    noisy stand-in reward model and reference worker group) run on the recording and are stored; the replay runs
+    neither and verl's batch gets the recorded rm_scores, reward extra info and ref_log_prob; a changed reference
+    setting recomputes the reference only, and says which key changed; skip_harness.tier=false runs both."""
+    kl = ["actor_rollout_ref.actor.use_kl_loss=true"]
+    steps = (1, 2)
+
+    def run(salt, *extra):
+        return rig.run_steps(rig.compose(str(tmp_path / "cache"), steps=steps, extra=[*kl, *extra]), buffer="sync",
+                             salt=salt, steps=steps, phases=True)
+
+    first = run(1)
+    assert (first.reference_calls, first.reward_calls) == (2, 2)
+    assert any((tmp_path / "cache").glob("*/*/.tier/2/reference/*/0-r0.tensors"))
+    caplog.set_level(logging.INFO, logger="skip_harness")
+    second = run(2)
+    assert second.outcomes == {1: "hit", 2: "hit"}
+    assert (second.reference_calls, second.reward_calls) == (0, 0)
+    assert second.phase_fields == first.phase_fields   # the noisy values, as recorded
+    phases = second.summary.phases
+    assert (phases["reference"].served, phases["reference"].computed) == (2, 0)
+    assert (phases["reward"].served, phases["reward"].computed) == (2, 0)
+    assert "reference 0.0s spent" in second.summary.phases_line
+
+    caplog.clear()
+    third = run(3, "actor_rollout_ref.actor.kl_loss_coef=0.5")
+    assert (third.reference_calls, third.reward_calls) == (2, 0)
+    assert "reference log-probs recomputed: actor_rollout_ref.actor.kl_loss_coef changed" in caplog.text
+    assert third.phase_fields != first.phase_fields   # the reference's noise, drawn again
+
+    off = run(4, "+skip_harness.tier=false")
+    assert (off.reference_calls, off.reward_calls) == (2, 2)
+    assert off.outcomes == {1: "hit", 2: "hit"}

@@ -3,20 +3,23 @@ FSDP2 on gloo, TransferQueue, verl's agent loop, reward loop and weight sync) on
 ``VERL_USE_EXTERNAL_MODULES=skip_harness.integrations.verl,verl_cpu`` (tests/verl_cpu: what verl needs to run
 on a CPU, through its registries). A tiny random-weight Llama, 4 prompts x 2 samples, 3 steps (sync), 2 (async modes).
 
-One chain of sync runs covers four claims, each run doing double duty (every run costs ~1-2 min of Ray and
-worker start-up):
+Every run costs about a minute of Ray and worker start-up, so each run does several jobs. One chain of sync runs
+(unseeded: two runs generate different rollouts) with a reference model (actor_rollout_ref.actor.use_kl_loss=true:
+verl's KL loss against the reference policy):
 
   killed  records, SIGKILLed (driver, Ray, workers) once step 1 is committed and step 2 is being written;
-  rerun   cleans the interrupted step 2, serves step 1 (its metrics equal the killed run's), generates 2, 3;
-  replay  serves all three: 0 generate calls, verl's metrics identical to the rerun's, timing aside; the
-          harness closes at the last step -- summary logged, lock released -- though Ray force-exits the
-          TaskRunner at the end of a replay;
+  rerun   cleans the interrupted step 2, serves step 1 (its metrics equal the killed run's; its reference log-probs
+          from the second tier), generates 2, 3;
+  replay  serves all three: 0 generate calls, no reference forward, verl's metrics identical to the rerun's
+          (timing aside); the harness closes at the last step -- summary logged, lock released -- though Ray
+          force-exits the TaskRunner at the end of a replay;
   fresh   the same run without the cache: its metrics differ (the comparison can fail).
 
-Then three seeded experiments (hf_cpu's custom.seed: deterministic generation; verl_cpu seeds verl's prompt
-uids and lets the sampler poll a settled queue), each recorded with the cache, run without it, replayed (and
-resumed from the recording's step-1 checkpoint): sync DAPO, colocate_async with verl's warm-up and DAPO,
-separate_async K = 2 with the warm-up. Every logged value (timing aside) of the cached run equals the
+Then three seeded experiments (hf_cpu's custom.seed: deterministic generation; verl_cpu seeds verl's prompt uids
+and lets the sampler poll a settled queue), 2 steps: sync DAPO, recorded with the cache, run without it and
+replayed; colocate_async with verl's warm-up and DAPO, recorded (checkpointing each step), run without the cache
+and replayed resumed from the recording's step-1 checkpoint; separate_async K = 2 with the warm-up, recorded and
+replayed (the recording is its replay's baseline). Every logged value (timing aside) of a cached run equals the
 uncached run's; the replays generate nothing and log the recording's values, DAPO counts included.
 """
 from __future__ import annotations
@@ -36,6 +39,9 @@ STEPS = 2
 SYNC_STEPS = 3   # the chain's step 2 is not the last: it commits in the background, the kill's window
 CALLS_PER_STEP = 4 * 2          # data.train_batch_size x rollout.n
 NAMESPACE = "GBS4_N2_in16_out16"
+SEED = 7   # hf_cpu's custom.seed: deterministic generation, seeded prompt uids, a settled sampler (verl_cpu)
+# a reference model: verl's KL loss against the initial policy (verl_cpu unpins its FSDP2 CPU offload)
+REFERENCE = ["actor_rollout_ref.actor.use_kl_loss=true"]
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +59,22 @@ def sync_chain(workdir):
     work, paths = workdir
     cache = work / "cache"
     ns = _namespace(cache, "sync")
+    common = dict(experiment="sync", steps=SYNC_STEPS)
 
     def step1_committed_and_step2_being_written(gen_log: Path) -> bool:
         # the writer makes the step's directory first, then the payload, its meta, the commit record
         # (fsync'd each): killed at the first sight of it, step 2 is interrupted mid-write
         return (ns / "2").exists() and (ns / "1" / "commit.json").exists()
 
-    runs = {"killed": driver.main_ppo(work, "killed", paths, dump_dir=cache, experiment="sync", steps=SYNC_STEPS,
+    runs = {"killed": driver.main_ppo(work, "killed", paths, dump_dir=cache, extra=REFERENCE, **common,
                                       kill_when=step1_committed_and_step2_being_written)}
     runs["killed_state"] = sorted(p.relative_to(ns).as_posix() for p in ns.rglob("*") if p.is_file())
     for name in ("rerun", "replay"):
-        runs[name] = driver.main_ppo(work, name, paths, dump_dir=cache, experiment="sync", steps=SYNC_STEPS)
-    runs["fresh"] = driver.main_ppo(work, "fresh", paths, dump_dir=None, experiment="sync", steps=SYNC_STEPS)
+        runs[name] = driver.main_ppo(work, name, paths, dump_dir=cache, extra=REFERENCE, **common)
+    runs["fresh"] = driver.main_ppo(work, "fresh", paths, dump_dir=None, extra=REFERENCE, **common)
     runs["namespace"] = ns
+    for name in ("killed", "rerun", "replay", "fresh"):
+        _show(f"sync {name}", runs[name])
     return runs
 
 
@@ -108,6 +117,27 @@ def test_a_replay_under_main_ppo_closes_its_cache(sync_chain):
     assert not (sync_chain["namespace"] / ".lock.holder.json").exists(), "the namespace is still held"
 
 
+def test_the_replay_runs_no_reference_forward(sync_chain):
+    """Issue 32, verl's part: with a reference model (use_kl_loss), the recording stores the reference log-probs
+    of each step (the second tier); a run serving the step puts them into verl's batch instead of running
+    verl's _compute_ref_log_prob, and trains exactly as the recording did (verl's KL loss included)."""
+    killed, rerun, replay = sync_chain["killed"], sync_chain["rerun"], sync_chain["replay"]
+    ran = "reference log-probs verl's _compute_ref_log_prob ran"
+    served = "reference log-probs served from the cache"
+    assert len(killed.lines(ran)) >= 1          # the recording ran the reference forward
+    # the rerun generates steps 2 and 3 (their reference forward runs) and serves step 1: its reference log-probs
+    # too, unless the kill struck between step 1's commit record and its second tier (then it computes and
+    # stores them: "reference log-probs recomputed: none stored with the step")
+    assert len(rerun.lines(ran)) + len(rerun.lines(served)) == 3 and len(rerun.lines(ran)) in (2, 3), \
+        rerun.lines("reference log-probs")
+    assert (len(replay.lines(served)), len(replay.lines(ran))) == (3, 0), replay.lines("reference log-probs")
+    summary = replay.lines("rollout cache summary")[-1]
+    assert "reference 0.0s spent" in summary, summary
+    for step in (1, 2, 3):   # verl's KL loss, from the served reference log-probs, as recorded
+        # (0.0 here: this tiny model's bf16 forward does not move in 3 steps at verl's learning rate)
+        assert replay.metrics[step]["actor/kl_loss"] == rerun.metrics[step]["actor/kl_loss"]
+
+
 def test_without_the_cache_the_comparison_fails(sync_chain):
     fresh, replay = sync_chain["fresh"], sync_chain["replay"]
     assert fresh.returncode == 0, fresh.output[-5000:]
@@ -115,42 +145,45 @@ def test_without_the_cache_the_comparison_fails(sync_chain):
     assert driver.differences(replay.metrics, fresh.metrics, [1, 2, 3]) != []
 
 
+def _show(label: str, run) -> None:
+    print(f"{label}: {run.generate_calls} generate calls, {run.wall_s:.0f} s, steps {sorted(run.metrics)}; " + "; ".join(
+        f"step {step} " + ", ".join(f"{k}={v}" for k, v in values.items() if k in SHOWN)
+        for step, values in sorted(run.metrics.items())))
+
+
 MISMATCH_KEYS = ("rollout_corr/", "training/rollout_probs_diff", "training/rollout_actor_probs_pearson_corr")
-REL_TOL = 1e-3   # cached vs uncached: floats summed over the batch in another order (_same_experiment)
-SEED = 7   # hf_cpu's custom.seed: deterministic generation, seeded prompt uids, a settled sampler (verl_cpu)
-SHOWN = ("actor/pg_loss", "critic/score/mean", "response_length/mean", "training/filter_groups/evicted_samples",
-         "training/filter_groups/discarded_surplus_samples")
+REL_TOL = 1e-3   # cached vs uncached: floats summed over the batch in another order (_caching_changes_nothing)
+SHOWN = ("actor/pg_loss", "actor/kl_loss", "critic/score/mean", "response_length/mean",
+         "training/filter_groups/evicted_samples", "training/filter_groups/discarded_surplus_samples")
 
 
-def _chain(workdir, experiment: str, mode: str, *, resume: bool, **kwargs) -> dict:
-    """One experiment, seeded: recorded with the cache (checkpointing each step when `resume`), run without
-    the cache, replayed, and (`resume`) replayed again resumed from the recording's step-1 checkpoint."""
+def _chain(workdir, experiment: str, mode: str, *, resume: bool, uncached: bool, **kwargs) -> dict:
+    """One experiment, seeded: recorded with the cache (checkpointing each step when `resume`), (`uncached`)
+    run without the cache, and replayed -- from the start, or (`resume`) resumed from the recording's step-1
+    checkpoint."""
     work, paths = workdir
     cache = work / "cache"
     ckpt = work / f"ckpt_{experiment}"
     common = dict(experiment=experiment, mode=mode, steps=STEPS, seed=SEED, **kwargs)
     save = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=1"] if resume else []
-    runs = {"record": driver.main_ppo(work, f"{experiment}_record", paths, dump_dir=cache, extra=save, **common),
-            "uncached": driver.main_ppo(work, f"{experiment}_uncached", paths, dump_dir=None, **common),
-            "replay": driver.main_ppo(work, f"{experiment}_replay", paths, dump_dir=cache, **common)}
-    if resume:
+    runs = {"record": driver.main_ppo(work, f"{experiment}_record", paths, dump_dir=cache, extra=save, **common)}
+    if uncached:
+        runs["uncached"] = driver.main_ppo(work, f"{experiment}_uncached", paths, dump_dir=None, **common)
+    if not resume:
+        runs["replay"] = driver.main_ppo(work, f"{experiment}_replay", paths, dump_dir=cache, **common)
+    else:
         runs["resumed"] = driver.main_ppo(
             work, f"{experiment}_resumed", paths, dump_dir=cache, extra=[
                 f"trainer.default_local_dir={work / f'ckpt_{experiment}_resumed'}", "trainer.resume_mode=resume_path",
                 f"trainer.resume_from_path={ckpt / 'global_step_1'}"], **common)
     for name, run in runs.items():
         assert run.returncode == 0, (name, run.output[-5000:])
-        print(f"{experiment} {name}: {run.generate_calls} generate calls, steps {sorted(run.metrics)}; " + "; ".join(
-            f"step {step} " + ", ".join(f"{k}={v}" for k, v in values.items() if k in SHOWN)
-            for step, values in sorted(run.metrics.items())))
+        _show(f"{experiment} {name}", run)
     return runs
 
 
-def _same_experiment(runs: dict, steps=(1, 2)) -> None:
-    """Caching on changes nothing verl trains (record == uncached); the replay generates nothing and logs the
-    recording's values, every key but timing."""
-    record, uncached, replay = runs["record"], runs["uncached"], runs["replay"]
-    assert record.generate_calls == uncached.generate_calls
+def _caching_changes_nothing(record, uncached, steps) -> None:
+    """Caching on changes nothing verl trains: the cached run logs what the uncached run logs."""
     assert sorted(record.metrics) == list(steps)
     # verl puts trajectories into its batch in the order the rollout finished them, which varies from run to run
     # on this CPU: a float sum over the batch may then differ in its last bits, and step 2 trains from weights
@@ -161,56 +194,70 @@ def _same_experiment(runs: dict, steps=(1, 2)) -> None:
     # step 2: rollout_corr/kl 2.3e-4 vs 4.9e-5) -- and are left out of this comparison, not of the replay's
     assert [d for d in driver.differences(uncached.metrics, record.metrics, steps, rel_tol=REL_TOL)
             if not any(k in d for k in MISMATCH_KEYS)] == []
+
+
+def _replays_the_recording(record, replay, steps) -> None:
+    """The replay generates nothing and logs the recording's values, every key but timing."""
     assert replay.generate_calls == 0
     assert driver.differences(record.metrics, replay.metrics, steps) == []
     summary = replay.lines("rollout cache summary")
     assert summary and f"replay: {len(steps)} of {len(steps)} served steps reproduced" in summary[-1], summary
 
 
-def _resumed_serves_the_later_steps(runs: dict) -> None:
-    resumed = runs["resumed"]
-    assert sorted(resumed.metrics) == [2], resumed.lines("skip_harness")
+def _resumed_serves_the_later_steps(record, resumed, steps) -> None:
+    assert resumed.returncode == 0, resumed.output[-5000:]
+    assert sorted(resumed.metrics) == list(steps), resumed.lines("skip_harness")
     assert resumed.generate_calls == 0
-    assert driver.differences(runs["record"].metrics, resumed.metrics, [2]) == []
+    assert driver.differences(record.metrics, resumed.metrics, steps) == []
 
 
-def _dapo_counted(runs: dict) -> None:
-    counts = [values.get("training/filter_groups/evicted_samples", 0) for values in runs["record"].metrics.values()]
+def _dapo_counted(record, replay) -> None:
+    counts = [values.get("training/filter_groups/evicted_samples", 0) for values in record.metrics.values()]
     assert sum(counts) > 0, "the tied reward should have made DAPO evict groups"
-    for step, values in runs["replay"].metrics.items():   # the sampler's counts, replayed
+    for step, values in replay.metrics.items():   # the sampler's counts, replayed
         assert values.get("training/filter_groups/evicted_samples") == \
-            runs["record"].metrics[step].get("training/filter_groups/evicted_samples")
+            record.metrics[step].get("training/filter_groups/evicted_samples")
 
 
-def test_sync_dapo_records_replays_and_resumes_as_it_trains(workdir):
+def test_sync_dapo_records_and_replays_as_it_trains(workdir):
     """sync, DAPO (algorithm.filter_groups.enable=true, a reward that ties some groups): refills recorded and
-    served, the filter's counts replayed; a replay resumed from verl's step-1 checkpoint serves step 2."""
-    runs = _chain(workdir, "dapo_sync", "sync", resume=True, dapo=True)
-    assert runs["record"].generate_calls > STEPS * CALLS_PER_STEP, "DAPO refilled nothing"
-    _same_experiment(runs)
-    _dapo_counted(runs)
-    _resumed_serves_the_later_steps(runs)
+    served, the filter's counts replayed; the cached run trains as the uncached one. (A replay resumed from
+    verl's checkpoint: the colocate_async chain.)"""
+    runs = _chain(workdir, "dapo_sync", "sync", resume=False, uncached=True, dapo=True)
+    record = runs["record"]
+    assert record.generate_calls > STEPS * CALLS_PER_STEP, "DAPO refilled nothing"
+    assert record.generate_calls == runs["uncached"].generate_calls
+    _caching_changes_nothing(record, runs["uncached"], [1, 2])
+    _replays_the_recording(record, runs["replay"], [1, 2])
+    _dapo_counted(record, runs["replay"])
 
 
 def test_colocate_async_with_warmup_and_dapo_records_replays_and_resumes_as_it_trains(workdir):
     """colocate_async with verl's warm-up (num_warmup_batches=1) and DAPO: the cached run keeps the warm-up
-    (it generates what the uncached run generates and trains the same), the replay serves warm-up and refills,
-    and a replay resumed from the recording's step-1 checkpoint serves step 2."""
-    runs = _chain(workdir, "colocate", "colocate_async", resume=True, warmup=1, dapo=True)
-    assert runs["record"].generate_calls >= (STEPS + 1) * CALLS_PER_STEP, "the warm-up batch was not generated"
-    _same_experiment(runs)
-    _dapo_counted(runs)
-    _resumed_serves_the_later_steps(runs)
+    (it generates what the uncached run generates and trains the same); the replay, resumed from the recording's
+    step-1 checkpoint (verl's warm-up runs again on resume), serves warm-up and refills and step 2."""
+    runs = _chain(workdir, "colocate", "colocate_async", resume=True, uncached=True, warmup=1, dapo=True)
+    record = runs["record"]
+    assert record.generate_calls >= (STEPS + 1) * CALLS_PER_STEP, "the warm-up batch was not generated"
+    assert record.generate_calls == runs["uncached"].generate_calls
+    _caching_changes_nothing(record, runs["uncached"], [1, 2])
+    _resumed_serves_the_later_steps(record, runs["resumed"], [2])
+    summary = runs["resumed"].lines("rollout cache summary")
+    assert summary and "1 hit," in summary[-1] and "reproduced" in summary[-1] and "diverged" not in summary[-1], \
+        summary
+    _dapo_counted(record, runs["resumed"])
 
 
 def test_separate_async_k2_with_warmup_is_recorded_then_replayed_call_by_call(workdir):
     """separate_async, K = 2 (parameter_sync_step) with verl's warm-up: verl's standalone rollout replica (hf_cpu
     on its own Ray "GPU" bundle, weights through the ray_store checkpoint engine), two sample calls per step,
-    each stored as its own inner index and served to the same call on the replay."""
+    each stored as its own inner index and served to the same call on the replay (the recording is its baseline:
+    that caching changes nothing verl trains, the sync and colocate_async chains show with uncached runs)."""
     work, _ = workdir
-    runs = _chain(workdir, "separate", "separate_async", resume=False, K=2, warmup=1)
+    runs = _chain(workdir, "separate", "separate_async", resume=False, uncached=False, K=2, warmup=1)
     assert runs["record"].generate_calls >= (STEPS + 1) * CALLS_PER_STEP, "the warm-up batch was not generated"
-    _same_experiment(runs)
+    assert sorted(runs["record"].metrics) == [1, 2]
+    _replays_the_recording(runs["record"], runs["replay"], [1, 2])
     ns = work / "cache" / "separate_verl_cpu"
     namespaces = [p for p in ns.iterdir() if p.is_dir()]
     assert len(namespaces) == 1 and namespaces[0].name.endswith("_K2_W1"), namespaces

@@ -91,12 +91,12 @@ def test_replay_check_error_from_the_skip_harness_node_stops_verl_at_the_diverge
 def test_tracking_log_is_verls_own_once_uninstalled():
     from verl.utils.tracking import Tracking
 
-    from skip_harness.integrations import verl_values
+    from skip_harness.integrations import verl_live, verl_values
 
     wrapped = Tracking.log
     verl_values.uninstall()
     try:
         assert Tracking.log is wrapped.__wrapped__
     finally:
-        verl_values.install(verl_values._plugin_instances)
+        verl_values.install(verl_live.instances)
     assert Tracking.log is not wrapped.__wrapped__

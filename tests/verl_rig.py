@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -188,6 +189,58 @@ class StandInRollout:
         return f, tag
 
 
+class StandInReference:
+    """In place of verl's reference worker group (``ref_policy_wg``): ``compute_ref_log_prob`` writes a
+    ``log_probs`` value for every token of each trajectory into TransferQueue, as verl's FSDP worker does,
+    with noise drawn per call (a forward that is not bit-reproducible), and counts its calls."""
+
+    def __init__(self, salt: int):
+        self.calls = 0
+        self.generator = torch.Generator().manual_seed(salt)
+
+    def compute_ref_log_prob(self, batch: Any) -> Any:
+        import transfer_queue as tq
+        from verl.utils import tensordict_utils as tu
+
+        self.calls += 1
+        ids = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
+        lengths = ids["input_ids"].offsets().diff().tolist()
+        log_probs = torch.nested.as_nested_tensor([-torch.rand(int(n), generator=self.generator) for n in lengths],
+                                                  layout=torch.jagged)
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict({"log_probs": log_probs}))
+        return batch
+
+
+class StandInRewardModel:
+    """In place of verl's ``RewardLoopManager`` with a colocated reward model (no reward workers of its own):
+    ``compute_rm_score`` scores each response's last token, with noise (a judge that is not deterministic),
+    returns an extra info ``acc`` as verl's reward managers do, and counts its calls."""
+
+    reward_loop_worker_handles = None
+
+    def __init__(self, salt: int):
+        self.calls = 0
+        self.generator = torch.Generator().manual_seed(salt + 10_000)
+
+    def compute_rm_score(self, data: Any) -> Any:
+        from tensordict import TensorDict
+        from verl.protocol import DataProto
+
+        self.calls += 1
+        responses = data.batch["responses"]
+        width = responses.shape[1]
+        mask = data.batch["attention_mask"][:, -width:]
+        scores = torch.zeros(responses.shape, dtype=torch.float32)
+        acc = []
+        for i in range(responses.shape[0]):
+            value = float(torch.rand((), generator=self.generator))
+            scores[i, int(mask[i].sum()) - 1] = value
+            acc.append(value > 0.5)
+        return DataProto(batch=TensorDict({"rm_scores": scores}, batch_size=responses.shape[0]),
+                         non_tensor_batch={"acc": np.array(acc, dtype=object)},
+                         meta_info={"reward_extra_keys": ["acc"]})
+
+
 def make_trainer(cfg: Any, rollout: StandInRollout) -> Any:
     """verl's PPOTrainer with only what _add_batch_to_generate needs set (its __init__ builds worker groups)."""
     from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
@@ -203,6 +256,8 @@ def make_trainer(cfg: Any, rollout: StandInRollout) -> Any:
     trainer.train_dataloader_it = None
     trainer.agent_loop_manager = rollout
     trainer._restored_tq_prompt_count = 0
+    trainer.ref_in_actor = False
+    trainer.tokenizer = SimpleNamespace(pad_token_id=0)
     return trainer
 
 
@@ -256,6 +311,9 @@ class RunResult:
     summary: Any = None
     outcomes: Dict[int, str] = field(default_factory=dict)
     drawn: int = 0       # dataloader batches drawn
+    reference_calls: int = 0    # with `phases`: the stand-in reference's forward passes
+    reward_calls: int = 0       # ... and the stand-in reward model's calls
+    phase_fields: List[Any] = field(default_factory=list)   # what verl's two methods left in TransferQueue
 
     @property
     def train_generations(self) -> int:
@@ -263,11 +321,14 @@ class RunResult:
 
 
 def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validate_at: Sequence[int] = (),
-              after_sample=None, after_step=None, warmup: int = 0, tie_every: int = 0) -> RunResult:
+              after_sample=None, after_step=None, warmup: int = 0, tie_every: int = 0,
+              phases: bool = False) -> RunResult:
     """verl's step loop for `steps` (fit's order: set_step, [the async warm-up,] submit, K samples,
     validation, kv_clear); `after_step(step, sampled)` where fit logs the step's metrics (its Sampled
     mini-batches). `warmup`: verl's ``_add_async_warmup_batches(warmup)`` before the first step, as
-    ``on_train_begin`` calls it in the async trainers."""
+    ``on_train_begin`` calls it in the async trainers. `phases`: after each sample, verl's own
+    ``_compute_reward_colocate`` and ``_compute_ref_log_prob`` (``_step_once``'s order) on the mini-batch,
+    with a stand-in reward model and reference worker group; what they left in TransferQueue is kept."""
     import transfer_queue as tq
     from verl.utils.skip import SkipManager
 
@@ -276,6 +337,8 @@ def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validat
     rollout = StandInRollout(cfg, salt, tie_every)
     trainer = make_trainer(cfg, rollout)
     replay = make_buffer(buffer, cfg, trainer)
+    reference, reward = StandInReference(salt), StandInRewardModel(salt)
+    trainer.ref_policy_wg, trainer.reward_loop_manager = reference, reward
     K = int(cfg.trainer.v1.get(cfg.trainer.v1.trainer_mode, {}).get("parameter_sync_step", 1))
     per_sample = int(cfg.data.train_batch_size) // K
     result = RunResult()
@@ -293,6 +356,12 @@ def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validat
                                               dict(metrics)))
                 if after_sample is not None:
                     after_sample(skip, step, inner)
+                if phases:
+                    batch = trainer._compute_reward_colocate(batch, metrics={})
+                    batch = trainer._compute_ref_log_prob(batch, {})
+                    fields = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                             select_fields=["rm_scores", "acc", "ref_log_prob"])
+                    result.phase_fields.append({k: plain(fields.get(k)) for k in ("rm_scores", "acc", "ref_log_prob")})
                 tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
             if step in validate_at:
                 result.validation.append(validate(trainer, replay, rollout, step))
@@ -301,6 +370,7 @@ def run_steps(cfg: Any, *, buffer: str, salt: int, steps: Sequence[int], validat
     finally:
         result.rollout_calls = rollout.calls
         result.drawn = trainer.train_dataloader.drawn
+        result.reference_calls, result.reward_calls = reference.calls, reward.calls
         harness = getattr(skip, "harness", None)   # None: verl's own class, or caching off
         if harness is not None:
             result.outcomes = {s: harness.outcome(s) for s in steps}

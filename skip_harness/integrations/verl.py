@@ -44,7 +44,6 @@ import atexit
 import importlib.abc
 import importlib.machinery
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -164,16 +163,11 @@ if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY
 
 from skip_harness.errors import HarnessUsageError  # noqa: E402 - after the verl version check above
 from skip_harness.run.stats import HIT, MISS, REPEAT  # noqa: E402
-from skip_harness.integrations import verl_config, verl_hooks, verl_tq  # noqa: E402
+from skip_harness.integrations import verl_config, verl_hooks, verl_live, verl_tier, verl_tq  # noqa: E402
 
 log = logging.getLogger("skip_harness")
 
 ROLE = "rollout_tq"
-
-# strong references: a harness verl replaced (SkipManager.init again) must still be closed, never collected
-# with its lock held and its writes pending
-_live: "List[HarnessRolloutTqSkip]" = []
-_live_lock = threading.Lock()
 
 
 class _Generation:
@@ -234,6 +228,7 @@ class HarnessRolloutTqSkip(BaseSkip):
         self._extras: List[List[Any]] = []           # recording: extra submissions since the last sample
         self._extra_index: Dict[int, int] = {}       # step -> extra submissions seen so far
         self._pending: Optional[Any] = None          # recording: (step, batch) sampled, waiting for its metrics
+        self._tier_keys: Optional[verl_tier.Keys] = None   # the second tier's validity keys, once computed
         for role in ("rollout", "async_rollout"):
             if verl_config.role_enabled(global_config, role):
                 log.warning("skip.%s is enabled: skip_harness.integrations.verl handles skip.rollout_tq (the V1 "
@@ -260,8 +255,7 @@ class HarnessRolloutTqSkip(BaseSkip):
                                      fingerprint=self.plan.fingerprint)
         harness.wrap(self._generation, sample="sample", prepare_data="prepare_data", dispatch_kwarg="dispatch")
         self.harness = harness
-        with _live_lock:
-            _live.append(self)
+        verl_live.add(self)   # verl_values hands verl's logged metrics to it
         log.info("skip_harness serves verl's skip.rollout_tq (loaded by %s): %s", loaded_by(),
                  verl_config.describe(self.plan, self.steps))
 
@@ -319,6 +313,15 @@ class HarnessRolloutTqSkip(BaseSkip):
     # ---------------------------------------------------------------- the plug-in's own hooks (verl_hooks)
     def handles(self, step: int) -> bool:
         return self.harness is not None and not self.finished and step in self.steps
+
+    def tier_phase(self, phase: str, trainer: Any, batch: Any, metrics: Any, original: Any) -> Any:
+        """verl's reference forward (``phase`` "reference") or colocated reward ("reward") on a training
+        mini-batch: served from the second tier on a served step whose key matches, else run (and stored on
+        a generated step): :mod:`verl_tier`."""
+        if self._tier_keys is None:
+            self._tier_keys = verl_tier.Keys(self.global_config)
+        run = verl_tier.reference if phase == "reference" else verl_tier.reward
+        return run(self.harness, self._tier_keys, trainer, batch, metrics, original)
 
     def sampled(self, result: Any) -> Any:
         """After verl's (decorated) ``sample`` returned `result` = (batch, metrics): on a miss the mini-batch
@@ -449,9 +452,7 @@ class HarnessRolloutTqSkip(BaseSkip):
 
     def close(self) -> Any:
         """Finish writes and commits, log the summary, release the namespace lock (idempotent)."""
-        with _live_lock:
-            if self in _live:
-                _live.remove(self)
+        verl_live.remove(self)
         if self.harness is None:
             return None
         return self.harness.close()
@@ -459,9 +460,7 @@ class HarnessRolloutTqSkip(BaseSkip):
 
 def close_all() -> None:
     """Close every live harness this module built (also run at process exit, when the process gets one)."""
-    with _live_lock:
-        live = list(_live)
-    for skip in live:
+    for skip in verl_live.instances():
         try:
             skip.close()
         except Exception:  # noqa: BLE001 - at exit: report, never raise

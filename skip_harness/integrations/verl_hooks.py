@@ -14,6 +14,9 @@ what it needs; with the plug-in off (or another ``skip.rollout_tq`` class) they 
   run keeps its warm-up (recorded, then served).
 - the samplers' ``sample`` (outside verl's decorator): what ``sample`` returned beside the batch (the
   off-policy, DAPO filter and eviction counts) is stored with the mini-batch, and returned on a hit.
+- ``PPOTrainer._compute_ref_log_prob(batch, metrics)`` and ``_compute_reward_colocate(batch, metrics)``:
+  the second tier (:mod:`verl_tier`): on a served step whose validity key matches, what verl's method
+  wrote into TransferQueue is put back and the method does not run.
 
 Each wrapped method's shape is checked when the plug-in loads: a verl whose methods take other arguments
 (or whose warm-up no longer reads ``skip.rollout_tq.enable``) is refused with an ImportError naming the
@@ -37,7 +40,11 @@ SHAPES: Dict[str, Tuple[str, ...]] = {
     "PPOTrainer._next_train_batch": ("num_prompts",),
     "ReplayBuffer.sample": ("global_steps", "partition_id", "batch_size"),
     "ReplayBufferAsync.sample": ("global_steps", "partition_id", "batch_size"),
+    "PPOTrainer._compute_ref_log_prob": ("batch", "metrics"),
+    "PPOTrainer._compute_reward_colocate": ("batch", "metrics"),
 }
+#: the trainer's phases the second tier serves (verl_tier): method -> the harness's phase name
+TIER_METHODS = {"_compute_ref_log_prob": "reference", "_compute_reward_colocate": "reward"}
 #: what verl's warm-up reads to skip itself when caching is on (trainer_base.py, 0.9.1)
 WARMUP_GATE = "skip.rollout_tq.enable"
 
@@ -160,7 +167,19 @@ def install(plugin: Callable[[], Any], classes: Dict[str, type]) -> None:
             return skip.sampled(result)
         return sample
 
+    def tier(phase: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def method(self: Any, batch: Any, metrics: Any = None) -> Any:
+                skip = plugin()
+                if skip is None or getattr(batch, "partition_id", None) != "train":
+                    return original(self, batch, metrics=metrics)   # validation: verl's own, never tiered
+                return skip.tier_phase(phase, self, batch, metrics, original)
+            return method
+        return make
+
     wrap(trainer_cls, "_add_prompts_to_generate", add_prompts)
+    for name, phase in TIER_METHODS.items():
+        wrap(trainer_cls, name, tier(phase))
     wrap(trainer_cls, "_add_async_warmup_batches", warmup)
     wrap(trainer_cls, "_add_batch_to_generate", add_batch)
     for owner in ("ReplayBuffer", "ReplayBufferAsync"):

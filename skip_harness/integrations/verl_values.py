@@ -20,6 +20,7 @@ import logging
 from typing import Any, Callable, Iterable, Optional
 
 from skip_harness.errors import ReplayDivergedError
+from skip_harness.integrations import verl_live
 
 log = logging.getLogger("skip_harness")
 
@@ -93,14 +94,6 @@ def uninstall() -> None:
     _original = None
 
 
-def _plugin_instances() -> list:
-    """The verl plug-in's live instances (`skip_harness.integrations.verl`, which imports this module)."""
-    from skip_harness.integrations import verl as plugin
-
-    with plugin._live_lock:
-        return list(plugin._live)
-
-
-install(_plugin_instances)   # imported by the plug-in (one line at its end): wired when verl loads it
+install(verl_live.instances)   # imported by the plug-in (one line at its end): wired when verl loads it
 
 __all__ = ["feed", "install", "training_config_of", "uninstall"]

@@ -18,10 +18,11 @@ Everything goes through verl's registries and extension points; nothing in verl'
   Ray's object store (separate_async; verl's engines need accelerators);
 
 with ``$VERL_CPU_SEED`` (a test comparing two runs), two more for determinism (seeded prompt uids, the
-sampler polling a settled queue: :func:`_seed_prompt_uids`, :func:`_settle_before_sampling`); and ONE
-monkeypatch, for a verl bug: ``initialize_global_process_group_ray`` builds the backend
+sampler polling a settled queue: :func:`_seed_prompt_uids`, :func:`_settle_before_sampling`); and TWO
+monkeypatches: for a verl bug, ``initialize_global_process_group_ray`` builds the backend
 ``cpu:gloo,{device}:{backend}`` (verl/utils/distributed.py:89), which on CPU is ``cpu:gloo,cpu:gloo`` and
-torch refuses ("Duplicate device type cpu").
+torch refuses ("Duplicate device type cpu"); and for the reference model (``use_kl_loss``), whose FSDP2
+CPU offload verl pins (pinning needs an accelerator): :func:`_unpinned_reference_offload`.
 """
 from __future__ import annotations
 
@@ -182,6 +183,24 @@ def _patch_process_group_backend() -> None:
     dist.initialize_global_process_group_ray = initialize_global_process_group_ray
 
 
+def _unpinned_reference_offload() -> None:
+    """verl builds a reference model (``actor_rollout_ref.actor.use_kl_loss``) forward-only with FSDP2 and
+    ``CPUOffloadPolicy(pin_memory=True)`` (verl/workers/engine/fsdp/transformer_impl.py:462); pinning host
+    memory needs an accelerator (torch: "Cannot access accelerator device when none is available"). On a CPU
+    the parameters live in host memory anyway: the same policy, unpinned."""
+    from verl.workers.engine.fsdp import transformer_impl
+
+    original = transformer_impl.CPUOffloadPolicy
+    if original is None or getattr(original, "_verl_cpu", False):
+        return
+
+    def CPUOffloadPolicy(pin_memory: bool = True) -> Any:  # noqa: N802 - verl's name, called by it
+        return original(pin_memory=False)
+
+    CPUOffloadPolicy._verl_cpu = True  # type: ignore[attr-defined]
+    transformer_impl.CPUOffloadPolicy = CPUOffloadPolicy
+
+
 def _seed_prompt_uids() -> None:
     """With $VERL_CPU_SEED: verl's prompt uids (``uuid.uuid4()`` in trainer_base.py) drawn from a seeded
     generator in this module only. verl's sampler breaks ties between prompts of the same step by the order
@@ -230,6 +249,7 @@ def _settle_before_sampling() -> None:
 
 _patch_process_group_backend()
 _register_engines()
+_unpinned_reference_offload()
 _seed_prompt_uids()
 _settle_before_sampling()
 from verl_cpu import rollout as _rollout  # noqa: E402,F401 - registers the hf_cpu backend
