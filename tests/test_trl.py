@@ -99,19 +99,22 @@ def test_demo_replay_is_bit_identical_and_skips_generation(recorded):
     assert report["untouched_after_train"] is True
 
 
-@pytest.mark.slow
-@pytest.mark.slow  # the demo as a user runs it: record and replay, two TRL trainings in subprocesses
+@pytest.mark.slow  # one TRL training in a subprocess
 def test_the_demo_without_a_workdir_leaves_no_temporary_directory(tmp_path):
-    """`python scripts/trl_demo.py` made a temporary directory (model, outputs, cache) and left it."""
+    """`python scripts/trl_demo.py` made a temporary directory (model, outputs, cache) and left it. One training
+    (`--role record`) takes the same path as the demo's record-and-replay: the process that made the directory
+    removes it when it ends; the children the demo starts are handed it and make none."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = subprocess.run([sys.executable, str(DEMO), "--steps", "1", "--eval-steps", "0"], cwd=tmp_path,
-                          capture_output=True, text=True, env={**_env(), "TMPDIR": str(tmp)}, timeout=600)
+    proc = subprocess.run([sys.executable, str(DEMO), "--role", "record", "--steps", "1", "--eval-steps", "0"],
+                          cwd=tmp_path, capture_output=True, text=True, env={**_env(), "TMPDIR": str(tmp)},
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "log history identical" in proc.stdout, proc.stdout
+    assert "rollout cache summary: 1 step: 0 hits, 0 repeats, 1 miss" in proc.stderr, proc.stderr[-4000:]
     assert not list(tmp.glob("trl_demo_*")), sorted(p.name for p in tmp.iterdir())
 
 
+@pytest.mark.slow   # the module's recording: one run of the demo, shared with the slow tests above and below
 def test_the_replay_check_reports_every_step_reproduced(recorded):
     replay = json.loads((recorded.workdir / "replay.json").read_text())
     assert replay["replay"].startswith(f"replay: {STEPS} of {STEPS} served steps reproduced ("), replay["replay"]

@@ -25,8 +25,7 @@ from skip_harness.cli.view.app import build_app  # noqa: E402
 from skip_harness.cli.view.data import Cache  # noqa: E402
 from skip_harness.cli.view.decode import Decoder  # noqa: E402
 from skip_harness.store.layout import Layout  # noqa: E402
-from skip_harness.store.open import namespace_of  # noqa: E402
-from skip_harness.store.stepstore import StepStore  # noqa: E402
+from skip_harness.store.open import open_namespace  # noqa: E402
 from skip_harness.store.tier import read_step_tier  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +56,7 @@ def test_a_trl_step_page_shows_prompt_completion_reward_and_advantage(tmp_path):
 
     # the second tier's rewards (digit_reward, one column) per trajectory, and GRPO's advantage from them
     commit = json.loads((leaf / "0" / "commit.json").read_text())
-    tier = read_step_tier(namespace_of(layout), 0, commit_created=commit["created"])
+    tier = read_step_tier(open_namespace(layout), 0, commit_created=commit["created"])
     stored = tier["reward"][(0, 0)].values.double().reshape(-1)
     doc = c.get(f"/api/ns/{key}/step/0").json()
     assert doc["reward_functions"] == ["digit_reward"] and doc["advantage_computed"] is True
