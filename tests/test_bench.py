@@ -11,6 +11,7 @@ import json
 import math
 import os
 import subprocess
+from types import SimpleNamespace
 import sys
 from pathlib import Path
 
@@ -64,10 +65,18 @@ def run(args, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """`python scripts/bench.py --quick --json` run once, as a user runs it; the tests below read its output."""
+    tmp = tmp_path_factory.mktemp("bench_quick")
+    work = tmp / "work"
+    proc = run(["--quick", "--json", "--work-dir", work, "--compute-threads", "2", "--no-tier"], tmp, timeout=400)
+    return SimpleNamespace(proc=proc, work=work)
+
+
 @pytest.mark.slow
-def test_bench_quick_json_has_every_spec_key(tmp_path):
-    work = tmp_path / "work"
-    proc = run(["--quick", "--json", "--work-dir", work, "--compute-threads", "2", "--no-tier"], tmp_path, timeout=400)
+def test_bench_quick_json_has_every_spec_key(quick):
+    proc, work = quick.proc, quick.work
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     doc = json.loads(proc.stdout)  # stdout is exactly one JSON document (progress goes to stderr)
@@ -89,17 +98,19 @@ def test_bench_quick_json_has_every_spec_key(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_table_names_every_figure(tmp_path):
-    proc = run(["--quick", "--rows", "8", "--repeats", "1", "--scan-steps", "50", "--compute-threads", "1"],
-               tmp_path, timeout=400)
-    assert proc.returncode == 0, proc.stderr
+def test_bench_table_names_every_figure(quick):
+    """The table `python scripts/bench.py` prints (without --json) is render_table of the same document: every
+    figure is named in it, the one-thread figures too (asked for two threads)."""
+    import _bench_table
+
+    assert quick.proc.returncode == 0, quick.proc.stderr
+    table = _bench_table.render_table(json.loads(quick.proc.stdout))
     for words in ("save (durable)", "load (+ verify", "training step, miss, async", "async_write=false", "torch.save (verl)",
                   "hit (prefetch) vs in memory", "peak memory", "startup scan", "floor of a save", "throughput",
                   "miss, async, zstd", "hit, zstd", "narrow + zstd / verl torch.save", "jagged (verl V1)",
                   "MoE routed experts", "floors beside the targets", "hit floor (page cache)",
-                  "hit vs the page-cache floor"):
-        assert words in proc.stdout, words
-    assert "one-thread" not in proc.stdout  # asked for one thread: no second run
+                  "hit vs the page-cache floor", "one-thread"):
+        assert words in table, words
 
 
 BAD_OPTIONS = ((["--rows", "0"], "--rows"), (["--scan-steps", "0"], "--scan-steps"))
