@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List
@@ -57,8 +58,26 @@ class Rig:
         raise AssertionError(f"no {prefix!r} in {timeout} s: {self.lines}")
 
     def finish(self, timeout: float = 120) -> str:
-        out, err = self.proc.communicate("\n", timeout=timeout)
-        self.lines += out.splitlines()
+        """Release the rig (a line on stdin), read the rest of its stdout and stderr, wait for it. Its stdout is
+        read through the same buffered reader `wait_for` used (not `communicate`, which reads the pipe under it
+        and so loses what `readline` had already buffered: a `step 1` line printed right after `started`)."""
+        errs: List[str] = []
+        drain = threading.Thread(target=lambda: errs.append(self.proc.stderr.read()), daemon=True)
+        drain.start()
+        killer = threading.Timer(timeout, self.proc.kill)
+        killer.start()
+        try:
+            try:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+            self.lines += self.proc.stdout.read().splitlines()
+            self.proc.wait()
+            drain.join(timeout)
+        finally:
+            killer.cancel()
+        err = "".join(errs)
         assert self.proc.returncode == 0, f"{self.lines}\n{err[-3000:]}"
         return err
 

@@ -356,7 +356,7 @@ KILL_WRITER = textwrap.dedent(
     import sys, torch
     from pathlib import Path
     from skip_harness.store.layout import Layout
-    from skip_harness.store.stepstore import StepStore
+    from skip_harness.store.open import open_store
     st = open_store(Layout(Path(sys.argv[1]), K=2, W=1))
     g = torch.Generator().manual_seed(0)
     step = 1
