@@ -178,17 +178,10 @@ def reference(harness: Any, keys: Keys, trainer: Any, batch: Any, metrics: Any,
         changed = {k: v for k, v in after.items() if k not in before or before[k] != v}
         return {"fields": _read(batch, ["ref_log_prob"]), "extra_info": changed}
 
-    step = int(trainer.global_steps)
-    values = harness.phase(REFERENCE, step, compute, key=keys.of(REFERENCE))
-    if ran:
-        _said(step, REFERENCE, "verl's _compute_ref_log_prob ran (the reference forward)")
-        return ran[0]
-    if not _fits(REFERENCE, values, batch, step):
-        return original(trainer, batch, metrics)
-    batch.extra_info.update(values.get("extra_info") or {})
-    _put(batch, values["fields"])
-    _said(step, REFERENCE, "served from the cache (no reference forward)")
-    return batch
+    return _served_or_run(harness, keys, REFERENCE, trainer, batch, compute, ran,
+                          lambda: original(trainer, batch, metrics),
+                          "verl's _compute_ref_log_prob ran (the reference forward)",
+                          "served from the cache (no reference forward)")
 
 
 def reward(harness: Any, keys: Keys, trainer: Any, batch: Any, metrics: Any,
@@ -201,15 +194,29 @@ def reward(harness: Any, keys: Keys, trainer: Any, batch: Any, metrics: Any,
         ran.append(result)
         return {"fields": _read(batch, ["rm_scores", *extra])}
 
+    return _served_or_run(harness, keys, REWARD, trainer, batch, compute, ran,
+                          lambda: original(trainer, batch, metrics=metrics),
+                          "verl's _compute_reward_colocate ran (the reward model)",
+                          "served from the cache (no reward model call)")
+
+
+def _served_or_run(harness: Any, keys: Keys, phase: str, trainer: Any, batch: Any,
+                   compute: Callable[[], Dict[str, Any]], ran: List[Any], run_again: Callable[[], Any],
+                   ran_line: str, served_line: str) -> Any:
+    """One phase of a step through `SkipHarness.phase`: verl's own result when `compute` ran it; else the
+    stored values put back into the batch (its `extra_info` entries too, where stored), or verl's method
+    run after all when they do not fit the batch."""
     step = int(trainer.global_steps)
-    values = harness.phase(REWARD, step, compute, key=keys.of(REWARD))
+    values = harness.phase(phase, step, compute, key=keys.of(phase))
     if ran:
-        _said(step, REWARD, "verl's _compute_reward_colocate ran (the reward model)")
+        _said(step, phase, ran_line)
         return ran[0]
-    if not _fits(REWARD, values, batch, step):
-        return original(trainer, batch, metrics=metrics)
+    if not _fits(phase, values, batch, step):
+        return run_again()
+    if "extra_info" in values:
+        batch.extra_info.update(values.get("extra_info") or {})
     _put(batch, values["fields"])
-    _said(step, REWARD, "served from the cache (no reward model call)")
+    _said(step, phase, served_line)
     return batch
 
 
