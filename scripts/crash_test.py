@@ -1,6 +1,6 @@
 """Kill -9 the demo at random moments of a K = 4 run, restart it, and check the cache and the metrics.
 
-    python scripts/crash_test.py --trials 20 [--seed 0] [--json] [--keep DIR]
+    python scripts/crash_test.py --trials 10 [--seed 0] [--json] [--keep DIR]
 
 First one uninterrupted run gives the reference metrics and how long a run takes. Then each trial,
 in a fresh cache directory:
