@@ -302,3 +302,26 @@ def test_a_step_status_is_the_enum_not_a_string():
     import json
 
     assert json.dumps({StepStatus.COMPLETE: [StepStatus.INCOMPLETE]}) == '{"complete": ["incomplete"]}'
+
+
+# ---------------------------------------------------------------------------- scripts/: joined without sys.path
+
+def _sys_path_uses(root: Path):
+    """`sys.path` read or changed in scripts/ (a script finds what lies beside it because Python puts its
+    directory first on its path; what scripts and tests share lives in scripts/, on the tests' path by
+    pyproject.toml's pytest `pythonpath`)."""
+    import ast
+
+    found = []
+    for path in sorted((root / "scripts").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) == "sys":
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_no_script_reaches_for_sys_path():
+    """Issue 29 item 2: scripts/ imports its bench library, the S3 server and verl's CPU scaffolding as
+    modules beside it, never by editing sys.path."""
+    found = _sys_path_uses(ROOT)
+    assert not found, "sys.path in scripts/:\n" + "\n".join(found)
