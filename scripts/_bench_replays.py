@@ -67,8 +67,7 @@ def _round(procs: List[subprocess.Popen], steps: int) -> List[float]:
 
 
 def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _benchlib import SyntheticTrainer, make_harness
+    from _benchlib import SyntheticTrainer, make_harness   # beside this file, as every script's
 
     from skip_harness.store.open import open_namespace
 
@@ -109,8 +108,7 @@ def _worker(dump: str, steps: int) -> int:
     """Replay the namespace once per `go` line on stdin (a fresh harness each time); one JSON line each."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _benchlib import SyntheticTrainer, make_harness, touch
+    from _benchlib import SyntheticTrainer, make_harness, touch   # run as a file: scripts/ is first on its path
 
     torch.set_num_threads(1)
     print("ready", flush=True)

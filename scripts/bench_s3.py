@@ -47,9 +47,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))     # s3server: moto's server mode, as the tests start it
-from _benchlib import MiB, make_payload  # noqa: E402 - shared with bench.py, beside this file
+from _benchlib import MiB, make_payload  # shared with bench.py, beside this file
 
 
 def _interleave(arms: Dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> Dict[str, List[float]]:
@@ -78,7 +76,7 @@ def _server_bucket(work: Optional[Path], bucket: str) -> Iterator[str]:
     log goes to `work`, by default a temporary directory removed after."""
     made = work is None
     work = Path(tempfile.mkdtemp(prefix="bench-s3-")) if work is None else work
-    from s3server import start_server
+    from moto_server import start_server   # moto's server mode, as the tests start it (beside this file)
 
     server = start_server(work, auth=False)
     saved_env = {k: os.environ.get(k) for k in server.env()}

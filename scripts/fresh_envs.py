@@ -230,7 +230,7 @@ def smoke_s3(e: Env) -> None:
     port = free_port()
     log = e.dir / "moto.log"
     with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "s3server.py"), "-H", HOST, "-p", str(port)],
+        server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "moto_server.py"), "-H", HOST, "-p", str(port)],
                                   stdout=out, stderr=subprocess.STDOUT)
     endpoint = f"http://{HOST}:{port}"
     try:

@@ -10,8 +10,8 @@ the first generates and caches every step, the second is served from the cache. 
 timing keys aside. Exit 0 when the replay generated nothing and every metric matched.
 
 What makes verl run on a CPU (a ``cpu`` platform, verl's FSDP engines registered for it, a transformers
-``generate`` rollout backend in place of vLLM) lives in ``tests/verl_cpu``, which this script puts on the
-path: it is test scaffolding that goes through verl's registries, not part of skip_harness -- on a GPU
+``generate`` rollout backend in place of vLLM) lives in ``scripts/verl_cpu``, beside this script (the tests
+use it too): it is scaffolding that goes through verl's registries, not part of skip_harness -- on a GPU
 machine you run ``main_ppo`` with vLLM and only ``skip_harness.integrations.verl``. The model is a 2-layer
 Llama with random weights built from its config and a character tokenizer (no download); each run takes
 a minute or two, mostly Ray and worker start-up.
@@ -23,9 +23,6 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 log = logging.getLogger("verl_cpu_demo")
 

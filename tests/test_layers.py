@@ -26,6 +26,8 @@ def test_the_import_contracts_hold():
 @pytest.mark.parametrize("module, line, reported", [
     ("store/layout.py", "from skip_harness.run import stats", "skip_harness.store.layout -> skip_harness.run.stats"),
     ("store/scan.py", "from skip_harness.config import Cleanup as _C", "skip_harness.store.scan -> skip_harness.config"),
+    # a front end reaching past the store's face (store.api), as the command line did before issue 29
+    ("cli/listing.py", "from skip_harness.store import scan as _scan", "skip_harness.cli.listing -> skip_harness.store.scan"),
 ])
 def test_a_bad_import_breaks_a_contract(tmp_path, module, line, reported):
     """The contracts can fail: the store importing the run, or config, is reported with the offending line."""
@@ -36,6 +38,39 @@ def test_a_bad_import_breaks_a_contract(tmp_path, module, line, reported):
     proc = _lint(tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert reported in proc.stdout
+
+
+def _face_imports(root: Path):
+    """{name: [module, ...]}: what each module outside skip_harness/store/ imports from the store's face."""
+    import ast
+
+    used: dict = {}
+    for path in sorted((root / "skip_harness").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("skip_harness/store/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "skip_harness.store.api":
+                for alias in node.names:
+                    used.setdefault(alias.name, []).append(rel)
+    return used
+
+
+def test_the_store_face_is_what_the_front_ends_use():
+    """Issue 29: store.api re-exports exactly the names the front ends import (none unused, none missing)
+    and each is the object its defining module holds."""
+    import importlib
+
+    from skip_harness.store import api
+
+    used = _face_imports(ROOT)
+    assert sorted(api.__all__) == sorted(used), (set(api.__all__) ^ set(used))
+    assert len(api.__all__) == len(set(api.__all__))
+    for name in api.__all__:
+        value = getattr(api, name)
+        home = getattr(value, "__module__", None)
+        if home and home.startswith("skip_harness.store."):
+            assert getattr(importlib.import_module(home), value.__name__) is value, name
 
 
 def _imports(code: str) -> subprocess.CompletedProcess:
@@ -267,3 +302,26 @@ def test_a_step_status_is_the_enum_not_a_string():
     import json
 
     assert json.dumps({StepStatus.COMPLETE: [StepStatus.INCOMPLETE]}) == '{"complete": ["incomplete"]}'
+
+
+# ---------------------------------------------------------------------------- scripts/: joined without sys.path
+
+def _sys_path_uses(root: Path):
+    """`sys.path` read or changed in scripts/ (a script finds what lies beside it because Python puts its
+    directory first on its path; what scripts and tests share lives in scripts/, on the tests' path by
+    pyproject.toml's pytest `pythonpath`)."""
+    import ast
+
+    found = []
+    for path in sorted((root / "scripts").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) == "sys":
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_no_script_reaches_for_sys_path():
+    """Issue 29 item 2: scripts/ imports its bench library, the S3 server and verl's CPU scaffolding as
+    modules beside it, never by editing sys.path."""
+    found = _sys_path_uses(ROOT)
+    assert not found, "sys.path in scripts/:\n" + "\n".join(found)

@@ -27,9 +27,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from skip_harness.store import retention as _retention
+from skip_harness.store.api import RetentionRules, UrlPath, parse_age, parse_size
 from skip_harness.errors import SkipHarnessError
-from skip_harness.store.layout import UrlPath
 
 from skip_harness.cli._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, default_dump_dir, emit_json, namespaces_under, require_dir,
                       stdout_console, where_of)
@@ -51,14 +50,14 @@ def _int_at_least(low: int, what: str):
 
 def _age(text: str) -> float:
     try:
-        return _retention.parse_age(text)
+        return parse_age(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _size(text: str) -> int:
     try:
-        return _retention.parse_size(text)
+        return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -262,8 +261,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "clean":
         from skip_harness.cli.clean import cmd_clean
 
-        rules = _retention.RetentionRules(args.keep_last, args.older_than, args.max_size,
-                                          frozenset(s for group in args.pin for s in group))
+        rules = RetentionRules(args.keep_last, args.older_than, args.max_size,
+                               frozenset(s for group in args.pin for s in group))
         return cmd_clean(layouts, dump_dir, dry_run=args.dry_run, quarantine=args.quarantine, as_json=as_json,
                          rules=rules)
     from skip_harness.cli.transfer import cmd_export

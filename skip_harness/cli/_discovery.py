@@ -6,9 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, List, Tuple, Union
 
-from skip_harness.store.urls import dump_dir_problem   # the run's own check of a dump_dir's text (the one import of it in cli/)
-from skip_harness.store.namespaces import namespaces_at
-from skip_harness.store.layout import Layout, UrlPath, is_url_text
+from skip_harness.store.api import Layout, UrlPath, dump_dir_problem, is_url, namespaces_at
 
 from skip_harness.cli._output import CliError
 
@@ -17,7 +15,7 @@ def where_of(text: str, arg: str) -> Union[Path, UrlPath]:
     """What a command-line argument names: an object-store location for a URL, else a local path. A URL
     look-alike (`s3:/x`, `gs:x`) is refused with the message a run gives for it, naming `arg` (the
     argument's metavar), rather than taken for a local folder of that name."""
-    if is_url_text(text):
+    if is_url(text):
         return UrlPath(text)
     why = dump_dir_problem(text)
     if why is not None:

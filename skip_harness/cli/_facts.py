@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from skip_harness.store import scan as _scan
+from skip_harness.store.api import StepReader, StepReport, StepStatus
 from skip_harness.errors import CorruptStepError
-from skip_harness.store.reader import StepReader
-from skip_harness.store.status import StepStatus
 
 
 
@@ -16,7 +14,7 @@ from skip_harness.store.status import StepStatus
 # facts about a step, read cheaply (the commit record and the small meta files)
 
 
-def step_written(reader: StepReader, report: _scan.StepReport) -> Optional[float]:
+def step_written(reader: StepReader, report: StepReport) -> Optional[float]:
     """When the step was written: its commit record's time, else the newest mtime of its directory."""
     created = getattr(report, "created", None)
     if created:
@@ -31,7 +29,7 @@ def step_written(reader: StepReader, report: _scan.StepReport) -> Optional[float
     return reader.backend.modified(str(report.step)) if report.exists else None
 
 
-def step_accessed(reader: StepReader, report: _scan.StepReport) -> Optional[float]:
+def step_accessed(reader: StepReader, report: StepReport) -> Optional[float]:
     """When the step was last read: the newest access time of its payload files (a hit reads them; `ls`
     and the startup scan never do; `verify` and `clean` do), where the storage records reads (see
     `Namespace.last_read`). None when no payload was read since it was written."""
@@ -51,7 +49,7 @@ def step_metas(reader: StepReader, step: int) -> List[Dict[str, Any]]:
     return out
 
 
-def step_gen_s(reader: StepReader, report: _scan.StepReport) -> Optional[float]:
+def step_gen_s(reader: StepReader, report: StepReport) -> Optional[float]:
     """Generation seconds the step's metas record (what a rerun saves by serving it)."""
     known = getattr(report, "gen_s", None)
     if known is not None:
@@ -85,7 +83,7 @@ def fingerprint_value(values: Dict[str, Any], candidates: Sequence[str]) -> Any:
 MIXED = "mixed"
 
 
-def mode_and_seed(steps: Sequence[_scan.StepReport]) -> Tuple[Any, Any]:
+def mode_and_seed(steps: Sequence[StepReport]) -> Tuple[Any, Any]:
     """(mode, seed) from the fingerprints of the given steps: None when none says, MIXED when they differ."""
     modes, seeds = set(), set()
     for s in steps:

@@ -5,9 +5,7 @@ import dataclasses
 import re
 from typing import List, Optional, Tuple
 
-from skip_harness.store import scan as _scan
-from skip_harness.store.reader import StepReader
-from skip_harness.store.status import StepStatus
+from skip_harness.store.api import NamespaceReport, StepReader, StepReport, StepStatus
 
 _UNSAFE_ADVICE = re.compile(r"(Weights only load failed|weights_only).*", re.IGNORECASE | re.DOTALL)
 VERL_HINT = "if verl wrote it, `skip-harness import-verl VERL_DUMP_DIR DUMP_DIR --trust` converts it"
@@ -26,7 +24,7 @@ def _looks_like_verl(reader: StepReader, step: int) -> bool:
     return "global_steps" in meta and meta.get("writer") is None
 
 
-def verify_step(reader: StepReader, report: _scan.StepReport) -> Optional[str]:
+def verify_step(reader: StepReader, report: StepReport) -> Optional[str]:
     """None if a servable step would be served, else the reason (naming the file) it would be refused.
     `StepReader.verify` (sizes and checksums of a complete step, and that every payload loads
     safely: nothing executed, no registered type needed here). Unverified (older) steps have no
@@ -42,11 +40,11 @@ def verify_step(reader: StepReader, report: _scan.StepReport) -> Optional[str]:
     return reason
 
 
-def verified_steps(reader: StepReader, report: _scan.NamespaceReport, tick=lambda: None
-                   ) -> Tuple[List[_scan.StepReport], List[Tuple[int, str]]]:
+def verified_steps(reader: StepReader, report: NamespaceReport, tick=lambda: None
+                   ) -> Tuple[List[StepReport], List[Tuple[int, str]]]:
     """Every step of the report, servable ones checked by `verify_step`: those that fail become
     'corrupt' with the reason. Also returns the (step, reason) pairs that failed."""
-    out: List[_scan.StepReport] = []
+    out: List[StepReport] = []
     failed: List[Tuple[int, str]] = []
     for s in report.steps:
         if s.servable:

@@ -11,15 +11,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from rich.markup import escape
 from rich.table import Table
 
-from skip_harness.store.locking import Hold
-from skip_harness.store.namespace import Namespace
-from skip_harness.store.open import open_namespace
-from skip_harness.store import retention as _retention
-from skip_harness.store import cleanup as _cleanup
-from skip_harness.store import scan as _scan
+from skip_harness.store.api import (CleanupItem, CleanupPlan, Hold, Layout, Namespace, NamespaceReport, RetentionRules,
+                                    StepAge, StepReport, StepStatus, StepStore, bytes_left, open_namespace,
+                                    plan_cleanup, plan_retention, scan_namespace)
 from skip_harness.errors import LockHeldError
-from skip_harness.store.layout import Layout
-from skip_harness.store.stepstore import StepStore
 
 from skip_harness.cli._common import (
     EXIT_CORRUPT,
@@ -34,7 +29,6 @@ from skip_harness.cli._common import (
     step_written,
 )
 from skip_harness.cli._verify import verified_steps
-from skip_harness.store.status import StepStatus
 
 RETENTION_STATUS = "retention"   # what a step removed by a retention rule is listed as
 
@@ -46,9 +40,9 @@ class _Namespace:
     lock: Optional[Hold] = None
     refused: Optional[str] = None        # locked by a running job
     read_only: Optional[str] = None      # the namespace cannot be written
-    report: Optional[_scan.NamespaceReport] = None
+    report: Optional[NamespaceReport] = None
     failed: List[Tuple[int, str]] = field(default_factory=list)   # servable steps that failed to verify
-    verified: Sequence[_scan.StepReport] = ()
+    verified: Sequence[StepReport] = ()
 
 
 def _take(layout: Layout, dry_run: bool) -> _Namespace:
@@ -73,21 +67,21 @@ def _take(layout: Layout, dry_run: bool) -> _Namespace:
     return ns
 
 
-def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> _cleanup.CleanupPlan:
+def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> CleanupPlan:
     """The scan's cleanup plan with the steps that failed verification added as corrupt (the store's
     `plan_cleanup(..., extra=...)`), plus the retention removals."""
     report = ns.report
-    plan = _cleanup.plan_cleanup(report, action, extra=list(ns.failed))
+    plan = plan_cleanup(report, action, extra=list(ns.failed))
     planned = set(plan.steps)
     by_step = {s.step: s for s in report.steps}
     extra = tuple(
-        _cleanup.CleanupItem(step, by_step[step].path, RETENTION_STATUS, reason, by_step[step].bytes, action)
+        CleanupItem(step, by_step[step].path, RETENTION_STATUS, reason, by_step[step].bytes, action)
         for step, reason in removals if step not in planned and step in by_step
     )
     return dataclasses.replace(plan, items=plan.items + extra) if extra else plan
 
 
-def _plan_table(ns: _Namespace, plan: _cleanup.CleanupPlan, base: Path, verb: str) -> Table:
+def _plan_table(ns: _Namespace, plan: CleanupPlan, base: Path, verb: str) -> Table:
     """One row per reason: the steps it takes (as ranges), how many, their size."""
     title = f"{short_path(ns.layout, base)}  (K={ns.layout.K} W={ns.layout.W}): {verb}"
     t = Table(title=escape(title), title_justify="left", min_width=len(title))   # the title on one line
@@ -96,7 +90,7 @@ def _plan_table(ns: _Namespace, plan: _cleanup.CleanupPlan, base: Path, verb: st
     t.add_column("why")
     t.add_column("size", justify="right")
     t.add_column("reason", overflow="fold")
-    groups: Dict[Tuple[str, str], List[_cleanup.CleanupItem]] = {}
+    groups: Dict[Tuple[str, str], List[CleanupItem]] = {}
     for i in plan.items:
         groups.setdefault((i.status, i.reason), []).append(i)
     for (status, reason), items in groups.items():
@@ -128,7 +122,7 @@ def n_steps(n: int) -> str:
 
 
 def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: bool, as_json: bool,
-              rules: _retention.RetentionRules) -> int:
+              rules: RetentionRules) -> int:
     action = "quarantine" if quarantine else "delete"
     verb = "quarantine" if quarantine else "remove"
     code = EXIT_OK
@@ -141,7 +135,7 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
             for ns in spaces:
                 if ns.refused is not None or ns.read_only is not None:
                     continue
-                ns.report = _scan.scan_namespace(ns.layout, ns.backend)
+                ns.report = scan_namespace(ns.layout, ns.backend)
                 bar.start(f"verifying {ns.layout.root}", len(ns.report.steps))
                 ns.verified, ns.failed = verified_steps(StepStore(ns.layout, ns.backend).reader, ns.report, bar.advance)
                 bar.finish(f"{len(ns.failed)} corrupt" if ns.failed else "")
@@ -152,9 +146,9 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
             reader = StepStore(ns.layout, ns.backend).reader
             for s in ns.verified:
                 written = step_written(reader, s)
-                ages.append(_retention.StepAge(str(ns.layout.root), s.step, s.bytes,
-                                               written if written is not None else 0.0, s.servable))
-        removals = _retention.plan_retention(ages, rules, time.time()) if rules.active else {}
+                ages.append(StepAge(str(ns.layout.root), s.step, s.bytes,
+                                    written if written is not None else 0.0, s.servable))
+        removals = plan_retention(ages, rules, time.time()) if rules.active else {}
         for ns in spaces:
             doc: Dict[str, Any] = {"path": str(ns.layout.root), "K": ns.layout.K, "W": ns.layout.W,
                                    "action": action, "dry_run": dry_run}
@@ -209,7 +203,7 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
             if ns.lock is not None:
                 ns.lock.release()
     if rules.max_size_bytes is not None:
-        left = _retention.bytes_left(ages, removals)
+        left = bytes_left(ages, removals)
         if left > rules.max_size_bytes:
             logger.warning("the steps left hold %s, over --max-size %s: pinned steps and locked namespaces "
                            "are never removed", human_bytes(left), human_bytes(rules.max_size_bytes))

@@ -24,12 +24,8 @@ import torch
 from skip_harness.cli._common import CliError, where_of
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store import scan as _scan
-from skip_harness.store.namespaces import namespaces_at
-from skip_harness.store.open import open_namespace
-from skip_harness.store.layout import PAYLOAD_NAME, Layout, UrlPath, parse_namespace_leaf
-from skip_harness.store.stepstore import StepStore
-from skip_harness.store.values import ValuesStore, config_changes
+from skip_harness.store.api import (Layout, PAYLOAD_NAME, StepReport, StepStore, UrlPath, ValuesStore, config_changes,
+                                    namespaces_at, open_namespace, parse_namespace_leaf, scan_namespace)
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit(".", 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
 _REWARD_NAMES = ("reward", "score")
@@ -293,8 +289,8 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     `run_a`, `run_b`: compare that replay's values (its run id, or 'latest') instead of the recording's."""
     sa, sb = StepStore(la, open_namespace(la)), StepStore(lb, open_namespace(lb))
     va_of, vb_of = _RunValues(sa, _run_of(sa, run_a, "A")), _RunValues(sb, _run_of(sb, run_b, "B"))
-    ra = {s.step: s for s in _scan.scan_namespace(la, sa.backend, use_index=False).steps}
-    rb = {s.step: s for s in _scan.scan_namespace(lb, sb.backend, use_index=False).steps}
+    ra = {s.step: s for s in scan_namespace(la, sa.backend, use_index=False).steps}
+    rb = {s.step: s for s in scan_namespace(lb, sb.backend, use_index=False).steps}
     steps_out: List[Dict[str, Any]] = []
     first_values = None
     max_diff: Dict[str, float] = {}
@@ -370,7 +366,7 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     }
 
 
-def _one_side(a: Optional[_scan.StepReport], b: Optional[_scan.StepReport]) -> Optional[str]:
+def _one_side(a: Optional[StepReport], b: Optional[StepReport]) -> Optional[str]:
     """'a' / 'b' when only that side has the step servable, 'neither' when none has, None when both have."""
     in_a, in_b = a is not None and a.servable, b is not None and b.servable
     if in_a and in_b:

@@ -23,13 +23,8 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from skip_harness.store import scan as _scan
+from skip_harness.store.api import Layout, StepReader, StepReport, StepStatus, StepStore, open_namespace, scan_namespace
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store.layout import Layout
-from skip_harness.store.open import open_namespace
-from skip_harness.store.status import StepStatus
-from skip_harness.store.reader import StepReader
-from skip_harness.store.stepstore import StepStore
 from skip_harness.cli.clean import step_ranges
 from skip_harness.cli.export_rows import (  # noqa: F401  (ExportError, the columns: part of this command's API)
     FORMATS, INDEX_COLUMNS, NAMESPACE_COLUMN, ExportError, _ParquetSink, _table, _jsonl_rows, columns_of,
@@ -79,7 +74,7 @@ def _union_schema(layouts: Sequence[Tuple[str, StepStore]], steps: Optional[Set[
     schemas: List[pa.Schema] = []
     for name, store in layouts:
         layout, reader = store.layout, store.reader
-        for s in _scan.scan_namespace(layout, store.backend).steps:
+        for s in scan_namespace(layout, store.backend).steps:
             if not s.servable or (steps is not None and s.step not in steps):
                 continue
             try:
@@ -130,7 +125,7 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     try:
         for name, store in stores:
             layout, reader = store.layout, store.reader
-            report = _scan.scan_namespace(layout, store.backend)
+            report = scan_namespace(layout, store.backend)
             chosen = [s for s in report.steps if steps is None or s.step in steps]
             held.update(s.step for s in report.steps)
             matched += len(chosen)
@@ -167,7 +162,7 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     return result
 
 
-def _export_step(reader: StepReader, s: _scan.StepReport, name: str, sink: Optional[_ParquetSink], jf,
+def _export_step(reader: StepReader, s: StepReport, name: str, sink: Optional[_ParquetSink], jf,
                  result: ExportResult) -> None:
     if not s.servable:
         result.skipped.append((name, s.step, f"{s.status}: {s.reason}"))

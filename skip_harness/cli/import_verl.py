@@ -26,15 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from skip_harness.store import scan as _scan
+from skip_harness.store.api import (Layout, StepReport, StepStore, UrlPath, VerlNamespace, VerlStep,
+                                    find_verl_namespaces, load_trusted, open_namespace, read_verl_meta,
+                                    scan_namespace, scan_verl_namespaces)
 from skip_harness.errors import LockHeldError, SkipHarnessError
-from skip_harness.store.open import open_namespace
-from skip_harness.store.layout import Layout, UrlPath
-from skip_harness.store.verl_dump import (  # noqa: F401  (verl's dump, read only: re-exported)
-    VerlNamespace, VerlStep, find_verl_namespaces, load_trusted,
-    read_meta as _read_meta, scan_verl_namespaces,
-)
-from skip_harness.store.stepstore import StepStore
 
 logger = logging.getLogger("skip_harness.cli.import_verl")
 
@@ -133,7 +128,7 @@ def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result:
         if ns_lock.read_only:
             raise VerlImportError(f"DUMP_DIR cannot be written: {layout.root}: {ns_lock.why or 'this process may only read it'}")
     try:
-        existing = {s.step: s for s in _scan.scan_namespace(layout, backend).steps}
+        existing = {s.step: s for s in scan_namespace(layout, backend).steps}
         store = StepStore(layout, backend)
         for vstep in vns.steps:
             try:
@@ -157,14 +152,14 @@ def _count_from_metas(vstep: VerlStep) -> int:
     total = 0
     for _i, _p, meta_path in vstep.files:
         try:
-            n = _read_meta(meta_path).get("num_trajectories")
+            n = read_verl_meta(meta_path).get("num_trajectories")
         except (OSError, ValueError, UnicodeDecodeError):
             n = None
         total += n if isinstance(n, int) else 0
     return total
 
 
-def _convert_step(store: StepStore, vstep: VerlStep, existing: Optional[_scan.StepReport],
+def _convert_step(store: StepStore, vstep: VerlStep, existing: Optional[StepReport],
                   result: ImportResult) -> None:
     layout = store.layout
     if existing is not None:   # an incomplete or corrupt step of ours: rewrite it whole
@@ -173,7 +168,7 @@ def _convert_step(store: StepStore, vstep: VerlStep, existing: Optional[_scan.St
     trajectories = 0
     try:
         for inner, payload_path, meta_path in vstep.files:
-            meta = _read_meta(meta_path)
+            meta = read_verl_meta(meta_path)
             try:
                 obj = load_trusted(payload_path)
             except Exception as exc:

@@ -10,11 +10,8 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-from skip_harness.store import scan as _scan
-from skip_harness.store.layout import Layout
-from skip_harness.store.open import open_namespace
-from skip_harness.store.stepstore import StepStore
-from skip_harness.store.values import ValuesStore
+from skip_harness.store.api import (Layout, STATUSES, StepReport, StepStatus, StepStore, ValuesStore, open_namespace,
+                                    scan_namespace)
 
 from skip_harness.cli._common import (
     EXIT_CORRUPT,
@@ -33,12 +30,11 @@ from skip_harness.cli._common import (
     step_written,
 )
 from skip_harness.cli._verify import verified_steps
-from skip_harness.store.status import StepStatus
 
 
 @dataclass(frozen=True)
 class StepRow:
-    report: _scan.StepReport
+    report: StepReport
     written: Optional[float]
     gen_s: Optional[float]
     accessed: Optional[float] = None   # last read (the commit record's access time; see step_accessed)
@@ -52,11 +48,11 @@ class NamespaceView:
     runs: Sequence[str] = ()       # replays that kept their values here (`.values/runs/{run_id}/`), oldest first
 
     @property
-    def steps(self) -> List[_scan.StepReport]:
+    def steps(self) -> List[StepReport]:
         return [r.report for r in self.rows]
 
     def counts(self) -> Dict[str, int]:
-        out: Dict[str, int] = {k.value: 0 for k in _scan.STATUSES}
+        out: Dict[str, int] = {k.value: 0 for k in STATUSES}
         for r in self.rows:
             out[r.report.status] += 1
         return out
@@ -85,7 +81,7 @@ class NamespaceView:
         return max(times) if times else None
 
 
-def view(store: StepStore, steps: Sequence[_scan.StepReport]) -> NamespaceView:
+def view(store: StepStore, steps: Sequence[StepReport]) -> NamespaceView:
     layout, reader = store.layout, store.reader
     return NamespaceView(layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s), step_accessed(reader, s),
                                           reader.logical_bytes(s.step, s.bytes) if s.servable else None)
@@ -136,7 +132,7 @@ def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> T
     t.add_column("W", justify="right")
     t.add_column("mode")
     t.add_column("seed", justify="right")
-    for status in _scan.STATUSES:
+    for status in STATUSES:
         t.add_column(status, justify="right")
     t.add_column("size", justify="right")
     t.add_column("last written")
@@ -148,7 +144,7 @@ def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> T
         mode, seed = mode_and_seed([s for s in v.steps if s.servable])
         t.add_row(escape(short_path(v.layout, base)), str(v.layout.K), str(v.layout.W), escape(fmt_value(mode)),
                   escape(fmt_value(seed)),
-                  *[_count(status, counts[status]) for status in _scan.STATUSES],
+                  *[_count(status, counts[status]) for status in STATUSES],
                   _size(v.bytes, v.logical_bytes), fmt_ago(v.written, now), fmt_seconds(v.gen_s), fmt_ago(v.accessed, now),
                   str(len(v.runs)))
     return t
@@ -173,7 +169,7 @@ def namespace_blocks(views: Sequence[NamespaceView], base: Path, title: str) -> 
         t.add_row("namespace", escape(short_path(v.layout, base)))
         t.add_row("K, W", f"{v.layout.K}, {v.layout.W}")
         t.add_row("mode, seed", f"{escape(fmt_value(mode))}, {escape(fmt_value(seed))}")
-        t.add_row("steps", ", ".join(f"{_count(st, counts[st])} {st}" for st in _scan.STATUSES))
+        t.add_row("steps", ", ".join(f"{_count(st, counts[st])} {st}" for st in STATUSES))
         t.add_row("size", _size(v.bytes, v.logical_bytes))
         t.add_row("last written", fmt_ago(v.written, now))
         t.add_row("gen stored", fmt_seconds(v.gen_s))
@@ -241,7 +237,7 @@ def cmd_ls(layouts: List[Layout], base: Path, as_json: bool, steps: bool, sort: 
            where: str = "") -> int:
     """`where`: how the directory was chosen, when the user did not name it (said in the title)."""
     stores = [StepStore(lay, open_namespace(lay)) for lay in layouts]
-    views = sort_views([view(st, _scan.scan_namespace(st.layout, st.backend).steps) for st in stores], sort, base)
+    views = sort_views([view(st, scan_namespace(st.layout, st.backend).steps) for st in stores], sort, base)
     if as_json:
         emit_json({"dump_dir": str(base), "namespaces": [namespace_json(v) for v in views],
                    "total_bytes": sum(v.bytes for v in views)})
@@ -255,7 +251,7 @@ def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) ->
     with progress() as bar:
         for lay in layouts:
             store = StepStore(lay, open_namespace(lay))
-            report = _scan.scan_namespace(lay, store.backend)
+            report = scan_namespace(lay, store.backend)
             bar.start(f"verifying {lay.root}", len(report.steps))
             checked, failed = verified_steps(store.reader, report, bar.advance)
             bar.finish(f"{len(failed)} corrupt" if failed else "")

@@ -15,13 +15,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from rich.markup import escape
 from rich.table import Table
 
-from skip_harness.store import payload_file
-from skip_harness.store.open import open_namespace
-from skip_harness.store.paths import payload_rel_at
-from skip_harness.store import scan as _scan
+from skip_harness.store.api import (Layout, StepReport, StepStore, UrlPath, classify_step, load_payload_file,
+                                    open_namespace, parse_namespace_leaf, parse_step_name, payload_file_fields,
+                                    payload_file_meta, payload_rel_at, scan_namespace)
 from skip_harness.errors import CodecError, CorruptStepError
-from skip_harness.store.layout import Layout, UrlPath, parse_namespace_leaf, parse_step_name
-from skip_harness.store.stepstore import StepStore
 
 from skip_harness.cli._common import EXIT_CORRUPT, EXIT_OK, CliError, fmt_time, human_bytes, namespaces_under, stdout_console
 from skip_harness.cli._verify import VERL_HINT, _plain_reason
@@ -89,7 +86,7 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
         raise CliError(f"{path} holds {len(layouts)} namespaces ({names}); name one of them")
     layout = layouts[0]
     store = StepStore(layout, open_namespace(layout))
-    report = _scan.scan_namespace(layout, store.backend)
+    report = scan_namespace(layout, store.backend)
     if step is None:
         servable = [s.step for s in report.steps if s.servable]
         if not servable:
@@ -126,7 +123,7 @@ def _ranges(steps: List[int]) -> str:
 # the command
 
 
-def _header(target: Target, meta: Dict[str, Any], status: Optional[_scan.StepReport],
+def _header(target: Target, meta: Dict[str, Any], status: Optional[StepReport],
             record) -> Table:
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
@@ -168,7 +165,7 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
     status = record = None
     if target.layout is not None and target.store is not None:
         reader = target.store.reader
-        status = _scan.classify_step(target.layout, target.step, backend=target.store.backend)
+        status = classify_step(target.layout, target.step, backend=target.store.backend)
         try:
             meta = reader.read_meta(target.step, target.inner, target.rank)
         except CorruptStepError:
@@ -178,19 +175,19 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
         except CorruptStepError:
             record = None
     else:
-        meta = payload_file.sibling_meta(target.payload)
+        meta = payload_file_meta(target.payload)
     try:
         if target.store is not None:          # a cache file: the verified read a hit uses
             payload = target.store.reader.read_inner(target.step, target.inner, target.rank)
         else:                                 # a file named on its own, outside any namespace
-            payload = payload_file.load(target.payload)
+            payload = load_payload_file(target.payload)
     except (CodecError, CorruptStepError, OSError) as exc:
         reason = _plain_reason(str(exc))
         if "global_steps" in meta and "writer" not in meta:
             reason += f" ({VERL_HINT})"
         raise CliError(f"{reason}", EXIT_CORRUPT) from None
     rows = list(describe(payload))
-    stored = [] if isinstance(target.payload, UrlPath) else payload_file.stored_fields(target.payload)
+    stored = [] if isinstance(target.payload, UrlPath) else payload_file_fields(target.payload)
     if as_json:
         doc = {"file": str(target.payload), "namespace": None if target.layout is None else str(target.layout.root),
                "step": target.step, "inner_index": target.inner, "rank": target.rank,

@@ -12,7 +12,7 @@ from rich.table import Table
 from skip_harness.cli import export as _export
 from skip_harness.cli import import_verl as _verl
 from skip_harness.cli.clean import n_steps
-from skip_harness.store.layout import Layout
+from skip_harness.store.api import Layout
 
 from skip_harness.cli._common import (
     EXIT_CORRUPT,

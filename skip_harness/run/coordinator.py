@@ -25,9 +25,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from skip_harness.run.dist import DistContext
 from skip_harness.errors import CacheWritesStopped, CodecError
-from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.api import Fingerprint, StepWriter
 from skip_harness.run.stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REFUSED, SHORT_STEP, WRITE_FAILED
-from skip_harness.store.writer import StepWriter
 
 _STOP = object()
 

@@ -27,9 +27,9 @@ from skip_harness.config import (
 from skip_harness.run.coordinator import CommitCoordinator, Writer
 from skip_harness.run.dist import DistContext
 from skip_harness.errors import HarnessUsageError
-from skip_harness.store.fingerprint import Fingerprint
+from skip_harness.store.api import (BufferPool, Fingerprint, Layout, Namespace, NamespaceKey, StepStore, TierStore,
+                                    flatten_config, new_run_id)
 from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
-from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.run.prefetch import Prefetcher
 from skip_harness.run.replay import ValuesTracker
 from skip_harness.run.sharing import Follower
@@ -38,11 +38,6 @@ from skip_harness.run.startup import StartupResult, start_namespace
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
-from skip_harness.store.bufferpool import BufferPool
-from skip_harness.store.namespace import Namespace
-from skip_harness.store.stepstore import StepStore
-from skip_harness.store.tier import TierStore
-from skip_harness.store.values import flatten_config, new_run_id
 
 _DEFAULT = object()
 

@@ -17,8 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from skip_harness.codec import UnregisteredTypeError
 from skip_harness.errors import SkipHarnessError
-from skip_harness.store.stepstore import StepStore
-from skip_harness.store.status import StepStatus
+from skip_harness.store.api import StepStatus, StepStore
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 from skip_harness.config import REGROUPED_RTOL, ROLLOUT_VALUES, ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
 from skip_harness.run.stats import HIT, MISS
-from skip_harness.store.values import config_changes, config_digest, numbers_of
+from skip_harness.store.api import config_changes, config_digest, numbers_of
 
 log = logging.getLogger("skip_harness")
 

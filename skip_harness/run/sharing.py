@@ -22,9 +22,7 @@ from typing import Any, Optional
 from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.run.dist import DistContext
-from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.locking import Hold
-from skip_harness.store.status import StepStatus
+from skip_harness.store.api import Fingerprint, Hold, StepStatus
 
 COMMITTED, HOLDER, OWN = "committed", "holder", "own"
 _POLL_S = 0.2

@@ -30,14 +30,9 @@ from skip_harness.errors import CodecError, ConfigError, CorruptStepError, SkipH
 from skip_harness.run.dist import DistContext
 from skip_harness.run.prefetch import Loaded
 from skip_harness.run.startup import StartupResult, _rebuild
-from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.layout import Layout, NamespaceKey, namespace_leaf_values
-from skip_harness.store.namespace import Namespace
-from skip_harness.store.open import open_dump_dir, open_namespace
-from skip_harness.store.scan import scan_namespace
-from skip_harness.store.stepstore import StepStore
-from skip_harness.store.urls import UrlPath, is_url, local_path
-from skip_harness.store.status import StepStatus
+from skip_harness.store.api import (Fingerprint, Layout, Namespace, NamespaceKey, StepStatus, StepStore, UrlPath,
+                                    is_url, local_path, namespace_leaf_values, open_dump_dir, open_namespace,
+                                    scan_namespace)
 
 log = logging.getLogger("skip_harness")
 

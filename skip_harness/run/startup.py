@@ -16,15 +16,10 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 from skip_harness.config import Cleanup, OnMismatch, RolloutTQConfig
 from skip_harness.run.dist import DistContext
 from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
-from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.layout import Layout
-from skip_harness.store.locking import HeldByThisProcess, Hold, new_run_token
-from skip_harness.store.namespace import Namespace
-from skip_harness.store.open import open_namespace
-from skip_harness.store.cleanup import CleanupItem, CleanupPlan, CleanupResult, plan_cleanup
-from skip_harness.store.scan import NamespaceReport, scan_namespace
+from skip_harness.store.api import (CleanupItem, CleanupPlan, CleanupResult, Fingerprint, HeldByThisProcess, Hold,
+                                    Layout, Namespace, NamespaceReport, StepStatus, new_run_token, open_namespace,
+                                    plan_cleanup, scan_namespace)
 from skip_harness.units import human_bytes
-from skip_harness.store.status import StepStatus
 
 logger = logging.getLogger("skip_harness.run.startup")
 

@@ -26,7 +26,7 @@ from skip_harness.run.source import Source, load_regrouped
 from skip_harness.run.startup import set_aside
 from skip_harness.run.sharing import COMMITTED, Follower
 from skip_harness.run.stats import HIT, MISS, OFF, OWN_ROLLOUTS, READ_ONLY, Outcome, RunStats, StepRecord
-from skip_harness.store.stepstore import StepStore
+from skip_harness.store.api import StepStore
 
 log = logging.getLogger("skip_harness")
 

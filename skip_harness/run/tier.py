@@ -31,7 +31,7 @@ import xxhash
 
 from skip_harness.errors import StoreError
 from skip_harness.run.stats import HIT, MISS, PhaseTime
-from skip_harness.store.tier import TierRecord, TierStore, key_digest
+from skip_harness.store.api import TierRecord, TierStore, key_digest
 
 log = logging.getLogger("skip_harness")
 

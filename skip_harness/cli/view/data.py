@@ -28,13 +28,8 @@ import torch
 from skip_harness.cli._common import mode_and_seed, step_gen_s, step_written
 from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store import scan as _scan
-from skip_harness.store.namespaces import namespaces_at
-from skip_harness.store.open import open_namespace
-from skip_harness.store.bufferpool import BufferPool
-from skip_harness.store.layout import Layout, UrlPath
-from skip_harness.store.reader import StepReader
-from skip_harness.store.tier import read_step_tier
+from skip_harness.store.api import (BufferPool, Layout, NamespaceReport, StepReader, StepReport, UrlPath, namespaces_at,
+                                    open_namespace, read_step_tier, scan_namespace)
 from skip_harness.run.tier import REWARD as REWARD_PHASE
 from skip_harness.cli.view.samples import StepTable, StoredRewards, group_size_of, step_table
 
@@ -117,12 +112,12 @@ class StepRead:
         return self.reason is None
 
 
-def step_stamp(s: _scan.StepReport) -> Tuple[Optional[float], int, str]:
+def step_stamp(s: StepReport) -> Tuple[Optional[float], int, str]:
     """What says a step is the one read before: its commit record's time, its size, its status."""
     return (s.created, s.bytes, s.status)
 
 
-def fingerprint_values(s: Optional[_scan.StepReport]) -> Optional[Dict[str, Any]]:
+def fingerprint_values(s: Optional[StepReport]) -> Optional[Dict[str, Any]]:
     return None if s is None or s.fingerprint is None else dict(s.fingerprint.values)
 
 
@@ -171,11 +166,11 @@ class Cache:
                 reader = self._readers[ns.key] = _reader(ns.layout)
             return reader
 
-    def scan(self, ns: Namespace) -> _scan.NamespaceReport:
+    def scan(self, ns: Namespace) -> NamespaceReport:
         """The namespace's steps from its index where it vouches for them; the index is never written."""
-        return _scan.scan_namespace(ns.layout, self.reader(ns).backend, rewrite_index=False)
+        return scan_namespace(ns.layout, self.reader(ns).backend, rewrite_index=False)
 
-    def namespace_view(self, ns: Namespace, report: Optional[_scan.NamespaceReport] = None, *,
+    def namespace_view(self, ns: Namespace, report: Optional[NamespaceReport] = None, *,
                        read_metas: bool = True) -> NamespaceView:
         """`ls`'s view of the namespace from its scan: when each step was written and its generation
         seconds come from the commit records the index holds; a step whose record does not say its
@@ -224,7 +219,7 @@ class Cache:
             metas += [(i, rank, m) for i, m in enumerate(got_metas)]
         return StepRead(ns, step, status, None, batches, metas)
 
-    def table(self, ns: Namespace, s: _scan.StepReport) -> Tuple[StepRead, Optional[StepTable]]:
+    def table(self, ns: Namespace, s: StepReport) -> Tuple[StepRead, Optional[StepTable]]:
         """`s`'s verified read and its trajectories (None when it cannot be read), with the rewards its
         second tier holds; kept while its commit record (time, size, status) stays the same."""
         def compute() -> Tuple[StepRead, Optional[StepTable]]:

@@ -15,7 +15,7 @@ from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
 from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
 from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last
 from skip_harness.cli.view.values import by_prefix, default_order, pick
-from skip_harness.store import scan as _scan
+from skip_harness.store.api import NamespaceReport, STATUSES, StepReport
 
 SORT_KEYS = ("stored", "reward", "advantage", "length", "group")
 ROWS_PER_PAGE = 32           # trajectories on one page of a step (its groups in order; a group may go on)
@@ -44,7 +44,7 @@ def overview(cache: Cache) -> Dict[str, Any]:
         rows.append({"key": ns.key, "label": ns.label, "root_index": ns.root_index, "K": ns.layout.K,
                      "W": ns.layout.W, "mode": fmt_value(mode), "seed": fmt_value(seed), "counts": view.counts(),
                      "size": human_bytes(view.bytes), "written": fmt_ago(view.written), "gen": fmt_seconds(view.gen_s)})
-    return {"rows": rows, "statuses": _scan.STATUSES, "total": grand_total(views),
+    return {"rows": rows, "statuses": STATUSES, "total": grand_total(views),
             "roots": [str(r) for r in cache.roots]}
 
 
@@ -105,7 +105,7 @@ def namespace(cache: Cache, ns: Namespace, summaries: "Summaries", query: Option
             "key_count": len(keys)}
 
 
-def value_series(cache: Cache, ns: Namespace, summaries: "Summaries", report: _scan.NamespaceReport
+def value_series(cache: Cache, ns: Namespace, summaries: "Summaries", report: NamespaceReport
                  ) -> Dict[str, List[charts.Point]]:
     """Every recorded numeric value over the charted steps: {key: points}."""
     servable = [s for s in report.steps if s.servable]
@@ -137,13 +137,13 @@ class Summaries:
         self._kept: Kept[Tuple[str, int], Optional[Dict[str, Any]]] = Kept()
         self._values: Kept[Tuple[str, int], Optional[Dict[str, float]]] = Kept()
 
-    def get(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, Any]]:
+    def get(self, cache: Cache, ns: Namespace, s: StepReport) -> Optional[Dict[str, Any]]:
         def compute() -> Optional[Dict[str, Any]]:
             table = cache.table(ns, s)[1]
             return None if table is None else table.summary()
         return self._kept.get((ns.key, s.step), step_stamp(s), compute)
 
-    def values(self, cache: Cache, ns: Namespace, s: _scan.StepReport) -> Optional[Dict[str, float]]:
+    def values(self, cache: Cache, ns: Namespace, s: StepReport) -> Optional[Dict[str, float]]:
         """The step's recorded values, kept while its commit record stays the same."""
         return self._values.get((ns.key, s.step), step_stamp(s), lambda: cache.values(ns, s.step))
 
@@ -155,7 +155,7 @@ def chart_steps(steps: Sequence[int], budget: int = CHART_STEPS) -> List[int]:
     return sorted(picked)
 
 
-def _rollout_series(cache: Cache, ns: Namespace, summaries: Summaries, report: _scan.NamespaceReport
+def _rollout_series(cache: Cache, ns: Namespace, summaries: Summaries, report: NamespaceReport
                     ) -> Tuple[List[charts.Point], List[charts.Point]]:
     servable = [s for s in report.steps if s.servable]
     picked = set(chart_steps([s.step for s in servable]))
@@ -291,11 +291,11 @@ def colour_keys(shown: Sequence[Shown]) -> List[str]:
     return plain + [n for n in names if n not in plain]
 
 
-def _decoder(ns: Namespace, s: Optional[_scan.StepReport], decoder: Decoder) -> Decoder:
+def _decoder(ns: Namespace, s: Optional[StepReport], decoder: Decoder) -> Decoder:
     return decoder.for_namespace(ns.group, _fp_values(s))
 
 
-def _no_step(ns: Namespace, step: int, report: _scan.NamespaceReport) -> NotFound:
+def _no_step(ns: Namespace, step: int, report: NamespaceReport) -> NotFound:
     steps = [r.step for r in report.steps]
     held = f"it holds steps {steps[0]} .. {steps[-1]}" if steps else "it holds no step"
     return NotFound(f"{ns.layout.root}: no step {step} ({held})")

@@ -2,7 +2,7 @@
 
 Loaded by verl itself as a second external module, in every process verl starts::
 
-    VERL_USE_EXTERNAL_MODULES=skip_harness.integrations.verl,verl_cpu   (tests/ on PYTHONPATH)
+    VERL_USE_EXTERNAL_MODULES=skip_harness.integrations.verl,verl_cpu   (scripts/ on PYTHONPATH)
 
 Everything goes through verl's registries and extension points; nothing in verl's files is edited:
 

@@ -1,7 +1,7 @@
 """What a CPU run of ``python -m verl.trainer.main_ppo`` needs: a tiny random-weight Llama with a chat
 template, a parquet dataset of arithmetic prompts, a reward function, and the overrides.
 
-``python -m verl_cpu.recipe WORKDIR`` (tests/ on PYTHONPATH) prints the command."""
+``python -m verl_cpu.recipe WORKDIR`` (scripts/ on PYTHONPATH) prints the command."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent
-REPO = TESTS.parent
+SCRIPTS = HERE.parent      # verl_cpu's parent: on the PYTHONPATH of every process main_ppo starts
+REPO = SCRIPTS.parent
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}={% endif %}")
 MODULES = "skip_harness.integrations.verl,verl_cpu"
@@ -138,7 +138,7 @@ def environment(extra_pythonpath: Sequence[str] = ()) -> Dict[str, str]:
     env = dict(os.environ)
     env["VERL_USE_EXTERNAL_MODULES"] = MODULES
     env["VERL_PLATFORM"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), *extra_pythonpath, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(SCRIPTS), *extra_pythonpath, env.get("PYTHONPATH", "")])
     env.setdefault("RAY_DEDUP_LOGS", "0")
     env["TOKENIZERS_PARALLELISM"] = "false"
     return env
