@@ -205,6 +205,46 @@ def test_compare_reads_a_pair_of_steps_once(tmp_path, monkeypatch):
     assert sorted(reads) == sorted([key(a), key(b)])
 
 
+def test_compare_differs_by_real_tokens_up_to_the_last_unmasked_one(tmp_path):
+    """The whole-batch paths (each response's end from its mask, the first differing token, prompt digests)
+    against the definition row by row: a response ends at its last unmasked token (masked tokens before it
+    are real), padding after it and a fully masked response never differ, a prompt is its attended tokens
+    whatever its left padding."""
+    g = torch.Generator().manual_seed(5)
+    n, P, R = 8, 6, 10
+    real_prompt = torch.randint(1, 50, (n, P), generator=g)
+    starts = [0, 2, 1, 3, 0, 4, 2, 1]
+
+    def run(pad: int, extra: int, mask: torch.Tensor, responses: torch.Tensor) -> dict:
+        prompts = torch.full((n, P + extra), pad)
+        att = torch.zeros(n, P + extra + R, dtype=torch.int64)
+        for j, s in enumerate(starts):
+            prompts[j, extra + s:] = real_prompt[j, s:]
+            att[j, extra + s:P + extra] = 1
+        att[:, P + extra:] = mask
+        return {"prompts": prompts, "responses": responses, "attention_mask": att, "response_mask": mask,
+                "rewards": torch.arange(n, dtype=torch.float32)}
+
+    mask = torch.zeros(n, R, dtype=torch.int64)
+    mask[0, [0, 1, 3]] = 1                    # a hole: position 2 is a real (masked) token, the end is 4
+    mask[2] = 1                               # a full response; response 1 is fully masked: no real token
+    for j in range(3, n):
+        mask[j, :2 + j] = 1
+    responses = torch.randint(0, 50, (n, R), generator=g)
+    mask_b, responses_b = mask.clone(), responses.clone()
+    responses_b[0, 2] += 1                    # inside the span (a masked token before the end): differs
+    responses_b[1] += 1                       # nothing real: the same
+    responses_b[3, 9] += 1                    # after the end (5): padding, the same
+    responses_b[4, 1] += 1                    # inside: differs
+    mask_b[5, 7] = 1                          # B's response 5 ends later: differs
+    a = write_namespace(tmp_path / "cache", "a", {1: run(99, 0, mask, responses)})
+    b = write_namespace(tmp_path / "cache", "b", {1: run(77, 3, mask_b, responses_b)})
+    doc = client(tmp_path / "cache").get("/api/compare", params={"a": key(a), "b": key(b), "step": 1}).json()
+    assert doc["paired_by"] == "prompt tokens" and doc["only_in_a"] == 0 and doc["only_in_b"] == 0
+    assert sorted(t["ref_a"] for t in doc["trajectories"] if not t["same"]) == ["0.0.0", "0.0.4", "0.0.5"]
+    assert all(t["ref_a"] == t["ref_b"] for t in doc["trajectories"])         # each prompt found whatever its padding
+
+
 # -------------------------------------------------------------------------------------- item 5
 
 

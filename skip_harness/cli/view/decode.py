@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from skip_harness.cli.view.samples import (ATTENTION_MASK, MASK, PROMPT_IDS, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_TEXT,
@@ -199,6 +200,26 @@ def _mask_row(b: Batch, j: int, n_resp: Optional[int]) -> Optional[torch.Tensor]
     return None
 
 
+def first_true(flags: "np.ndarray", none: int) -> "np.ndarray":
+    """Per row of a bool [n, w] array: the position of its first True, `none` where it has none (numpy's
+    argmax over bools stops at the first True; torch has no such path: a where and a min over the whole
+    array cost several times as much)."""
+    n, width = flags.shape
+    if width == 0:
+        return np.full(n, none, dtype=np.int64)
+    at = flags.argmax(1).astype(np.int64)
+    at[~flags[np.arange(n), at]] = none
+    return at
+
+
+def nonzero(x: torch.Tensor) -> "np.ndarray":
+    """`x != 0` as a numpy bool array (numpy's comparison where it holds the dtype: a third faster than torch's)."""
+    try:
+        return np.not_equal(x.numpy(), 0)
+    except TypeError:                   # bfloat16, float8: no numpy dtype
+        return (x != 0).numpy()
+
+
 def mask_ends(b: Batch) -> Optional[List[int]]:
     """Per trajectory of a padded [n, R] response mask: one past its last unmasked position (computed
     once for the whole mini-batch)."""
@@ -207,11 +228,9 @@ def mask_ends(b: Batch) -> Optional[List[int]]:
         m = b.columns.get(name) if name is not None else None
         ends = None
         if isinstance(m, torch.Tensor) and not m.is_nested and m.dim() == 2 and m.shape[1] > 0:
-            # each unmasked position's number from 1 (int16 while it fits: the one temporary stays small), its max
-            width = int(m.shape[1])
-            numbers = torch.arange(1, width + 1, dtype=torch.int16 if width < (1 << 15) else torch.int64)
-            ends = torch.where(m != 0, numbers, 0).amax(1)
-        b.derived["ends"] = ends.tolist() if ends is not None else None
+            width = int(m.shape[1])          # the first unmasked position counted from the end
+            ends = (width - first_true(nonzero(m)[:, ::-1], width)).tolist()
+        b.derived["ends"] = ends
     return b.derived["ends"]
 
 
@@ -264,13 +283,13 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
          prompt: bool = True, rows: bool = True) -> Shown:
     """Prompt, response, per-token rows and other fields of trajectory `t`, padding dropped; with `limit`,
     the first `limit` real response tokens as tokens and the rest folded as one text (`rest`; not made
-    when `fold` is False: a brief, as compare's); `prompt=False`: the prompt's folded part is not made
-    (a group's later samples, whose prompt the page does not repeat); `rows=False`: no per-token rows
-    and no other fields (a brief: its tokens only)."""
+    when `fold` is False: a brief, as compare's); `prompt=False`: no prompt is made (a group's later
+    samples, whose prompt the page does not repeat; a brief); `rows=False`: no per-token rows and no
+    other fields (a brief: its tokens only)."""
     b: Batch = t.batch
     j = t.index
     prompt_name, response_name = b.find(PROMPT_IDS), b.find(RESPONSE_IDS)
-    prompt_row = b.row(prompt_name, j) if prompt_name else None
+    prompt_row = b.row(prompt_name, j) if prompt_name and prompt else None
     response_row = b.row(response_name, j) if response_name else None
     n_prompt, n_resp = _length(prompt_row), _length(response_row)
     real, mask = response_span(b, j, n_resp, t.length)
@@ -279,7 +298,7 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
         prompt_row = prompt_row[start:]
     prompt_rest_ids = None
     if prompt_row is not None and limit is not None and n_prompt is not None and n_prompt - start > limit:
-        prompt_rest_ids = _ids(prompt_row[limit:]) if fold and prompt else None
+        prompt_rest_ids = _ids(prompt_row[limit:]) if fold else None
         prompt_row = prompt_row[:limit]
     shown_n = real if limit is None else min(real, limit)
     rest_ids = None
@@ -291,7 +310,7 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
     response_ids = _ids(response_row) if response_row is not None else None
     prompt_text_field, response_text_field = b.find(PROMPT_TEXT), b.find(RESPONSE_TEXT)
     prompt_text = decoder.text(prompt_ids) if prompt_ids is not None and decoder.active else None
-    if prompt_text is None and prompt_text_field is not None:
+    if prompt_text is None and prompt_text_field is not None and prompt:
         prompt_text = _as_text(b.row(prompt_text_field, j))
     response_text = None
     if response_ids is not None and decoder.active and limit is None:

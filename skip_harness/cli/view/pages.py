@@ -448,7 +448,7 @@ COMPARE_ROWS = 50          # pairs on one page of compare
 def _brief(t: Optional[Trajectory], decoder: Decoder) -> str:
     if t is None:
         return "-"
-    sh = show(t, decoder, TOKENS_ON_STEP_PAGE, fold=False, rows=False)
+    sh = show(t, decoder, TOKENS_ON_STEP_PAGE, fold=False, prompt=False, rows=False)
     text = " ".join(sh.response_tokens or []) if sh.response_text is None else sh.response_text
     return text + (f" … {sh.truncated} more tokens ({sh.response_real} in all)" if sh.truncated else "")
 
