@@ -460,8 +460,10 @@ class Pairings:
     def __init__(self) -> None:
         self._kept: Kept[Tuple[str, str, int], Dict[str, Any]] = Kept(size=1)
 
-    def get(self, cache: Cache, a: Namespace, b: Namespace, step: int) -> Dict[str, Any]:
-        reports = [cache.scan(ns).get(step) for ns in (a, b)]
+    def get(self, cache: Cache, a: Namespace, b: Namespace, step: int,
+            scans: Optional[Sequence[_scan.NamespaceReport]] = None) -> Dict[str, Any]:
+        """`scans`: both namespaces' scans when the caller has just made them."""
+        reports = [sc.get(step) for sc in (scans or [cache.scan(ns) for ns in (a, b)])]
 
         def compute() -> Dict[str, Any]:
             sides, tables = [], []
@@ -494,7 +496,8 @@ def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decode
             page: int = 1, only: str = "") -> Dict[str, Any]:
     """Two namespaces at one step: each side's summary, and their trajectories paired by identity (one page
     of pairs; `only=differ` shows the pairs that differ and the one-sided ones)."""
-    got = pairings.get(cache, a, b, step)
+    scans = (cache.scan(a), cache.scan(b))           # scanned once: the pairing's stamps and the diff's
+    got = pairings.get(cache, a, b, step, scans)
     pairing: Optional[Pairing] = got["pairing"]
     rows: List[Dict[str, Any]] = []
     listed: List[Pair] = []
@@ -522,7 +525,7 @@ def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decode
 
     return {"sides": got["sides"], "pairing": pairing, "rows": rows, "step": step, "page": page, "pages": pages_n,
             "page_url": page_url, "only": only, "differs": DIFFERS, "notes": shape_notes(a, b, pairing),
-            "ns_rows": compare_choices(cache), "pick_a": a.key, "pick_b": b.key, "pick_step": step}
+            "ns_rows": compare_choices(cache), "pick_a": a.key, "pick_b": b.key, "pick_step": step, "scans": scans}
 
 
 def diff_at(diff: Optional[Dict[str, Any]], step: int) -> Dict[str, Any]:
