@@ -81,6 +81,16 @@ def test_a_long_response_is_folded_and_expands_in_place(llm):
     assert rest.group(2).split() == [str(x) for x in batch["input_ids"][0, P + 64:P + real].tolist()]
 
 
+def test_folded_ids_are_written_as_the_list_would_be():
+    """The folded tokens of a page's rows, made in one pass, are each row's ids as its list writes them."""
+    from skip_harness.cli.view.decode import ids_texts
+
+    edges = torch.tensor([0, 9, 10, 99, 100, 9999, 10_000, 99_999, 10 ** 7 - 1, 10 ** 7, 10 ** 8 - 1, 151_935])
+    rows = [edges, torch.tensor([], dtype=torch.int64), torch.randint(0, 151_936, (3000,)), edges[:1].to(torch.int32)]
+    for batch in (rows, rows + [torch.tensor([10 ** 8, -100])]):     # beyond 8 digits or negative: the list's repr
+        assert ids_texts(batch) == [str(r.tolist())[1:-1].replace(",", "") for r in batch]
+
+
 def test_tokens_wrap_between_tokens():
     from skip_harness.cli.view.style import CSS, tokens_html
 

@@ -12,6 +12,7 @@ from skip_harness.cli.show import describe
 from skip_harness.cli.view import charts
 from skip_harness.cli.view.data import Cache, Kept, Namespace, StepRead, fingerprint_values as _fp_values, step_stamp
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
+from skip_harness.cli.view.decode import fill_rests
 from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
 from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last
 from skip_harness.cli.view.values import by_prefix, default_order, pick
@@ -324,10 +325,11 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     for g, members in groups:
         items = []
         for n, t in enumerate(members):
-            sh = show(t, decoder, TOKENS_ON_STEP_PAGE, prompt=n == 0)
+            sh = show(t, decoder, TOKENS_ON_STEP_PAGE, prompt=n == 0, rest_text=False)
             all_shown.append(sh)
             items.append({"traj": t, "shown": sh})
         shown_groups.append((g, items))
+    fill_rests(all_shown, decoder)            # the folded tokens of every row, made at once
     keys = colour_keys(all_shown)
     if query.color and keys and query.color not in keys:
         raise BadQuery(f"color={query.color!r}: colour by one of {', '.join(keys)}")
