@@ -81,6 +81,16 @@ def test_a_long_response_is_folded_and_expands_in_place(llm):
     assert rest.group(2).split() == [str(x) for x in batch["input_ids"][0, P + 64:P + real].tolist()]
 
 
+def test_folded_ids_are_written_as_the_list_would_be():
+    """The folded tokens of a page's rows, made in one pass, are each row's ids as its list writes them."""
+    from skip_harness.cli.view.decode import ids_texts
+
+    edges = torch.tensor([0, 9, 10, 99, 100, 9999, 10_000, 99_999, 10 ** 7 - 1, 10 ** 7, 10 ** 8 - 1, 151_935])
+    rows = [edges, torch.tensor([], dtype=torch.int64), torch.randint(0, 151_936, (3000,)), edges[:1].to(torch.int32)]
+    for batch in (rows, rows + [torch.tensor([10 ** 8, -100])]):     # beyond 8 digits or negative: the list's repr
+        assert ids_texts(batch) == [str(r.tolist())[1:-1].replace(",", "") for r in batch]
+
+
 def test_tokens_wrap_between_tokens():
     from skip_harness.cli.view.style import CSS, tokens_html
 
@@ -203,6 +213,46 @@ def test_compare_reads_a_pair_of_steps_once(tmp_path, monkeypatch):
     for page in (1, 1, 1):
         assert c.get("/compare", params={"a": key(a), "b": key(b), "step": 1, "page": page}).status_code == 200
     assert sorted(reads) == sorted([key(a), key(b)])
+
+
+def test_compare_differs_by_real_tokens_up_to_the_last_unmasked_one(tmp_path):
+    """The whole-batch paths (each response's end from its mask, the first differing token, prompt digests)
+    against the definition row by row: a response ends at its last unmasked token (masked tokens before it
+    are real), padding after it and a fully masked response never differ, a prompt is its attended tokens
+    whatever its left padding."""
+    g = torch.Generator().manual_seed(5)
+    n, P, R = 8, 6, 10
+    real_prompt = torch.randint(1, 50, (n, P), generator=g)
+    starts = [0, 2, 1, 3, 0, 4, 2, 1]
+
+    def run(pad: int, extra: int, mask: torch.Tensor, responses: torch.Tensor) -> dict:
+        prompts = torch.full((n, P + extra), pad)
+        att = torch.zeros(n, P + extra + R, dtype=torch.int64)
+        for j, s in enumerate(starts):
+            prompts[j, extra + s:] = real_prompt[j, s:]
+            att[j, extra + s:P + extra] = 1
+        att[:, P + extra:] = mask
+        return {"prompts": prompts, "responses": responses, "attention_mask": att, "response_mask": mask,
+                "rewards": torch.arange(n, dtype=torch.float32)}
+
+    mask = torch.zeros(n, R, dtype=torch.int64)
+    mask[0, [0, 1, 3]] = 1                    # a hole: position 2 is a real (masked) token, the end is 4
+    mask[2] = 1                               # a full response; response 1 is fully masked: no real token
+    for j in range(3, n):
+        mask[j, :2 + j] = 1
+    responses = torch.randint(0, 50, (n, R), generator=g)
+    mask_b, responses_b = mask.clone(), responses.clone()
+    responses_b[0, 2] += 1                    # inside the span (a masked token before the end): differs
+    responses_b[1] += 1                       # nothing real: the same
+    responses_b[3, 9] += 1                    # after the end (5): padding, the same
+    responses_b[4, 1] += 1                    # inside: differs
+    mask_b[5, 7] = 1                          # B's response 5 ends later: differs
+    a = write_namespace(tmp_path / "cache", "a", {1: run(99, 0, mask, responses)})
+    b = write_namespace(tmp_path / "cache", "b", {1: run(77, 3, mask_b, responses_b)})
+    doc = client(tmp_path / "cache").get("/api/compare", params={"a": key(a), "b": key(b), "step": 1}).json()
+    assert doc["paired_by"] == "prompt tokens" and doc["only_in_a"] == 0 and doc["only_in_b"] == 0
+    assert sorted(t["ref_a"] for t in doc["trajectories"] if not t["same"]) == ["0.0.0", "0.0.4", "0.0.5"]
+    assert all(t["ref_a"] == t["ref_b"] for t in doc["trajectories"])         # each prompt found whatever its padding
 
 
 # -------------------------------------------------------------------------------------- item 5

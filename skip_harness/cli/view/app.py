@@ -140,7 +140,7 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
     def compare_page(request: Request) -> Response:
         a, b, step = _compare_args(request)
         ctx = pages.compare(cache, a, b, step, decoder, pairings, *_compare_view(request))
-        diff = cache.diff(a, b)
+        diff = cache.diff(a, b, ctx["scans"])
         ctx["diff"] = None if diff is None else json.dumps(_finite(diff), indent=1, default=str)
         ctx.update(pages.diff_at(diff, step))
         return html("compare", ctx)
@@ -195,7 +195,7 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
             "step": step, "a": a.key, "b": b.key, "differs": pages.DIFFERS, "notes": ctx["notes"],
             "sides": [{"key": s["ns"].key, "status": s["read"].status, "reason": s["read"].reason,
                        "summary": s["summary"]} for s in ctx["sides"]],
-            "diff": cache.diff(a, b)}
+            "diff": cache.diff(a, b, ctx["scans"])}
         if pairing is not None:
             doc.update(paired_by=pairing.by, same=pairing.same, differ=pairing.differ, only_in_a=pairing.only_a,
                        only_in_b=pairing.only_b,

@@ -260,12 +260,16 @@ class Cache:
             logger.warning("%s: recorded values of step %d cannot be read: %s", ns.layout.root, step, exc)
             return None
 
-    def diff(self, a: Namespace, b: Namespace) -> Dict[str, Any]:
+    def diff(self, a: Namespace, b: Namespace,
+             scans: Optional[Sequence[_scan.NamespaceReport]] = None) -> Dict[str, Any]:
         """`skip-harness diff --json`'s document for two namespaces, rollouts by their commit records only
         (the compare page pairs one step's trajectories itself; reading every differing step of two runs
-        would cost a read per step per side). Kept while both namespaces' steps stay as they were."""
-        return self._diffs.get((a.key, b.key), (self._stamp(a), self._stamp(b)),
+        would cost a read per step per side). Kept while both namespaces' steps stay as they were (`scans`:
+        both namespaces' scans when the caller has just made them)."""
+        sa, sb = scans if scans is not None else (self.scan(a), self.scan(b))
+        return self._diffs.get((a.key, b.key), (self._stamp(sa), self._stamp(sb)),
                                lambda: _diff_compare(str(a.layout.root), str(b.layout.root), read_payloads=False))
 
-    def _stamp(self, ns: Namespace) -> Tuple[Tuple[int, Any, int, str], ...]:
-        return tuple((s.step, s.created, s.bytes, s.status) for s in self.scan(ns).steps)
+    @staticmethod
+    def _stamp(report: _scan.NamespaceReport) -> Tuple[Tuple[int, Any, int, str], ...]:
+        return tuple((s.step, s.created, s.bytes, s.status) for s in report.steps)

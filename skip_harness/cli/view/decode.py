@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from skip_harness.cli.view.samples import (ATTENTION_MASK, MASK, PROMPT_IDS, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_TEXT,
@@ -146,6 +147,7 @@ class Shown:
     prompt_folded: int = 0             # real prompt tokens left out of `prompt_tokens` (folded)
     prompt_rest: Optional[str] = None
     response_ids: Optional[List[int]] = None   # the shown response tokens' ids (search finds them too)
+    rest_part: Any = field(default=None, repr=False)   # the folded tokens as stored, until `fill_rests` makes `rest`
 
 
 def _ids(value: Any) -> Optional[List[int]]:
@@ -199,6 +201,26 @@ def _mask_row(b: Batch, j: int, n_resp: Optional[int]) -> Optional[torch.Tensor]
     return None
 
 
+def first_true(flags: "np.ndarray", none: int) -> "np.ndarray":
+    """Per row of a bool [n, w] array: the position of its first True, `none` where it has none (numpy's
+    argmax over bools stops at the first True; torch has no such path: a where and a min over the whole
+    array cost several times as much)."""
+    n, width = flags.shape
+    if width == 0:
+        return np.full(n, none, dtype=np.int64)
+    at = flags.argmax(1).astype(np.int64)
+    at[~flags[np.arange(n), at]] = none
+    return at
+
+
+def nonzero(x: torch.Tensor) -> "np.ndarray":
+    """`x != 0` as a numpy bool array (numpy's comparison where it holds the dtype: a third faster than torch's)."""
+    try:
+        return np.not_equal(x.numpy(), 0)
+    except TypeError:                   # bfloat16, float8: no numpy dtype
+        return (x != 0).numpy()
+
+
 def mask_ends(b: Batch) -> Optional[List[int]]:
     """Per trajectory of a padded [n, R] response mask: one past its last unmasked position (computed
     once for the whole mini-batch)."""
@@ -207,11 +229,9 @@ def mask_ends(b: Batch) -> Optional[List[int]]:
         m = b.columns.get(name) if name is not None else None
         ends = None
         if isinstance(m, torch.Tensor) and not m.is_nested and m.dim() == 2 and m.shape[1] > 0:
-            # each unmasked position's number from 1 (int16 while it fits: the one temporary stays small), its max
-            width = int(m.shape[1])
-            numbers = torch.arange(1, width + 1, dtype=torch.int16 if width < (1 << 15) else torch.int64)
-            ends = torch.where(m != 0, numbers, 0).amax(1)
-        b.derived["ends"] = ends.tolist() if ends is not None else None
+            width = int(m.shape[1])          # the first unmasked position counted from the end
+            ends = (width - first_true(nonzero(m)[:, ::-1], width)).tolist()
+        b.derived["ends"] = ends
     return b.derived["ends"]
 
 
@@ -261,16 +281,17 @@ def _derived_rows(b: Batch, j: int, real: int) -> List[Tuple[str, torch.Tensor]]
 
 
 def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: bool = True,
-         prompt: bool = True, rows: bool = True) -> Shown:
+         prompt: bool = True, rows: bool = True, rest_text: bool = True) -> Shown:
     """Prompt, response, per-token rows and other fields of trajectory `t`, padding dropped; with `limit`,
     the first `limit` real response tokens as tokens and the rest folded as one text (`rest`; not made
-    when `fold` is False: a brief, as compare's); `prompt=False`: the prompt's folded part is not made
-    (a group's later samples, whose prompt the page does not repeat); `rows=False`: no per-token rows
-    and no other fields (a brief: its tokens only)."""
+    when `fold` is False: a brief, as compare's); `prompt=False`: no prompt is made (a group's later
+    samples, whose prompt the page does not repeat; a brief); `rows=False`: no per-token rows and no
+    other fields (a brief: its tokens only); `rest_text=False`: the folded tokens are kept as they are
+    stored (`rest_part`) for `fill_rests` to make every shown row's text at once."""
     b: Batch = t.batch
     j = t.index
     prompt_name, response_name = b.find(PROMPT_IDS), b.find(RESPONSE_IDS)
-    prompt_row = b.row(prompt_name, j) if prompt_name else None
+    prompt_row = b.row(prompt_name, j) if prompt_name and prompt else None
     response_row = b.row(response_name, j) if response_name else None
     n_prompt, n_resp = _length(prompt_row), _length(response_row)
     real, mask = response_span(b, j, n_resp, t.length)
@@ -279,19 +300,21 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
         prompt_row = prompt_row[start:]
     prompt_rest_ids = None
     if prompt_row is not None and limit is not None and n_prompt is not None and n_prompt - start > limit:
-        prompt_rest_ids = _ids(prompt_row[limit:]) if fold and prompt else None
+        prompt_rest_ids = _ids(prompt_row[limit:]) if fold else None
         prompt_row = prompt_row[:limit]
     shown_n = real if limit is None else min(real, limit)
-    rest_ids = None
+    rest_ids = rest_part = None
     if response_row is not None:
-        if shown_n < real and fold:
+        if shown_n < real and fold and not rest_text:
+            rest_part = response_row[shown_n:real]
+        elif shown_n < real and fold:
             rest_ids = _ids(response_row[shown_n:real])
         response_row = response_row[:shown_n]           # sliced before a list is made
     prompt_ids = _ids(prompt_row) if prompt_row is not None else None
     response_ids = _ids(response_row) if response_row is not None else None
     prompt_text_field, response_text_field = b.find(PROMPT_TEXT), b.find(RESPONSE_TEXT)
     prompt_text = decoder.text(prompt_ids) if prompt_ids is not None and decoder.active else None
-    if prompt_text is None and prompt_text_field is not None:
+    if prompt_text is None and prompt_text_field is not None and prompt:
         prompt_text = _as_text(b.row(prompt_text_field, j))
     response_text = None
     if response_ids is not None and decoder.active and limit is None:
@@ -331,7 +354,60 @@ def show(t: Trajectory, decoder: Decoder, limit: Optional[int] = None, fold: boo
                  masked=masked, response_real=real if n_resp is not None else None,
                  response_padding=(n_resp or 0) - real, prompt_padding=start, rest=rest,
                  prompt_folded=len(prompt_rest_ids) if prompt_rest_ids is not None else 0, prompt_rest=prompt_rest,
-                 response_ids=response_ids)
+                 response_ids=response_ids, rest_part=rest_part)
+
+
+def fill_rests(shown: Sequence[Shown], decoder: Decoder) -> None:
+    """Every shown row's folded tokens (`rest_part`, left by `show(rest_text=False)`) as its `rest` text, made
+    at once: without a decoder, the integer ids of all rows in one pass (`ids_texts`), else row by row."""
+    waiting = [s for s in shown if s.rest_part is not None]
+    fast = not decoder.active and all(isinstance(s.rest_part, torch.Tensor) and s.rest_part.dim() == 1
+                                      and not s.rest_part.is_floating_point() and s.rest_part.dtype != torch.bool
+                                      and not s.rest_part.is_complex() for s in waiting)
+    if fast:
+        for s, text in zip(waiting, ids_texts([s.rest_part for s in waiting])):
+            s.rest = text
+    else:
+        for s in waiting:
+            ids = _ids(s.rest_part)
+            s.rest = None if ids is None else _joined(ids, decoder)
+    for s in waiting:
+        s.rest_part = None
+
+
+_DIGITS = ((np.arange(10_000)[:, None] // np.array([1000, 100, 10, 1])) % 10 + ord("0")).astype(np.uint8)
+_TENS = 10 ** np.arange(1, 8, dtype=np.int64)      # an id below 10 ** 8 has 1 + (how many of these it reaches) digits
+_KEEP = np.array([[c >= 8 - d for c in range(8)] + [True] for d in range(9)])   # digits -> which of 8 chars, a space
+
+
+def ids_texts(rows: Sequence[torch.Tensor]) -> List[str]:
+    """Rows of integer ids, each as one text `1 22 333` (the list's own repr, brackets and commas dropped),
+    made in one pass over all of them: each id as two four-digit chunks from a table, its leading zeros
+    dropped by a mask (ids below 0 or from 10 ** 8 up: the list's repr)."""
+    sizes = [int(r.numel()) for r in rows]
+    if sum(sizes) == 0:
+        return ["" for _ in rows]
+    a = torch.cat([r.reshape(-1).to(torch.int64) for r in rows]).numpy()
+    if int(a.min()) < 0 or int(a.max()) >= 10 ** 8:
+        return [str(r.tolist())[1:-1].replace(",", "") for r in rows]
+    high, low = np.divmod(a, 10_000)
+    chars = np.empty((a.size, 9), dtype=np.uint8)
+    chars[:, :4] = _DIGITS[high]
+    chars[:, 4:8] = _DIGITS[low]
+    chars[:, 8] = ord(" ")
+    digits = 1 + np.searchsorted(_TENS, a, side="right")
+    text = chars[_KEEP[digits]].tobytes().decode("ascii")          # every id followed by a space
+    ends = np.cumsum(digits + 1)
+    out, at, pos = [], 0, 0
+    for n in sizes:
+        if n == 0:
+            out.append("")
+            continue
+        at += n
+        end = int(ends[at - 1])
+        out.append(text[pos:end - 1])
+        pos = end
+    return out
 
 
 def _joined(ids: List[int], decoder: Decoder) -> str:

@@ -12,6 +12,7 @@ from skip_harness.cli.show import describe
 from skip_harness.cli.view import charts
 from skip_harness.cli.view.data import Cache, Kept, Namespace, StepRead, fingerprint_values as _fp_values, step_stamp
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, show
+from skip_harness.cli.view.decode import fill_rests
 from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
 from skip_harness.cli.view.samples import MASK, StepTable, Trajectory, _last
 from skip_harness.cli.view.values import by_prefix, default_order, pick
@@ -324,10 +325,11 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     for g, members in groups:
         items = []
         for n, t in enumerate(members):
-            sh = show(t, decoder, TOKENS_ON_STEP_PAGE, prompt=n == 0)
+            sh = show(t, decoder, TOKENS_ON_STEP_PAGE, prompt=n == 0, rest_text=False)
             all_shown.append(sh)
             items.append({"traj": t, "shown": sh})
         shown_groups.append((g, items))
+    fill_rests(all_shown, decoder)            # the folded tokens of every row, made at once
     keys = colour_keys(all_shown)
     if query.color and keys and query.color not in keys:
         raise BadQuery(f"color={query.color!r}: colour by one of {', '.join(keys)}")
@@ -448,7 +450,7 @@ COMPARE_ROWS = 50          # pairs on one page of compare
 def _brief(t: Optional[Trajectory], decoder: Decoder) -> str:
     if t is None:
         return "-"
-    sh = show(t, decoder, TOKENS_ON_STEP_PAGE, fold=False, rows=False)
+    sh = show(t, decoder, TOKENS_ON_STEP_PAGE, fold=False, prompt=False, rows=False)
     text = " ".join(sh.response_tokens or []) if sh.response_text is None else sh.response_text
     return text + (f" … {sh.truncated} more tokens ({sh.response_real} in all)" if sh.truncated else "")
 
@@ -460,8 +462,10 @@ class Pairings:
     def __init__(self) -> None:
         self._kept: Kept[Tuple[str, str, int], Dict[str, Any]] = Kept(size=1)
 
-    def get(self, cache: Cache, a: Namespace, b: Namespace, step: int) -> Dict[str, Any]:
-        reports = [cache.scan(ns).get(step) for ns in (a, b)]
+    def get(self, cache: Cache, a: Namespace, b: Namespace, step: int,
+            scans: Optional[Sequence[_scan.NamespaceReport]] = None) -> Dict[str, Any]:
+        """`scans`: both namespaces' scans when the caller has just made them."""
+        reports = [sc.get(step) for sc in (scans or [cache.scan(ns) for ns in (a, b)])]
 
         def compute() -> Dict[str, Any]:
             sides, tables = [], []
@@ -494,7 +498,8 @@ def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decode
             page: int = 1, only: str = "") -> Dict[str, Any]:
     """Two namespaces at one step: each side's summary, and their trajectories paired by identity (one page
     of pairs; `only=differ` shows the pairs that differ and the one-sided ones)."""
-    got = pairings.get(cache, a, b, step)
+    scans = (cache.scan(a), cache.scan(b))           # scanned once: the pairing's stamps and the diff's
+    got = pairings.get(cache, a, b, step, scans)
     pairing: Optional[Pairing] = got["pairing"]
     rows: List[Dict[str, Any]] = []
     listed: List[Pair] = []
@@ -522,7 +527,7 @@ def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decode
 
     return {"sides": got["sides"], "pairing": pairing, "rows": rows, "step": step, "page": page, "pages": pages_n,
             "page_url": page_url, "only": only, "differs": DIFFERS, "notes": shape_notes(a, b, pairing),
-            "ns_rows": compare_choices(cache), "pick_a": a.key, "pick_b": b.key, "pick_step": step}
+            "ns_rows": compare_choices(cache), "pick_a": a.key, "pick_b": b.key, "pick_step": step, "scans": scans}
 
 
 def diff_at(diff: Optional[Dict[str, Any]], step: int) -> Dict[str, Any]:
