@@ -261,7 +261,7 @@ class Cache:
             return None
 
     def diff(self, a: Namespace, b: Namespace,
-             scans: Optional[Sequence[_scan.NamespaceReport]] = None) -> Dict[str, Any]:
+             scans: Optional[Sequence[NamespaceReport]] = None) -> Dict[str, Any]:
         """`skip-harness diff --json`'s document for two namespaces, rollouts by their commit records only
         (the compare page pairs one step's trajectories itself; reading every differing step of two runs
         would cost a read per step per side). Kept while both namespaces' steps stay as they were (`scans`:
@@ -271,5 +271,5 @@ class Cache:
                                lambda: _diff_compare(str(a.layout.root), str(b.layout.root), read_payloads=False))
 
     @staticmethod
-    def _stamp(report: _scan.NamespaceReport) -> Tuple[Tuple[int, Any, int, str], ...]:
+    def _stamp(report: NamespaceReport) -> Tuple[Tuple[int, Any, int, str], ...]:
         return tuple((s.step, s.created, s.bytes, s.status) for s in report.steps)

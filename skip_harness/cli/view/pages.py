@@ -463,7 +463,7 @@ class Pairings:
         self._kept: Kept[Tuple[str, str, int], Dict[str, Any]] = Kept(size=1)
 
     def get(self, cache: Cache, a: Namespace, b: Namespace, step: int,
-            scans: Optional[Sequence[_scan.NamespaceReport]] = None) -> Dict[str, Any]:
+            scans: Optional[Sequence[NamespaceReport]] = None) -> Dict[str, Any]:
         """`scans`: both namespaces' scans when the caller has just made them."""
         reports = [sc.get(step) for sc in (scans or [cache.scan(ns) for ns in (a, b)])]
 
