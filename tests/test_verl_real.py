@@ -1,6 +1,6 @@
 """verl's REAL trainer with the plug-in: ``python -m verl.trainer.main_ppo`` (verl 0.9.1, V1 trainer, GRPO,
 FSDP2 on gloo, TransferQueue, verl's agent loop, reward loop and weight sync) on CPU, loaded with
-``VERL_USE_EXTERNAL_MODULES=skip_harness.integrations.verl,verl_cpu`` (tests/verl_cpu: what verl needs to run
+``VERL_USE_EXTERNAL_MODULES=skip_harness.integrations.verl,verl_cpu`` (scripts/verl_cpu: what verl needs to run
 on a CPU, through its registries). A tiny random-weight Llama, 4 prompts x 2 samples, 3 steps (sync), 2 (async modes).
 
 Every run costs about a minute of Ray and worker start-up, so each run does several jobs. One chain of sync runs
@@ -12,8 +12,10 @@ verl's KL loss against the reference policy):
           from the second tier), generates 2, 3;
   replay  serves all three: 0 generate calls, no reference forward, verl's metrics identical to the rerun's
           (timing aside); the harness closes at the last step -- summary logged, lock released -- though Ray
-          force-exits the TaskRunner at the end of a replay;
-  fresh   the same run without the cache: its metrics differ (the comparison can fail).
+          force-exits the TaskRunner at the end of a replay.
+
+Without the cache two runs differ (the comparison can fail): the killed run and the rerun both generated step 2
+(same prompts, the same weights), and their responses differ.
 
 Then three seeded experiments (hf_cpu's custom.seed: deterministic generation; verl_cpu seeds verl's prompt uids
 and lets the sampler poll a settled queue), 2 steps: sync DAPO, recorded with the cache, run without it and
@@ -21,6 +23,10 @@ replayed; colocate_async with verl's warm-up and DAPO, recorded (checkpointing e
 and replayed resumed from the recording's step-1 checkpoint; separate_async K = 2 with the warm-up, recorded and
 replayed (the recording is its replay's baseline). Every logged value (timing aside) of a cached run equals the
 uncached run's; the replays generate nothing and log the recording's values, DAPO counts included.
+
+Eleven runs, each mostly the start-up of ten processes that import verl one after another (one core busy of
+two): `.ci/run` runs this file on two xdist workers (`-n 2 --dist loadgroup`), the sync chain with sync DAPO on
+one, colocate_async and separate_async on the other.
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ pytest.importorskip("transfer_queue")
 from verl_cpu import driver, recipe  # noqa: E402
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(2400)]   # minutes of Ray start-up per run
+# two lanes of about equal time for `-n 2 --dist loadgroup` (each xdist worker builds its own workdir)
+SYNC_LANE = pytest.mark.xdist_group("verl_real_sync")
+ASYNC_LANE = pytest.mark.xdist_group("verl_real_async")
 
 STEPS = 2
 SYNC_STEPS = 3   # the chain's step 2 is not the last: it commits in the background, the kill's window
@@ -71,13 +80,14 @@ def sync_chain(workdir):
     runs["killed_state"] = sorted(p.relative_to(ns).as_posix() for p in ns.rglob("*") if p.is_file())
     for name in ("rerun", "replay"):
         runs[name] = driver.main_ppo(work, name, paths, dump_dir=cache, extra=REFERENCE, **common)
-    runs["fresh"] = driver.main_ppo(work, "fresh", paths, dump_dir=None, extra=REFERENCE, **common)
     runs["namespace"] = ns
-    for name in ("killed", "rerun", "replay", "fresh"):
+    runs["generated"] = {name: _generated(work / f"{name}.generate") for name in ("killed", "rerun")}
+    for name in ("killed", "rerun", "replay"):
         _show(f"sync {name}", runs[name])
     return runs
 
 
+@SYNC_LANE
 def test_a_killed_recording_is_rerun_cleaned_served_and_regenerated(sync_chain):
     killed, rerun = sync_chain["killed"], sync_chain["rerun"]
     state = sync_chain["killed_state"]
@@ -97,6 +107,7 @@ def test_a_killed_recording_is_rerun_cleaned_served_and_regenerated(sync_chain):
     assert driver.differences(killed.metrics, rerun.metrics, [1]) == []
 
 
+@SYNC_LANE
 def test_the_replay_generates_nothing_and_verls_metrics_are_identical(sync_chain):
     rerun, replay = sync_chain["rerun"], sync_chain["replay"]
     assert replay.returncode == 0, replay.output[-5000:]
@@ -106,6 +117,7 @@ def test_the_replay_generates_nothing_and_verls_metrics_are_identical(sync_chain
     assert len(driver.comparable(replay.metrics)[1]) > 30   # verl's real metrics, not an empty dict
 
 
+@SYNC_LANE
 def test_a_replay_under_main_ppo_closes_its_cache(sync_chain):
     """Ray force-exits the TaskRunner at the end of a replay (no exit handlers): the plug-in closes after the
     last step, so the summary is logged and the namespace released anyway."""
@@ -117,6 +129,7 @@ def test_a_replay_under_main_ppo_closes_its_cache(sync_chain):
     assert not (sync_chain["namespace"] / ".lock.holder.json").exists(), "the namespace is still held"
 
 
+@SYNC_LANE
 def test_the_replay_runs_no_reference_forward(sync_chain):
     """Issue 32, verl's part: with a reference model (use_kl_loss), the recording stores the reference log-probs
     of each step (the second tier); a run serving the step puts them into verl's batch instead of running
@@ -138,11 +151,26 @@ def test_the_replay_runs_no_reference_forward(sync_chain):
         assert replay.metrics[step]["actor/kl_loss"] == rerun.metrics[step]["actor/kl_loss"]
 
 
+def _generated(path: Path) -> dict:
+    """hf_cpu's generate log (rollout.py): weights version -> prompt -> the responses sampled for it."""
+    out: dict = {}
+    for line in path.read_text().splitlines():
+        _, version, rest = line.split(" ", 2)
+        prompt, response = rest.split(" -> ")
+        out.setdefault(version, {}).setdefault(prompt, []).append(response)
+    return {version: {p: sorted(r) for p, r in prompts.items()} for version, prompts in out.items()}
+
+
+@SYNC_LANE
 def test_without_the_cache_the_comparison_fails(sync_chain):
-    fresh, replay = sync_chain["fresh"], sync_chain["replay"]
-    assert fresh.returncode == 0, fresh.output[-5000:]
-    assert fresh.generate_calls == SYNC_STEPS * CALLS_PER_STEP
-    assert driver.differences(replay.metrics, fresh.metrics, [1, 2, 3]) != []
+    """Unseeded, two runs generate different rollouts (hf_cpu samples from the OS, as vLLM does): a replay
+    that logs the recording's values can only have read the cache. Both the killed run and the rerun
+    generated step 2 (weights version 1: step 1 trained on the same served batch) from the same prompts."""
+    killed, rerun = sync_chain["generated"]["killed"], sync_chain["generated"]["rerun"]
+    assert "1" in killed and sorted(rerun) == ["1", "2"], (sorted(killed), sorted(rerun))   # rerun: step 1 served
+    assert sorted(killed["1"]) == sorted(rerun["1"]), "step 2 drew other prompts"
+    assert sum(len(r) for r in killed["1"].values()) == CALLS_PER_STEP
+    assert killed["1"] != rerun["1"], "two unseeded runs sampled the same responses"
 
 
 def _show(label: str, run) -> None:
@@ -219,6 +247,7 @@ def _dapo_counted(record, replay) -> None:
             record.metrics[step].get("training/filter_groups/evicted_samples")
 
 
+@SYNC_LANE
 def test_sync_dapo_records_and_replays_as_it_trains(workdir):
     """sync, DAPO (algorithm.filter_groups.enable=true, a reward that ties some groups): refills recorded and
     served, the filter's counts replayed; the cached run trains as the uncached one. (A replay resumed from
@@ -232,6 +261,7 @@ def test_sync_dapo_records_and_replays_as_it_trains(workdir):
     _dapo_counted(record, runs["replay"])
 
 
+@ASYNC_LANE
 def test_colocate_async_with_warmup_and_dapo_records_replays_and_resumes_as_it_trains(workdir):
     """colocate_async with verl's warm-up (num_warmup_batches=1) and DAPO: the cached run keeps the warm-up
     (it generates what the uncached run generates and trains the same); the replay, resumed from the recording's
@@ -248,6 +278,7 @@ def test_colocate_async_with_warmup_and_dapo_records_replays_and_resumes_as_it_t
     _dapo_counted(record, runs["resumed"])
 
 
+@ASYNC_LANE
 def test_separate_async_k2_with_warmup_is_recorded_then_replayed_call_by_call(workdir):
     """separate_async, K = 2 (parameter_sync_step) with verl's warm-up: verl's standalone rollout replica (hf_cpu
     on its own Ray "GPU" bundle, weights through the ray_store checkpoint engine), two sample calls per step,

@@ -26,8 +26,11 @@ CPU offload verl pins (pinning needs an accelerator): :func:`_unpinned_reference
 """
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from types import ModuleType, SimpleNamespace
 from typing import Any, Optional
@@ -247,9 +250,50 @@ def _settle_before_sampling() -> None:
     replay_buffer.ReplayBuffer._sync_metadata_from_transfer_queue = _sync_metadata_from_transfer_queue
 
 
-_patch_process_group_backend()
-_register_engines()
-_unpinned_reference_offload()
-_seed_prompt_uids()
-_settle_before_sampling()
-from verl_cpu import rollout as _rollout  # noqa: E402,F401 - registers the hf_cpu backend
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs hooks right after a module's body has run (before its importer sees it): verl loads this rig in
+    every process it starts, and most of them (the driver, the reward loop, the router, the weight mailbox,
+    verl's one-off tasks) never import verl's FSDP engines or rollout package -- seconds of CPU each on
+    this 2-core machine, 10 processes a run -- so each patch waits for the module it patches."""
+
+    def __init__(self) -> None:
+        self.hooks: dict = {}
+
+    def add(self, name: str, hook: Any) -> None:
+        if name in sys.modules:
+            hook()
+            return
+        self.hooks.setdefault(name, []).append(hook)
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        hooks = self.hooks.pop(fullname, None)
+        if hooks is None:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            self.hooks[fullname] = hooks
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            for hook in hooks:
+                hook()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_after = _AfterImport()
+_after.add("verl.utils.distributed", _patch_process_group_backend)
+_after.add("verl.workers.engine", _register_engines)              # the package: its engines are imported
+_after.add("verl.workers.engine", _unpinned_reference_offload)
+_after.add("verl.trainer.ppo.v1.trainer_base", _seed_prompt_uids)
+_after.add("verl.trainer.ppo.v1.replay_buffer", _settle_before_sampling)
+# the package (base and replica imported): registers the hf_cpu backend
+_after.add("verl.workers.rollout", lambda: importlib.import_module("verl_cpu.rollout"))
