@@ -33,7 +33,7 @@ import os
 import sys
 from contextlib import contextmanager
 from types import ModuleType, SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -76,7 +76,7 @@ class _CpuDeviceModule(ModuleType):
         self.manual_seed_all = torch.manual_seed
         self.get_rng_state = lambda *a, **k: torch.get_rng_state()
         self.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-        self.memory_stats = lambda *a, **k: {}
+        self.memory_stats: Callable[..., Dict[str, Any]] = lambda *a, **k: {}
         self.get_device_name = lambda *a, **k: "cpu"
 
     def __getattr__(self, name: str) -> Any:
@@ -101,7 +101,7 @@ class PlatformCPU(PlatformBase):
         # probed after nvidia / npu / rocm (registration order): chosen when none of them is there
         return not torch.cuda.is_available()
 
-    def current_device(self) -> str:
+    def current_device(self) -> str:  # type: ignore[override]
         # verl passes it where torch takes a device (``model.to(device=get_device_id())``,
         # verl/utils/fsdp_utils.py:507): index 0 would name an accelerator
         return "cpu"
@@ -182,7 +182,7 @@ def _patch_process_group_backend() -> None:
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
 
-    initialize_global_process_group_ray._verl_cpu = True
+    initialize_global_process_group_ray._verl_cpu = True  # type: ignore[attr-defined]
     dist.initialize_global_process_group_ray = initialize_global_process_group_ray
 
 
@@ -201,7 +201,7 @@ def _unpinned_reference_offload() -> None:
         return original(pin_memory=False)
 
     CPUOffloadPolicy._verl_cpu = True  # type: ignore[attr-defined]
-    transformer_impl.CPUOffloadPolicy = CPUOffloadPolicy
+    transformer_impl.CPUOffloadPolicy = CPUOffloadPolicy  # type: ignore[misc,assignment]
 
 
 def _seed_prompt_uids() -> None:
@@ -219,7 +219,7 @@ def _seed_prompt_uids() -> None:
     import verl.trainer.ppo.v1.trainer_base as trainer_base
 
     rng = random.Random(int(seed))
-    trainer_base.uuid = SimpleNamespace(uuid4=lambda: uuid.UUID(int=rng.getrandbits(128), version=4))
+    trainer_base.uuid = SimpleNamespace(uuid4=lambda: uuid.UUID(int=rng.getrandbits(128), version=4))  # type: ignore[assignment]
 
 
 def _settle_before_sampling() -> None:
@@ -247,7 +247,7 @@ def _settle_before_sampling() -> None:
         return original(self)
 
     _sync_metadata_from_transfer_queue._verl_cpu = True  # type: ignore[attr-defined]
-    replay_buffer.ReplayBuffer._sync_metadata_from_transfer_queue = _sync_metadata_from_transfer_queue
+    replay_buffer.ReplayBuffer._sync_metadata_from_transfer_queue = _sync_metadata_from_transfer_queue  # type: ignore[method-assign]
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

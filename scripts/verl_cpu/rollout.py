@@ -22,7 +22,6 @@ the file named by ``actor_rollout_ref.rollout.custom.generate_log`` (when set): 
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -63,7 +62,7 @@ class HFServer:
         self.lock = threading.Lock()
         self.generate_log = _custom(config, "generate_log")
         self.generate_delay_s = float(_custom(config, "generate_delay_s") or 0)   # widens a test's kill window
-        self.global_steps = None
+        self.global_steps: Optional[int] = None
         seed = _custom(config, "seed")
         self.seed = None if seed is None else int(seed)
         self.seen: Dict[Any, int] = {}
@@ -148,9 +147,9 @@ class HFReplica(RolloutReplica):
         server = ray.remote(HFServer).options(name=_server_name(self.replica_rank), num_cpus=0,
                                               max_concurrency=16).remote(self.config, self.model_config,
                                                                          self.replica_rank)
-        await server.__ray_ready__.remote()
-        self.servers = [server]
-        self._server_handle = server
+        await server.__ray_ready__.remote()  # type: ignore[union-attr]
+        self.servers = [server]  # type: ignore[list-item]
+        self._server_handle = server  # type: ignore[assignment]
         self._server_address = f"hf_cpu://{self.replica_rank}"
 
 

@@ -79,7 +79,7 @@ class RayStoreCheckpointEngine(CheckpointEngine):
             log.info("ray_store: sent weights version %s (%d tensors, step %s)", version, len(state), global_steps)
         return {}
 
-    def receive_weights(self, global_steps: int | None = None) -> Generator:
+    def receive_weights(self, global_steps: int | None = None) -> Generator:  # type: ignore[override]
         log.debug("ray_store: waiting for weights newer than version %s (step %s)", self.seen, global_steps)
         self.seen, state = ray.get(_mailbox().newer_than.remote(self.seen))
         log.debug("ray_store: received weights version %s", self.seen)
