@@ -20,6 +20,12 @@ if os.environ.get("SKIP_HARNESS_VERL_UPSTREAM") != "1":
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The CLI's tables are rich's: with no terminal to measure, rich wraps at 80 columns, and a pytest-xdist
+# worker has none (its stdin is execnet's pipe), so `-n 2` split the tables' rows the tests read
+# (tests/test_cli.py, test_cli_show_export.py, test_view_diff.py). One wide width for every run, as on a
+# wide terminal; a width set outside is kept. Subprocesses inherit it.
+os.environ.setdefault("COLUMNS", "200")
+
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread():

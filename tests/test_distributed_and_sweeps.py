@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import TINY, TRAIN, env_for, metrics, training_metrics
+from test_train_e2e import TINY, TRAIN, env_for, metrics, recorded, training_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -22,11 +22,15 @@ def launch(tmp_path: Path, launcher: list, run: str, *overrides: str):
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TWO_RANKS = ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2"]
+# the torchrun tests below start from one recording on two ranks (recorded(): made once per worker)
+ON_TWO_RANKS = pytest.mark.xdist_group("torchrun_recording")
 
 
-def test_torchrun_two_ranks_shards_commits_and_hits(tmp_path):
-    mode = ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2"]
-    launch(tmp_path, TORCHRUN, "first", *mode)
+@ON_TWO_RANKS
+def test_torchrun_two_ranks_shards_commits_and_hits(tmp_path_factory, tmp_path):
+    mode = TWO_RANKS
+    recorded(tmp_path_factory, tmp_path, *mode, launcher=tuple(TORCHRUN))
     launch(tmp_path, TORCHRUN, "again", *mode)
     first, again = metrics(tmp_path / "first"), metrics(tmp_path / "again")
     assert [r["cache"] for r in first] == ["miss"] * 4 and [r["cache"] for r in again] == ["hit"] * 4
@@ -43,19 +47,20 @@ def test_torchrun_two_ranks_shards_commits_and_hits(tmp_path):
     assert log.count("step 4: hit") == 1
 
 
+@ON_TWO_RANKS
 @pytest.mark.parametrize("cleanup", ["delete", "quarantine"])
-def test_torchrun_rank_shard_corruption_makes_every_rank_regenerate(tmp_path, cleanup):
-    launch(tmp_path, TORCHRUN, "first")
+def test_torchrun_rank_shard_corruption_makes_every_rank_regenerate(tmp_path_factory, tmp_path, cleanup):
+    recorded(tmp_path_factory, tmp_path, *TWO_RANKS, launcher=tuple(TORCHRUN))
     [ns] = (tmp_path / "cache").glob("*/GBS*")
-    shard = ns / "2" / "tq_batch_rank1.pt"
+    shard = ns / "2" / "1" / "tq_batch_rank1.pt"     # rank 1's shard of step 2's second sample call
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0x01
     shard.write_bytes(bytes(data))
-    launch(tmp_path, TORCHRUN, "again", f"skip.rollout_tq.cleanup={cleanup}")
+    launch(tmp_path, TORCHRUN, "again", *TWO_RANKS, f"skip.rollout_tq.cleanup={cleanup}")
     rows = metrics(tmp_path / "again")
     assert [r["cache"] for r in rows] == ["hit", "miss", "hit", "hit"]
     # rank 0 set the step aside as cleanup says, though only rank 1's shard was bad
-    kept = list((ns / ".quarantine").glob("2-*/tq_batch_rank1.pt"))
+    kept = list((ns / ".quarantine").glob("2-*/1/tq_batch_rank1.pt"))
     assert (kept[0].read_bytes() == bytes(data)) if cleanup == "quarantine" else not kept
     assert training_metrics(rows) == training_metrics(metrics(tmp_path / "first"))
     log = (tmp_path / "again" / "train.log").read_text()
@@ -104,10 +109,13 @@ BASIC: list = []
 JOBLIB = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
 
 
-@pytest.mark.parametrize("first_launcher, second_launcher", [(BASIC, JOBLIB), (JOBLIB, BASIC)], ids=["basic-then-joblib", "joblib-then-basic"])
-def test_sweep_over_k_gets_own_namespaces_and_rerun_hits(tmp_path, first_launcher, second_launcher):
-    first = sweep(tmp_path, "sweep1", *first_launcher)
-    again = sweep(tmp_path, "sweep2", *second_launcher)
+def test_sweep_over_k_gets_own_namespaces_and_rerun_hits(tmp_path):
+    # Recorded under the basic launcher, rerun under joblib's: joblib's workers train on what basic's jobs
+    # recorded, and the metrics are compared bit for bit, so a joblib job training differently shows here.
+    # (The other order, joblib then basic, compared the same training under the same two launchers: what a
+    # job generates is served back as recorded in either order, so it told nothing this one does not.)
+    first = sweep(tmp_path, "sweep1", *BASIC)
+    again = sweep(tmp_path, "sweep2", *JOBLIB)
     leaves = sorted(p.name for p in (tmp_path / "cache").glob("*/GBS*"))
     assert leaves == ["GBS64_N8_in6_out6", "GBS64_N8_in6_out6_K2_W1"]
     for a, b in zip(first, again):

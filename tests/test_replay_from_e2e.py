@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,21 +16,24 @@ import pytest
 from conftest import REPO
 from s3server import s3_server  # noqa: F401  (fixture)
 from test_replay_from import snapshot
-from test_train_e2e import TINY, TRAIN, env_for, metrics, train
+from test_train_e2e import TINY, TRAIN, env_for, metrics, recorded, train
 
 pytestmark = pytest.mark.slow
 
 RIG = REPO / "tests" / "reshard_rig.py"
 SWEEP = ["trainer.experiment_name=sweep", "trainer.total_training_steps=3"]
 K4 = ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4"]
+# the tests replaying one recording (recorded() / rig_recording(): made once per worker) run on one worker
+ONE_RECORDING = pytest.mark.xdist_group("replay_from_e2e_recordings")
 
 
 def log_of(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_a_k4_recording_serves_sync_and_colocate_async_generating_nothing(tmp_path):
-    train(tmp_path, *SWEEP, *K4, run="record")
+@ONE_RECORDING
+def test_a_k4_recording_serves_sync_and_colocate_async_generating_nothing(tmp_path_factory, tmp_path):
+    recorded(tmp_path_factory, tmp_path, *SWEEP, *K4, run="record")
     source = tmp_path / "cache" / "sweep_skip_harness_demo" / "GBS8_N2_in6_out6_K4_W1"
     before = snapshot(source)
     replays = {   # another K in separate_async: the sweep below
@@ -50,9 +54,10 @@ def test_a_k4_recording_serves_sync_and_colocate_async_generating_nothing(tmp_pa
     assert snapshot(source) == before
 
 
-def test_a_sweep_over_k_with_replay_from_generates_nothing(tmp_path):
+@ONE_RECORDING
+def test_a_sweep_over_k_with_replay_from_generates_nothing(tmp_path_factory, tmp_path):
     """`parameter_sync_step=1,2,4,8` swept over one recording (Hydra's basic launcher) generates nothing."""
-    train(tmp_path, *SWEEP, *K4, run="record")
+    recorded(tmp_path_factory, tmp_path, *SWEEP, *K4, run="record")
     cmd = [sys.executable, str(TRAIN), "-m", f"hydra.sweep.dir={tmp_path / 'multirun'}",
            *TINY, *SWEEP, "trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1,2,4,8",
            "skip.rollout_tq.replay_from=auto"]
@@ -79,6 +84,18 @@ def rig(tmp_path: Path, nproc: int, K: int, out: str, *extra: str, env=None, dum
     return {r: json.loads((tmp_path / out / f"rank{r}.json").read_text()) for r in range(nproc)}
 
 
+_RIG_RECORDINGS: dict = {}
+
+
+def rig_recording(tmp_path_factory, tmp_path: Path, nproc: int, K: int) -> None:
+    """`rig(tmp_path, nproc, K, "record")`'s cache, recorded once per worker and copied into tmp_path."""
+    if (nproc, K) not in _RIG_RECORDINGS:
+        src = tmp_path_factory.mktemp("rig_recording")
+        rig(src, nproc, K, "record")
+        _RIG_RECORDINGS[nproc, K] = src
+    shutil.copytree(_RIG_RECORDINGS[nproc, K] / "cache", tmp_path / "cache", symlinks=True)
+
+
 def assert_global_batch(ranks: dict, K: int) -> None:
     """Every rank's calls, in the recorded order (call-major, rank-minor), are the step's whole global
     batch in order: the same rows, in the same order, as recorded; and each rank's part is the one it
@@ -93,9 +110,10 @@ def assert_global_batch(ranks: dict, K: int) -> None:
 
 @pytest.mark.parametrize("record, replay", [((2, 2), (1, 2)), ((1, 4), (2, 4)), ((2, 2), (4, 1))],
                          ids=["2-to-1", "1-to-2", "2-to-4"])
-def test_torchrun_resharded_global_batch_is_the_recorded_one(tmp_path, record, replay):
+@ONE_RECORDING
+def test_torchrun_resharded_global_batch_is_the_recorded_one(tmp_path_factory, tmp_path, record, replay):
     (W0, K0), (W1, K1) = record, replay
-    rig(tmp_path, W0, K0, "record")
+    rig_recording(tmp_path_factory, tmp_path, W0, K0)    # 2-to-1 and 2-to-4 replay one recording
     ns = tmp_path / "cache" / "rig_reshard" / f"GBS8_N2_K{K0}_W{W0}"
     before = snapshot(ns)
     ranks = rig(tmp_path, W1, K1, "replay", "auto")

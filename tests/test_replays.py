@@ -24,6 +24,7 @@ from skip_harness.cli import main as cli_main
 from skip_harness.demo import TINY_OVERRIDES
 from skip_harness.store.open import posix_namespace
 from skip_harness.store.scan import scan_namespace
+from test_train_e2e import recorded
 from skip_harness.store.values import ValuesStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,9 +269,14 @@ def finished(proc: subprocess.Popen) -> str:
     return out
 
 
+# the two tests below replay one recording of the demo's defaults (recorded(): made once per worker)
+ONE_RECORDING = pytest.mark.xdist_group("replays_recording")
+
+
 @pytest.mark.slow
-def test_two_replays_started_together_both_serve_every_step(tmp_path):
-    finished(train(tmp_path, run="recording"))
+@ONE_RECORDING
+def test_two_replays_started_together_both_serve_every_step(tmp_path_factory, tmp_path):
+    recorded(tmp_path_factory, tmp_path, run="recording")
     ns = next((tmp_path / "cache").glob("*/GBS*"))
     before = tree(ns)
     a, b = train(tmp_path, run="a"), train(tmp_path, run="b")
@@ -290,8 +296,10 @@ def test_two_replays_started_together_both_serve_every_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sweep_over_the_learning_rate_on_one_recording_generates_nothing_and_ends_with_one_table(tmp_path):
-    finished(train(tmp_path, run="recording"))
+@ONE_RECORDING
+def test_a_sweep_over_the_learning_rate_on_one_recording_generates_nothing_and_ends_with_one_table(tmp_path_factory,
+                                                                                                 tmp_path):
+    recorded(tmp_path_factory, tmp_path, run="recording")
     cmd = [sys.executable, str(TRAIN), "-m", "hydra/launcher=joblib", *TINY,
            "actor_rollout_ref.actor.optim.lr=0.001,0.003,0.01", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=900)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,12 +34,31 @@ def env_for(tmp_path: Path) -> dict:
     return env
 
 
-def train(tmp_path: Path, *overrides: str, run: str = "run", check: bool = True, timeout: float = 600):
-    cmd = [sys.executable, str(TRAIN), f"hydra.run.dir={tmp_path / run}", *TINY, *overrides]
+def train(tmp_path: Path, *overrides: str, run: str = "run", check: bool = True, timeout: float = 600,
+          launcher: tuple = (sys.executable,)):
+    cmd = [*launcher, str(TRAIN), f"hydra.run.dir={tmp_path / run}", *TINY, *overrides]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+_RECORDINGS: dict = {}
+
+
+def recorded(tmp_path_factory, tmp_path: Path, *overrides: str, run: str = "first",
+             launcher: tuple = (sys.executable,)) -> None:
+    """The run `train(tmp_path, *overrides, run=run)` would make, made once per pytest worker and copied into
+    tmp_path (its cache and its run directory): tests that start from the same recording share one run of
+    train.py instead of each paying its start-up again (the tests using one carry one xdist_group)."""
+    key = (*launcher, *overrides, run)
+    if key not in _RECORDINGS:
+        src = tmp_path_factory.mktemp("recording")
+        train(src, *overrides, run=run, launcher=launcher)
+        _RECORDINGS[key] = src
+    src = _RECORDINGS[key]
+    shutil.copytree(src / "cache", tmp_path / "cache", symlinks=True)
+    shutil.copytree(src / run, tmp_path / run, symlinks=True)
 
 
 def metrics(run_dir: Path) -> list:
@@ -54,10 +74,17 @@ def namespaces(tmp_path: Path) -> list:
     return sorted(str(p.relative_to(tmp_path / "cache")) for p in (tmp_path / "cache").glob("*/GBS*"))
 
 
+SHARED = pytest.mark.xdist_group("train_e2e_recordings")   # the tests starting from one recorded() run
+
+
+@SHARED
 @pytest.mark.parametrize("mode", list(MODES))
-def test_first_run_misses_rerun_hits_identically(tmp_path, mode, capsys):
-    train(tmp_path, *MODES[mode], run="first")
-    train(tmp_path, *MODES[mode], run="again")
+def test_first_run_misses_rerun_hits_identically(tmp_path_factory, tmp_path, mode, capsys):
+    recorded(tmp_path_factory, tmp_path, *MODES[mode])
+    # Outside separate_async the rerun changes parameter_sync_step (4 by default): it does not matter there
+    # (it was a fingerprint mismatch naming the key), so the rerun still hits, identically.
+    irrelevant = [] if mode == "separate_async" else ["trainer.v1.separate_async.parameter_sync_step=2"]
+    train(tmp_path, *MODES[mode], *irrelevant, run="again")
     first, again = metrics(tmp_path / "first"), metrics(tmp_path / "again")
     assert [r["cache"] for r in first] == ["miss"] * 4
     assert [r["cache"] for r in again] == ["hit"] * 4
@@ -88,10 +115,11 @@ def test_mix_of_hits_and_misses_is_identical_to_an_uncached_run(tmp_path):
         assert training_metrics(metrics(tmp_path / run)) == base, run
 
 
-def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
+@SHARED
+def test_stale_partial_step_is_cleaned_and_never_served(tmp_path_factory, tmp_path):
     """An older run left step 2 with inner 0 only, holding other data: cleaned, regenerated, identical."""
     mode = MODES["separate_async"]
-    train(tmp_path, *mode, run="first")
+    recorded(tmp_path_factory, tmp_path, *mode)
     [ns] = (tmp_path / "cache").glob("*/GBS*")
     step2 = ns / "2"
     (step2 / "commit.json").unlink()
@@ -108,9 +136,10 @@ def test_stale_partial_step_is_cleaned_and_never_served(tmp_path):
     assert "1 incomplete [2]" in log and "deleted 1" in log
 
 
-def test_a_corrupt_step_is_warned_of_once(tmp_path):
+@SHARED
+def test_a_corrupt_step_is_warned_of_once(tmp_path_factory, tmp_path):
     """The Hydra callback's startup warned of a corrupt step, then the harness taking its startup over warned again."""
-    train(tmp_path, "trainer.total_training_steps=2", run="first")
+    recorded(tmp_path_factory, tmp_path, "trainer.total_training_steps=2")
     [ns] = (tmp_path / "cache").glob("*/GBS*")
     (ns / "2" / "commit.json").write_text("garbage")
     train(tmp_path, "trainer.total_training_steps=2", run="again")
@@ -139,8 +168,9 @@ def test_run_completed_after_a_killed_run_is_identical(tmp_path):
     assert training_metrics(rows) == training_metrics(metrics(tmp_path / "uncached"))
 
 
-def test_repeat_serves_nearest_complete_step(tmp_path):
-    train(tmp_path, "trainer.total_training_steps=2", run="two")
+@SHARED
+def test_repeat_serves_nearest_complete_step(tmp_path_factory, tmp_path):
+    recorded(tmp_path_factory, tmp_path, "trainer.total_training_steps=2")
     train(tmp_path, "skip.rollout_tq.action=repeat", run="rep")
     rows = metrics(tmp_path / "rep")
     assert [r["cache"] for r in rows] == ["hit", "hit", "repeat", "repeat"]
@@ -192,8 +222,11 @@ def test_mode_by_group_or_by_key_gives_the_same_k(tmp_path):
         (["trainer_mode=sync"], ["trainer_mode=colocate_async"], "trainer.v1.trainer_mode"),
     ],
 )
-def test_fingerprint_mismatch_names_the_keys(tmp_path, first, second, differing):
-    train(tmp_path, "trainer.experiment_name=shared", "trainer.total_training_steps=1", *first, run="a")
+@SHARED
+def test_fingerprint_mismatch_names_the_keys(tmp_path_factory, tmp_path, first, second, differing):
+    # both firsts are the defaults (seed=0, trainer_mode=sync): one recording, each run named in `first`
+    assert first in (["seed=0"], ["trainer_mode=sync"])
+    recorded(tmp_path_factory, tmp_path, "trainer.experiment_name=shared", "trainer.total_training_steps=1", run="a")
     proc = train(tmp_path, "trainer.experiment_name=shared", *second, run="b", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
@@ -204,8 +237,9 @@ def test_fingerprint_mismatch_names_the_keys(tmp_path, first, second, differing)
     assert [r["cache"] for r in metrics(tmp_path / "c")] == ["miss"] * 4
 
 
-def test_default_experiment_names_separate_modes_and_seeds(tmp_path):
-    train(tmp_path, "trainer.total_training_steps=1", "seed=0", run="a")
+@SHARED
+def test_default_experiment_names_separate_modes_and_seeds(tmp_path_factory, tmp_path):
+    recorded(tmp_path_factory, tmp_path, "trainer.total_training_steps=2")   # seed 0, sync: the defaults
     train(tmp_path, "trainer.total_training_steps=1", "seed=1", run="b")
     train(tmp_path, "trainer.total_training_steps=1", "trainer_mode=colocate_async", run="c")
     assert namespaces(tmp_path) == [
@@ -293,10 +327,4 @@ def test_the_progress_bar_is_drawn_on_a_terminal_only(tmp_path):
     assert "\r" in text and "sync K=1" in text, text  # tqdm's frames, on a terminal
 
 
-@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
-def test_parameter_sync_step_does_not_matter_outside_separate_async(tmp_path, mode):
-    key = "trainer.v1.separate_async.parameter_sync_step"
-    train(tmp_path, f"trainer_mode={mode}", f"{key}=4", "trainer.total_training_steps=2", run="a")
-    proc = train(tmp_path, f"trainer_mode={mode}", f"{key}=2", "trainer.total_training_steps=2", run="b", check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr  # was: a fingerprint mismatch naming the key
-    assert [r["cache"] for r in metrics(tmp_path / "b")] == ["hit", "hit"]
+# parameter_sync_step not mattering outside separate_async: test_first_run_misses_rerun_hits_identically's reruns.
