@@ -14,8 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from skip_harness.cli.view.decode import _length, mask_ends, prompt_start, response_span
-from skip_harness.cli.view.decode import first_true
+from skip_harness.cli.view.decode import _length, first_true, mask_ends, prompt_start, response_span
 from skip_harness.cli.view.samples import ATTENTION_MASK, GROUP, KEYS, PROMPT_IDS, RESPONSE_IDS, Batch, StepTable, Trajectory
 
 DIFFERS = ("a pair differs when its real response tokens (padding dropped) or its reward differ; trajectories "
@@ -113,14 +112,8 @@ def identities(table: StepTable) -> Tuple[List[Tuple[str, Trajectory]], str]:
     seen: Dict[str, int] = {}
     out = []
     ways = set()
-    digests: Dict[int, Optional[List[str]]] = {}          # per mini-batch, computed for all its rows at once
     for t in table.trajectories:
-        b = t.batch
-        got = digests[id(b)] if id(b) in digests else digests.setdefault(id(b), _prompt_digests(b))
-        if got is not None:
-            key, how = got[t.index], "prompt tokens"
-        else:
-            key, how = _prompt_key(t)
+        key, how = _prompt_key(t)        # a mini-batch's digests made once for all its rows (kept in its `derived`)
         ways.add(how)
         k = seen.get(key, 0)
         seen[key] = k + 1
