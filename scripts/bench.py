@@ -1,6 +1,6 @@
 """What caching costs, measured side by side with the bare alternative on one realistic payload.
 
-    python scripts/bench.py [--json] [--quick] [--rows N] [--repeats R] [--work-dir DIR] ...
+    python scripts/bench.py [--json] [--json-out FILE] [--quick] [--rows N] [--repeats R] [--work-dir DIR] ...
 
 The default payload is a rollout mini-batch as a verl-style trainer produces it: 1024 trajectories x
 4096 tokens (1024 prompt + 3072 response) of int64 input ids, attention mask and response mask, float32
@@ -330,6 +330,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--json-out", default=None, metavar="FILE",
+                   help="also write the JSON document to FILE (the table is still printed; CI keeps its quick run's)")
     p.add_argument("--rows", type=int, default=None,
                    help=f"trajectories per mini-batch of {PROMPT_LEN}+{RESPONSE_LEN} tokens (default 1024; --quick: 64)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats of save and load (default 7; --quick: 3)")
@@ -370,6 +372,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BenchError as exc:
         log.error("%s", exc)
         return 1
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
     else:
