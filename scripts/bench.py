@@ -359,6 +359,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(n < 1 for n in args.scan_steps):
         p.error(f"--scan-steps must be >= 1, got {args.scan_steps}")
+    if args.json_out and not Path(args.json_out).expanduser().parent.is_dir():
+        # checked before the run: a missing folder would lose minutes of measuring at the end
+        p.error(f"--json-out {args.json_out}: its folder does not exist")
     return args
 
 
@@ -372,10 +375,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BenchError as exc:
         log.error("%s", exc)
         return 1
+    doc = json.dumps(result, indent=1) + "\n"
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.json_out).expanduser().write_text(doc)
     if args.json:
-        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+        sys.stdout.write(doc)
     else:
         sys.stdout.write(render_table(result))
     return 0

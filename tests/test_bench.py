@@ -129,7 +129,8 @@ def test_bench_table_names_every_figure(quick):
         assert words in table, words
 
 
-BAD_OPTIONS = ((["--rows", "0"], "--rows"), (["--scan-steps", "0"], "--scan-steps"))
+BAD_OPTIONS = ((["--rows", "0"], "--rows"), (["--scan-steps", "0"], "--scan-steps"),
+               (["--json-out", "/nonexistent-skip-harness/quick.json"], "--json-out"))
 
 
 def test_bench_rejects_a_bad_option_in_process(capsys):
