@@ -1,7 +1,13 @@
-"""scripts/crash_test.py: kill -9 a K = 4 demo run at random moments, restart, verify, compare metrics."""
+"""scripts/crash_test.py: kill -9 a K = 4 demo run at random moments, restart, verify, compare metrics.
+
+CI's crash test is the first test below: `.ci/run` sets $SKIP_HARNESS_CRASH_TRIALS (10; 2 when unset) and
+$SKIP_HARNESS_CRASH_LOG (a file: the script's trial lines and summary, printed by `.ci/run` after the tests), so
+the crash test runs on a pytest-xdist worker beside the other slow tests instead of in a stage of its own, where
+it kept the machine's two cores 57% busy."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +27,30 @@ def crash_test(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=900)
 
 
+TRIALS = "SKIP_HARNESS_CRASH_TRIALS"
+LOG = "SKIP_HARNESS_CRASH_LOG"
+
+
+def _summary_line(stdout: str) -> str:
+    try:
+        r = json.loads(stdout)
+    except ValueError:
+        return f"crash test: no JSON summary on stdout: {stdout[-2000:]!r}\n"
+    return (f"crash test: {r['trials']} trials, {r['kills']} kills ({r['kills_mid_write']} mid-write, "
+            f"{r['kills_leaving_incomplete_steps']} leaving an incomplete step), {r['failures']} failures\n")
+
+
 def test_kills_never_corrupt_and_restarts_give_the_same_metrics(tmp_path):
-    proc = crash_test(tmp_path, "--trials", "2", "--seed", "3")
+    trials = int(os.environ.get(TRIALS) or 2)
+    proc = crash_test(tmp_path, "--trials", str(trials), "--seed", "3")
+    if os.environ.get(LOG):   # the trial lines, and the summary the script prints without --json
+        Path(os.environ[LOG]).write_text(proc.stderr + _summary_line(proc.stdout))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert report["trials"] == 2 and report["failures"] == 0 and report["failed_trials"] == []
-    assert 0 <= report["kills_mid_write"] <= report["kills"] <= 2
+    assert report["trials"] == trials and report["failures"] == 0 and report["failed_trials"] == []
+    assert 0 <= report["kills_mid_write"] <= report["kills"] <= trials
+    if trials >= 4:   # every other trial aims at a write (crash_test.py)
+        assert report["kills_mid_write"] >= 1, proc.stderr[-3000:]
     for trial in report["trial_details"]:
         # the restart served every step the kill had left complete
         assert trial["hits_on_restart"] >= len(trial["complete_after_kill"])
