@@ -65,8 +65,9 @@ def run(args, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-# `.ci/run` runs the quick bench once, before the slow tests (`--work-dir DIR/work --json-out DIR/quick.json`, its
-# table in CI's log), and names DIR here: the tests below read that run instead of paying another minute for one
+# `.ci/run` runs the quick bench once, beside the fast tests and before the slow tests (`--work-dir DIR/work
+# --json-out DIR/quick.json`, its table in CI's log), and names DIR here: the tests below read that run instead of
+# paying another minute for one
 QUICK_RUN = "SKIP_HARNESS_BENCH_QUICK_RUN"
 
 

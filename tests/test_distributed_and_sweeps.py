@@ -42,9 +42,10 @@ def test_torchrun_two_ranks_shards_commits_and_hits(tmp_path_factory, tmp_path):
     ]
     commit = json.loads((ns / "4" / "commit.json").read_text())
     assert commit["W"] == 2 and commit["K"] == 2
-    # one process spoke for the run: the per-step lines appear once
+    # one process spoke for the run: the per-step lines and the replay check's verdict appear once
     log = (tmp_path / "again" / "train.log").read_text()
     assert log.count("step 4: hit") == 1
+    assert log.count("replay: 4 of 4 served steps reproduced (") == 1
 
 
 @ON_TWO_RANKS

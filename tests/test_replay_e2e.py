@@ -6,11 +6,11 @@ import subprocess
 import pytest
 
 from replay_rig import namespace_in, serve_other_rollouts
-from test_distributed_and_sweeps import TORCHRUN
-from test_train_e2e import TINY, TRAIN, env_for
+from test_distributed_and_sweeps import ON_TWO_RANKS, TORCHRUN, TWO_RANKS
+from test_train_e2e import TINY, TRAIN, env_for, recorded
 
 pytestmark = pytest.mark.slow
-MODE = ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2"]
+MODE = TWO_RANKS
 
 
 def _torchrun(tmp_path, run, *overrides):
@@ -18,13 +18,11 @@ def _torchrun(tmp_path, run, *overrides):
     return subprocess.run(cmd, cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
 
 
-def test_two_ranks_record_replay_explain_and_stop(tmp_path):
-    assert _torchrun(tmp_path, "first").returncode == 0
-    again = _torchrun(tmp_path, "again")
-    assert again.returncode == 0, again.stderr[-3000:]
-    log = (tmp_path / "again" / "train.log").read_text()
-    assert log.count("replay: 4 of 4 served steps reproduced (") == 1     # rank 0 speaks for the run
-
+@ON_TWO_RANKS
+def test_two_ranks_record_replay_explain_and_stop(tmp_path_factory, tmp_path):
+    """The recording on two ranks is test_distributed_and_sweeps' (one per worker); its replay there says
+    "replay: 4 of 4 served steps reproduced" once (rank 0 speaks for the run)."""
+    recorded(tmp_path_factory, tmp_path, *MODE, launcher=tuple(TORCHRUN))
     lr = _torchrun(tmp_path, "lr", "actor_rollout_ref.actor.optim.lr=0.006")
     assert lr.returncode == 0
     log = (tmp_path / "lr" / "train.log").read_text()
