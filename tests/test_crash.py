@@ -1,6 +1,6 @@
 """scripts/crash_test.py: kill -9 a K = 4 demo run at random moments, restart, verify, compare metrics.
 
-CI's crash test is the first test below: `.ci/run` sets $SKIP_HARNESS_CRASH_TRIALS (10; 2 when unset) and
+CI's crash test is the first test below: `.ci/run` sets $SKIP_HARNESS_CRASH_TRIALS (4; 2 when unset) and
 $SKIP_HARNESS_CRASH_LOG (a file: the script's trial lines and summary, printed by `.ci/run` after the tests), so
 the crash test runs on a pytest-xdist worker beside the other slow tests instead of in a stage of its own, where
 it kept the machine's two cores 57% busy."""

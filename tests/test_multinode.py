@@ -80,6 +80,8 @@ def test_nodes_with_separate_cache_dirs_stop_at_startup(tmp_path):
     assert all(code != 0 for code, _ in results), output[-5000:]
     assert "skip.rollout_tq.dump_dir" in output, output[-5000:]
     assert "cannot see the rollout cache" in output, output[-5000:]
+    # and told of the other way to share one: an object store (also what test_objstore_scenarios.py relied on)
+    assert "skip.rollout_tq.dump_dir=s3://bucket/prefix" in output, output[-5000:]
     assert committed_steps(a) == [] and committed_steps(b) == []          # stopped before any work
     assert not list(tmp_path.glob("separate/node*/metrics.jsonl")) or all(
         not p.read_text().strip() for p in tmp_path.glob("separate/node*/metrics.jsonl"))

@@ -290,13 +290,8 @@ def test_cli_on_the_bucket(tmp_path, s3_server):
     assert_nothing_local(tmp_path)
 
 
-def test_nodes_that_cannot_see_one_directory_are_told_of_the_object_store(tmp_path):
-    from test_multinode import two_nodes
-    results = two_nodes(tmp_path, [tmp_path / "node-a", tmp_path / "node-b"], "separate")
-    output = "\n".join(out for _, out in results)
-    assert all(code != 0 for code, _ in results), output[-5000:]
-    assert "cannot see the rollout cache" in output and "skip.rollout_tq.dump_dir=s3://bucket/prefix" in output, \
-        output[-5000:]
+# Nodes that cannot see one directory are told of the object store: test_multinode.py's
+# test_nodes_with_separate_cache_dirs_stop_at_startup (the same two-agent run, once).
 
 
 def test_a_node_that_cannot_reach_the_object_store_stops_every_node_with_its_reason(tmp_path, s3_server, monkeypatch):
