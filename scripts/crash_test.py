@@ -343,13 +343,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         "failed_trials": [{"trial": t.index, "why": t.failures} for t in trials if t.failures],
         "trial_details": [asdict(t) for t in trials],
     }
-    if args.json:
-        print(json.dumps(summary, indent=1))
-    else:
-        print(f"crash test: {summary['trials']} trials, {summary['kills']} kills "
-              f"({summary['kills_mid_write']} mid-write, {summary['kills_leaving_incomplete_steps']} leaving an "
-              f"incomplete step), {summary['failures']} failures")
+    print(json.dumps(summary, indent=1) if args.json else summary_line(summary))
     return 1 if summary["failures"] else 0
+
+
+def summary_line(summary: Dict[str, Any]) -> str:
+    """The one line printed without --json (tests/test_crash.py writes it for CI's log from the --json document)."""
+    return (f"crash test: {summary['trials']} trials, {summary['kills']} kills ({summary['kills_mid_write']} mid-write, "
+            f"{summary['kills_leaving_incomplete_steps']} leaving an incomplete step), {summary['failures']} failures")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import subprocess_env
+from crash_test import summary_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "crash_test.py"
@@ -33,11 +34,9 @@ LOG = "SKIP_HARNESS_CRASH_LOG"
 
 def _summary_line(stdout: str) -> str:
     try:
-        r = json.loads(stdout)
+        return summary_line(json.loads(stdout)) + "\n"
     except ValueError:
         return f"crash test: no JSON summary on stdout: {stdout[-2000:]!r}\n"
-    return (f"crash test: {r['trials']} trials, {r['kills']} kills ({r['kills_mid_write']} mid-write, "
-            f"{r['kills_leaving_incomplete_steps']} leaving an incomplete step), {r['failures']} failures\n")
 
 
 def test_kills_never_corrupt_and_restarts_give_the_same_metrics(tmp_path):

@@ -10,11 +10,10 @@ from test_distributed_and_sweeps import ON_TWO_RANKS, TORCHRUN, TWO_RANKS
 from test_train_e2e import TINY, TRAIN, env_for, recorded
 
 pytestmark = pytest.mark.slow
-MODE = TWO_RANKS
 
 
 def _torchrun(tmp_path, run, *overrides):
-    cmd = [*TORCHRUN, str(TRAIN), f"hydra.run.dir={tmp_path / run}", *TINY, *MODE, *overrides]
+    cmd = [*TORCHRUN, str(TRAIN), f"hydra.run.dir={tmp_path / run}", *TINY, *TWO_RANKS, *overrides]
     return subprocess.run(cmd, cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
 
 
@@ -22,7 +21,7 @@ def _torchrun(tmp_path, run, *overrides):
 def test_two_ranks_record_replay_explain_and_stop(tmp_path_factory, tmp_path):
     """The recording on two ranks is test_distributed_and_sweeps' (one per worker); its replay there says
     "replay: 4 of 4 served steps reproduced" once (rank 0 speaks for the run)."""
-    recorded(tmp_path_factory, tmp_path, *MODE, launcher=tuple(TORCHRUN))
+    recorded(tmp_path_factory, tmp_path, *TWO_RANKS, launcher=tuple(TORCHRUN))
     lr = _torchrun(tmp_path, "lr", "actor_rollout_ref.actor.optim.lr=0.006")
     assert lr.returncode == 0
     log = (tmp_path / "lr" / "train.log").read_text()

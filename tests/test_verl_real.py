@@ -42,7 +42,7 @@ pytest.importorskip("transfer_queue")
 from verl_cpu import driver, recipe  # noqa: E402
 
 pytestmark = [pytest.mark.verl, pytest.mark.timeout(2400)]   # minutes of Ray start-up per run
-# two lanes of about equal time for `-n 2 --dist loadgroup` (each xdist worker builds its own workdir)
+# two lanes for `-n 2 --dist loadgroup`: three runs and five (each xdist worker builds its own workdir)
 SYNC_LANE = pytest.mark.xdist_group("verl_real_sync")
 ASYNC_LANE = pytest.mark.xdist_group("verl_real_async")
 
