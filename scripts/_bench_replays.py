@@ -4,14 +4,20 @@ measured beside it, and the bytes the replays wrote (none).
 - One namespace of `steps` steps of the bench's payload (one mini-batch a step) is recorded through a
   SkipHarness, then held by this process for the whole measure, as a running recording would hold it:
   every replay is a reader (docs/design.md, "Many runs on one namespace").
-- A replay is a process of its own (`python _bench_replays.py DUMP_DIR STEPS`): on each `go` line on
+- A replay is a process of its own (`python _bench_replays.py DUMP_DIR STEPS NAMESPACE`): on each `go` line on
   its stdin a fresh SkipHarness with prefetch on serves every step; a step's time is prepare_data +
   sample + touching every byte of the batch, one torch thread. The four processes start (and import)
   once; a round sends `go` to one of them, or to all four at once.
-- Rounds alternate: a lone replay, four at once, a lone replay. `concurrent_hit_s` is the slowest of
-  the four replays' median step, `lone_hit_s` the median of both lone replays' median steps, and
-  `concurrent_hit_ratio` their ratio (target <= 1.1; on a machine with fewer cores than replays the
-  verified reads -- xxh3 of every byte -- share the cores, and the ratio says so).
+- Rounds alternate: a lone replay, then twice four replays at once and four bare verified reads at once,
+  then a lone replay. A bare verified read (a `bare` line) is what any hit must do and nothing more: each
+  step's payload read once through the store (`StepReader.read_served`: size and checksum checked against
+  the commit record) and every byte touched, in the same four processes, with no harness.
+- `concurrent_hit_s` is the slowest of the four replays' median step (over both rounds),
+  `concurrent_floor_s` the slowest of the four bare readers', and `concurrent_hit_floor_ratio` their
+  ratio (target <= 1.1): what four replays at once cost beyond the reads they cannot avoid on this
+  machine's cores. `concurrent_hit_ratio` (the same slowest hit over a lone replay's median, both lone
+  replays' medians pooled) stays as a figure: on a machine with fewer cores than replays the verified reads
+  -- xxh3 of every byte -- share the cores, and it says so rather than what the harness adds.
 - `replays_bytes_written`: bytes of every file of the namespace (steps, values, index) that a replay
   created or changed, from a listing before and after (size, mtime and ctime of each): 0. The replays
   report no values (a replay that does keeps them under its run id, `.values/runs/`: not rollouts).
@@ -43,16 +49,17 @@ def _written(before: Dict[str, Tuple[int, int, int]], after: Dict[str, Tuple[int
     return sum(meta[0] for key, meta in after.items() if before.get(key) != meta)
 
 
-def _start(dump: Path, steps: int) -> subprocess.Popen:
+def _start(dump: Path, steps: int, namespace: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(dump), str(steps)],
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(dump), str(steps), str(namespace)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _round(procs: List[subprocess.Popen], steps: int) -> List[float]:
-    """One replay in each of `procs` at once: each one's median step seconds."""
+def _round(procs: List[subprocess.Popen], steps: int, command: str = "go") -> List[List[float]]:
+    """One replay (`go`) or one bare verified read of every step (`bare`) in each of `procs` at once: each
+    one's step seconds."""
     for p in procs:
-        p.stdin.write("go\n")
+        p.stdin.write(f"{command}\n")
         p.stdin.flush()
     out = []
     for p in procs:
@@ -62,8 +69,13 @@ def _round(procs: List[subprocess.Popen], steps: int) -> List[float]:
         doc = json.loads(line)
         if doc["hits"] != steps or doc["generated"]:
             raise RuntimeError(f"a replay did not serve every step from the cache: {doc}")
-        out.append(statistics.median(doc["times"]))
+        out.append(doc["times"])
     return out
+
+
+def _slowest(rounds: List[List[List[float]]]) -> float:
+    """The slowest process's median step over every round (rounds x processes x steps)."""
+    return max(statistics.median([t for r in rounds for t in r[i]]) for i in range(len(rounds[0])))
 
 
 def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
@@ -81,14 +93,17 @@ def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
     h.close()
     layout = h.layout
     hold = open_namespace(layout).lock(0.0)          # a recording still running: every replay reads beside it
-    procs = [_start(dump, steps) for _ in range(REPLAYS)]    # started (torch imported) once, for every round
+    procs = [_start(dump, steps, layout.root) for _ in range(REPLAYS)]    # started (torch imported) once, for every round
     try:
         for p in procs:
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a replay did not start: {p.stderr.read()[-2000:]}")
         before = _files(layout.root)
         lone_a = _round(procs[:1], steps)
-        together = _round(procs, steps)
+        together, bare = [], []
+        for _ in range(2):                                     # interleaved: the machine's load moves
+            together.append(_round(procs, steps))
+            bare.append(_round(procs, steps, "bare"))
         lone_b = _round(procs[:1], steps)
         after = _files(layout.root)
     finally:
@@ -97,15 +112,37 @@ def bench_replays(payload: Any, work: Path, steps: int) -> Dict[str, Any]:
                 p.kill()
                 p.wait()
         hold.release()
-    lone = statistics.median(lone_a + lone_b)
-    worst = max(together)
+    lone = statistics.median([statistics.median(t) for t in lone_a + lone_b])
+    worst, floor = _slowest(together), _slowest(bare)
     return {"lone_hit_s": lone, "concurrent_hit_s": worst, "concurrent_hit_ratio": worst / lone,
+            "concurrent_floor_s": floor, "concurrent_hit_floor_ratio": worst / floor,
             "concurrent_replays": REPLAYS, "replays_bytes_written": _written(before, after),
             "concurrent_step_bytes": sum(e.stat().st_size for e in layout.step_dir(1).rglob("*") if e.is_file())}
 
 
-def _worker(dump: str, steps: int) -> int:
-    """Replay the namespace once per `go` line on stdin (a fresh harness each time); one JSON line each."""
+def _bare_reads(namespace: str, steps: int) -> Dict[str, Any]:
+    """Every step's payload read and verified through the store, every byte touched: no harness."""
+    from _benchlib import touch
+
+    from skip_harness.store.layout import Layout
+    from skip_harness.store.open import open_store
+
+    reader = open_store(Layout(Path(namespace), K=1, W=1)).reader
+    times = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        _status, reason, batches, _metas = reader.read_served(step, 0)
+        if reason is not None:
+            raise RuntimeError(f"step {step} does not verify: {reason}")
+        touch(batches)
+        times.append(time.perf_counter() - t0)
+        del batches
+    return {"times": times, "hits": steps, "generated": 0}
+
+
+def _worker(dump: str, steps: int, namespace: str) -> int:
+    """Replay the namespace once per `go` line on stdin (a fresh harness each time), or read it bare once
+    per `bare` line; one JSON line each."""
     import torch
 
     from _benchlib import SyntheticTrainer, make_harness, touch   # run as a file: scripts/ is first on its path
@@ -113,6 +150,9 @@ def _worker(dump: str, steps: int) -> int:
     torch.set_num_threads(1)
     print("ready", flush=True)
     for command in sys.stdin:
+        if command.strip() == "bare":
+            print(json.dumps(_bare_reads(namespace, steps)), flush=True)
+            continue
         if command.strip() != "go":
             break
         h = make_harness("async", Path(dump))
@@ -131,4 +171,4 @@ def _worker(dump: str, steps: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], int(sys.argv[2])))
+    sys.exit(_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

@@ -13,7 +13,8 @@ TARGETS = {"s3_save_ratio": 1.1, "s3_load_ratio": 1.1, "save_ratio": 1.05, "load
            "step_vs_floor_ratio": 1.02, "hit_vs_floor_ratio": 1.02, "s3_hit_vs_floor_ratio": 1.02,
            "scan_index_ratio": 0.1,
            "scan_10k_s": 0.25, "load_peak_mem_ratio": 1.1, "disk_ratio": 0.35, "step_overhead_ratio_zstd": 1.05,
-           "hit_overhead_ratio_zstd": 1.05, "concurrent_hit_ratio": 1.1,
+           "hit_overhead_ratio_zstd": 1.05, "concurrent_hit_floor_ratio": 1.1,
+           "disk_ratio_grpo": 0.15, "disk_floor_ratio_grpo": 1.1,
            "replay_step_ratio_tier": 0.2}
 
 
@@ -56,6 +57,12 @@ def render_table(r: Dict[str, Any]) -> str:
               f"{r['disk_ratio_jagged']:.3f}", f"{r['disk_ratio_jagged_narrow']:.3f}")
         + row("disk, MoE routed experts: zstd / narrow", "", f"{r['verl_bytes_moe'] / MiB:.1f} MiB",
               f"{r['disk_ratio_moe']:.3f}", f"{r['disk_ratio_moe_narrow']:.3f}")
+        + (row("disk, GRPO (verl V1, n = 8): zstd / verl", f"{r['stored_bytes_grpo'] / MiB:.1f} MiB",
+               f"{r['verl_bytes_grpo'] / MiB:.1f} MiB", f"{r['disk_ratio_grpo']:.3f}", tgt("disk_ratio_grpo"))
+           + row("disk, GRPO: zstd / its unique content's zstd", f"{r['stored_bytes_grpo'] / MiB:.1f} MiB",
+                 f"{r['floor_bytes_grpo'] / MiB:.1f} MiB", f"{r['disk_floor_ratio_grpo']:.3f}",
+                 tgt("disk_floor_ratio_grpo"))
+           if "disk_ratio_grpo" in r else "")
         + row("peak memory of a load / payload", f"{r['load_peak_mem_ratio']:.2f}",
               f"{r['bare_load_peak_mem_ratio']:.2f}", "", tgt("load_peak_mem_ratio"))
         + row("startup scan, 10,000 steps x K=4", f"{r['scan_10k_s']:.3f} s", f"{r['scan_full_10k_s']:.3f} s",
@@ -77,6 +84,10 @@ def render_table(r: Dict[str, Any]) -> str:
         + (row("object store: hit vs the bare-GET floor beside it", f"{r['s3_hit_overhead_ratio']:.3f}",
                f"{r['s3_hit_floor_ratio']:.3f}", f"{r['s3_hit_vs_floor_ratio']:.3f}", tgt("s3_hit_vs_floor_ratio"))
            if "s3_hit_vs_floor_ratio" in r else "")
+        + (row(f"{r['concurrent_replays']} replays at once vs {r['concurrent_replays']} bare reads at once",
+               f"{r['concurrent_hit_s']:.3f} s", f"{r['concurrent_floor_s']:.3f} s",
+               f"{r['concurrent_hit_floor_ratio']:.2f}", tgt("concurrent_hit_floor_ratio"))
+           if "concurrent_hit_floor_ratio" in r else "")
         + (row(f"{r['concurrent_replays']} replays at once vs a lone one", f"{r['concurrent_hit_s']:.3f} s",
                f"{r['lone_hit_s']:.3f} s", f"{r['concurrent_hit_ratio']:.2f}", tgt("concurrent_hit_ratio"))
            if "concurrent_hit_ratio" in r else "")

@@ -58,10 +58,19 @@ zstd at the default `compression_level`, on the writer thread):
                        nested tensors and NonTensorStack fields: disk_ratio_jagged, disk_ratio_jagged_narrow)
                        and for an MoE batch carrying routed experts (int16 [tokens, 48 layers, top-8 of 128]:
                        disk_ratio_moe, disk_ratio_moe_narrow).
-- concurrent_hit_ratio four replays of one namespace at once (processes of their own, every one a reader beside
-                       the recording that holds it): the slowest one's median hit step vs a lone replay's
-                       measured beside them (target <= 1.1); replays_bytes_written: bytes of the namespace
-                       the replays created or changed (must be 0). scripts/_bench_replays.py says how.
+- disk_ratio_grpo      bytes stored (narrowing + zstd) over verl's torch.save of a GRPO mini-batch as verl's V1
+                       trainer holds it (rows / 32 prompts x 8 samples sharing their prompt; prompts, responses,
+                       input_ids = prompt + response, attention mask, position ids, response mask, two log-prob
+                       fields, rewards, uids, messages: scripts/_bench_grpo.py); disk_floor_ratio_grpo: the
+                       same bytes over the floor, the zstd size of the batch's unique content (each distinct
+                       prompt once, each response once, nothing derivable stored).
+- concurrent_hit_floor_ratio
+                       four replays of one namespace at once (processes of their own, every one a reader beside
+                       the recording that holds it): the slowest one's median hit step vs the slowest of four
+                       bare verified reads of the same files at once, in the same processes (target <= 1.1);
+                       concurrent_hit_ratio: the same slowest hit vs a lone replay's (a figure: on two cores
+                       four CPU-bound readers cannot match one alone); replays_bytes_written: bytes of the
+                       namespace the replays created or changed (must be 0). scripts/_bench_replays.py says how.
 - step_overhead_ratio_zstd / hit_overhead_ratio_zstd
                        step_overhead_ratio and hit_overhead_ratio with compression on (targets unchanged);
                        save_zstd_mib_s / load_zstd_mib_s: durable save and verified load of the batch with
@@ -98,6 +107,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 # the bench's parts beside this file: `python scripts/bench.py` puts scripts/ first on sys.path
+from _bench_grpo import GRPO_N, grpo_disk_ratios  # noqa: E402
 from _bench_io import bench_checksum, bench_load, bench_mem, bench_save, bench_zstd, write_committed_step  # noqa: E402
 from _bench_replays import REPLAYS, bench_replays  # noqa: E402
 from _bench_scan import bench_scan, scan_namespace_for  # noqa: E402
@@ -199,6 +209,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             result.update({f"disk_ratio{tag}": ratios["zstd"], f"disk_ratio{tag}_narrow": ratios["narrow"],
                            f"verl_bytes{tag}": ratios["verl_bytes"]})
             del batch
+        grpo_prompts = max(2, args.rows // 32)
+        log.info("footprint of a GRPO mini-batch (%d prompts x %d samples, verl V1's fields) and of its unique "
+                 "content", grpo_prompts, GRPO_N)
+        result.update(grpo_disk_ratios(grpo_prompts, work / "footprint"))
         log.info("compressed save and load, %d repeats", args.repeats)
         result.update(bench_zstd(payload, work, args.repeats))
 

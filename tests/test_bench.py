@@ -33,7 +33,8 @@ import _benchlib as lib  # noqa: E402
 SPEC_KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_ratio", "scan_10k_s",
              "load_peak_mem_ratio", "hit_overhead_ratio", "disk_ratio", "disk_ratio_narrow",
              "step_overhead_ratio_zstd", "hit_overhead_ratio_zstd", "s3_save_ratio", "s3_load_ratio",
-             "s3_step_overhead_ratio", "s3_hit_overhead_ratio")
+             "s3_step_overhead_ratio", "s3_hit_overhead_ratio", "disk_ratio_grpo", "disk_floor_ratio_grpo",
+             "concurrent_hit_floor_ratio")
 ZSTD_KEYS = ("disk_ratio_jagged", "disk_ratio_jagged_narrow", "disk_ratio_moe", "disk_ratio_moe_narrow", "verl_bytes",
              "verl_bytes_jagged", "verl_bytes_moe", "save_zstd_mib_s", "load_zstd_mib_s", "zstd_stored_bytes",
              "zstd_compress_cpu_s", "zstd_decompress_s", "step_overhead_ratio_zstd_floor",
@@ -46,7 +47,8 @@ MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s",
              "sync_cpu_overhead_ratio", "hit_cpu_overhead_ratio", "floor_cpu_overhead_ratio", "step_floor_ratio", "step_floor_s",
              "step_vs_floor_ratio", "scan_index_ratio", "step_hit_floor_s", "hit_floor_ratio", "hit_vs_floor_ratio",
              "hit_floor_cpu_overhead_ratio", "s3_hit_floor_ratio", "s3_hit_vs_floor_ratio", "s3_step_vs_floor_ratio",
-             "concurrent_hit_ratio", "lone_hit_s", "concurrent_hit_s")
+             "concurrent_hit_ratio", "lone_hit_s", "concurrent_hit_s", "concurrent_floor_s", "verl_bytes_grpo",
+             "stored_bytes_grpo", "floor_bytes_grpo")
 
 
 def load_script(path: Path = BENCH):
@@ -107,6 +109,9 @@ def test_bench_quick_json_has_every_spec_key(quick):
     # narrowing + zstd stores less than narrowing alone, which stores less than torch.save, for each variant
     for tag in ("", "_jagged", "_moe"):
         assert 0 < doc[f"disk_ratio{tag}"] < doc[f"disk_ratio{tag}_narrow"] < 1, tag
+    # the GRPO batch: stored below verl's bytes, and never below the zstd size of its unique content
+    assert 0 < doc["disk_ratio_grpo"] < 1 and doc["disk_floor_ratio_grpo"] > 0.95
+    assert doc["floor_bytes_grpo"] < doc["stored_bytes_grpo"] < doc["verl_bytes_grpo"]
     assert doc["payload_tokens"] == 4096 and doc["small_payload_bytes"] < doc["payload_bytes"]
     # Only the scan namespace is kept in a user's work dir, for the next run to reuse -- with its index.
     assert sorted(p.name for p in work.iterdir()) == ["scan_1000x4"]
@@ -126,8 +131,31 @@ def test_bench_table_names_every_figure(quick):
                   "hit (prefetch) vs in memory", "peak memory", "startup scan", "floor of a save", "throughput",
                   "miss, async, zstd", "hit, zstd", "narrow + zstd / verl torch.save", "jagged (verl V1)",
                   "MoE routed experts", "floors beside the targets", "hit floor (page cache)",
-                  "hit vs the page-cache floor", "one-thread"):
+                  "hit vs the page-cache floor", "one-thread", "disk, GRPO (verl V1, n = 8)",
+                  "its unique content's zstd", "replays at once vs 4 bare reads at once"):
         assert words in table, words
+
+
+def test_the_grpo_batch_is_what_grpo_writes():
+    """The GRPO batch's groups share their prompt, input_ids is prompt + response, the masks and position ids
+    follow from the lengths, and the floor's content holds each prompt once."""
+    import _bench_grpo
+
+    ts = _bench_grpo.grpo_trajectories(3, n=4, seed=1, prompt_len=64, response_len=96)
+    assert len(ts) == 12
+    for i, t in enumerate(ts):
+        head = ts[i - i % 4]
+        assert torch.equal(t["prompts"], head["prompts"]) and t["uid"] == head["uid"]
+        assert torch.equal(t["input_ids"], torch.cat([t["prompts"], t["responses"]]))
+        total = len(t["prompts"]) + len(t["responses"])
+        assert torch.equal(t["position_ids"], torch.arange(total)) and int(t["attention_mask"].sum()) == total
+        assert t["response_mask"].shape == t["responses"].shape == t["rollout_log_probs"].shape
+        assert not torch.equal(t["old_log_probs"], t["rollout_log_probs"])
+    assert not torch.equal(ts[0]["responses"][:10], ts[1]["responses"][:10])       # samples differ
+    unique = _bench_grpo.unique_content(3, n=4, seed=1)
+    assert unique["prompts"].size(0) == 3 and unique["responses"].size(0) == 12 and len(unique["uid"]) == 3
+    batch = _bench_grpo.make_grpo_payload(3, n=4, seed=1)
+    assert batch["tensordict"].batch_size[0] == 12
 
 
 BAD_OPTIONS = ((["--rows", "0"], "--rows"), (["--scan-steps", "0"], "--scan-steps"),

@@ -1,0 +1,108 @@
+"""The bench's GRPO mini-batch and its floor (SPEC, "Benchmark": `disk_ratio_grpo`, `disk_floor_ratio_grpo`).
+
+What a GRPO step of verl's V1 trainer holds, unlike the bench's other batches: `n` samples share each
+prompt, and the batch carries fields that follow from others. Per trajectory, as verl's V1 trainer saves a
+mini-batch (`{"tensordict", "tags", "keys", "global_steps"}`, the tensordict made by verl's own
+`list_of_dict_to_tensordict` when verl is installed, else the same layout by hand):
+
+- `prompts` (the group's prompt: the same ids `n` times over), `responses`, `input_ids` = prompt + response;
+- `attention_mask` (ones over prompt + response), `position_ids` (0 .. prompt + response - 1) and
+  `response_mask` (ones over the response): they follow from the two lengths;
+- `rollout_log_probs` (the generator's) and `old_log_probs` (the trainer's recomputation: the same values
+  up to float noise), float32 over the response;
+- `rewards` (one float), `uid` (the group's id) and `messages` (the group's chat prompt): non-tensor.
+
+Prompt lengths are drawn from [P/4, P], response lengths from [R/8, R] (P = 1,024, R = 3,072 tokens), ids
+Zipf-like over the 151,936-token vocabulary (`_benchlib.zipf_token_ids`).
+
+The floor is what storing each thing once would cost with the codec's own narrowing and zstd: the zstd
+size (`codec.save_to`, the bench's stored form) of the batch's unique content -- each distinct prompt once,
+each response once, both log-prob fields, the rewards, and each group's uid and messages once -- with
+nothing derivable (input_ids, masks, position ids) stored at all.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+from _benchlib import PROMPT_LEN, RESPONSE_LEN, ZSTD, stored_bytes, torch_save_bytes, zipf_token_ids
+
+GRPO_N = 8                    # samples per prompt (a common GRPO setting)
+
+
+def grpo_trajectories(prompts: int, n: int = GRPO_N, seed: int = 0, prompt_len: int = PROMPT_LEN,
+                      response_len: int = RESPONSE_LEN) -> List[Dict[str, Any]]:
+    """`prompts` groups of `n` trajectories, as dicts of verl V1's per-trajectory fields."""
+    g = torch.Generator().manual_seed(seed)
+    out: List[Dict[str, Any]] = []
+    for p in range(prompts):
+        plen = int(torch.randint(prompt_len // 4, prompt_len + 1, (1,), generator=g))
+        prompt = zipf_token_ids((plen,), g)
+        uid = f"{seed:04x}{p:08x}"
+        messages = [{"role": "user", "content": f"question {p} of the bench, seed {seed}"}]
+        for _ in range(n):
+            rlen = int(torch.randint(response_len // 8, response_len + 1, (1,), generator=g))
+            response = zipf_token_ids((rlen,), g)
+            rollout = -torch.rand(rlen, generator=g) * 6
+            old = rollout + torch.randn(rlen, generator=g) * 1e-3     # the trainer's recomputation
+            out.append({
+                "prompts": prompt.clone(), "responses": response, "input_ids": torch.cat([prompt, response]),
+                "attention_mask": torch.ones(plen + rlen, dtype=torch.int64),
+                "position_ids": torch.arange(plen + rlen, dtype=torch.int64),
+                "response_mask": torch.ones(rlen, dtype=torch.int64),
+                "rollout_log_probs": rollout, "old_log_probs": old,
+                "rewards": torch.rand((), generator=g),
+                "messages": messages, "uid": uid,
+            })
+    return out
+
+
+def make_grpo_payload(prompts: int, n: int = GRPO_N, seed: int = 0) -> Dict[str, Any]:
+    """The GRPO mini-batch as verl's V1 trainer saves it."""
+    from tensordict import NonTensorStack, TensorDict
+
+    trajectories = grpo_trajectories(prompts, n, seed)
+    try:
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+        td = list_of_dict_to_tensordict(trajectories)
+    except ImportError:
+        keys = [k for k in trajectories[0] if isinstance(trajectories[0][k], torch.Tensor)]
+        data = {k: (torch.stack([t[k] for t in trajectories]) if trajectories[0][k].dim() == 0 else
+                    torch.nested.as_nested_tensor([t[k] for t in trajectories], layout=torch.jagged)) for k in keys}
+        data.update({k: NonTensorStack(*[t[k] for t in trajectories]) for k in ("messages", "uid")})
+        td = TensorDict(data, batch_size=[len(trajectories)])
+    return {"tensordict": td, "tags": [{"status": "ready"} for _ in trajectories],
+            "keys": [f"{seed}_{i}" for i in range(len(trajectories))], "global_steps": seed}
+
+
+def unique_content(prompts: int, n: int = GRPO_N, seed: int = 0) -> Dict[str, Any]:
+    """The same batch's content with each thing once: distinct prompts, responses, the two log-prob fields,
+    rewards, and one uid and one chat prompt a group. Nothing derivable."""
+    trajectories = grpo_trajectories(prompts, n, seed)
+    groups = trajectories[::n]
+    jagged = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    return {
+        "prompts": jagged([t["prompts"] for t in groups]),
+        "responses": jagged([t["responses"] for t in trajectories]),
+        "rollout_log_probs": jagged([t["rollout_log_probs"] for t in trajectories]),
+        "old_log_probs": jagged([t["old_log_probs"] for t in trajectories]),
+        "rewards": torch.stack([t["rewards"] for t in trajectories]),
+        "uid": [t["uid"] for t in groups],
+        "messages": [t["messages"] for t in groups],
+    }
+
+
+def grpo_disk_ratios(prompts: int, work: Path, n: int = GRPO_N, seed: int = 6) -> Dict[str, float]:
+    """disk_ratio_grpo: bytes stored (narrowed + zstd) over verl's torch.save of the GRPO batch;
+    disk_floor_ratio_grpo: bytes stored over the zstd size of the batch's unique content."""
+    work.mkdir(parents=True, exist_ok=True)
+    batch = make_grpo_payload(prompts, n, seed)
+    verl = torch_save_bytes(batch, work / "grpo_verl.pt")
+    stored = stored_bytes(batch, ZSTD, work / "grpo_z.bin")
+    del batch
+    floor = stored_bytes(unique_content(prompts, n, seed), ZSTD, work / "grpo_floor.bin")
+    return {"disk_ratio_grpo": stored / verl, "disk_floor_ratio_grpo": stored / floor,
+            "verl_bytes_grpo": verl, "stored_bytes_grpo": stored, "floor_bytes_grpo": floor,
+            "grpo_prompts": prompts, "grpo_n": n}
