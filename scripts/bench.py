@@ -58,12 +58,9 @@ zstd at the default `compression_level`, on the writer thread):
                        nested tensors and NonTensorStack fields: disk_ratio_jagged, disk_ratio_jagged_narrow)
                        and for an MoE batch carrying routed experts (int16 [tokens, 48 layers, top-8 of 128]:
                        disk_ratio_moe, disk_ratio_moe_narrow).
-- disk_ratio_grpo      bytes stored (narrowing + zstd) over verl's torch.save of a GRPO mini-batch as verl's V1
-                       trainer holds it (rows / 32 prompts x 8 samples sharing their prompt; prompts, responses,
-                       input_ids = prompt + response, attention mask, position ids, response mask, two log-prob
-                       fields, rewards, uids, messages: scripts/_bench_grpo.py); disk_floor_ratio_grpo: the
-                       same bytes over the floor, the zstd size of the batch's unique content (each distinct
-                       prompt once, each response once, nothing derivable stored).
+- disk_ratio_grpo      bytes stored over verl's torch.save of a GRPO mini-batch (rows / 32 prompts x 8 samples,
+                       verl V1's fields: scripts/_bench_grpo.py); disk_floor_ratio_grpo: over the zstd size of
+                       its unique content (each prompt once, each response once, nothing derivable).
 - concurrent_hit_floor_ratio
                        four replays of one namespace at once (processes of their own, every one a reader beside
                        the recording that holds it): the slowest one's median hit step vs the slowest of four

@@ -14,6 +14,7 @@ import torch
 import zstandard
 
 from skip_harness.errors import CodecError
+from skip_harness.codec import dedupe
 from skip_harness.codec.fileimage import FileImage, _byte_view, _dtype_name, _how, _layout
 from skip_harness.codec.payload_kinds import np
 
@@ -25,6 +26,8 @@ class StoredForm:
     narrow: bool = True
     zstd_level: Optional[int] = None
     chunk_bytes: int = 1 << 22
+    dedupe: bool = False          # tensors that repeat or follow from others stored as a rule (`dedupe`)
+    shuffle: bool = False         # floats' bytes grouped by significance before zstd (as Blosc does)
 
     @property
     def transforms(self) -> bool:
@@ -71,22 +74,34 @@ def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: Stored
     """`image` with its tensors (contiguous CPU tensors holding `image.tensors`' values: the staged copy,
     or the tensors themselves) narrowed and compressed as `form` says. Runs on a writer thread."""
     cctx = zstandard.ZstdCompressor(level=form.zstd_level, write_checksum=True) if form.zstd_level is not None else None
+    names = list(image.names or [None] * len(tensors))
+    rules = dedupe.plan(image.tree, tensors, names) if form.dedupe else None
+    if rules is not None and rules.how:
+        tensors, names = [*tensors, *rules.extras], [*names, *rules.extra_names]
     entries, data = [], []
-    for t, name in zip(tensors, image.names or [None] * len(tensors)):
+    for i, (t, name) in enumerate(zip(tensors, names)):
         dtype = t.dtype
+        if rules is not None and i in rules.how:                 # stored as a rule: no bytes of its own
+            how = _how(name, None, None) or {}
+            entries.append((_dtype_name(dtype), list(t.shape), 0, {**how, **rules.how[i]}))
+            data.append(torch.empty(0, dtype=torch.uint8))
+            continue
         stored_dtype = narrowest_dtype(t) if form.narrow else dtype
         chunks = None
+        shuffle = form.shuffle and dtype in _SHUFFLED and cctx is not None and _shuffle_pays(cctx, t)
         if cctx is not None and t.numel():
-            frames, chunks = _compress_chunks(cctx, t.reshape(-1), stored_dtype, form.chunk_bytes)
+            frames, chunks = _compress_chunks(cctx, t.reshape(-1), stored_dtype, form.chunk_bytes, shuffle)
             raw: Any = frames
             if sum(len(f) for f in frames) >= sum(c[1] for c in chunks):   # noise does not compress: raw
                 chunks = None
         if chunks is None:
+            shuffle = False
+        if chunks is None:
             stored = t if stored_dtype == dtype else t.to(stored_dtype)
             raw = stored.reshape(-1).view(torch.uint8)          # contiguous: the staged copy's layout
         nbytes = sum(len(f) for f in raw) if chunks is not None else raw.numel()
-        entries.append((_dtype_name(dtype), list(t.shape), nbytes,
-                        _how(name, None if stored_dtype == dtype else _dtype_name(stored_dtype), chunks)))
+        how = _how(name, None if stored_dtype == dtype else _dtype_name(stored_dtype), chunks)
+        entries.append((_dtype_name(dtype), list(t.shape), nbytes, {**how, "shuffle": True} if shuffle and how else how))
         data.append(raw)
     head, offsets, nbytes = _layout(image.tree, entries)
     pieces: List[Tuple[int, Any]] = []
@@ -100,10 +115,11 @@ def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: Stored
     return StoredImage(head, pieces, nbytes, image.nbytes)
 
 
-def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, chunk_bytes: int
-                     ) -> Tuple[List[bytes], List[List[int]]]:
+def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, chunk_bytes: int,
+                     shuffle: bool = False) -> Tuple[List[bytes], List[List[int]]]:
     """zstd frames of `flat` stored as `stored_dtype`, `chunk_bytes` of stored bytes each; each chunk is
-    narrowed into this thread's scratch first (no full-size temporary)."""
+    narrowed into this thread's scratch first (no full-size temporary), or with `shuffle` its bytes
+    grouped by their place in each element (every first byte, then every second, ...)."""
     per = max(1, chunk_bytes // stored_dtype.itemsize)
     frames, chunks = [], []
     for a in range(0, flat.numel(), per):
@@ -119,9 +135,70 @@ def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, c
             np.copyto(narrow.numpy(), part.numpy(), casting="unsafe")
             part = narrow
         view = _byte_view(part)
+        if shuffle:
+            view = _shuffled(view, stored_dtype.itemsize)
         frames.append(cctx.compress(view))
         chunks.append([len(frames[-1]), len(view)])
     return frames, chunks
+
+
+# floats: their sign and exponent bytes repeat where their low mantissa bytes are noise
+_SHUFFLED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+_UINT = {2: "uint16", 4: "uint32", 8: "uint64"}
+_SAMPLE_BYTES = 1 << 16
+_SHUFFLE_GAIN = 0.95              # shuffled only when a sample of it compresses to this share or less
+
+
+def _shuffle_pays(cctx: Any, t: torch.Tensor) -> bool:
+    """Whether grouping `t`'s bytes compresses it enough better to pay for regrouping them on a load,
+    judged on its first 64 KiB (a mostly-zero tensor compresses to nothing either way)."""
+    head = t.reshape(-1)[:_SAMPLE_BYTES // t.element_size()]
+    view = _byte_view(head)
+    plain = len(cctx.compress(view))
+    return len(cctx.compress(_shuffled(view, t.element_size()))) <= _SHUFFLE_GAIN * plain
+
+
+def _shuffled(view: Any, size: int) -> memoryview:
+    """The bytes of `view` (elements of `size` bytes) grouped by place -- every element's lowest byte, then
+    every second byte, ... -- in this thread's scratch. Shifts and masks over whole words: a strided byte
+    copy (`copyto` of a transpose) is three times slower."""
+    words = np.frombuffer(view, dtype=_UINT[size])
+    n = len(words)
+    scratch, tmp = _scratch_pair("sbuf", n * size, words.dtype)
+    planes = np.frombuffer(scratch, dtype=np.uint8, count=n * size).reshape(size, n)
+    for k in range(size):
+        np.right_shift(words, 8 * k, out=tmp)
+        np.copyto(planes[k], tmp, casting="unsafe")            # the low byte of each
+    return memoryview(scratch)[:n * size]
+
+
+def _unshuffled(planes: Any, dst: torch.Tensor, size: int) -> None:
+    """Inverse of `_shuffled`: `planes` (size x n bytes) put back together into `dst`'s n elements."""
+    n = dst.numel()
+    out = dst.view(getattr(torch, _UINT[size].replace("uint", "int"))).numpy().view(_UINT[size])
+    _unused, tmp = _scratch_pair("ubuf", 0, out.dtype, n)
+    src = np.frombuffer(planes, dtype=np.uint8, count=n * size).reshape(size, n)
+    np.copyto(out, src[0])
+    for k in range(1, size):
+        np.copyto(tmp, src[k])
+        np.left_shift(tmp, 8 * k, out=tmp)
+        np.bitwise_or(out, tmp, out=out)
+
+
+def _scratch_pair(name: str, nbytes: int, word: Any, words: int = 0) -> Tuple[bytearray, Any]:
+    """This thread's scratch of at least `nbytes` bytes, and a word array of `words` (or nbytes / size) words."""
+    scratch = getattr(_scratch, name, None)
+    if scratch is None or len(scratch) < nbytes:
+        scratch = bytearray(max(nbytes, 1 << 22))
+        setattr(_scratch, name, scratch)
+    count = words or nbytes // np.dtype(word).itemsize
+    tmp = getattr(_scratch, name + "_w", None)
+    if tmp is None or tmp.dtype != np.dtype(word) or len(tmp) < count:
+        tmp = np.empty(max(count, (1 << 22) // np.dtype(word).itemsize), dtype=word)
+        setattr(_scratch, name + "_w", tmp)
+    return scratch, tmp[:count]
 
 
 def fill_stored(stored: StoredImage, buffer: Any) -> None:
@@ -178,9 +255,9 @@ def _decompress_all(view: memoryview, tasks: List[Tuple[Any, ...]]) -> None:
 
 
 def _decompress_one(view: memoryview, task: Tuple[Any, ...]) -> Optional[str]:
-    field_name, j, n, pos, stored, dst, stored_dtype = task
+    field_name, j, n, pos, stored, dst, stored_dtype, shuffled = task
     raw = dst.numel() * stored_dtype.itemsize
-    if stored_dtype == dst.dtype:                   # straight into the tensor's memory
+    if stored_dtype == dst.dtype and not shuffled:  # straight into the tensor's memory
         into = memoryview(dst.view(torch.uint8).numpy())
     else:                                           # into this thread's scratch, then widened
         scratch = getattr(_scratch, "buf", None)
@@ -200,6 +277,8 @@ def _decompress_one(view: memoryview, task: Tuple[Any, ...]) -> Optional[str]:
         return f"{field_name}: zstd chunk {j + 1} of {n} cannot be decompressed ({exc})"
     if got != raw or extra:
         return f"{field_name}: zstd chunk {j + 1} of {n} does not hold the {raw} bytes its header says"
-    if stored_dtype != dst.dtype:            # widened with NumPy: this thread only
+    if shuffled:                             # each element's bytes put back together
+        _unshuffled(scratch, dst, stored_dtype.itemsize)
+    elif stored_dtype != dst.dtype:          # widened with NumPy: this thread only
         np.copyto(dst.numpy(), torch.frombuffer(scratch, dtype=stored_dtype, count=dst.numel()).numpy())
     return None

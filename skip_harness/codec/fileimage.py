@@ -25,7 +25,8 @@ import torch
 from skip_harness.errors import CodecError
 from skip_harness.codec.payload_kinds import np
 
-FORMAT_VERSION = 3            # 1: torch.save of the encoded structure; 2: no `how` (both read, never written)
+FORMAT_VERSION = 4            # 1: torch.save of the encoded structure; 2: no `how`; 3: no rules (`dedupe`)
+                              # (all read, never written)
 MAGIC = b"\x89SKH\r\n\x1a\n"
 _PREAMBLE = struct.Struct("<8sIIQ")   # magic, format version, reserved, header length
 _ALIGN = 64

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from skip_harness.errors import CodecError
+from skip_harness.codec import dedupe
 from skip_harness.codec.compression import _INT_DTYPES, _NARROW_TO, _decompress_all
 from skip_harness.codec.fileimage import (
     _ALIGN, _MAX_HEADER_BYTES, _PREAMBLE, FORMAT_VERSION, MAGIC, _align, _dtype_from_name, _unpack,
@@ -26,7 +27,7 @@ def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[s
     if len(head) < _PREAMBLE.size:
         raise CodecError("truncated: no complete header")
     magic, version, _reserved, hlen = _PREAMBLE.unpack(head)
-    if version > FORMAT_VERSION or version < 2:  # 2 and 3 share the layout; 3 adds `how`
+    if version > FORMAT_VERSION or version < 2:  # 2 to 4 share the layout; 3 adds `how`, 4 its rules
         raise CodecError(f"format version {version}; this skip_harness reads versions up to {FORMAT_VERSION}"
                          + (" (written by a newer skip_harness)" if version > FORMAT_VERSION else ""))
     if hlen > min(size, _MAX_HEADER_BYTES):
@@ -50,27 +51,36 @@ def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[s
                 or type(entry[2]) is not int or type(entry[3]) is not int or entry[2] < 0):
             raise CodecError(f"malformed tensor entry {str(entry)[:80]}")
         dtype = _dtype_from_name(entry[0])
-        if entry[2] % _ALIGN or not _stored_size_valid(dtype, entry):
+        if entry[2] % _ALIGN or not _stored_size_valid(dtype, entry, _HOW_KEYS_4 if version >= 4 else _HOW_KEYS):
             raise CodecError(f"malformed tensor entry {str(entry)[:80]}")
         end = max(end, data_start + entry[2] + entry[3])
     if end > size:
         raise CodecError(f"truncated: {size} bytes, the header needs {end}")
+    if version >= 4:
+        dedupe.check_header(doc["tensors"])
     return doc, data_start
 
 
 _HOW_KEYS = frozenset({"name", "as", "zstd"})
+_HOW_KEYS_4 = _HOW_KEYS | frozenset(dedupe.RULES) | {"shuffle"}
 _MAX_CHUNK_RAW = 1 << 30          # a chunk holds at most this many bytes decompressed (writers use 4 MiB)
 
 
-def _stored_size_valid(dtype: torch.dtype, entry: list) -> bool:
-    """Whether a tensor entry's stored size agrees with its shape, dtype and `how`."""
+def _stored_size_valid(dtype: torch.dtype, entry: list, keys: frozenset = _HOW_KEYS) -> bool:
+    """Whether a tensor entry's stored size agrees with its shape, dtype and `how` (a rule's entry stores
+    nothing: `dedupe.check_header` checks the rest)."""
     numel = math.prod(entry[1])
     how = entry[4] if len(entry) > 4 else None
     if how is None:
         return entry[3] == numel * dtype.itemsize
-    if type(how) is not dict or not how or not set(how) <= _HOW_KEYS:
+    if type(how) is not dict or not how or not set(how) <= keys:
         return False
     if "name" in how and type(how["name"]) is not str:
+        return False
+    if dedupe.rule_of(how) is not None:
+        return entry[3] == 0
+    if "shuffle" in how and (how["shuffle"] is not True or "zstd" not in how or "as" in how
+                             or dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64)):
         return False
     stored_dtype = dtype
     if "as" in how:
@@ -98,13 +108,15 @@ def _tensors_from(buf: Any, doc: Dict[str, Any], data_start: int, out: Any = Non
     pool buffer whose pages are already there) when given, else in new memory --, chunks in parallel."""
     result: List[torch.Tensor] = []
     tasks: List[Tuple[Any, ...]] = []
+    deferred: List[Tuple[int, Dict[str, Any], torch.Tensor]] = []
     out_pos = 0
     for i, entry in enumerate(doc["tensors"]):
         name, shape, off, nbytes = entry[:4]
         how = entry[4] if len(entry) > 4 else {}
         dtype = _dtype_from_name(name)
         stored_dtype = _dtype_from_name(how["as"]) if "as" in how else dtype
-        if "zstd" not in how and stored_dtype == dtype:
+        rule = dedupe.rule_of(how)
+        if "zstd" not in how and stored_dtype == dtype and rule is None:
             if nbytes == 0:
                 result.append(torch.empty(shape, dtype=dtype))
             else:
@@ -118,6 +130,9 @@ def _tensors_from(buf: Any, doc: Dict[str, Any], data_start: int, out: Any = Non
         else:
             target = torch.empty(shape, dtype=dtype)
         result.append(target)
+        if rule is not None:
+            deferred.append((i, how, target))
+            continue
         if numel == 0:
             continue
         flat, field_name = target.view(-1), how.get("name") or f"tensor {i}"
@@ -129,10 +144,14 @@ def _tensors_from(buf: Any, doc: Dict[str, Any], data_start: int, out: Any = Non
         chunks = how["zstd"]
         for j, (stored, raw) in enumerate(chunks):
             count = raw // stored_dtype.itemsize
-            tasks.append((field_name, j, len(chunks), pos, stored, flat[first:first + count], stored_dtype))
+            tasks.append((field_name, j, len(chunks), pos, stored, flat[first:first + count], stored_dtype,
+                          bool(how.get("shuffle"))))
             pos, first = pos + stored, first + count
     if tasks:
         _decompress_all(memoryview(buf).cast("B"), tasks)
+    if deferred:
+        dedupe.rebuild(deferred, result, [(e[4].get("name") if len(e) > 4 else None) or f"tensor {j}"
+                                          for j, e in enumerate(doc["tensors"])])
     return result
 
 
@@ -142,7 +161,7 @@ def logical_nbytes(doc: Dict[str, Any]) -> int:
     total = 0
     for entry in doc["tensors"]:
         how = entry[4] if len(entry) > 4 else {}
-        if "zstd" in how or "as" in how:
+        if "zstd" in how or "as" in how or dedupe.rule_of(how) is not None:
             total = _align(total + math.prod(entry[1]) * _dtype_from_name(entry[0]).itemsize)
     return total
 
@@ -187,8 +206,10 @@ def stored_fields(buffer: Any, size: int) -> List[StoredField]:
     for i, entry in enumerate(doc["tensors"]):
         how = entry[4] if len(entry) > 4 else {}
         dtype = _dtype_from_name(entry[0])
+        rule = dedupe.rule_of(how)
         out.append(StoredField(how.get("name", f"tensor {i}"), entry[0], how.get("as", entry[0]),
-                               "zstd" if "zstd" in how else "none", math.prod(entry[1]) * dtype.itemsize, entry[3]))
+                               rule if rule is not None else "zstd" if "zstd" in how else "none",
+                               math.prod(entry[1]) * dtype.itemsize, entry[3]))
     return out
 
 

@@ -36,7 +36,7 @@ def stored_form(compression: str, level: int = 3) -> StoredForm:
     if name == "none":
         return StoredForm(narrow=False)
     if name == "zstd":
-        return StoredForm(narrow=True, zstd_level=int(level))
+        return StoredForm(narrow=True, zstd_level=int(level), dedupe=True, shuffle=True)
     raise CodecError(f"unknown compression {name!r} (none or zstd)")
 
 

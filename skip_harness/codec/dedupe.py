@@ -1,0 +1,425 @@
+"""Each thing stored once: a file image's tensors that repeat or follow from others are stored as a rule
+instead of their bytes -- found on the writer thread by comparing the bytes, never assumed from a field's
+name -- and rebuilt bit for bit on a load.
+
+A tensor *with rows* is a dense tensor of two or more dimensions (row i is `t[i]`, a sequence of
+`shape[1]` units of `shape[2:]`), or the values of a jagged nested tensor (row i is
+`values[offsets[i]:offsets[i + 1]]`, units of `values.shape[1:]`) whose rows tile its values. Such a
+tensor may be stored as one of these rules, in its header entry's `how` (the entry then stores 0 bytes):
+
+    fill  k                     every element is the one element of tensor k
+    ramp  s                     every row is 0, 1, ..., its length - 1 (integers, one element a unit)
+    rows  [k, s, src]           row i is row src[i] (src[i] <= i; adjacent repeats, as the samples of a GRPO
+                                group share their prompt); the rows with src[i] == i are tensor k, in order
+    cat   [a, sa, b, sb, s]     row i is row i of tensor a, then row i of tensor b (a batch's `input_ids`
+                                as its prompt and its response)
+
+and a float tensor of the same shape and dtype as an earlier one whose values mostly agree with it in
+their sign, exponent and first mantissa bits (the trainer's log-probs beside the generator's) as
+
+    xor   [k, a]                its bits are tensor k's XOR tensor a's (k: mostly zero high bytes)
+
+`s`, `sa`, `sb`: the index of the tensor holding the rows' offsets (the jagged tensor's own), -1 for a
+dense tensor. Tensors k are extra entries after those the tree names, stored like any tensor (narrowed,
+compressed); a `cat`'s sources are never `cat`s. Every comparison is of the bytes (integer views), so
+-0.0, NaN payloads and the like come back as they were written.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from skip_harness.codec.payload_kinds import np
+from skip_harness.errors import CodecError
+
+RULES = ("fill", "ramp", "rows", "cat", "xor")
+_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_XOR_SHARE = 0.5                  # xor when at least this share of elements agree in their top 12 bits
+MIN_BYTES = 4096                  # smaller tensors are stored as they are (a rule's header costs more)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_RAMP_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+_JAGGED = "jagged"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as integers of its width: equal exactly when the bytes are."""
+    return t if t.dtype in _RAMP_DTYPES and t.dtype != torch.uint8 else t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _eligible(t: torch.Tensor) -> bool:
+    return (t.element_size() in _INT_OF_SIZE and not t.is_complex() and t.numel() > 0
+            and t.numel() * t.element_size() >= MIN_BYTES)
+
+
+@dataclass
+class _Rows:
+    """A tensor cut into rows: `flat` [units, inner] and each row's first unit and length."""
+
+    flat: torch.Tensor
+    starts: torch.Tensor          # int64 [n]
+    lengths: torch.Tensor         # int64 [n]
+    by: int                       # the offsets tensor's index, -1 when dense
+
+    @property
+    def n(self) -> int:
+        return int(self.lengths.numel())
+
+
+def _tiled(starts: torch.Tensor, lengths: torch.Tensor, units: int) -> bool:
+    if starts.numel() == 0 or bool((lengths < 0).any()):
+        return False
+    ends = starts + lengths
+    return int(starts[0]) == 0 and bool(torch.equal(starts[1:], ends[:-1])) and int(ends[-1]) == units
+
+
+def _rows_of(t: torch.Tensor, offsets: Optional[torch.Tensor], by: int) -> Optional[_Rows]:
+    if offsets is None:                           # dense: rows along dim 0
+        if t.dim() < 2 or t.shape[0] < 2:
+            return None
+        n, length = t.shape[0], t.shape[1]
+        inner = math.prod(t.shape[2:])
+        starts = torch.arange(n, dtype=torch.int64) * length
+        return _Rows(t.reshape(n * length, inner), starts, torch.full((n,), length, dtype=torch.int64), -1)
+    if offsets.dim() != 1 or offsets.numel() < 3 or t.dim() < 1:
+        return None
+    off = offsets.to(torch.int64)
+    starts, lengths = off[:-1], off[1:] - off[:-1]
+    if not _tiled(starts, lengths, t.shape[0]):
+        return None
+    return _Rows(t.reshape(t.shape[0], math.prod(t.shape[1:])), starts, lengths, by)
+
+
+def _positions(starts: torch.Tensor, lengths: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The units of every row in order, each row's taken from `starts` (+ `skip` units into it)."""
+    total = int(lengths.sum())
+    first = starts if skip is None else starts + skip
+    row_start_in_out = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(first - row_start_in_out, lengths, output_size=total) + torch.arange(total)
+
+
+def jagged_values(tree: Any) -> Dict[int, int]:
+    """values tensor index -> its offsets tensor index, for every jagged nested tensor in a packed tree
+    whose rows are plain (no lengths, ragged along dim 1)."""
+    out: Dict[int, int] = {}
+
+    def visit(node: Any) -> None:
+        if type(node) is list:
+            for v in node:
+                visit(v)
+        elif type(node) is dict and len(node) == 1:
+            ((kind, v),) = node.items()
+            if kind in ("d", "o") and type(v) is list:
+                pairs = {p[0]: p[1] for p in v if type(p) is list and len(p) == 2}
+                if pairs.get("__skip_harness__") == _JAGGED:
+                    values, offsets = pairs.get("values"), pairs.get("offsets")
+                    if (pairs.get("lengths") is None and pairs.get("ragged_idx") == 1 and type(values) is dict
+                            and type(offsets) is dict and "T" in values and "T" in offsets):
+                        out[values["T"]] = offsets["T"]
+                    return
+                for p in v:
+                    if type(p) is list and len(p) == 2:
+                        visit(p[1])
+            elif kind in ("t", "c") and type(v) is list:
+                visit(v)
+
+    visit(tree)
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The rules for a file image's tensors: `how[i]` is tensor i's rule (merged into its header entry's
+    `how`; it stores no bytes), `extras` the tensors the rules store, appended after the image's own."""
+
+    how: Dict[int, Dict[str, Any]]
+    extras: List[torch.Tensor]
+    extra_names: List[Optional[str]]
+
+
+def plan(tree: Any, tensors: Sequence[torch.Tensor], names: Sequence[Optional[str]]) -> Plan:
+    """Which of `tensors` (the staged, contiguous tensors of an image whose packed tree is `tree`) are
+    stored as a rule. Every rule is checked on the bytes before it is chosen."""
+    jagged = jagged_values(tree)
+    count = len(tensors)
+    rows: Dict[int, _Rows] = {}
+    for i, t in enumerate(tensors):
+        if not _eligible(t):
+            continue
+        by = jagged.get(i)
+        r = _rows_of(t, tensors[by] if by is not None and by < count else None, -1 if by is None else by)
+        if r is not None:
+            rows[i] = r
+    how: Dict[int, Dict[str, Any]] = {}
+    extras: List[torch.Tensor] = []
+    extra_names: List[Optional[str]] = []
+
+    def extra(t: torch.Tensor, name: Optional[str], what: str) -> int:
+        extras.append(t)
+        extra_names.append(None if name is None else f"{name} ({what})")
+        return count + len(extras) - 1
+
+    for i, r in rows.items():                      # fill and ramp: nothing but a value or the lengths
+        t, bits = tensors[i], _bits(r.flat)
+        flat = bits.reshape(-1)
+        if _sampled(flat).eq(flat[0]).all() and bool((flat == flat[0]).all()):
+            how[i] = {"fill": extra(t.reshape(-1)[:1].clone(), names[i], "value")}
+        elif r.flat.shape[1] == 1 and t.dtype in _RAMP_DTYPES and _is_ramp(flat, r):
+            how[i] = {"ramp": r.by}
+    sources: set = set()                           # a cat's sources are never cats
+    for i, r in rows.items():                      # cat: a row of i is a row of a then a row of b
+        if i in how or i in sources:
+            continue
+        found = _find_cat(i, r, rows, tensors, how)
+        if found is not None:
+            how[i] = {"cat": found}
+            sources.update((found[0], found[2]))
+    for i, r in rows.items():                      # rows: adjacent repeats stored once
+        if i in how:
+            continue
+        src = _repeats(r)
+        if src is not None:
+            keep = torch.tensor([s == j for j, s in enumerate(src)])
+            unique = r.flat[_positions(r.starts[keep], r.lengths[keep])]
+            how[i] = {"rows": [extra(unique.reshape(-1, *tensors[i].shape[2 if r.by < 0 else 1:]), names[i],
+                                     "unique rows"), r.by, src]}
+    floats = [i for i, t in enumerate(tensors) if t.dtype in _FLOATS and _eligible(t)]
+    for pos, i in enumerate(floats):               # xor: close to an earlier float tensor of its shape
+        if i in how:
+            continue
+        for a in floats[:pos]:
+            t, ta = tensors[i], tensors[a]
+            if a in how or ta.dtype != t.dtype or ta.shape != t.shape:
+                continue
+            high = 8 * t.element_size() - 12
+            look = torch.bitwise_xor(_sampled(_bits(t).reshape(-1), 4096), _sampled(_bits(ta).reshape(-1), 4096))
+            if float((look >> high == 0).float().mean()) >= _XOR_SHARE:      # decided on a sample
+                delta = torch.bitwise_xor(_bits(t), _bits(ta))
+                how[i] = {"xor": [extra(delta.view(t.dtype), names[i], f"xor {names[a] or a}"), a]}
+                break
+    return Plan(how, extras, extra_names)
+
+
+def _sampled(flat: torch.Tensor, count: int = 1024) -> torch.Tensor:
+    """About `count` elements spread over `flat`: a cheap look before a full pass."""
+    return flat[::max(1, flat.numel() // count)]
+
+
+def _is_ramp(flat: torch.Tensor, r: _Rows) -> bool:
+    nonempty = r.lengths > 0
+    firsts, lasts = flat[r.starts[nonempty]], flat[(r.starts + r.lengths - 1)[nonempty]]
+    if bool((firsts != 0).any()) or not torch.equal(lasts.to(torch.int64), (r.lengths - 1)[nonempty]):
+        return False                              # each row's ends say no: no full pass
+    expected = torch.arange(flat.numel(), dtype=torch.int64) - torch.repeat_interleave(
+        r.starts, r.lengths, output_size=flat.numel())
+    return bool(torch.equal(flat.to(torch.int64), expected))
+
+
+def _find_cat(i: int, r: _Rows, rows: Dict[int, _Rows], tensors: Sequence[torch.Tensor],
+              how: Dict[int, Dict[str, Any]]) -> Optional[List[int]]:
+    t = tensors[i]
+    for a, ra in rows.items():
+        if a == i or ra.n != r.n or tensors[a].dtype != t.dtype or ra.flat.shape[1] != r.flat.shape[1] \
+                or "cat" in how.get(a, {}) or int(ra.lengths.sum()) == 0:
+            continue
+        rest = r.lengths - ra.lengths
+        if bool((rest <= 0).any()):
+            continue
+        for b, rb in rows.items():
+            if b in (a, i) or rb.n != r.n or tensors[b].dtype != t.dtype or rb.flat.shape[1] != r.flat.shape[1] \
+                    or "cat" in how.get(b, {}) or not torch.equal(rb.lengths, rest):
+                continue
+            bits, abits, bbits = _bits(r.flat), _bits(ra.flat), _bits(rb.flat)
+            if torch.equal(bits[_positions(r.starts, ra.lengths)], abits) and \
+                    torch.equal(bits[_positions(r.starts, rb.lengths, ra.lengths)], bbits):
+                return [a, ra.by, b, rb.by, r.by]
+    return None
+
+
+def _row_sums(bits: torch.Tensor, r: _Rows) -> torch.Tensor:
+    """Each row's sum of its elements as integers (wrapping: only ever compared for equality)."""
+    cs = torch.cumsum(bits.reshape(-1).to(torch.int64), 0)
+    inner = bits.shape[1]
+    ends = (r.starts + r.lengths) * inner - 1
+    before = r.starts * inner - 1
+    total = torch.where(r.lengths > 0, cs[ends.clamp(min=0)], torch.zeros_like(ends))
+    return total - torch.where(before >= 0, cs[before.clamp(min=0)], torch.zeros_like(before))
+
+
+def _repeats(r: _Rows) -> Optional[List[int]]:
+    """src[i] for a tensor whose rows repeat their predecessor's, None when none does (or too little)."""
+    bits = _bits(r.flat)
+    starts, lengths = r.starts.tolist(), r.lengths.tolist()
+    # a row can only repeat its predecessor when their lengths and first units agree (one vectorised pass)
+    head = bits[r.starts.clamp(max=max(0, bits.shape[0] - 1))]
+    maybe = ((r.lengths[1:] == r.lengths[:-1]) & ((head[1:] == head[:-1]).all(dim=1) | (r.lengths[1:] == 0))).tolist()
+    if not any(maybe):
+        return None
+    # ... and their sums (one vectorised pass): rows that start alike (a mask's zeros) rarely add up alike
+    sums = _row_sums(bits, r)
+    maybe = [m and bool(x) for m, x in zip(maybe, (sums[1:] == sums[:-1]).tolist())]
+    if not any(maybe):
+        return None
+    src, saved = [0], 0
+    for j in range(1, r.n):
+        s = src[-1]
+        if maybe[j - 1] and lengths[j] == lengths[s] and torch.equal(bits[starts[j]:starts[j] + lengths[j]],
+                                                   bits[starts[s]:starts[s] + lengths[s]]):
+            src.append(s)
+            saved += lengths[j]
+        else:
+            src.append(j)
+    saved_bytes = saved * r.flat.shape[1] * r.flat.element_size()
+    return src if saved_bytes >= MIN_BYTES and saved_bytes > 8 * r.n else None
+
+
+# --------------------------------------------------------------------------------------------
+# reading: the header's rules checked, then the tensors rebuilt
+
+
+def rule_of(how: Any) -> Optional[str]:
+    if type(how) is not dict:
+        return None
+    found = [k for k in RULES if k in how]
+    return found[0] if len(found) == 1 else (None if not found else "many")
+
+
+def check_header(entries: List[list]) -> None:
+    """CodecError unless every rule in a parsed header's tensor entries is well formed (indices, kinds,
+    dtypes and shapes; what depends on tensor data is checked while rebuilding)."""
+    rules = [rule_of(e[4] if len(e) > 4 else None) for e in entries]
+    n = len(entries)
+
+    def plain(k: Any) -> bool:
+        return type(k) is int and 0 <= k < n and rules[k] is None
+
+    def offsets_ok(s: Any, entry: list) -> bool:
+        if s == -1:
+            return len(entry[1]) >= 2
+        return plain(s) and len(entries[s][1]) == 1 and entries[s][1][0] >= 1 and len(entry[1]) >= 1
+
+    for i, (entry, rule) in enumerate(zip(entries, rules)):
+        if rule is None:
+            continue
+        how = entry[4]
+        bad = rule == "many" or entry[3] != 0 or "as" in how or "zstd" in how
+        if not bad and rule == "fill":
+            k = how["fill"]
+            bad = not plain(k) or entries[k][0] != entry[0] or math.prod(entries[k][1]) != 1
+        elif not bad and rule == "ramp":
+            bad = entry[0] not in ("uint8", "int8", "int16", "int32", "int64") or not offsets_ok(how["ramp"], entry) \
+                or len(entry[1]) != (2 if how["ramp"] == -1 else 1)
+        elif not bad and rule == "rows":
+            v = how["rows"]
+            bad = type(v) is not list or len(v) != 3 or not plain(v[0]) or entries[v[0]][0] != entry[0] \
+                or not offsets_ok(v[1], entry) or not _src_ok(v[2], _row_count(entries, entry, v[1])) \
+                or entries[v[0]][1][1:] != entry[1][2 if v[1] == -1 else 1:]
+        elif not bad and rule == "xor":
+            v = how["xor"]
+            bad = type(v) is not list or len(v) != 2 or not plain(v[0]) or not plain(v[1]) or v[0] == v[1] \
+                or any(entries[k][0] != entry[0] or entries[k][1] != entry[1] for k in v) \
+                or entry[0] not in ("float16", "bfloat16", "float32", "float64")
+        elif not bad and rule == "cat":
+            v = how["cat"]
+            bad = type(v) is not list or len(v) != 5 or not offsets_ok(v[4], entry) or any(
+                type(src) is not int or not 0 <= src < n or src == i or rules[src] == "cat"
+                or entries[src][0] != entry[0] or not offsets_ok(by, entries[src])
+                for src, by in ((v[0], v[1]), (v[2], v[3])))
+        if bad:
+            raise CodecError(f"malformed tensor entry {str(entry)[:120]}")
+
+
+def _row_count(entries: List[list], entry: list, by: Any) -> int:
+    return entry[1][0] if by == -1 else entries[by][1][0] - 1
+
+
+def _src_ok(src: Any, n: int) -> bool:
+    if type(src) is not list or len(src) != n or n < 1:
+        return False
+    for j, s in enumerate(src):
+        if type(s) is not int or not 0 <= s <= j or src[s] != s:
+            return False
+    return True
+
+
+def rebuild(deferred: List[Tuple[int, Dict[str, Any], torch.Tensor]], tensors: List[torch.Tensor],
+            names: Sequence[str]) -> None:
+    """Fill each deferred (index, how, full-width target) tensor from the decoded `tensors` (which hold the
+    targets at their indices): every other rule first, then `cat`s (whose sources may be rules)."""
+    ordered = sorted(deferred, key=lambda d: rule_of(d[1]) == "cat")
+    for i, how, target in ordered:
+        try:
+            _rebuild_one(i, how, target, tensors)
+        except (RuntimeError, IndexError, ValueError, TypeError) as exc:
+            raise CodecError(f"{names[i]}: cannot be rebuilt from its rule ({str(exc)[:160]})") from None
+
+
+def _stored_rows(t: torch.Tensor, by: int, tensors: List[torch.Tensor], name: str) -> _Rows:
+    r = _rows_of(t, None if by == -1 else tensors[by], by)
+    if r is None:
+        raise CodecError(f"{name}: its offsets do not cut it into rows")
+    return r
+
+
+def _np(t: torch.Tensor) -> Any:
+    return _bits(t).numpy()
+
+
+def _rebuild_one(i: int, how: Dict[str, Any], target: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    """Rows are copied slice by slice through NumPy (a memcpy each, on this thread): for the few hundred to
+    few thousand rows of a mini-batch that beats building index tensors of every element."""
+    name = how.get("name") or f"tensor {i}"
+    if "xor" in how:
+        k, a = how["xor"]
+        np.bitwise_xor(_np(tensors[k]), _np(tensors[a]), out=_np(target))
+        return
+    if "fill" in how:
+        _bits(target).fill_(int(_bits(tensors[how["fill"]]).reshape(-1)[0]))
+        return
+    if "ramp" in how:
+        r = _stored_rows(target, how["ramp"], tensors, name)
+        out = _np(target).reshape(-1)
+        ramp = np.arange(int(r.lengths.max()), dtype=out.dtype)
+        for s, n in zip(r.starts.tolist(), r.lengths.tolist()):
+            out[s:s + n] = ramp[:n]
+        return
+    r = _stored_rows(target, how["rows"][1] if "rows" in how else how["cat"][4], tensors, name)
+    out = _np(r.flat)
+    starts, lengths = r.starts.tolist(), r.lengths.tolist()
+    if "rows" in how:
+        k, _by, src = how["rows"]
+        unique = _np(tensors[k]).reshape(-1, out.shape[1])
+        placed: List[int] = []                     # where each row's units start in `unique`
+        pos = 0
+        for j, s in enumerate(src):
+            if s == j:
+                placed.append(pos)
+                pos += lengths[j]
+            else:
+                if lengths[j] != lengths[s]:
+                    raise CodecError(f"{name}: a repeated row's length differs from its source's")
+                placed.append(placed[s])
+        if pos != unique.shape[0]:
+            raise CodecError(f"{name}: its unique rows do not hold its rows")
+        for s, n, p in zip(starts, lengths, placed):
+            out[s:s + n] = unique[p:p + n]
+        return
+    a, by_a, b, by_b, _by = how["cat"]
+    ra = _stored_rows(tensors[a], by_a, tensors, name)
+    rb = _stored_rows(tensors[b], by_b, tensors, name)
+    if ra.n != r.n or rb.n != r.n or not torch.equal(ra.lengths + rb.lengths, r.lengths) \
+            or ra.flat.shape[1] != out.shape[1] or rb.flat.shape[1] != out.shape[1]:
+        raise CodecError(f"{name}: its two parts' rows do not make its rows")
+    fa, fb = _np(ra.flat), _np(rb.flat)
+    if by_a == -1 and by_b == -1 and _by == -1:                  # dense: two slices along dim 1
+        la = int(ra.lengths[0])
+        view = out.reshape(r.n, -1, out.shape[1])
+        view[:, :la] = fa.reshape(r.n, la, -1)
+        view[:, la:] = fb.reshape(r.n, -1, out.shape[1])
+        return
+    for s, sa, na, sb, nb in zip(starts, ra.starts.tolist(), ra.lengths.tolist(), rb.starts.tolist(),
+                                 rb.lengths.tolist()):
+        out[s:s + na] = fa[sa:sa + na]
+        out[s + na:s + na + nb] = fb[sb:sb + nb]
