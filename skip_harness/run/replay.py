@@ -15,8 +15,8 @@ other value is left out (said once per key at DEBUG). Rank 0 records; every rank
 reported values are the same on every rank), rank 0 speaks.
 
 A served step whose recording has no values (its recorder was killed after the commit, before it
-reported them) gets this run's, create-only, once this run holds the namespace (it took the hold when
-the recording ended) and its replay of an earlier step reproduced the recorded values with no divergence
+reported them) gets this run's, create-only, once this run -- a reader -- took the hold when the
+recording ended and its replay of an earlier step reproduced the recorded values with no divergence
 up to that step: then its values are the recording's, and later replays are checked on that step too.
 """
 from __future__ import annotations
@@ -198,7 +198,8 @@ class ValuesTracker:
         self._K, self._W = 1, 1
         self._not_compared: Set[str] = set()          # at another K: training values recorded there
         self._compared_rollout: Set[str] = set()
-        # served steps the recording has no values for (its recorder ended first): filled in by a holder
+        # served steps the recording has no values for (its recorder ended first): filled in once this
+        # reader took the hold (`holds`, set by the harness)
         self.holds: Callable[[], bool] = lambda: False
         self._gaps: Dict[int, Dict[str, float]] = {}
 
