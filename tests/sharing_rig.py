@@ -2,10 +2,12 @@
 namespace (tests/test_replays.py). Real harness, real tensors, real files; nothing mocked.
 
     python tests/sharing_rig.py DUMP_DIR --steps 6 [--pause 0.3] [--hold] [--follow 30] [--observe] [--lr 0.1]
+        [--stop-at N]
 
 Prints `started <reader|recorder>` once its startup is done, `step N <outcome>` after each step, and
 `done` at the end; with --hold it then waits for a line on stdin before it closes (it keeps holding the
-namespace until then). Each mini-batch depends only on (step, inner index): every run generates the
+namespace until then). With --stop-at N it commits step N, prints `committed N` and waits on stdin before
+it reports step N's values (a recorder the test kills there). Each mini-batch depends only on (step, inner index): every run generates the
 same rollouts, so a reader's own rollouts equal the recorded ones.
 """
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> int:
     ap.add_argument("--follow", type=float, default=0.0)
     ap.add_argument("--observe", action="store_true")
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--stop-at", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
     h = make(args.dump_dir, args.follow)
@@ -68,6 +71,10 @@ def main() -> int:
     for step in range(1, args.steps + 1):
         t.prepare_data(step)
         t.sample(step)
+        if step == args.stop_at:
+            h.commit_finished()
+            print("committed", step, flush=True)
+            sys.stdin.readline()
         if args.observe:
             h.observe(step, **values_for(step, args.lr))
         h.commit_finished()

@@ -78,7 +78,7 @@ def test_remove_deletes_the_commit_record_first(ns):
     put_step(ns, 4)
     order = []
     real = ns.client.delete
-    ns.client.delete = lambda keys: (order.append(list(keys)), real(keys))[1]
+    ns.client.delete = lambda keys, **kw: (order.append(list(keys)), real(keys, **kw))[1]
     removed = ns.remove_step(4)
     assert order[0] == ["4/commit.json"] and "4/commit.json" not in order[1]
     assert removed > 20000 and ns.list_steps().steps == ()

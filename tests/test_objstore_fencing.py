@@ -14,11 +14,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
+from holding_proxy import HoldingProxy
 from objstore_namespace import ObjectNamespace
 from skip_harness.store.objstore.lease import LeaseLost
 from test_objstore_scenarios import NS, TRAIN, assert_steps_whole, committed, env_of, metrics, train
@@ -86,6 +88,53 @@ def test_every_write_of_a_run_past_its_ttl_renews_first_and_is_refused_once_take
     assert _objects(s3_server, s3_bucket) == before
     a.release()
     b.release()
+
+
+@pytest.mark.parametrize("key", [".values/config-0123abcd.json", ".values/3.json"])
+def test_a_record_beside_the_rollouts_sent_before_a_stall_is_not_sent_again_after_a_takeover(
+        s3_server, s3_env, s3_bucket, monkeypatch, key):
+    """Issue 40: the JSON records beside the rollouts (the recording's config and values) pass the fence as
+    the rollouts do -- every attempt, the retries of a request included. A's request is held by the network
+    (it left after A's fence let it go) while A's lease runs out and B takes the namespace over; then the
+    request fails (its connection reset, as after a stall). Sent again as it was, it would land over B's
+    record: A must find out it lost the lease first and send nothing."""
+    url = f"s3://{s3_bucket}/exp_proj/GBS8_N2_in16_out32"
+    proxy = HoldingProxy(s3_server.port)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)        # A talks to the server through the proxy
+        a = ObjectNamespace(url)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+        held = a.acquire(ttl_s=1.5, skew_s=0.0, holder="run-A")
+        held._stop.set()                             # A's renewal thread stalls with it
+        held._thread.join()
+        proxy.hold(b"PUT /" + f"{s3_bucket}/exp_proj/GBS8_N2_in16_out32/{key}".encode())
+        outcome: list = []
+
+        def write() -> None:
+            try:
+                a.write_small(key, b'{"by": "A"}')
+                outcome.append("written")
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                outcome.append(exc)
+        writer = threading.Thread(target=write)
+        writer.start()
+        assert proxy.held.wait(30), proxy.requests
+        time.sleep(2.0)                              # A's ttl passes without a renewal
+        b = ObjectNamespace(url)
+        b.acquire(ttl_s=30, skew_s=0.0, holder="run-B")
+        b.write_small(key, b'{"by": "B"}')
+        before = _objects(s3_server, s3_bucket)
+        proxy.cut()
+        writer.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], LeaseLost), outcome
+        assert "taken over by run-B" in str(outcome[0])
+        assert _objects(s3_server, s3_bucket) == before                    # B's record untouched
+        body = s3_server.boto3().get_object(Bucket=s3_bucket, Key=f"exp_proj/GBS8_N2_in16_out32/{key}")["Body"]
+        assert body.read() == b'{"by": "B"}'
+        a.release()
+        b.release()
+    finally:
+        proxy.close()
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from sharing_rig import KEY, Loop, make, values_for
 from skip_harness.store.open import open_namespace
 from skip_harness.cli import main as cli_main
 from skip_harness.demo import TINY_OVERRIDES
-from skip_harness.store.open import posix_namespace
+from skip_harness.store.open import open_store, posix_namespace
 from skip_harness.store.scan import scan_namespace
 from test_train_e2e import recorded
 from skip_harness.store.values import ValuesStore
@@ -166,6 +166,52 @@ def test_a_reader_takes_the_hold_when_the_recording_ends_and_commits_its_misses(
     assert t.generated == [3, 4] and (summary.hits, summary.committed) == (2, 2)
     assert "this run holds it now and records the steps it generates, from step 3" in caplog.text
     assert [(s.step, s.status) for s in scan_namespace(h.layout, open_namespace(h.layout)).steps] == [(i, "complete") for i in (1, 2, 3, 4)]
+
+
+@pytest.mark.slow   # a second process
+@pytest.mark.parametrize("lr", [0.1, 0.2])
+def test_the_run_that_takes_the_hold_records_the_values_a_killed_recorder_left_out(tmp_path, caplog, lr):
+    """Issue 40: the recorder is killed (SIGKILL) right after it committed step 3, before it reported step 3's
+    values. The reader beside it serves steps 1-3, takes the hold at step 4 and records from there; step 3's
+    values are its own, recorded (create-only) because its replay reproduced steps 1 and 2 -- and only then:
+    a reader at another learning rate (which diverged at step 1) leaves step 3 without values."""
+    dump = tmp_path / "cache"
+    recorder = Rig(dump, "--steps", "5", "--observe", "--stop-at", "3")
+    recorder.wait_for("committed 3")
+    h = make(dump)
+    h.set_training_config({"lr": lr})
+    t = Loop()
+    h.wrap(t)
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        h.start()
+        assert h._startup.reader
+        recorder.proc.send_signal(signal.SIGKILL)
+        recorder.kill()
+        for step in (1, 2, 3, 4, 5):
+            t.prepare_data(step)
+            t.sample(step)
+            h.observe(step, **values_for(step, lr))
+        summary = h.close()
+    assert t.generated == [4, 5] and (summary.hits, summary.committed) == (3, 2)
+    values = ValuesStore(open_namespace(h.layout))
+    reader = open_store(h.layout).reader
+    if lr == 0.2:
+        assert reader.read_values(3) is None and "recorded this run's" not in caplog.text
+        return
+    assert reader.read_values(3) == values_for(3, lr)            # bound to step 3's commit record
+    assert values.read_step(3).config == values.read_step(4).config    # under this run's config
+    assert "step 3: the recording has no values for it" in caplog.text
+    replay = make(dump)
+    replay.set_training_config({"lr": lr})
+    t = Loop()
+    replay.wrap(t)
+    replay.start()
+    for step in (1, 2, 3, 4, 5):
+        t.prepare_data(step)
+        t.sample(step)
+        replay.observe(step, **values_for(step, lr))
+    line = replay.close().replay.describe()
+    assert line == "replay: 5 of 5 served steps reproduced (2 values each)", line
 
 
 @pytest.mark.slow

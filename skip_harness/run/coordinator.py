@@ -281,11 +281,14 @@ class CommitCoordinator:
         return Finished(p.step, committed, reason, self._bytes(p), created)
 
     # ---- what a committed step produced (store.values): written after its commit, never part of it
-    def record_values(self, step: int, values: Dict[str, float], commit_created: float, config: Optional[str]) -> None:
-        """Write a committed step's reported values on the writer thread (queued behind its commit)."""
+    def record_values(self, step: int, values: Dict[str, float], commit_created: float, config: Optional[str],
+                      create_only: bool = False) -> Future:
+        """Write a committed step's reported values on the writer thread (queued behind its commit);
+        `create_only`: only where the step has none (the future's result says whether they landed)."""
         self._check_recordings()
-        fut = self.writer.submit(self.store.write_values, step, values, commit_created, config)
+        fut = self.writer.submit(self.store.write_values, step, values, commit_created, config, create_only)
         self._recordings.append((step, fut))
+        return fut
 
     def record_run_values(self, run_id: str, step: int, values: Dict[str, float], config: Optional[str]) -> None:
         """Write a replay's values for `step` under its run id, on the writer thread."""

@@ -255,6 +255,9 @@ class SkipHarness:
                                      dist.is_main and (not read_only or bool(shared_with)), self._training_config)
         self._values.run_id = new_run_id() if dist.is_main else None   # a replay's values go under it
         self._follower = Follower(store, self.settings, self.fingerprint, dist, shared_with) if shared_with else None
+        follower = self._follower
+        if follower is not None:       # once it took the hold, it fills in what the killed recorder left out
+            self._values.holds = lambda: follower.holds
         # like its values, a reader may store a step's second tier where none was stored for its key
         self._tier = TierPhases(bool(self.settings.tier), TierStore(store.backend), store.reader, dist.rank,
                                 self.outcome, self.callbacks, self._fault, writable=not read_only or bool(shared_with))

@@ -13,6 +13,11 @@ the summary says.
 Only numbers are recorded and compared (ints, floats, bools, numpy scalars, one-element tensors); any
 other value is left out (said once per key at DEBUG). Rank 0 records; every rank checks (a trainer's
 reported values are the same on every rank), rank 0 speaks.
+
+A served step whose recording has no values (its recorder was killed after the commit, before it
+reported them) gets this run's, create-only, once this run -- a reader -- took the hold when the
+recording ended and its replay of an earlier step reproduced the recorded values with no divergence
+up to that step: then its values are the recording's, and later replays are checked on that step too.
 """
 from __future__ import annotations
 
@@ -193,6 +198,10 @@ class ValuesTracker:
         self._K, self._W = 1, 1
         self._not_compared: Set[str] = set()          # at another K: training values recorded there
         self._compared_rollout: Set[str] = set()
+        # served steps the recording has no values for (its recorder ended first): filled in once this
+        # reader took the hold (`holds`, set by the harness)
+        self.holds: Callable[[], bool] = lambda: False
+        self._gaps: Dict[int, Dict[str, float]] = {}
 
     def serve_from(self, source: Any, K: int, W: int, from_source: Callable[[int], bool]) -> None:
         """Steps for which `from_source(step)` are served from `source` (a `run.source.Source`, another K
@@ -214,6 +223,7 @@ class ValuesTracker:
                 self._left_out.add(key)
                 log.debug("observe: %r is not a number (%s); left out of the replay check",
                           key, type(values[key]).__name__)
+        self._fill_gaps(before=step)
         if outcome == MISS:
             self._record(step, numbers)
         elif outcome == HIT and self.check != ReplayCheck.off:
@@ -274,6 +284,31 @@ class ValuesTracker:
         self._write_config()
         self.coordinator.record_values(step, values, self._committed[step], self.config_digest)
 
+    def _fill_gaps(self, before: int) -> None:
+        """Record this run's values for served steps before `before` that the recording has none for,
+        create-only, once this run holds the namespace and reproduced an earlier step (module doc)."""
+        if not self._gaps or not self.is_main or not self.holds():
+            return
+        for step in sorted(s for s in self._gaps if s < before):
+            if self.divergence is not None and self.divergence.step <= step:
+                self._gaps.clear()             # this run is not the recorded one from here on
+                return
+            reproduced = [s for s, v in self._served.items() if s < step and v.compared and not v.diverged]
+            if not reproduced:
+                continue                       # nothing vouches for this run's values yet
+            values = self._gaps.pop(step)
+            try:
+                record = self.reader.read_commit(step)
+            except Exception:  # noqa: BLE001 - an unreadable record: the step stays unchecked
+                record = None
+            if record is None:
+                continue
+            self._write_config()
+            self.coordinator.record_values(step, values, record.created, self.config_digest, create_only=True)
+            log.info("step %d: the recording has no values for it (its run ended before it reported them): "
+                     "recorded this run's, which reproduced %d earlier %s", step, len(reproduced),
+                     _steps(len(reproduced)))
+
     # ---- checking
     def _ignored(self, key: str) -> bool:
         low = key.lower()
@@ -287,6 +322,8 @@ class ValuesTracker:
         reader = self._source.store.reader if regrouped else self.reader
         recorded = reader.read_step_values(step)
         if recorded is None:
+            if not regrouped and self.is_main and numbers:
+                self._gaps[step] = {**self._gaps.get(step, {}), **numbers}
             return
         rtol, atol = float(self.settings.replay_rtol), float(self.settings.replay_atol)
         keys = [k for k in numbers if k in recorded.values and not self._ignored(k)]   # as reported

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from skip_harness.config import Cleanup, OnMismatch, RolloutTQConfig
@@ -18,7 +18,7 @@ from skip_harness.run.dist import DistContext
 from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
 from skip_harness.store.api import (CleanupItem, CleanupPlan, CleanupResult, Fingerprint, HeldByThisProcess, Hold,
                                     Layout, Namespace, NamespaceReport, StepStatus, new_run_token, open_namespace,
-                                    plan_cleanup, scan_namespace)
+                                    plan_cleanup, scan_namespace, stale_temporaries)
 from skip_harness.units import human_bytes
 
 logger = logging.getLogger("skip_harness.run.startup")
@@ -107,6 +107,10 @@ class StartupResult:
                 )
         elif incomplete or corrupt:
             line += " -> left in place (skip.rollout_tq.cleanup=off; rewritten when generated)"
+        if self.cleanup is not None and self.cleanup.leftovers:
+            n = len(self.cleanup.leftovers)
+            line += (f"; removed {n} leftover{'s' if n != 1 else ''} of interrupted writes "
+                     f"({human_bytes(self.cleanup.leftover_bytes)})")
         return line
 
 
@@ -172,6 +176,8 @@ def _scan_and_clean(layout: Layout, ns: Namespace, action: str, lock: Hold) -> S
         cleanup = None
         if action != Cleanup.off.value:
             plan = plan_cleanup(report, action)
+            # what killed readers left beside the steps (old enough, its writer gone: never a live one's)
+            plan = replace(plan, leftovers=plan.leftovers + stale_temporaries(layout, ns))
             if plan.items or plan.leftovers:
                 cleanup = plan.execute(ns)
         return StartupResult(layout, ns, report, cleanup, action, lock)

@@ -24,7 +24,7 @@ Every name is imported from the module that defines it (nothing here is new code
   `BufferPool` (reused read buffers), `Fingerprint` (what a step was generated from).
 - **a loose payload file** (`show FILE`, outside any namespace): `load_payload_file`, `payload_file_fields`,
   `payload_file_meta`.
-- **status and scan**: `StepStatus`, `STATUSES`, `StepReport`, `classify_step`, `scan_namespace`,
+- **status and scan**: `StepStatus`, `STATUSES`, `StepReport`, `classify_step`, `scan_namespace`, `stale_temporaries`,
   `NamespaceReport`.
 - **logged values and the second tier**: `ValuesStore`, `config_changes`, `config_digest`, `flatten_config`,
   `numbers_of`, `new_run_id`; `TierStore`, `TierRecord`, `key_digest`, `read_step_tier`.
@@ -60,7 +60,7 @@ from skip_harness.store.payload_file import sibling_meta as payload_file_meta
 from skip_harness.store.payload_file import stored_fields as payload_file_fields
 
 # status and scan
-from skip_harness.store.scan import NamespaceReport, classify_step, scan_namespace
+from skip_harness.store.scan import NamespaceReport, classify_step, scan_namespace, stale_temporaries
 from skip_harness.store.status import STATUSES, StepReport, StepStatus
 
 # logged values and the second tier
@@ -90,7 +90,7 @@ __all__ = [
     # a loose payload file
     "load_payload_file", "payload_file_fields", "payload_file_meta",
     # status and scan
-    "STATUSES", "NamespaceReport", "StepReport", "StepStatus", "classify_step", "scan_namespace",
+    "STATUSES", "NamespaceReport", "StepReport", "StepStatus", "classify_step", "scan_namespace", "stale_temporaries",
     # logged values and the second tier
     "TierRecord", "TierStore", "ValuesStore", "config_changes", "config_digest", "flatten_config", "key_digest",
     "new_run_id", "numbers_of", "read_step_tier",

@@ -35,6 +35,8 @@ class CleanupResult:
     errors: Tuple[str, ...]
     moved_bytes: int = 0                 # bytes moved under .quarantine/
     quarantined: Tuple[Path, ...] = ()   # where each quarantined step went
+    leftovers: Tuple[Path, ...] = ()     # debris removed: '.trash-'/'.tmp-' entries of interrupted writes
+    leftover_bytes: int = 0              # their bytes (part of freed_bytes)
 
 
 @dataclass(frozen=True)
@@ -92,12 +94,19 @@ class CleanupPlan:
             except (OSError, SkipHarnessError) as exc:
                 errors.append(f"{item.path}: {item.action} failed: {exc}")
         _index.drop(layout, ns, (i.step for i in done))
-        for lo in self.leftovers:    # the namespace's own debris, and the recorded values'
+        removed: List[Path] = []
+        removed_bytes = 0
+        for lo in self.leftovers:    # the namespace's own debris, and the recorded values' and tier's
             try:
-                freed += ns.remove(str(lo.path.relative_to(root)))
+                n = ns.remove(str(lo.path.relative_to(root)))
             except (OSError, SkipHarnessError, ValueError) as exc:
                 errors.append(f"{lo.path}: removal failed: {exc}")
-        return CleanupResult(tuple(done), freed, tuple(errors), moved, tuple(quarantined))
+                continue
+            freed += n
+            removed_bytes += n
+            removed.append(lo.path)
+        return CleanupResult(tuple(done), freed, tuple(errors), moved, tuple(quarantined), tuple(removed),
+                             removed_bytes)
 
 
 def _quarantine(layout: Layout, ns: Namespace, step: int) -> Path:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +21,16 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from skip_harness.store import index as _index
 from skip_harness.store.fingerprint import Fingerprint
-from skip_harness.store.layout import COMMIT_NAME, TMP_PREFIX, TRASH_PREFIX, Layout, parse_step_name
+from skip_harness.store.layout import COMMIT_NAME, TIER_DIR, TMP_PREFIX, TRASH_PREFIX, Layout, parse_step_name
 from skip_harness.store.namespace import Namespace, StepListing
 from skip_harness.store import status as _status
 from skip_harness.store.status import STATUSES, StepReport
-from skip_harness.store.storage import DIR
+from skip_harness.store.storage import DIR, TEMPORARY
 from skip_harness.store.values import VALUES_DIR
 from skip_harness.store.status import StepStatus
 
-__all__ = ["STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport", "scan_namespace"]
+__all__ = ["DEBRIS_AGE_S", "STATUSES", "StepReport", "classify_step", "LeftoverEntry", "NamespaceReport",
+           "scan_namespace", "stale_temporaries"]
 
 
 _PARALLEL_FROM = 256      # steps; below this a scan is quick enough serially
@@ -123,6 +126,52 @@ def _values_debris(ns: Namespace, root: Path) -> List[LeftoverEntry]:
                 if e.name.startswith(TMP_PREFIX)]
     except OSError:
         return []
+
+
+DEBRIS_AGE_S = 600.0     # a temporary file of a reader's record untouched this long is a killed writer's
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the pid a temporary file's name carries (`.tmp-{name}.{pid}.{token}`) is a live process of
+    this host: its write may be in flight (stopped, say), so the file is kept whatever its age."""
+    parts = name.rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) <= 0:
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                  # not ours to signal: alive
+        return True
+    return True
+
+
+def stale_temporaries(layout: Layout, ns: Namespace, *, older_than_s: float = DEBRIS_AGE_S,
+                      now: Optional[float] = None) -> Tuple[LeftoverEntry, ...]:
+    """Temporary files that writers of the records beside the steps left when they were killed: under
+    `.values/runs/` (a replay's values, which readers write beside the holder) and `.tier/` (second-tier
+    entries). Readers write there while the holder runs, so a temporary file is debris only when nothing
+    can still be writing it: unchanged for `older_than_s` seconds (a record's write takes milliseconds;
+    the file's mtime moves while it is written) and its writer's pid is not a live process of this host
+    (on a shared filesystem another host's pid cannot be checked: the age decides). Only where the
+    storage has temporaries (POSIX); the holder's startup removes them (`plan_cleanup`'s leftovers)."""
+    if not ns.caps.directories:
+        return ()
+    cutoff = (time.time() if now is None else now) - older_than_s
+    out: List[LeftoverEntry] = []
+    for top in (f"{VALUES_DIR}/runs", TIER_DIR):
+        try:
+            entries = list(ns.storage.list(top + "/"))
+        except OSError:
+            continue
+        for e in entries:
+            name = e.key.rsplit("/", 1)[-1]
+            if e.kind != TEMPORARY or not name.startswith(TMP_PREFIX):
+                continue
+            if e.mtime_ns is None or e.mtime_ns / 1e9 > cutoff or _writer_alive(name):
+                continue
+            out.append(LeftoverEntry(layout.root / e.key, e.size))
+    return tuple(sorted(out, key=lambda x: str(x.path)))
 
 
 def _scan_namespace(layout: Layout, ns: Namespace, use_index: bool, rewrite_index: bool = True) -> NamespaceReport:

@@ -210,8 +210,9 @@ class ValuesStore:
         self.backend = backend
 
     def write_step(self, step: int, values: Mapping[str, float], *, commit_created: Optional[float],
-                   config: Optional[str] = None) -> None:
-        """Store the step's values whole, replacing earlier ones atomically."""
+                   config: Optional[str] = None, create_only: bool = False) -> bool:
+        """Store the step's values whole, replacing earlier ones atomically; with `create_only` only where
+        the step has none (False when it has: they are kept)."""
         doc = {
             "format": VALUES_FORMAT,
             "step": int(step),
@@ -220,7 +221,12 @@ class ValuesStore:
             "recorded": time.time(),
             "values": {str(k): _encode(float(v)) for k, v in values.items()},
         }
-        self.backend.write_small(values_key(step), (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
+        data = (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
+        if create_only:
+            self.backend.locker.fence(key=values_key(step))
+            return self.backend.storage.put_if_absent(values_key(step), data) is not None
+        self.backend.write_small(values_key(step), data)
+        return True
 
     def write_run_step(self, run_id: str, step: int, values: Mapping[str, float], *, config: Optional[str] = None,
                        commit_created: Optional[float] = None) -> None:

@@ -183,11 +183,13 @@ class StepWriter:
         return record
 
     def write_values(self, step: int, values: Mapping[str, float], commit_created: Optional[float],
-                     config: Optional[str] = None) -> None:
+                     config: Optional[str] = None, create_only: bool = False) -> bool:
         """Record what the trainer reported for a committed step (`store.values`), bound to its commit
         record (`commit_created`: the record's creation time); outside the record, so the step stays
-        complete whether or not this lands."""
-        ValuesStore(self.backend).write_step(step, values, commit_created=commit_created, config=config)
+        complete whether or not this lands. `create_only`: only where the step has no values (False
+        when it has)."""
+        return ValuesStore(self.backend).write_step(step, values, commit_created=commit_created, config=config,
+                                                    create_only=create_only)
 
     def write_run_values(self, run_id: str, step: int, values: Mapping[str, float], config: Optional[str] = None) -> None:
         """Record what a replay (run `run_id`) reported for `step`, under its run id: never over the

@@ -11,7 +11,10 @@ the endpoint and credentials come from what every AWS tool reads, so a user sets
 
 Timeouts and retries are tuned (obstore's defaults retry for 3 minutes): a request times out after
 `SKIP_HARNESS_OBJSTORE_TIMEOUT_S` (default 60 s), connecting after 5 s, and a failing request is
-retried with exponential backoff (100 ms doubling to 5 s) up to 5 times within the same 60 s.
+retried with exponential backoff (100 ms doubling to 5 s) up to 5 times within the same 60 s. A write
+given a `fence` (every write of a namespace: its lease's, `locker.LeaseLocker`) is retried here instead,
+by the same rule, and asks the fence before every retry: a request that failed while its run stalled
+is never sent again by a run that lost its lease in the meantime (obstore would resend it as it was).
 Transfers release the GIL, so the writer thread and the prefetch thread call them as they call
 `os.pread`.
 
@@ -24,16 +27,18 @@ import configparser
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 from skip_harness.store.urls import URL_SCHEMES, is_url, join_url
 from skip_harness.store.objstore.errors import (
     ObjectStoreConfigError,
     ObjectStoreError,
     ObjectStoreForkError,
+    ObjectStoreUnavailable,
     classify,
     remember_secrets,
 )
@@ -167,7 +172,7 @@ def _timeout_s() -> float:
         raise ObjectStoreConfigError(repr(raw), "must be a positive number of seconds", key=TIMEOUT_ENV) from None
 
 
-def _build_store(url: str, timeout_s: float) -> Any:
+def _build_store(url: str, timeout_s: float, retries: int = MAX_RETRIES) -> Any:
     from obstore.store import MemoryStore, S3Store, from_url
 
     scheme = url.partition("://")[0].lower()
@@ -176,7 +181,7 @@ def _build_store(url: str, timeout_s: float) -> Any:
         with _state:
             return _memory_stores.setdefault(url, MemoryStore())
     client_options: Any = {"connect_timeout": f"{CONNECT_TIMEOUT_S:g}s", "timeout": f"{timeout_s:g}s"}
-    retry: Any = {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=timeout_s),
+    retry: Any = {"max_retries": retries, "retry_timeout": timedelta(seconds=timeout_s),
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                          "base": 2}}
     if scheme in ("s3", "s3a"):
@@ -213,6 +218,8 @@ class ObjectClient:
         _note_use()
         try:
             self.store = _build_store(self.url, self.timeout_s)
+            # the same store without obstore's retries (the same settings, read now): fenced writes retry here
+            self._once = self.store if scheme.lower() == "memory" else _build_store(self.url, self.timeout_s, retries=0)
         except ObjectStoreError:
             raise
         except Exception as exc:  # obstore's builder: bad URL, unknown option
@@ -236,15 +243,37 @@ class ObjectClient:
                 raise classify(exc, self.key_url(key)) from None
             raise
 
+    def _fenced(self, key: str, fence: Optional[Callable[[str], None]], fn: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+        """`fn(store, *args, **kwargs)` on obstore's retrying store; with a `fence`, on the store that
+        sends each request once, retried here (MAX_RETRIES times within timeout_s, the same backoff)
+        with `fence(key)` asked before every retry: it raises once this process may not write."""
+        if fence is None or self._once is self.store:
+            return self._call(key, fn, self.store, *args, **kwargs)
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.1
+        for attempt in range(MAX_RETRIES + 1):
+            try:
+                return self._call(key, fn, self._once, *args, **kwargs)
+            except ObjectStoreUnavailable:
+                fence(key)           # it may have failed because this run stalled: is the namespace still ours?
+                if attempt == MAX_RETRIES or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            fence(key)
+        raise AssertionError("unreachable")
+
     # -- objects
-    def put(self, key: str, data: Any, *, mode: Any = None) -> str:
+    def put(self, key: str, data: Any, *, mode: Any = None, fence: Optional[Callable[[str], None]] = None) -> str:
         """Write `data` (bytes or a buffer) at `key`; returns the new ETag. `mode="create"` fails with
-        ObjectRaceLost when the key exists; `mode={"e_tag": etag}` when it changed."""
+        ObjectRaceLost when the key exists; `mode={"e_tag": etag}` when it changed. `fence`: a write of
+        a namespace, whose retries must pass its fence (`_fenced`)."""
         import obstore as obs
         n = memoryview(data).nbytes
         multipart = n > MULTIPART_FROM
-        res = self._call(key, obs.put, self.store, key, data, mode=mode, use_multipart=multipart,
-                         chunk_size=PART_SIZE)
+        res = self._fenced(key, fence, obs.put, key, data, mode=mode, use_multipart=multipart,
+                           chunk_size=PART_SIZE)
         return res.get("e_tag") or ""
 
     def get(self, key: str) -> "tuple[Any, Dict[str, Any]]":
@@ -298,12 +327,12 @@ class ObjectClient:
         res = self._call(prefix or "", obs.list_with_delimiter, self.store, prefix)
         return [p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]]
 
-    def delete(self, keys: List[str]) -> None:
+    def delete(self, keys: List[str], *, fence: Optional[Callable[[str], None]] = None) -> None:
         import obstore as obs
         for i in range(0, len(keys), 1000):
             batch = keys[i:i + 1000]
-            self._call(batch[0], obs.delete, self.store, batch)
+            self._fenced(batch[0], fence, obs.delete, batch)
 
-    def copy(self, src: str, dst: str) -> None:
+    def copy(self, src: str, dst: str, *, fence: Optional[Callable[[str], None]] = None) -> None:
         import obstore as obs
-        self._call(src, obs.copy, self.store, src, dst)
+        self._fenced(dst, fence, obs.copy, src, dst)

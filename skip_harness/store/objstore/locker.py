@@ -2,8 +2,8 @@
 
 - `lock` takes the lease (LockHeldError naming its holder after the timeout); a credential that may not
   write gives a read-only hold: serve, write nothing.
-- `fence` is what every write of the namespace passes: it goes out only while the lease is ours by this
-  process's own clock, and `strict` (before a commit record is put or removed) renews it by a
+- `fence` is what every write of the namespace passes -- every attempt of it: the storage asks it again
+  before each retry of a request -- it goes out only while the lease is ours by this process's own clock, and `strict` (before a commit record is put or removed) renews it by a
   conditional write first (docs/storage.md, "The lease"). A rank that does not hold the lease itself
   (W > 1: rank 0 took it) follows rank 0's (`follow`, told by the run marker): the lease record must
   still name that holder and not have run out.
@@ -50,6 +50,7 @@ class LeaseLocker(Locker):
         self._follow: Optional[str] = None     # W > 1, a rank other than 0: the holder of the lease it writes under
         self._follow_until = 0.0
         self._guard = threading.Lock()
+        storage.fence = lambda key: self.fence(key=key)     # every retry of a write passes the fence again
 
     @property
     def url(self) -> str:

@@ -10,10 +10,15 @@ is `store.objstore.locker`'s. The contract is `store.storage`'s.
 
 A credential found unable to write (`ObjectAccessDenied` on a write) is remembered in `denied`: the
 locker then refuses every later write, and the run serves what is there.
+
+Every write (put, create-only put, delete, copy) is sent with the namespace's `fence` (set by its
+locker, `locker.LeaseLocker`): the namespace fences before a write, and the client asks the fence again
+before every retry of it (`ObjectClient._fenced`), so a request that failed while the run stalled is not
+sent again once the lease passed to another run.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.checksum import checksum_bytes, hasher
@@ -46,6 +51,7 @@ class ObjectStorage(Storage):
         self.url = self.client.url
         self.dump_dir = dump_dir
         self.denied: Optional[str] = None      # why this credential may not write, once a write was refused
+        self.fence: Optional[Callable[[str], None]] = None   # asked before every retry of a write (the locker's)
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"
@@ -55,7 +61,7 @@ class ObjectStorage(Storage):
 
     def _writing(self, fn: Any, *args: Any, **kw: Any) -> Any:
         try:
-            return fn(*args, **kw)
+            return fn(*args, fence=self.fence, **kw)
         except ObjectAccessDenied as exc:
             self.denied = exc.reason
             raise
