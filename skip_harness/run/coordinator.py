@@ -287,14 +287,18 @@ class CommitCoordinator:
         fut = self.writer.submit(self.store.write_values, step, values, commit_created, config)
         self._recordings.append((step, fut))
 
-    def record_run_values(self, run_id: str, step: int, values: Dict[str, float], config: Optional[str]) -> None:
-        """Write a replay's values for `step` under its run id, on the writer thread."""
+    def record_run_values(self, run_id: str, step: int, values: Dict[str, float], config: Optional[str],
+                          into: Any = None) -> None:
+        """Write a replay's values for `step` under its run id, on the writer thread (`into`: the StepWriter of
+        the namespace they are kept in -- the recording a replay_from run replays; this run's by default)."""
         self._check_recordings()
-        self._recordings.append((step, self.writer.submit(self.store.write_run_values, run_id, step, values, config)))
+        store = self.store if into is None else into
+        self._recordings.append((step, self.writer.submit(store.write_run_values, run_id, step, values, config)))
 
-    def record_run(self, run_id: str, doc: Dict[str, Any]) -> None:
+    def record_run(self, run_id: str, doc: Dict[str, Any], into: Any = None) -> None:
         """Write a replay's own document (when, where, its config digest), on the writer thread."""
-        self._recordings.append((None, self.writer.submit(self.store.write_run, run_id, doc)))
+        store = self.store if into is None else into
+        self._recordings.append((None, self.writer.submit(store.write_run, run_id, doc)))
 
     def record_config(self, digest: str, flat: Dict[str, Any]) -> None:
         """Write the run's training-side config (flattened) on the writer thread."""
