@@ -156,6 +156,16 @@ def _rollout_value(key: str) -> bool:
     return any(fnmatch.fnmatchcase(low, p) for p in ROLLOUT_VALUES)
 
 
+def values_agree(recorded: float, now: float, rtol: float, atol: float) -> bool:
+    """Whether a value reproduces, as the replay check decides it (`skip-harness diff` decides alike)."""
+    return _same(recorded, now, rtol, atol)
+
+
+def depends_on_rollouts(key: str) -> bool:
+    """Whether a value depends on a step's rollouts alone (config.ROLLOUT_VALUES): compared at another K."""
+    return _rollout_value(key)
+
+
 @dataclass
 class _Served:
     compared: int = 0
@@ -373,4 +383,4 @@ class ValuesTracker:
                             (min(counts), max(counts)), div, before, self._regrouped_note())
 
 
-__all__ = ["Divergence", "ReplayReport", "ValuesTracker"]
+__all__ = ["Divergence", "ReplayReport", "ValuesTracker", "depends_on_rollouts", "values_agree"]
