@@ -22,7 +22,7 @@ import torch
 
 from skip_harness.cli._common import CliError, where_of
 from skip_harness.cli.pair_rows import rows_of, unpaired
-from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, resolve_name, rollouts_store, rule_json, run_of,
+from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, kept_runs, resolve_name, rollouts_store, rule_json, run_of,
                                       run_steps, side_of, split_keys, split_run, values_rule)
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
@@ -300,7 +300,7 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     cfg = config_diff(ca, cb)
     return {
         "a": named[0], "b": named[1], "K": [la.K, lb.K], "W": [la.W, lb.W],
-        "other_batch": other, "runs": [va_of.run, vb_of.run], "values_at": [[side_a.K, side_a.W], [side_b.K, side_b.W]],
+        "other_batch": other, "runs": [va_of.run, vb_of.run], "replays": [kept_runs(sa_values), kept_runs(sb_values)], "values_at": [[side_a.K, side_a.W], [side_b.K, side_b.W]],
         "rollouts_from": [str(la.root), str(lb.root)],
         "config": cfg, "config_recorded": [ca is not None, cb is not None],
         "steps": steps_out,

@@ -123,7 +123,7 @@ def _print_summary(console: Any, p: Dict[str, Any]) -> None:
     console.print(f"rollouts: {same} {_steps(same)} the same{how}, {p['rollouts_differ']} differ"
                   + ("; steps " + ", ".join(apart) if apart else "")
                   + f"; values compared on {v['steps_compared']} {_steps(v['steps_compared'])} (timings left out)")
-    if v.get("describe"):     # at another K or W: compared as the replay check compares them
+    if v.get("describe") and v["steps_compared"]:     # at another K or W: as the replay check compares them
         console.print(f"values compared as the replay check compares them: {v['describe']}")
 
 
@@ -138,7 +138,12 @@ def verdict(doc: Dict[str, Any]) -> str:
             held = sum(p["rollouts_same"] for p in pairs)
             values = sum(p["values"]["steps_compared"] for p in pairs)
             if held == 0 and values == 0:
-                return "the two differ: they hold no step in common (nothing was compared)"
+                line = "the two differ: they hold no step in common (nothing was compared)"
+                p = pairs[0]      # a side that holds no rollouts but kept replays' values: name them
+                hint = [side.upper() for side, n in zip("ab", p.get("replays", (0, 0)))
+                        if n and not p[f"steps_only_in_{side}"] and not p["runs"]["ab".index(side)]]
+                return line + (f"; {hint[0]} holds only the values of replays: {hint[0]}@latest names the newest"
+                               if len(pairs) == 1 and hint else "")
             if held == 0:
                 return (f"the two hold no rollouts in common; the values both kept agree on {values} "
                         f"{_steps(values)}" + (f" ({regrouped[0].split(';')[0]})" if regrouped else ""))

@@ -119,6 +119,11 @@ def split_keys(keys: List[str], rule: ValuesRule) -> Tuple[List[str], List[str]]
     return [k for k in keys if rule.compared(k)], [k for k in keys if not rule.compared(k)]
 
 
+def kept_runs(store: Any) -> int:
+    """How many replays kept their values in the namespace (`ls`'s replays)."""
+    return len(ValuesStore(store.backend).list_runs())
+
+
 def run_steps(store: Any, run: Optional[str]) -> List[int]:
     """The steps a replay kept values for ([] for the recording's side: its steps are its namespace's)."""
     return [] if run is None else ValuesStore(store.backend).run_steps(run)
@@ -202,5 +207,5 @@ class RunValues:
 
 
 
-__all__ = ["RunValues", "Side", "ValuesRule", "batch_difference", "batch_of", "first_config", "resolve_name", "rollouts_store", "rule_json", "run_of",
+__all__ = ["RunValues", "Side", "ValuesRule", "batch_difference", "batch_of", "first_config", "kept_runs", "resolve_name", "rollouts_store", "rule_json", "run_of",
            "run_steps", "side_of", "split_keys", "split_run", "values_rule"]
