@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from skip_harness.cli import main
+from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
 from test_cache_states import read_only_view  # noqa: F401  (fixture)
 from test_replay_from import replays_of, run, snapshot
 
@@ -66,3 +67,18 @@ def test_a_read_only_recording_serves_and_says_once_its_values_are_not_kept(tmp_
     assert len(said) == 1 and f"the recording {ro / REC} cannot be written" in said[0], said
     assert snapshot(ro / REC) == before and replays_of(ro / REC) == {}
     assert not dump.exists()                     # nothing of its own was created either
+
+
+def test_a_recording_on_a_read_only_credential_says_once_its_replays_values_are_not_kept(
+        tmp_path, s3_server, s3_bucket, s3_env, monkeypatch, caplog):  # noqa: F811
+    url = f"s3://{s3_bucket}/cache"
+    run(url, 4, 3)                               # recorded with the writer's credential
+    before = s3_server.keys(s3_bucket)
+    for k, v in s3_server.env("reader").items():
+        monkeypatch.setenv(k, v)
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        _, summary, trainer = run(tmp_path, 2, 3, replay_from=f"{url}/{REC}")
+    assert trainer.generated == 0 and summary.hits == 3
+    said = [r.getMessage() for r in caplog.records if "could not be kept beside the recording's" in r.getMessage()]
+    assert len(said) == 1 and "they are not kept" in said[0], caplog.text
+    assert s3_server.keys(s3_bucket) == before and not (tmp_path / "rig_reshard").exists()
