@@ -73,6 +73,11 @@ def test_a_sweep_over_k_with_replay_from_generates_nothing(tmp_path_factory, tmp
         assert f"step 3: hit, K={K}, loaded" in log and f"served re-chunked from K=4 to K={K}" in log, log
     assert "served re-chunked from K=4 to K=4" not in log     # K = 4 is served from its own namespace
     assert "diverged" not in log
+    # every job is a replay of the one recording: counted there by `ls`, no namespace of its own (issue 40)
+    ls = subprocess.run([sys.executable, "-m", "skip_harness.cli", "ls", str(tmp_path / "cache"), "--json"],
+                        cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+    [listed] = json.loads(ls.stdout)["namespaces"]
+    assert listed["path"].endswith("GBS8_N2_in6_out6_K4_W1") and listed["replays"] == 4, listed
 
 
 def rig(tmp_path: Path, nproc: int, K: int, out: str, *extra: str, env=None, dump=None) -> dict:
