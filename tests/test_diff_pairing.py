@@ -143,6 +143,7 @@ def test_a_demo_namespace_beside_a_trl_one_is_said_to_be_another_run(tmp_path, m
     assert ("A and B hold other batches (A holds GBS6_N2_in4_out5, B GBS2_N2_out24): different runs on other "
             "prompts, their trajectories are not paired") in text
     assert "not paired" in out and " of " not in out.split("A and B hold")[0].split("┃")[-1]
+    assert out.strip().splitlines()[-1] == "the two differ: they are different runs (other batches, other prompts)"
     assert "trainer.seed: 1 -> 2" in out                        # both recorded it: listed
     assert "80 keys recorded in B only (trl.*): not listed" in text and "trl.key7" not in out
     assert "2 keys recorded in A only" not in text and "actor_rollout_ref.actor.optim.lr: 0.003 -> -" in out

@@ -148,6 +148,8 @@ def verdict(doc: Dict[str, Any]) -> str:
                 return (f"the two hold no rollouts in common; the values both kept agree on {values} "
                         f"{_steps(values)}" + (f" ({regrouped[0].split(';')[0]})" if regrouped else ""))
             return "the two differ only in the steps they hold (the steps both hold are the same)"
+        if pairs and all(p.get("other_batch") for p in pairs):
+            return "the two differ: they are different runs (other batches, other prompts)"
         return "the two differ"
     if regrouped:
         values = sum(p["values"]["steps_compared"] for p in pairs)
