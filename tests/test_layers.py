@@ -161,9 +161,11 @@ def test_nothing_outside_the_store_opens_a_cache_file():
 
 _OPENERS = {"open_namespace", "open_store", "namespace_of", "posix_namespace"}
 # Where a namespace may be opened: a command (cli/), a run's startup (every rank once: rank 0 when it
-# locks, the others when they follow it) and a replay's source (the recording, read-only; the candidates
-# that `replay_from=auto` checks). Everything else is handed the opened one.
-_OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/source.py": 2}
+# locks, the others when they follow it), a replay's source (the recording, read-only; the candidates
+# that `replay_from=auto` checks) and a replay_from run's own, opened once before its startup (run.deferred)
+# and handed to it. Everything else is handed the opened one.
+_OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/source.py": 2,
+              "skip_harness/run/deferred.py": 1}   # a replay_from run's own: opened before its startup decides
 
 
 def _opener_calls(path: Path):

@@ -36,9 +36,19 @@ def run(dump: Path, K: int, steps: int, replay_from=None, fingerprint=None, **ns
 
 
 def snapshot(root: Path) -> dict:
-    """Every file under `root` with its size and modification time (ns)."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file() or p.is_dir()}
+    """Every file under `root` with its size and modification time (ns), less the replays' values
+    (`.values/runs/`: create-only records each replay_from run leaves beside the recording's, and the
+    `.values` directory's time that they change): the rollouts and the recording's values."""
+    return {rel: (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file() or p.is_dir()
+            for rel in [str(p.relative_to(root))] if rel != ".values" and not rel.startswith(".values/runs")}
+
+
+def replays_of(root: Path) -> dict:
+    """{run id: [steps whose values it kept]} under the recording's `.values/runs/`."""
+    runs = root / ".values" / "runs"
+    return {} if not runs.is_dir() else {
+        d.name: sorted(int(f.stem) for f in d.glob("*.json") if f.stem.isdigit()) for d in sorted(runs.iterdir())}
 
 
 def rows_of(step: int, lo: int, hi: int) -> list:
@@ -68,8 +78,9 @@ def test_a_k4_recording_serves_another_k_in_recorded_order_and_stays_untouched(t
         assert outcome == "hit"
         assert calls == [rows_of(step, i * each, (i + 1) * each) for i in range(K)]
     assert snapshot(source) == before            # read only: nothing written, no lock, no index rewritten
+    assert list(replays_of(source).values()) == [[1, 2, 3]]    # its values: the recording's replay
     own = tmp_path / "rig_reshard" / ("GBS8_N2" if K == 1 else f"GBS8_N2_K{K}_W1")
-    assert not [p for p in own.iterdir() if p.name.isdigit()] if own.exists() else True
+    assert not own.exists()                      # it only read: no namespace of its own
     log = caplog.text
     assert f"step 2: hit, K={K}, loaded" in log and f"served re-chunked from K=4 to K={K}" in log
     line = summary.replay_line

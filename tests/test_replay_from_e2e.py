@@ -73,6 +73,11 @@ def test_a_sweep_over_k_with_replay_from_generates_nothing(tmp_path_factory, tmp
         assert f"step 3: hit, K={K}, loaded" in log and f"served re-chunked from K=4 to K={K}" in log, log
     assert "served re-chunked from K=4 to K=4" not in log     # K = 4 is served from its own namespace
     assert "diverged" not in log
+    # every job is a replay of the one recording: counted there by `ls`, no namespace of its own (issue 40)
+    ls = subprocess.run([sys.executable, "-m", "skip_harness.cli", "ls", str(tmp_path / "cache"), "--json"],
+                        cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+    [listed] = json.loads(ls.stdout)["namespaces"]
+    assert listed["path"].endswith("GBS8_N2_in6_out6_K4_W1") and listed["replays"] == 4, listed
 
 
 def rig(tmp_path: Path, nproc: int, K: int, out: str, *extra: str, env=None, dump=None) -> dict:
@@ -151,6 +156,9 @@ def test_s3_recording_on_one_rank_serves_two(tmp_path, s3_server):  # noqa: F811
     keys = s3_server.keys(bucket, "cache/rig_reshard/GBS8_N2_K4_W1/")
     ranks = rig(tmp_path, 2, 2, "replay", f"{url}/rig_reshard/GBS8_N2_K4_W1", env=env, dump=url)
     assert_global_batch(ranks, 2)
-    assert s3_server.keys(bucket, "cache/rig_reshard/GBS8_N2_K4_W1/") == keys     # nothing written there
+    after = s3_server.keys(bucket, "cache/rig_reshard/GBS8_N2_K4_W1/")
+    replays = [k for k in after if "/.values/runs/" in k]        # the replay's values, beside the recording's
+    assert [k for k in after if k not in replays] == keys and len(replays) == 4, after   # no rollout written
+    assert not s3_server.keys(bucket, "cache/rig_reshard/GBS8_N2_K2_W2/")     # nor a namespace of its own
     assert "re-chunked from K=4 to K=2" in ranks[0]["summary"] and "re-sharded from W=1 to W=2" in ranks[0]["summary"]
     assert not (tmp_path / "s3:").exists()

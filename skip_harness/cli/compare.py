@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from skip_harness.cli._common import CliError, where_of
+from skip_harness.cli.pair_rows import rows_of, unpaired
+from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, kept_runs, resolve_name, rollouts_store, rule_json, run_of,
+                                      run_steps, side_of, split_keys, split_run, values_rule)
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store.api import (Layout, PAYLOAD_NAME, StepReport, StepStore, UrlPath, ValuesStore, config_changes,
+from skip_harness.store.api import (Layout, PAYLOAD_NAME, StepReport, StepStore, UrlPath, config_changes,
                                     namespaces_at, open_namespace, parse_namespace_leaf, scan_namespace)
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit(".", 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
@@ -85,24 +87,6 @@ def _files(report: Any) -> Optional[Dict[str, str]]:
     return {e.rel: e.checksum for e in record.files if e.rel.rsplit("/", 1)[-1].startswith(PAYLOAD_STEM)}
 
 
-def _per_row(payloads: Sequence[Any]) -> Tuple[int, Dict[str, List[Any]]]:
-    """The rows of a step's mini-batches (in order): (trajectories, {field: list of per-row values})."""
-    from skip_harness.cli.export import columns_of
-
-    total = 0
-    fields: Dict[str, List[Any]] = {}
-    for i, payload in enumerate(payloads):
-        n, cols = columns_of(payload, f"mini-batch {i}")
-        for name, col in cols.items():
-            if col.per_row:
-                fields.setdefault(name, [None] * total)
-                fields[name].extend(col.value[j] for j in range(n))
-        total += n
-        for rows in fields.values():
-            rows.extend([None] * (total - len(rows)))
-    return total, fields
-
-
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype or a.shape != b.shape:
@@ -159,21 +143,28 @@ def _length_field(fields: Dict[str, List[Any]]) -> Tuple[Optional[str], str]:
     return _find(fields, _RESPONSE_NAMES), "numel"
 
 
-def _content(reader_a: Any, reader_b: Any, step: int, W: int) -> Dict[str, Any]:
-    """Trajectories that differ, and the change in reward mean and response length, from the payloads."""
-    pa, pb = [], []
-    for r in range(W):
-        pa += reader_a.read_step(step, r)
-        pb += reader_b.read_step(step, r)
-    na, fa = _per_row(pa)
-    nb, fb = _per_row(pb)
-    common = [k for k in fa if k in fb]
-    differ = 0
-    for i in range(min(na, nb)):
-        if any(not _same(fa[k][i], fb[k][i]) for k in common):
-            differ += 1
-    differ += abs(na - nb)
-    out: Dict[str, Any] = {"trajectories": max(na, nb), "trajectories_differ": differ}
+def _in_order(reader: Any, step: int) -> List[Any]:
+    """A step's K x W mini-batches in recorded order (mini-batch i of rank r is part i x W + r: the order a
+    step's rows are split in, whatever K and W), so two sides at another K or W pair row by row."""
+    K, W = reader.layout.K, reader.layout.W
+    return [reader.read_inner(step, i, r) for i in range(K) for r in range(W)]
+
+
+def _content(reader_a: Any, reader_b: Any, step: int, other_batch: str = "") -> Dict[str, Any]:
+    """Trajectories that differ (only of rows that are pairs: `pair_rows.unpaired`), and the change in
+    reward mean and response length, from the payloads."""
+    pa, pb = _in_order(reader_a, step), _in_order(reader_b, step)
+    na, fa, left_a = rows_of(pa)
+    nb, fb, left_b = rows_of(pb)
+    why = other_batch or unpaired(na, fa, nb, fb, _same)
+    out: Dict[str, Any] = {"trajectories": max(na, nb), "trajectories_differ": None}
+    if why:
+        out["unpaired"] = why
+    else:
+        common = [k for k in fa if k in fb]
+        out["trajectories_differ"] = sum(1 for i in range(na) if any(not _same(fa[k][i], fb[k][i]) for k in common))
+    if left_a or left_b:
+        out["fields_not_compared"] = sorted(set(left_a) | set(left_b))
     ra, rb = _mean(fa, _find(fa, _REWARD_NAMES, True), "mean"), _mean(fb, _find(fb, _REWARD_NAMES, True), "mean")
     la, lb = _mean(fa, *_length_field(fa)), _mean(fb, *_length_field(fb))
     out["reward_mean"] = [ra, rb]
@@ -188,21 +179,28 @@ def _ignored(key: str) -> bool:
     return any(fnmatch.fnmatchcase(low, p) for p in DEFAULT_REPLAY_IGNORE)
 
 
-def _compare_values(a: Optional[Dict[str, float]], b: Optional[Dict[str, float]]
+def _compare_values(a: Optional[Dict[str, float]], b: Optional[Dict[str, float]], rule: ValuesRule,
+                    seen: Tuple[Dict[str, None], Dict[str, None]]
                     ) -> Tuple[str, Optional[Tuple[str, float, float]], Dict[str, float], Tuple[List[str], List[str]]]:
     """('same' | 'differ' | 'unrecorded', the first differing key (in A's recorded order) with both values,
     |a - b| by key, (keys only A recorded, keys only B recorded)). Only keys both sides recorded are
-    compared (as the replay check compares them); timings are left out, as the replay check leaves them
-    out by default."""
+    compared, as the replay check compares them (`rule`: at another K the values that depend on the
+    rollouts alone, within a tolerance; `seen`: the keys compared and those left out, filled in); timings
+    are left out, as the replay check leaves them out by default."""
     if a is None or b is None:
         return "unrecorded", None, {}, ([], [])
     a = {k: v for k, v in a.items() if not _ignored(k)}
     b = {k: v for k, v in b.items() if not _ignored(k)}
     first = None
     diffs: Dict[str, float] = {}
-    for key in [k for k in a if k in b]:
+    compared, left_out = split_keys([k for k in a if k in b], rule)
+    seen[0].update(dict.fromkeys(compared))
+    seen[1].update(dict.fromkeys(left_out))
+    if not compared:        # nothing both recorded that may be compared: not "the same"
+        return "unrecorded", None, {}, (sorted(set(a) - set(b)), sorted(set(b) - set(a)))
+    for key in compared:
         x, y = a[key], b[key]
-        same = x == y or (math.isnan(x) and math.isnan(y))
+        same = rule.same(x, y)
         d = 0.0 if same else (abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf)
         diffs[key] = d
         if not same and first is None:
@@ -226,71 +224,23 @@ def config_diff(ca: Optional[Dict[str, Any]], cb: Optional[Dict[str, Any]]) -> L
             if not explains_nothing(k) and not (x is None and y is None)]
 
 
-def _first_config(reader: Any, steps: Sequence[int]) -> Optional[Dict[str, Any]]:
-    for s in steps:
-        rec = reader.read_step_values(s)
-        if rec is not None and rec.config:
-            cfg = reader.read_training_config(rec.config)
-            if cfg is not None:
-                return cfg
-    return None
-
-
-def _split_run(text: str) -> Tuple[str, Optional[str]]:
-    """`NS@RUN_ID` (a replay's values, kept under its run id), `NS@latest` (the newest replay's) or
-    `NS` (the recording's): (the namespace, the run id or None). A path that exists as written is
-    never split."""
-    where, sep, run = str(text).rpartition("@")
-    if not sep or not where or "/" in run or Path(str(text)).exists():
-        return str(text), None
-    return where, run
-
-
-def _run_of(store: Any, run: Optional[str], arg: str) -> Optional[str]:
-    if run is None:
-        return None
-    runs = ValuesStore(store.backend).list_runs()
-    if run == "latest":
-        if not runs:
-            raise CliError(f"{arg}: {store.layout.root} has no replay with values kept (no .values/runs/)")
-        return runs[-1]
-    if run not in runs:
-        shown = ", ".join(runs[-5:]) or "none"
-        raise CliError(f"{arg}: no run {run!r} kept values in {store.layout.root} (runs: {shown}; or @latest)")
-    return run
-
-
-class _RunValues:
-    """The values side of one namespace: the recording's (`run` None) or one replay's."""
-
-    def __init__(self, store: Any, run: Optional[str]):
-        self.store, self.run = store, run
-
-    def read_values(self, step: int) -> Optional[Dict[str, float]]:
-        if self.run is None:
-            return self.store.reader.read_values(step)
-        found = ValuesStore(self.store.backend).read_run_step(self.run, step)
-        return None if found is None else dict(found.values)
-
-    def config(self, steps: Sequence[int]) -> Optional[Dict[str, Any]]:
-        if self.run is None:
-            return _first_config(self.store.reader, steps)
-        doc = ValuesStore(self.store.backend).read_run(self.run) or {}
-        if isinstance(doc.get("training_config"), dict):
-            return doc["training_config"]
-        digest = doc.get("config")
-        return self.store.reader.read_training_config(digest) if isinstance(digest, str) else None
-
-
 def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a: Optional[str] = None,
                        run_b: Optional[str] = None) -> Dict[str, Any]:
     """One pair of namespaces, step by step. `read_payloads=False` (the viewer's compare page, which pairs
     one step's trajectories itself): steps whose checksums differ are not read (`rollouts: "not read"`).
     `run_a`, `run_b`: compare that replay's values (its run id, or 'latest') instead of the recording's."""
     sa, sb = StepStore(la, open_namespace(la)), StepStore(lb, open_namespace(lb))
-    va_of, vb_of = _RunValues(sa, _run_of(sa, run_a, "A")), _RunValues(sb, _run_of(sb, run_b, "B"))
+    va_of, vb_of = RunValues(sa, run_of(sa, run_a, "A")), RunValues(sb, run_of(sb, run_b, "B"))
+    side_a, side_b = side_of(sa, va_of.run), side_of(sb, vb_of.run)
+    seen: Tuple[Dict[str, None], Dict[str, None]] = ({}, {})
+    sa_values, sb_values = sa, sb
+    named = [str(la.root), str(lb.root)]
+    sa, sb = rollouts_store(sa, side_a), rollouts_store(sb, side_b)   # a replay_from run's: its recording's
+    la, lb = sa.layout, sb.layout
+    other = batch_difference(la, lb)
+    rule = values_rule(side_a, side_b, other)
     ra = {s.step: s for s in scan_namespace(la, sa.backend, use_index=False).steps}
-    rb = {s.step: s for s in scan_namespace(lb, sb.backend, use_index=False).steps}
+    rb = ra if la.root == lb.root else {s.step: s for s in scan_namespace(lb, sb.backend, use_index=False).steps}
     steps_out: List[Dict[str, Any]] = []
     first_values = None
     max_diff: Dict[str, float] = {}
@@ -298,17 +248,16 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     only = {"a": 0, "b": 0, "neither": 0}
     keys_only: Tuple[Dict[str, None], Dict[str, None]] = ({}, {})
     values_compared = 0
-    for step in sorted(set(ra) | set(rb)):
+    # a replay keeps values of steps whose rollouts it does not hold: they are compared too
+    for step in sorted(set(ra) | set(rb) | set(run_steps(sa_values, va_of.run)) | set(run_steps(sb_values, vb_of.run))):
         a, b = ra.get(step), rb.get(step)
         row: Dict[str, Any] = {"step": step, "a": None if a is None else a.status, "b": None if b is None else b.status}
         side = _one_side(a, b)
+        fa, fb = _files(a), _files(b)
         if side is not None:                    # counted apart: not a difference of rollouts
             row["rollouts"] = "in neither" if side == "neither" else f"only in {side}"
             only[side] += 1
-            steps_out.append(row)
-            continue
-        fa, fb = _files(a), _files(b)
-        if fa is not None and fa == fb:
+        elif fa is not None and fa == fb:
             row["rollouts"] = "same"
             row["by"] = "commit records"         # payloads not read
             same_rollouts += 1
@@ -318,7 +267,7 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
             unread += 1
         else:
             try:
-                content = _content(sa.reader, sb.reader, step, max(la.W, lb.W) if la.W == lb.W else 1)
+                content = _content(sa.reader, sb.reader, step, other)
             except (CorruptStepError, SkipHarnessError, OSError) as exc:
                 row["rollouts"] = "unreadable"
                 row["reason"] = str(exc)
@@ -333,7 +282,7 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
             else:
                 differ_rollouts += 1
         va, vb = va_of.read_values(step), vb_of.read_values(step)
-        verdict, first, diffs, (only_a, only_b) = _compare_values(va, vb)
+        verdict, first, diffs, (only_a, only_b) = _compare_values(va, vb, rule, seen)
         keys_only[0].update(dict.fromkeys(only_a))
         keys_only[1].update(dict.fromkeys(only_b))
         row["values"] = verdict
@@ -350,8 +299,9 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     cb = vb_of.config(sorted(rb))
     cfg = config_diff(ca, cb)
     return {
-        "a": str(la.root), "b": str(lb.root), "K": [la.K, lb.K], "W": [la.W, lb.W],
-        "runs": [va_of.run, vb_of.run],
+        "a": named[0], "b": named[1], "K": [la.K, lb.K], "W": [la.W, lb.W],
+        "other_batch": other, "runs": [va_of.run, vb_of.run], "replays": [kept_runs(sa_values), kept_runs(sb_values)], "values_at": [[side_a.K, side_a.W], [side_b.K, side_b.W]],
+        "rollouts_from": [str(la.root), str(lb.root)],
         "config": cfg, "config_recorded": [ca is not None, cb is not None],
         "steps": steps_out,
         "rollouts_same": same_rollouts, "rollouts_differ": differ_rollouts,
@@ -360,7 +310,8 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
         "steps_only_in_a": only["a"], "steps_only_in_b": only["b"], "steps_in_neither": only["neither"],
         "values": {"steps_compared": values_compared, "first_divergence": first_values,
                    "max_abs_diff": {k: max_diff[k] for k in sorted(max_diff)},
-                   "keys_only_in_a": sorted(keys_only[0]), "keys_only_in_b": sorted(keys_only[1])},
+                   "keys_only_in_a": sorted(keys_only[0]), "keys_only_in_b": sorted(keys_only[1]),
+                   **rule_json(rule, seen[1], seen[0])},
         "identical": differ_rollouts == 0 and first_values is None and not cfg and not only["a"] and not only["b"]
         and not unread,
     }
@@ -379,8 +330,9 @@ def compare(a: str, b: str, read_payloads: bool = True) -> Dict[str, Any]:
     paths or object-store URLs; namespaces paired by name). A namespace may name one of its replays,
     `NS@RUN_ID` or `NS@latest`: its values are then that run's. CliError (exit 2) on bad input.
     `read_payloads=False`: rollouts compared by their commit records only (see compare_namespaces)."""
-    a, run_a = _split_run(str(a))
-    b, run_b = _split_run(str(b))
+    a, run_a = split_run(str(a))
+    b, run_b = split_run(str(b))
+    a, b = resolve_name(a), resolve_name(b)       # a name as `ls` prints it: under the cache root
     single_a, nsa = _namespaces(str(a), "A")
     single_b, nsb = _namespaces(str(b), "B")
     if (run_a or run_b) and not (single_a and single_b):

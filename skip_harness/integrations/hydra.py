@@ -102,8 +102,8 @@ class HydraStartupCallback(Callback):
             if self._validate:
                 _import(self._validate)(task)
             settings = rollout_tq_from(task)
-            if not settings.enable:
-                return
+            if not settings.enable or settings.replay_from is not None:
+                return    # replay_from: the harness checks the recording first, and creates its own namespace lazily
             key = namespace_key_from_config(task)
             check_batch_split(int(task.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
             layout = key.with_world_size(int(os.environ.get("WORLD_SIZE", "1"))).layout(settings.resolved_dump_dir())

@@ -130,6 +130,7 @@ class CommitCoordinator:
         self._written = report_write
         self._pending: Dict[int, _Pending] = {}
         self._recordings: List[tuple] = []   # (step, future) of values written after their step's commit
+        self._said: set = set()               # the recordings a replay's values could not be kept in (said once)
 
     # ---- the trainer's calls
     def begin(self, step: int) -> None:
@@ -290,14 +291,20 @@ class CommitCoordinator:
         self._recordings.append((step, fut))
         return fut
 
-    def record_run_values(self, run_id: str, step: int, values: Dict[str, float], config: Optional[str]) -> None:
-        """Write a replay's values for `step` under its run id, on the writer thread."""
+    def record_run_values(self, run_id: str, step: int, values: Dict[str, float], config: Optional[str],
+                          into: Any = None) -> None:
+        """Write a replay's values for `step` under its run id, on the writer thread (`into`: the StepWriter of
+        the namespace they are kept in -- the recording a replay_from run replays; this run's by default)."""
         self._check_recordings()
-        self._recordings.append((step, self.writer.submit(self.store.write_run_values, run_id, step, values, config)))
+        store = self.store if into is None else into
+        mark = step if into is None else f"replay:{into.layout.root}"    # kept in another namespace: said once
+        self._recordings.append((mark, self.writer.submit(store.write_run_values, run_id, step, values, config)))
 
-    def record_run(self, run_id: str, doc: Dict[str, Any]) -> None:
+    def record_run(self, run_id: str, doc: Dict[str, Any], into: Any = None) -> None:
         """Write a replay's own document (when, where, its config digest), on the writer thread."""
-        self._recordings.append((None, self.writer.submit(self.store.write_run, run_id, doc)))
+        store = self.store if into is None else into
+        mark = None if into is None else f"replay:{into.layout.root}"
+        self._recordings.append((mark, self.writer.submit(store.write_run, run_id, doc)))
 
     def record_config(self, digest: str, flat: Dict[str, Any]) -> None:
         """Write the run's training-side config (flattened) on the writer thread."""
@@ -313,7 +320,12 @@ class CommitCoordinator:
                 keep.append((step, fut))
                 continue
             exc = fut.exception()
-            if exc is not None and not isinstance(exc, CacheWritesStopped):   # a lost lock is said once
+            if exc is not None and isinstance(step, str):      # a replay's values in the recording it replays
+                if step not in self._said:
+                    self._said.add(step)
+                    self._fault(step.split(":", 1)[1], f"this replay's values could not be kept beside the "
+                                f"recording's: {type(exc).__name__}: {exc}; they are not kept")
+            elif exc is not None and not isinstance(exc, CacheWritesStopped):   # a lost lock is said once
                 where = self.store.layout.root if step is None else self.store.layout.step_dir(step)
                 what = "the training-side config" if step is None else f"step {step}'s values"
                 self._fault(str(where), f"could not record {what}: {type(exc).__name__}: {exc}; "

@@ -33,8 +33,9 @@ from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
 from skip_harness.run.prefetch import Prefetcher
 from skip_harness.run.replay import ValuesTracker
 from skip_harness.run.sharing import Follower
-from skip_harness.run.source import Source, load_regrouped, start_source
-from skip_harness.run.startup import StartupResult, start_namespace
+from skip_harness.run.deferred import Deferred, start_run
+from skip_harness.run.source import Source, load_regrouped
+from skip_harness.run.startup import StartupResult
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
@@ -223,16 +224,11 @@ class SkipHarness:
             self._check_world_size(dist.world_size)
         layout = self._key.with_world_size(dist.world_size).layout(self.settings.resolved_dump_dir())
         self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *self._user_callbacks])
-        run = start_namespace(layout, self.settings, self.fingerprint, dist)
-        try:
-            source = start_source(self.settings, self._key.with_world_size(dist.world_size), self.fingerprint,
-                                  layout, run.namespace, dist)
-        except BaseException:
-            if run.startup is not None:
-                run.startup.release()
-            raise
+        # the recording (replay_from) is checked before anything is created; a replay's own namespace waits
+        run, source = start_run(layout, self.settings, self._key.with_world_size(dist.world_size), self.fingerprint,
+                                dist)
         self._startup = run.startup
-        self._build(dist, layout, run.namespace, run.servable, run.read_only, run.shared_with, source)
+        self._build(dist, layout, run.namespace, run.servable, run.read_only, run.shared_with, source, run.deferred)
         self._started = True
         if run.startup is not None:
             for path, reason in run.faults:
@@ -240,7 +236,7 @@ class SkipHarness:
             self.callbacks.on_startup(namespace=str(layout.root), startup=run.startup, quiet=run.quiet)
 
     def _build(self, dist: DistContext, layout: Layout, namespace: Namespace, servable: Iterable[int], read_only: bool,
-               shared_with: str = "", source: Optional[Source] = None) -> None:
+               shared_with: str = "", source: Optional[Source] = None, deferred: bool = False) -> None:
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
@@ -252,15 +248,18 @@ class SkipHarness:
         self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
         # a reader writes no rollouts, but its values (small JSON files beside the steps: store.values)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
-                                     dist.is_main and (not read_only or bool(shared_with)), self._training_config)
+                                     dist.is_main and (not read_only or bool(shared_with) or deferred),
+                                     self._training_config)
         self._values.run_id = new_run_id() if dist.is_main else None   # a replay's values go under it
-        self._follower = Follower(store, self.settings, self.fingerprint, dist, shared_with) if shared_with else None
+        self._follower = (Deferred(store, self.settings, self.fingerprint, dist, source) if deferred and source else
+                          Follower(store, self.settings, self.fingerprint, dist, shared_with) if shared_with else None)
         follower = self._follower
-        if follower is not None:       # once it took the hold, it fills in what the killed recorder left out
+        if follower is not None and not isinstance(follower, Deferred):   # once it took the hold: what a killed recorder left out
             self._values.holds = lambda: follower.holds
         # like its values, a reader may store a step's second tier where none was stored for its key
         self._tier = TierPhases(bool(self.settings.tier), TierStore(store.backend), store.reader, dist.rank,
-                                self.outcome, self.callbacks, self._fault, writable=not read_only or bool(shared_with))
+                                self.outcome, self.callbacks, self._fault,
+                                writable=not read_only or bool(shared_with) or deferred)
         values, tier = self._values, self._tier
 
         def committed(step: int, created: Optional[float]) -> None:
@@ -274,7 +273,7 @@ class SkipHarness:
             source=source,
         )
         if source is not None:
-            self._values.serve_from(source, layout.K, dist.world_size, self._runner.served_from_source)
+            self._values.serve_from(source, layout.K, dist.world_size, self._runner.served_from_source, deferred)
 
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)

@@ -161,6 +161,16 @@ def _rollout_value(key: str) -> bool:
     return any(fnmatch.fnmatchcase(low, p) for p in ROLLOUT_VALUES)
 
 
+def values_agree(recorded: float, now: float, rtol: float, atol: float) -> bool:
+    """Whether a value reproduces, as the replay check decides it (`skip-harness diff` decides alike)."""
+    return _same(recorded, now, rtol, atol)
+
+
+def depends_on_rollouts(key: str) -> bool:
+    """Whether a value depends on a step's rollouts alone (config.ROLLOUT_VALUES): compared at another K."""
+    return _rollout_value(key)
+
+
 @dataclass
 class _Served:
     compared: int = 0
@@ -197,18 +207,29 @@ class ValuesTracker:
         self._from_source: Callable[[int], bool] = lambda step: False
         self._K, self._W = 1, 1
         self._not_compared: Set[str] = set()          # at another K: training values recorded there
+        self._runs_into: Any = None                  # where the run's values go (None: this run's namespace)
+        self._runs_note = ""                          # said once when they cannot go where ls counts them
+        self._keep_runs = True
         self._compared_rollout: Set[str] = set()
         # served steps the recording has no values for (its recorder ended first): filled in once this
         # reader took the hold (`holds`, set by the harness)
         self.holds: Callable[[], bool] = lambda: False
         self._gaps: Dict[int, Dict[str, float]] = {}
 
-    def serve_from(self, source: Any, K: int, W: int, from_source: Callable[[int], bool]) -> None:
+    def serve_from(self, source: Any, K: int, W: int, from_source: Callable[[int], bool], deferred: bool = False) -> None:
         """Steps for which `from_source(step)` are served from `source` (a `run.source.Source`, another K
         or W): their recorded values live there. At another K only the values that depend on the rollouts
         alone are compared (config.ROLLOUT_VALUES); at another W every value; both within at least
-        config.REGROUPED_RTOL."""
+        config.REGROUPED_RTOL. The run's own values are kept in the recording (under its run id); where it
+        cannot be written, in this run's namespace -- not at all when that was not created (`deferred`)."""
         self._source, self._K, self._W, self._from_source = source, K, W, from_source
+        # a replay_from run is a replay of the recording: its values are kept there, where `ls` counts them
+        why = source.store.backend.writable()
+        self._runs_into = source.store.writer if why is None else None
+        if why is not None:
+            where = "not kept" if deferred else f"kept in {self.reader.layout.root} instead"
+            self._runs_note = f"this replay's values are {where}: the recording {source.layout.url} cannot be written ({why})"
+            self._keep_runs = not deferred
 
     def set_training_config(self, flat: Optional[Mapping[str, Any]]) -> None:
         self.training_config = None if flat is None else dict(flat)
@@ -251,18 +272,29 @@ class ValuesTracker:
         values under its run id -- the ones reported before too -- and each one as it comes."""
         if not self.is_main or self.run_id is None:
             return
+        if not self._keep_runs:
+            if outcome == HIT and not self._replaying:
+                self._replaying = True
+                log.warning("%s", self._runs_note)
+            return
         if numbers:
             self._observed[step] = {**self._observed.get(step, {}), **numbers}
+        into = self._runs_into
         if outcome == HIT and not self._replaying:
             self._replaying = True
-            self.coordinator.record_run(self.run_id, {
-                "started": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-                "config": self.config_digest, "training_config": self.training_config,
-                "namespace": str(self.reader.layout.root)})
+            if self._runs_note:
+                log.warning("%s", self._runs_note)
+            doc = {"started": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
+                   "config": self.config_digest, "training_config": self.training_config,
+                   "namespace": str(self.reader.layout.root), "K": self.reader.layout.K,
+                   "W": self.reader.layout.W}
+            if self._source is not None:
+                doc["replay_from"] = str(self._source.layout.url)
+            self.coordinator.record_run(self.run_id, doc, into)
             for s in sorted(self._observed):
-                self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest)
+                self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest, into)
         elif self._replaying and numbers:
-            self.coordinator.record_run_values(self.run_id, step, self._observed[step], self.config_digest)
+            self.coordinator.record_run_values(self.run_id, step, self._observed[step], self.config_digest, into)
 
     def _write_config(self) -> None:
         if self.training_config is not None and not self._config_written:
@@ -388,4 +420,4 @@ class ValuesTracker:
                             (min(counts), max(counts)), div, before, self._regrouped_note())
 
 
-__all__ = ["Divergence", "ReplayReport", "ValuesTracker"]
+__all__ = ["Divergence", "ReplayReport", "ValuesTracker", "depends_on_rollouts", "values_agree"]

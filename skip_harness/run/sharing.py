@@ -22,6 +22,7 @@ from typing import Any, Optional
 from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.run.dist import DistContext
+from skip_harness.run.stats import OWN_ROLLOUTS
 from skip_harness.store.api import Fingerprint, Hold, StepStatus
 
 COMMITTED, HOLDER, OWN = "committed", "holder", "own"
@@ -86,6 +87,15 @@ class Follower:
             return False
         self.hold = hold
         return True
+
+    def not_written(self) -> str:
+        """Why a step this run generated was not written (its step line)."""
+        return f"{OWN_ROLLOUTS}: {self.holder} records this namespace; this run trains on its own rollouts"
+
+    def took_hold(self, step: int) -> str:
+        """What is said once this run took the hold, at `step`."""
+        return (f"rollout cache {self.store.layout.root}: the run that recorded it ({self.holder}) ended; this run "
+                f"holds it now and records the steps it generates, from step {step}")
 
     def release(self) -> None:
         hold, self.hold = self.hold, None

@@ -121,7 +121,8 @@ def _steps(steps) -> str:
     return f" [{shown}{', ...' if len(steps) > 10 else ''}]"
 
 
-def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Optional[float] = None) -> StartupResult:
+def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Optional[float] = None,
+                      namespace: Optional[Namespace] = None) -> StartupResult:
     """Lock, scan, and clean (per `skip.rollout_tq.cleanup`) one namespace, through its backend (a
     lock file on POSIX, a lease object on an object store).
 
@@ -133,7 +134,7 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
     timeout = settings.lock_timeout if timeout is None else timeout
     action = settings.cleanup.value
     try:
-        backend = open_namespace(layout)
+        backend = open_namespace(layout) if namespace is None else namespace
         hold = backend.lock(timeout)
     except HeldByThisProcess:
         raise
@@ -207,6 +208,7 @@ class StartedRun:
     quiet: bool  # the Hydra callback already reported this startup
     faults: Tuple[Tuple[str, str], ...] = ()
     shared_with: str = ""   # a reader: the run that records the namespace (StartupResult.shared_with)
+    deferred: bool = False  # replay_from: this run's own namespace not created yet (run.deferred)
 
 
 _ERRORS = {"LockHeldError": LockHeldError, "FingerprintMismatchError": FingerprintMismatchError,
@@ -214,10 +216,11 @@ _ERRORS = {"LockHeldError": LockHeldError, "FingerprintMismatchError": Fingerpri
 
 
 def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Optional[Fingerprint],
-                    dist: DistContext) -> StartedRun:
+                    dist: DistContext, opened: Optional[Namespace] = None) -> StartedRun:
     """Every rank calls this together: rank 0 takes over the Hydra callback's startup or does its own
     (lock, scan, cleanup), checks the fingerprint and, with W > 1, writes a marker every rank must
-    see; the outcome (or rank 0's error, as the same class) reaches every rank."""
+    see; the outcome (or rank 0's error, as the same class) reaches every rank. `opened`: the namespace
+    this rank already opened (run.deferred), else it is opened here."""
     startup: Optional[StartupResult] = None
     error: Optional[BaseException] = None
     outcome: Any = None
@@ -229,7 +232,7 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
             startup = take_over(layout)
             quiet = startup is not None
             if startup is None:
-                startup = prepare_namespace(layout, settings)
+                startup = prepare_namespace(layout, settings, namespace=opened)
             namespace = startup.namespace
             servable, warning = _servable(startup, fingerprint, settings)
             # taken over from the Hydra callback: it already warned of the faults its startup found (not twice)
@@ -253,7 +256,7 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
     _, servable, read_only, token, shared_with = outcome
     try:
         if namespace is None:                 # the other ranks: their own opening of the namespace rank 0 holds
-            namespace = open_namespace(layout)
+            namespace = open_namespace(layout) if opened is None else opened
         _check_shared(dist, layout, namespace, token)
     except BaseException:
         if startup is not None:

@@ -25,7 +25,7 @@ from skip_harness.run.prefetch import Loaded, Prefetcher, load_step
 from skip_harness.run.source import Source, load_regrouped
 from skip_harness.run.startup import set_aside
 from skip_harness.run.sharing import COMMITTED, Follower
-from skip_harness.run.stats import HIT, MISS, OFF, OWN_ROLLOUTS, READ_ONLY, Outcome, RunStats, StepRecord
+from skip_harness.run.stats import HIT, MISS, OFF, READ_ONLY, Outcome, RunStats, StepRecord
 from skip_harness.store.api import StepStore
 
 log = logging.getLogger("skip_harness")
@@ -186,9 +186,7 @@ class StepRunner:
         if self.follower.holds and self.read_only:
             self.read_only = False
             if self.dist.is_main:
-                log.info("rollout cache %s: the run that recorded it (%s) ended; this run holds it now and "
-                         "records the steps it generates, from step %d", self.store.layout.root,
-                         self.follower.holder, step)
+                log.info("%s", self.follower.took_hold(step))
         if answer == COMMITTED:
             self.servable.add(step)
             return True
@@ -196,7 +194,7 @@ class StepRunner:
 
     def _not_written(self) -> str:
         if self.follower is not None:
-            return f"{OWN_ROLLOUTS}: {self.follower.holder} records this namespace; this run trains on its own rollouts"
+            return self.follower.not_written()
         return READ_ONLY
 
     def _start_miss(self, step: int) -> None:

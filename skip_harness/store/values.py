@@ -47,10 +47,17 @@ RUN_DOC = "run.json"
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
+_ISSUED: Dict[str, int] = {}
+
+
 def new_run_id() -> str:
-    """A run's id: `20261203T120501Z-host-1234` (UTC start time, host, pid): unique per process."""
+    """A run's id: `20261203T120501Z-host-1234` (UTC start time, host, pid), `-2`, `-3`, ... appended for a
+    second run of one process in one second (in-process runs, a launcher reusing its workers): every run
+    of a recording keeps its own values."""
     host = re.sub(r"[^A-Za-z0-9.-]+", "-", socket.gethostname())[:40] or "host"
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{host}-{os.getpid()}"
+    base = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{host}-{os.getpid()}"
+    n = _ISSUED[base] = _ISSUED.get(base, 0) + 1
+    return base if n == 1 else f"{base}-{n}"
 
 
 def check_run_id(run_id: str) -> str:

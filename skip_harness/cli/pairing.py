@@ -1,0 +1,211 @@
+"""How `skip-harness diff` pairs two sides that were not made alike (`compare.py` uses it).
+
+- **Names as `ls` prints them** (relative to the cache root): a name that does not exist as written is looked
+  up under the cache root `ls` lists by default (`$SKIP_HARNESS_DUMP_DIR`, else the per-user cache).
+- **Values at another K or W**, as the replay check compares them (`run.replay`): at another K only the
+  values that depend on the rollouts alone (`config.ROLLOUT_VALUES`), at another W every value, both within
+  at least `config.REGROUPED_RTOL`; at the same K and W, exactly. A replay's K and W are its `run.json`'s (a
+  `replay_from` run's values are kept in the recording it replayed, at its own K and W); the recording's
+  are its namespace's.
+- **A replay's rollouts** are those it was served: the recording named by its `run.json`'s `replay_from`,
+  else its namespace's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from skip_harness.cli._common import CliError
+from skip_harness.config import REGROUPED_RTOL
+from skip_harness.errors import SkipHarnessError
+from skip_harness.run.replay import depends_on_rollouts, values_agree
+from skip_harness.store.api import (StepStore, UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
+                                    open_namespace)
+
+
+def resolve_name(text: str) -> str:
+    """`text` as written when it exists there (or is a URL, or absolute); else, when a namespace of that name
+    is under the cache root `skip-harness ls` lists by default, that one."""
+    if is_url(text) or Path(text).is_absolute() or Path(text).exists():
+        return text
+    from skip_harness.cli._discovery import default_dump_dir
+
+    root, _ = default_dump_dir()
+    if is_url(str(root)):
+        return f"{str(root).rstrip('/')}/{text}"
+    under = Path(root) / text
+    return str(under) if under.exists() else text
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side's values: at which K and W they were reported, and where its rollouts came from."""
+
+    K: int
+    W: int
+    rollouts_from: str        # the namespace whose rollouts the side trained on (its root, as text)
+    replay_from: bool = False  # a replay_from run's values, kept in the recording it replayed
+
+
+def side_of(store: Any, run: Optional[str]) -> Side:
+    """The recording's side (`run` None) or one replay's, from its `run.json`."""
+    layout = store.layout
+    if run is None:
+        return Side(layout.K, layout.W, str(layout.root))
+    doc = ValuesStore(store.backend).read_run(run) or {}
+    K, W = doc.get("K"), doc.get("W")
+    source = doc.get("replay_from")
+    return Side(K if isinstance(K, int) else layout.K, W if isinstance(W, int) else layout.W,
+                source if isinstance(source, str) else str(layout.root), isinstance(source, str))
+
+
+@dataclass(frozen=True)
+class ValuesRule:
+    """Which keys are compared, and within what, for two sides (the replay check's rule)."""
+
+    compared: Callable[[str], bool]
+    rtol: float
+    regrouped: str            # '' at the same K and W, else what differs: `K=4 vs K=1`, `W=2 vs W=1`
+
+    def same(self, a: float, b: float) -> bool:
+        return values_agree(a, b, self.rtol, 0.0)
+
+    def describe(self, left_out: List[str], compared: List[str]) -> str:
+        """`re-chunked K=4 vs K=1: loss not compared (they depend on K); reward_mean compared within rtol=0.0001`."""
+        if not self.regrouped:
+            return ""
+        parts = [self.regrouped]
+        if left_out:
+            parts.append(f"{', '.join(left_out)} not compared (they depend on K)")
+        if compared:
+            parts.append(f"{', '.join(compared)} compared within rtol={self.rtol:g}")
+        return "; ".join(parts)
+
+
+def batch_of(layout: Any) -> str:
+    """The batch a namespace holds, from its name: `GBS8_N2_in6_out6` (its K and W left out)."""
+    return "_".join(t for t in str(layout.root.name).split("_") if t[:1] not in ("K", "W"))
+
+
+def batch_difference(la: Any, lb: Any) -> str:
+    """'' when two namespaces hold one batch (B, n and the lengths their names hold), else a sentence saying
+    they are different runs."""
+    va, vb = namespace_leaf_values(la.root.name), namespace_leaf_values(lb.root.name)
+    if va is None or vb is None:
+        return ""
+    fields = ("train_batch_size", "n", "max_prompt_length", "max_response_length")
+    if all(va.get(f) == vb.get(f) for f in fields):
+        return ""
+    return (f"other batches (A holds {batch_of(la)}, B {batch_of(lb)}): different runs on other prompts, "
+            "their trajectories are not paired")
+
+
+def values_rule(a: Side, b: Side, other_batch: str = "") -> ValuesRule:
+    """How the two sides' values are compared: as the replay check compares a replay at another K or W with
+    its recording; exactly when the two are different runs (`other_batch`) or at one K and W."""
+    if other_batch:
+        return ValuesRule(lambda key: True, 0.0, "")
+    if a.K != b.K:
+        how = f"re-chunked: K={a.K} (A) vs K={b.K} (B)" + (f", W={a.W} vs W={b.W}" if a.W != b.W else "")
+        return ValuesRule(depends_on_rollouts, REGROUPED_RTOL, how)
+    if a.W != b.W:
+        return ValuesRule(lambda key: True, REGROUPED_RTOL, f"re-sharded: W={a.W} (A) vs W={b.W} (B)")
+    return ValuesRule(lambda key: True, 0.0, "")
+
+
+def split_keys(keys: List[str], rule: ValuesRule) -> Tuple[List[str], List[str]]:
+    """(keys compared, keys left out because they depend on K)."""
+    return [k for k in keys if rule.compared(k)], [k for k in keys if not rule.compared(k)]
+
+
+def kept_runs(store: Any) -> int:
+    """How many replays kept their values in the namespace (`ls`'s replays)."""
+    return len(ValuesStore(store.backend).list_runs())
+
+
+def run_steps(store: Any, run: Optional[str]) -> List[int]:
+    """The steps a replay kept values for ([] for the recording's side: its steps are its namespace's)."""
+    return [] if run is None else ValuesStore(store.backend).run_steps(run)
+
+
+def rule_json(rule: ValuesRule, left_out: Dict[str, None], compared: Dict[str, None]) -> Dict[str, Any]:
+    return {"regrouped": rule.regrouped, "rtol": rule.rtol, "not_compared": sorted(left_out),
+            "compared_within_rtol": sorted(compared) if rule.regrouped else [],
+            "describe": rule.describe(sorted(left_out), sorted(compared))}
+
+
+def first_config(reader: Any, steps: Sequence[int]) -> Optional[Dict[str, Any]]:
+    """The training-side config recorded with the first of `steps` that has one."""
+    for s in steps:
+        rec = reader.read_step_values(s)
+        if rec is not None and rec.config:
+            cfg = reader.read_training_config(rec.config)
+            if cfg is not None:
+                return cfg
+    return None
+
+
+def rollouts_store(store: Any, side: Side) -> Any:
+    """The steps `side` trained on: a replay_from run's are its recording's (opened here), else `store`'s."""
+    if side.rollouts_from == str(store.layout.root):
+        return store
+    where: Any = UrlPath(side.rollouts_from) if is_url(side.rollouts_from) else Path(side.rollouts_from)
+    try:
+        layouts = namespaces_at(where)
+    except (OSError, SkipHarnessError):
+        layouts = []
+    if len(layouts) != 1:
+        return store          # the recording is gone: its rollouts cannot be shown, the namespace's are
+    return StepStore(layouts[0], open_namespace(layouts[0]))
+
+
+def split_run(text: str) -> Tuple[str, Optional[str]]:
+    """`NS@RUN_ID` (a replay's values, kept under its run id), `NS@latest` (the newest replay's) or
+    `NS` (the recording's): (the namespace, the run id or None). A path that exists as written is
+    never split."""
+    where, sep, run = str(text).rpartition("@")
+    if not sep or not where or "/" in run or Path(str(text)).exists():
+        return str(text), None
+    return where, run
+
+
+def run_of(store: Any, run: Optional[str], arg: str) -> Optional[str]:
+    if run is None:
+        return None
+    runs = ValuesStore(store.backend).list_runs()
+    if run == "latest":
+        if not runs:
+            raise CliError(f"{arg}: {store.layout.root} has no replay with values kept (no .values/runs/)")
+        return runs[-1]
+    if run not in runs:
+        shown = ", ".join(runs[-5:]) or "none"
+        raise CliError(f"{arg}: no run {run!r} kept values in {store.layout.root} (runs: {shown}; or @latest)")
+    return run
+
+
+class RunValues:
+    """The values side of one namespace: the recording's (`run` None) or one replay's."""
+
+    def __init__(self, store: Any, run: Optional[str]):
+        self.store, self.run = store, run
+
+    def read_values(self, step: int) -> Optional[Dict[str, float]]:
+        if self.run is None:
+            return self.store.reader.read_values(step)
+        found = ValuesStore(self.store.backend).read_run_step(self.run, step)
+        return None if found is None else dict(found.values)
+
+    def config(self, steps: Sequence[int]) -> Optional[Dict[str, Any]]:
+        if self.run is None:
+            return first_config(self.store.reader, steps)
+        doc = ValuesStore(self.store.backend).read_run(self.run) or {}
+        if isinstance(doc.get("training_config"), dict):
+            return doc["training_config"]
+        digest = doc.get("config")
+        return self.store.reader.read_training_config(digest) if isinstance(digest, str) else None
+
+
+
+__all__ = ["RunValues", "Side", "ValuesRule", "batch_difference", "batch_of", "first_config", "kept_runs", "resolve_name", "rollouts_store", "rule_json", "run_of",
+           "run_steps", "side_of", "split_keys", "split_run", "values_rule"]
