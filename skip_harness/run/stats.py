@@ -120,6 +120,12 @@ class RunSummary:
         return "" if self.replay is None else self.replay.describe()
 
     @property
+    def replay_short(self) -> str:
+        """The replay verdict in a few words (`4/4 reproduced`, `diverged at 2: loss`): a sweep table's
+        cell; '' when no served step reported values."""
+        return "" if self.replay is None else self.replay.short()
+
+    @property
     def steps(self) -> int:
         return self.hits + self.repeats + self.misses + self.off
 
