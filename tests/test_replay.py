@@ -92,6 +92,10 @@ def test_plain_loop_records_then_every_served_step_reproduces(tmp_path, caplog):
     # gen_s is a timing (replay_ignore's default *_s): 3 values compared per step
     assert second.replay_line == "replay: 5 of 5 served steps reproduced (3 values each)"
     assert (first.replay_short, second.replay_short) == ("", "5/5 reproduced")   # a sweep table's cell
+    # print(summary): the line the run logs, where the cache went included -- not a dataclass's repr (issue 40)
+    assert str(second) == next(r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout cache summary"))
+    assert str(second).startswith("rollout cache summary: 5 steps: 5 hits, 0 repeats, 0 misses")
+    assert str(second).endswith(f"; cache in {layout.root}") and str(first).endswith(f"; cache in {layout.root}")
     assert "replay: 5 of 5 served steps reproduced (3 values each)" in caplog.text   # the summary line
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
