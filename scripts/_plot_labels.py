@@ -1,8 +1,8 @@
 """What scripts/plot.py labels a run by besides its mode, K and seed: the keys swept between the runs.
 
 Each run's `.hydra/overrides.yaml` lists what its command line set (`actor_rollout_ref.actor.optim.lr=0.001`).
-A key whose value differs between the runs found names them apart (`lr=0.001`): a run that did not set it
-gets the value its composed `.hydra/config.yaml` holds. Keys are shown by the shortest end of their dotted
+A key whose value differs between the runs found names them apart (`lr=0.001`); values are compared as the
+run's composed `.hydra/config.yaml` holds them (a run that did not set the key has one there too). Keys are shown by the shortest end of their dotted
 name that no other swept key shares (`lr`, or `actor.optim.lr` beside `critic.optim.lr`).
 """
 from __future__ import annotations
@@ -38,16 +38,24 @@ def read_overrides(run_dir: Path) -> Pairs:
                  if not k.startswith(("~", "hydra.", "hydra/")) and k not in SHOWN_KEYS)
 
 
-def _config_value(run_dir: Path, key: str) -> str:
-    """The value `key` had in the run's composed config (for a run that did not override it); '-' when
-    the config does not say."""
+def _config_values(run_dir: Path, keys: Sequence[str]) -> Dict[str, str]:
+    """The value each of `keys` has in the run's composed .hydra/config.yaml, where it is a plain value
+    (not a config group's node); keys it does not hold are left out."""
     from omegaconf import OmegaConf
 
     try:
-        value = OmegaConf.select(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), key.replace("/", "."))
-    except Exception:  # noqa: BLE001 - no readable config: nothing to say
-        value = None
-    return "-" if value is None or OmegaConf.is_config(value) else str(value)
+        cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    except Exception:  # noqa: BLE001 - no readable config: the overrides' text says what it can
+        return {}
+    out = {}
+    for key in keys:
+        try:
+            value = OmegaConf.select(cfg, key.replace("/", "."))
+        except Exception:  # noqa: BLE001 - an interpolation that does not resolve here
+            value = None
+        if value is not None and not OmegaConf.is_config(value):
+            out[key] = str(value)
+    return out
 
 
 def short_names(keys: Sequence[str]) -> Dict[str, str]:
@@ -66,12 +74,14 @@ def short_names(keys: Sequence[str]) -> Dict[str, str]:
 
 def swept_values(runs: Sequence[Tuple[Path, Pairs]]) -> List[Pairs]:
     """For each (run directory, its overrides): the (short name, value) of every overridden key whose
-    value differs between the runs, in the order the keys first appear."""
+    value differs between the runs, in the order the keys first appear. A value is the run's composed
+    config's (so `false` and `False`, or a key one run set to its default, compare alike); a key the
+    config does not hold as a plain value (a config group) by the override's text."""
     keys = list(dict.fromkeys(k for _, overrides in runs for k, _ in overrides))
     values = []
-    for run_dir, overrides in runs:
-        given = dict(overrides)
-        values.append({k: given[k] if k in given else _config_value(run_dir, k) for k in keys})
+    for run_dir, overrides in runs:    # the value the run had (`false` and `False` alike), else as given
+        had = {**dict(overrides), **_config_values(run_dir, keys)} if keys else {}
+        values.append({k: had.get(k, "-") for k in keys})
     varying = [k for k in keys if len({v[k] for v in values}) > 1]
     short = short_names(varying)
     return [tuple((short[k], v[k]) for k in varying) for v in values]
