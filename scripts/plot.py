@@ -6,9 +6,12 @@ RUNS_DIR is one run directory, a sweep directory, or a folder of them: every `me
 is a run (hidden directories such as `.hydra` are not searched; symlinked run or sweep directories are
 followed, each real directory once). A run is labelled by its trainer mode
 and K, read from the `.hydra/config.yaml` next to its metrics (plus the seed when the runs differ in
-seed), or by its directory name when that file says nothing. Steps served from the cache (`cache` is
-`hit` or `repeat`) have hollow markers; generated steps (`miss`, `off`) have filled ones, and the legend
-says how many steps of each run came from the cache.
+seed), or by its directory name when that file says nothing, and by every other key whose value
+differs between the runs found (`lr=0.001`: the keys of each run's `.hydra/overrides.yaml`, each
+named by the shortest end of its dotted name that no other such key shares). Each configuration has a
+color of its own; steps served from the cache (`cache` is `hit` or `repeat`) have hollow markers,
+generated steps (`miss`, `off`) filled ones, and the legend says how many steps of each run came from
+the cache.
 
 Bad input (no such directory, no metrics.jsonl, a line that is not a JSON object with a step) stops
 with one message naming the path, exit status 2.
@@ -25,6 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from _plot_labels import read_overrides, sortable, swept_values
 
 log = logging.getLogger("skip_harness.plot")
 
@@ -45,6 +50,8 @@ class Run:
     seed: Optional[int]
     name: str = ""                    # the run directory relative to RUNS_DIR (its own name if it is RUNS_DIR)
     label: str = ""
+    overrides: Tuple[Tuple[str, str], ...] = ()   # .hydra/overrides.yaml: (key, value) as given
+    swept: Tuple[Tuple[str, str], ...] = ()       # the keys whose values differ between the runs found
 
     @property
     def steps(self) -> List[int]:
@@ -164,7 +171,7 @@ def find_runs(root: os.PathLike | str) -> List[Run]:
         mode, K, seed = read_run_config(path.parent)
         rel = path.parent.relative_to(root) if root.is_dir() else Path(path.parent.name)
         name = str(rel) if str(rel) != "." else (path.parent.resolve().name or str(path.parent))
-        runs.append(Run(path.parent, tuple(rows), mode, K, seed, name))
+        runs.append(Run(path.parent, tuple(rows), mode, K, seed, name, overrides=read_overrides(path.parent)))
     if not runs:
         raise PlotInputError(f"{root}: every {METRICS_NAME} under it is empty")
     return label_runs(runs)
@@ -182,18 +189,21 @@ def _distinguishing(run: Run, group: Sequence[Run]) -> str:
 
 
 def label_runs(runs: Sequence[Run]) -> List[Run]:
-    """'mode K=k' (plus ' seed=s' when the runs differ in seed); the directory name when the config
-    says nothing, or added when two runs would otherwise share a label."""
+    """'mode K=k' (plus ' seed=s' when the runs differ in seed, and ' key=value' for each other key that
+    differs between them); the directory name when the config says nothing, or added when two runs
+    would otherwise share a label."""
     seeds = {r.seed for r in runs if r.mode is not None}
     with_seed = len(seeds) > 1
+    runs = [dataclasses.replace(r, swept=v) for r, v in zip(runs, swept_values([(r.path, r.overrides) for r in runs]))]
 
     def base(r: Run) -> str:
+        swept = "".join(f" {k}={v}" for k, v in r.swept)
         if r.mode is None or r.K is None:
-            return r.name or str(r.path)
+            return (r.name or str(r.path)) + swept
         text = f"{r.mode} K={r.K}"
         if with_seed and r.seed is not None:
             text += f" seed={r.seed}"
-        return text
+        return text + swept
 
     bases = [base(r) for r in runs]
     labels = []
@@ -201,7 +211,8 @@ def label_runs(runs: Sequence[Run]) -> List[Run]:
         same = [o for o, ob in zip(runs, bases) if ob == b]
         labels.append(b if len(same) == 1 or b == r.name else f"{b} ({_distinguishing(r, same)})")
     out = [dataclasses.replace(r, label=lab) for r, lab in zip(runs, labels)]
-    out.sort(key=lambda r: (r.mode is None, r.mode or "", r.K or 0, r.seed or 0, str(r.path)))
+    out.sort(key=lambda r: (r.mode is None, r.mode or "", r.K or 0, r.seed or 0, [sortable(v) for _, v in r.swept],
+                            str(r.path)))
     return out
 
 
@@ -271,9 +282,9 @@ def make_figure(runs: Sequence[Run], title: str):
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    # One color per configuration (mode, K, seed): a rerun served from the cache shares its first run's
-    # color, its hollow markers on the first run's filled ones.
-    keys = [(r.mode, r.K, r.seed) if r.mode is not None else ("", None, n) for n, r in enumerate(runs)]
+    # One color per configuration (mode, K, seed, the swept keys' values): a rerun served from the cache
+    # shares its first run's color, its hollow markers on the first run's filled ones.
+    keys = [(r.mode, r.K, r.seed, r.swept) if r.mode is not None else ("", None, n, r.swept) for n, r in enumerate(runs)]
     distinct = list(dict.fromkeys(keys))
     cmap: Any = plt.get_cmap("tab10" if len(distinct) <= 10 else "tab20")   # a ListedColormap: it has .colors
     colors = cmap.colors

@@ -70,7 +70,8 @@ def main(cfg: DictConfig) -> float:
         sys.exit(2)
     if result.metrics and int(os.environ.get("RANK", "0")) == 0:   # a sweep's table: this job's line
         last = result.metrics[-1]
-        record_job_summary(result.summary, {k: last[k] for k in ("loss", "reward_mean") if k in last}, result.run_id)
+        record_job_summary(result.summary, {k: last[k] for k in ("loss", "reward_mean") if k in last}, result.run_id,
+                           step=last.get("step"))
     _shut_down_process_group()
     return float(result.metrics[-1]["reward_mean"]) if result.metrics else float("nan")
 

@@ -164,6 +164,7 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
         result["outcomes"] = {s: harness.outcome(s) for s in range(opts.steps)}
         result["namespace"] = str(harness.layout.root)
         result["replay"] = summary.replay_line
+        result["summary_line"] = str(summary)    # the line the harness logs at its end, namespace included
         result["K"] = harness.K
     return result
 
@@ -299,6 +300,9 @@ def run(opts: argparse.Namespace, argv: List[str]) -> int:
         print(f"{name}: train() {run['wall_s']:.2f} s; generation calls that ran: {run['generation_calls']}; "
               f"cache: {_count(summary.get('hits', 0), 'hit')}, {_count(summary.get('misses', 0), 'miss', 'misses')}, "
               f"generation {summary.get('gen_s_spent', 0.0):.2f} s spent, {summary.get('gen_s_saved', 0.0):.2f} s saved")
+    if report["namespace"]:
+        kept = " (removed with the temporary work directory at exit; --workdir DIR keeps it)" if opts.own_workdir else ""
+        print(f"cache: {report['namespace']}{kept}; steps numbered from 0 as TRL's global_step (docs/trl.md)")
     print("REPORT " + json.dumps(report))
     return 0 if identical else 1
 

@@ -124,6 +124,10 @@ def test_sweep_over_k_gets_own_namespaces_and_rerun_hits(tmp_path):
         assert [r["cache"] for r in metrics(b)] == ["hit", "hit"]
         # the same bits under either launcher (joblib's workers would default to one torch thread)
         assert training_metrics(metrics(a)) == training_metrics(metrics(b))
+    # each sweep's table: a few words per job (the recording's jobs, then the replays that reproduced them)
+    for name, verdict, counts in (("sweep1", "recorded", "0 / 2"), ("sweep2", "2/2 reproduced", "2 / 0")):
+        rows = (tmp_path / name / "sweep_summary.md").read_text().splitlines()[2:]
+        assert [r.split(" | ")[2:4] for r in rows] == [[counts, verdict]] * 2, rows
 
 
 @pytest.mark.parametrize("launcher", [BASIC, JOBLIB], ids=["basic", "joblib"])

@@ -254,3 +254,79 @@ def test_plot_legend_lies_inside_the_figure_and_off_the_panels(tmp_path, monkeyp
     for run in runs:
         assert any(t.startswith(run.label + ":") for t in texts), (run.label, texts)
     assert "served from the cache" in texts
+
+
+def write_sweep_job(run_dir: Path, K: int, overrides, lr: float = 0.003) -> Path:
+    """A job directory as Hydra writes it: .hydra/overrides.yaml (the command line's overrides) and the
+    composed .hydra/config.yaml, beside its metrics."""
+    write_run(run_dir, ["miss"] * 3, K=K)
+    cfg = run_dir / ".hydra" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("trainer:\n", "trainer:\n  progress: false\n  total_training_steps: 3\n")
+                   + f"actor_rollout_ref:\n  actor:\n    optim:\n      lr: {lr}\n")
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    return run_dir
+
+
+def _legend_colors(fig) -> dict:
+    """Each run's legend text -> the color of its line."""
+    runs_legend = max(fig.legends, key=lambda lg: len(lg.get_texts()))
+    return {t.get_text(): tuple(h.get_color()) for t, h in zip(runs_legend.get_texts(), runs_legend.legend_handles)}
+
+
+def test_plot_names_every_swept_key_and_gives_each_configuration_its_own_color(tmp_path, monkeypatch):
+    """Issue 40: a sweep over K and lr was coloured by K alone and its legend left lr out, so the three
+    learning rates at one K could not be told apart."""
+    pytest.importorskip("matplotlib")
+    plot = load_script("plot")
+    sweep = tmp_path / "multirun"
+    job = 0
+    for K in (1, 4):
+        for lr in ("0.001", "0.003", "0.01"):
+            write_sweep_job(sweep / f"{job}_separate_async_K{K}", K, [
+                "hydra/launcher=joblib", "trainer_mode=separate_async",
+                f"trainer.v1.separate_async.parameter_sync_step={K}", f"actor_rollout_ref.actor.optim.lr={lr}",
+                "trainer.total_training_steps=3", "trainer.progress=False"], lr=float(lr))
+            job += 1
+    # a run of the defaults beside the sweep: lr is not on its command line, its config says 0.003; it
+    # wrote `false` where Hydra's sweeper wrote `False` (the same value: no label says it)
+    write_sweep_job(tmp_path / "multirun" / "default", 4, ["trainer_mode=separate_async", "trainer.progress=false"])
+    runs = plot.find_runs(tmp_path / "multirun")
+    labels = [r.label for r in runs]
+    assert labels == ["separate_async K=1 lr=0.001", "separate_async K=1 lr=0.003", "separate_async K=1 lr=0.01",
+                      "separate_async K=4 lr=0.001", "separate_async K=4 lr=0.003 (4_separate_async_K4)",
+                      "separate_async K=4 lr=0.003 (default)", "separate_async K=4 lr=0.01"], labels
+    saved = _saved_figures(monkeypatch)
+    plot.draw(runs, tmp_path / "p.png", "a title")
+    (fig,) = saved
+    colors = _legend_colors(fig)
+    assert len(colors) == 7 and all(any(t.startswith(lab + ":") for t in colors) for lab in labels), colors
+    by_config = {}
+    for text, color in colors.items():
+        by_config.setdefault(text.split(" (")[0].split(":")[0], set()).add(color)
+    assert all(len(c) == 1 for c in by_config.values()), by_config   # a rerun of a configuration: its color
+    assert len({next(iter(c)) for c in by_config.values()}) == 6, by_config   # six configurations, six colors
+
+
+def test_plot_names_two_keys_of_one_name_by_their_longer_ends(tmp_path):
+    plot = load_script("plot")
+    for n, (a, c) in enumerate((("0.1", "0.2"), ("0.1", "0.3"), ("0.2", "0.3"))):
+        write_sweep_job(tmp_path / str(n), 2, [f"actor_rollout_ref.actor.optim.lr={a}", f"critic.optim.lr={c}",
+                                               "+trainer.note=same"], lr=float(a))
+    assert [r.label for r in plot.find_runs(tmp_path)] == [
+        "separate_async K=2 actor.optim.lr=0.1 critic.optim.lr=0.2", "separate_async K=2 actor.optim.lr=0.1 critic.optim.lr=0.3",
+        "separate_async K=2 actor.optim.lr=0.2 critic.optim.lr=0.3"]
+
+
+@pytest.mark.slow   # a real sweep: two jobs of two tiny steps
+def test_plot_of_a_real_sweep_over_the_learning_rate_names_it(tmp_path):
+    sweep = tmp_path / "multirun"
+    proc = run([TRAIN, "-m", "actor_rollout_ref.actor.optim.lr=0.001,0.01", "trainer.total_training_steps=2",
+                "trainer.progress=false", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
+                "data.max_prompt_length=6", "data.max_response_length=6", "actor_rollout_ref.model.d_model=32",
+                "actor_rollout_ref.model.n_layers=1", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "p.png"
+    proc = run([PLOT, sweep, "-o", out], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_png(out)
+    assert "drew sync K=1 lr=0.001 (2 steps" in proc.stderr and "drew sync K=1 lr=0.01 (2 steps" in proc.stderr, proc.stderr

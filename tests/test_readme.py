@@ -66,7 +66,10 @@ def test_plain_dict_example_runs_as_written_and_hits_on_the_second_run(tmp_path)
         [str(s), "miss", "(8,", "16)"] for s in (1, 2, 3)], first.stdout
     assert [line.split() for line in again.stdout.splitlines()[:3]] == [
         [str(s), "hit", "(8,", "16)"] for s in (1, 2, 3)], again.stdout
-    assert "misses=3" in first.stdout and "hits=3" in again.stdout, first.stdout + again.stdout
+    # the printed summary is the run's summary line, not a dataclass's repr (issue 40)
+    assert "rollout cache summary: 3 steps: 0 hits, 0 repeats, 3 misses (3 committed" in first.stdout, first.stdout
+    assert "rollout cache summary: 3 steps: 3 hits, 0 repeats, 0 misses" in again.stdout, again.stdout
+    assert "RunSummary(" not in first.stdout + again.stdout
     # the example says where its cache went: under the default root, named by experiment and project
     where = [line for line in first.stdout.splitlines() if line.startswith("cache:")]
     assert where and where[0].split(maxsplit=1)[1].startswith(str(tmp_path / "cache" / "my_run_demo")), first.stdout
@@ -98,7 +101,13 @@ def _without_timing(stdout: str) -> List[dict]:
 def test_trl_example_runs_as_written_and_replays(tmp_path):
     pytest.importorskip("trl")
     first, again = run_example("trl", tmp_path, times=2, timeout=600)
-    assert "misses=4" in first.stdout and "hits=4" in again.stdout, first.stdout + again.stdout
+    # the printed summary: the run's summary line, ending with where the cache went (issue 40: a raw repr)
+    (line,) = [x for x in first.stdout.splitlines() if x.startswith("rollout cache summary: ")]
+    assert line.startswith("rollout cache summary: 4 steps: 0 hits, 0 repeats, 4 misses (4 committed"), line
+    namespace = Path(line.rsplit("; cache in ", 1)[1])
+    assert namespace.parent == tmp_path / "cache" / "grpo-readme_trl" and (namespace / "0").is_dir(), line
+    assert "rollout cache summary: 4 steps: 4 hits, 0 repeats, 0 misses" in again.stdout, again.stdout
+    assert "RunSummary(" not in first.stdout + again.stdout
     record, replay = _without_timing(first.stdout), _without_timing(again.stdout)
     assert len(record) == 5, first.stdout          # four steps, then train()'s totals
     assert record == replay                        # "its log history is the same, bit for bit"

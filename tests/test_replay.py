@@ -91,6 +91,11 @@ def test_plain_loop_records_then_every_served_step_reproduces(tmp_path, caplog):
     assert second.hits == 5
     # gen_s is a timing (replay_ignore's default *_s): 3 values compared per step
     assert second.replay_line == "replay: 5 of 5 served steps reproduced (3 values each)"
+    assert (first.replay_short, second.replay_short) == ("", "5/5 reproduced")   # a sweep table's cell
+    # print(summary): the line the run logs, where the cache went included -- not a dataclass's repr (issue 40)
+    assert str(second) == next(r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout cache summary"))
+    assert str(second).startswith("rollout cache summary: 5 steps: 5 hits, 0 repeats, 0 misses")
+    assert str(second).endswith(f"; cache in {layout.root}") and str(first).endswith(f"; cache in {layout.root}")
     assert "replay: 5 of 5 served steps reproduced (3 values each)" in caplog.text   # the summary line
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -108,6 +113,7 @@ def test_another_learning_rate_is_a_divergence_the_config_explains(tmp_path, cap
     assert summary.replay_line.startswith("replay diverged at step 2 (loss ")
     # the summary's replay line names the training-side change (a sweep's table shows it per job)
     assert summary.replay_line.endswith("; 1 step reproduced before it; training side changed: optim.lr 0.5 -> 0.25")
+    assert summary.replay_short == "diverged at 2: loss"
     assert len(heard.divergences) == 1
     step, key, recorded, now, changes = heard.divergences[0]
     assert (step, key) == (2, "loss") and recorded != now and changes == (("optim.lr", 0.5, 0.25),)
@@ -149,6 +155,7 @@ def test_replay_check_off_compares_nothing(tmp_path, caplog):
         _, summary = plain_run(tmp_path, lr=0.25, replay_check="off")
     assert not caplog.records
     assert summary.replay_line == "replay: 5 served steps, not checked (skip.rollout_tq.replay_check=off)"
+    assert summary.replay_short == "not checked"
 
 
 def test_tolerances_and_ignored_keys(tmp_path):
@@ -176,10 +183,12 @@ def test_a_step_without_values_is_complete_and_unchecked(tmp_path):
     _, summary = plain_run(tmp_path)
     assert summary.hits == 5
     assert summary.replay_line == "replay: 3 of 5 served steps reproduced (3 values each); 2 unchecked (no recorded values)"
+    assert summary.replay_short == "3/5 reproduced, 2 unchecked"
     for s in (1, 2, 3):
         (layout.root / ".values" / f"{s}.json").unlink()
     _, summary = plain_run(tmp_path)
     assert summary.replay_line == "replay: 5 served steps unchecked (no recorded values)"
+    assert summary.replay_short == "5 unchecked"
 
 
 def test_values_belong_to_the_commit_they_were_recorded_with(tmp_path):

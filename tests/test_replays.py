@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -357,15 +358,20 @@ def test_a_sweep_over_the_learning_rate_on_one_recording_generates_nothing_and_e
         text = log.read_text()
         assert "4 hits, 0 repeats, 0 misses" in text and "generation 0.0s spent" in text, text[-2000:]
     table = (tmp_path / "sweep" / "sweep_summary.md").read_text().splitlines()
-    assert table[0] == "| job | overrides | hits / misses | replay | loss | reward_mean |"
+    assert table[0] == "| job | overrides | hits / misses | replay | loss (last step) | reward_mean (last step) |"
     rows = table[2:]
     assert len(rows) == 3 and all("| 4 / 0 |" in r for r in rows), table
-    assert "actor_rollout_ref.actor.optim.lr=0.001" in rows[0] and "lr 0.003 -> 0.001" in rows[0], rows[0]
-    assert "4 of 4 served steps reproduced" in rows[1]     # the recording's own lr (the demo's default)
-    assert "lr 0.003 -> 0.01" in rows[2], rows[2]
+    # the verdict in a few words (issue 40: a ~230-character sentence in every row); the sentence is in the JSON
+    assert "actor_rollout_ref.actor.optim.lr=0.001" in rows[0] and re.search(r"\| diverged at \d: \w+ \|", rows[0]), rows[0]
+    assert "| 4/4 reproduced |" in rows[1], rows[1]        # the recording's own lr (the demo's default)
+    assert re.search(r"\| diverged at \d: \w+ \|", rows[2]), rows[2]
+    assert all(len(r) < 130 and "served steps" not in r and "->" not in r for r in rows), table
     assert table[0] in out                                 # the table on the console too
-    jobs = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())["jobs"]
-    assert sorted(j["job"] for j in jobs) == [0, 1, 2] and all(j["run_id"] for j in jobs)
+    jobs = sorted(json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())["jobs"], key=lambda j: j["job"])
+    assert [j["job"] for j in jobs] == [0, 1, 2] and all(j["run_id"] for j in jobs)
+    assert "lr 0.003 -> 0.001" in jobs[0]["replay"] and "lr 0.003 -> 0.01" in jobs[2]["replay"], jobs
+    assert jobs[1]["replay"].startswith("replay: 4 of 4 served steps reproduced (") and jobs[1]["replay_short"] == "4/4 reproduced"
+    assert rows[0].split(" | ")[3] == jobs[0]["replay_short"] and all(j["values_step"] == 4 for j in jobs)
     assert "1 of the sweep's jobs failed" not in out
     assert os.path.isdir(tmp_path / "sweep")
 

@@ -44,12 +44,13 @@ def _env() -> dict:
 
 
 def _demo(*args: str) -> dict:
+    """The demo's REPORT, with what it printed before it (`_stdout`) and its log (`_stderr`)."""
     proc = subprocess.run([sys.executable, str(DEMO), *args], capture_output=True, text=True, env=_env(),
                           timeout=300)
     assert proc.returncode in (0, 1), proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, proc.stdout + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("REPORT "):])
+    return {**json.loads(lines[-1][len("REPORT "):]), "_stdout": proc.stdout, "_stderr": proc.stderr}
 
 
 def _run(role: str, workdir: Path, dump_dir: Path, out: Path, *args: str) -> tuple:
@@ -97,6 +98,20 @@ def test_demo_replay_is_bit_identical_and_skips_generation(recorded):
     assert report["replay_summary"]["hits"] == STEPS and report["replay_summary"]["misses"] == 0
     assert report["record_wall_s"] > 0 and report["replay_wall_s"] > 0
     assert report["untouched_after_train"] is True
+
+
+@pytest.mark.slow   # the module's recording
+def test_the_demo_says_where_the_cache_went_and_how_steps_are_numbered(recorded):
+    """Issue 40: the summary was a raw dataclass repr, nothing said where the cache went, and nothing said
+    that TRL's steps are numbered from 0 (every other trainer's from 1)."""
+    report, ns = recorded.report, recorded.report["namespace"]
+    assert ns and Path(ns).parent == recorded.dump_dir / "trl_demo_trl", ns
+    assert f"cache: {ns}; steps numbered from 0 as TRL's global_step" in report["_stdout"], report["_stdout"]
+    assert integration.STEP_NUMBERS in report["_stderr"]       # attach's log line says it
+    for role in ("record", "replay"):
+        line = json.loads((recorded.workdir / f"{role}.json").read_text())["summary_line"]
+        assert line.startswith(f"rollout cache summary: {STEPS} steps: ") and line.endswith(f"; cache in {ns}"), line
+    assert "step 0: miss" in report["_stderr"] and "step 0: hit" in report["_stderr"]
 
 
 @pytest.mark.slow  # one TRL training in a subprocess

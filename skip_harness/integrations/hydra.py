@@ -11,8 +11,9 @@ never raises: an error is left to the task function, which stops with one clear 
 anything touched the disk.
 
 :class:`SweepReport` ends a multirun with one table of its jobs (each recorded its line with
-:func:`record_job_summary`: overrides, hits / misses, replay verdict, last values), logged and written
-to ``{sweep_dir}/sweep_summary.md`` and ``.json``. A job that stopped on its own cause (a fingerprint
+:func:`record_job_summary`: overrides, hits / misses, the replay verdict in a few words, the last step's
+values), logged and written to ``{sweep_dir}/sweep_summary.md``; ``.json`` holds every job's full record
+(the replay sentence, a failed job's error). A job that stopped on its own cause (a fingerprint
 mismatch, a config error) recorded it with :func:`record_job_failure` and returned, so the other jobs
 still ran; at the end the sweep names every failed job and exits non-zero.
 """
@@ -159,10 +160,11 @@ def record_job_failure(exc: BaseException) -> bool:
     return True
 
 
-def record_job_summary(summary: Any, values: Optional[Dict[str, Any]] = None, run_id: Optional[str] = None) -> bool:
+def record_job_summary(summary: Any, values: Optional[Dict[str, Any]] = None, run_id: Optional[str] = None,
+                       step: Optional[int] = None) -> bool:
     """In a multirun job: record the job's line of the sweep's table (its hits and misses, the replay
-    verdict, the last values it reported, its run id) in the job's directory for :class:`SweepReport`.
-    False outside a multirun."""
+    verdict in full (`replay`) and in a few words (`replay_short`), the values of its last step `step`,
+    its run id) in the job's directory for :class:`SweepReport`. False outside a multirun."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
@@ -177,7 +179,8 @@ def record_job_summary(summary: Any, values: Optional[Dict[str, Any]] = None, ru
     record.update({
         "hits": int(getattr(summary, "hits", 0)), "repeats": int(getattr(summary, "repeats", 0)),
         "misses": int(getattr(summary, "misses", 0)), "committed": int(getattr(summary, "committed", 0)),
-        "replay": str(getattr(summary, "replay_line", "") or ""), "run_id": run_id,
+        "replay": str(getattr(summary, "replay_line", "") or ""),
+        "replay_short": str(getattr(summary, "replay_short", "") or ""), "run_id": run_id, "values_step": step,
         "values": {str(k): v for k, v in (values or {}).items() if isinstance(v, (int, float, str, bool))},
     })
     out.mkdir(parents=True, exist_ok=True)
@@ -193,26 +196,34 @@ def _fmt(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+def _short_verdict(job: dict) -> str:
+    """A job's replay verdict in a few words (`4/4 reproduced`, `diverged at 2: loss`; `recorded`: it
+    served nothing and committed steps); the full sentence stays in the sweep's JSON (`replay`). A job recorded before `replay_short` existed: its sentence."""
+    if "replay_short" in job:
+        return job["replay_short"] or ("recorded" if job.get("committed") else "-")
+    verdict = job.get("replay") or "-"
+    return verdict[len("replay: "):] if verdict.startswith("replay: ") else verdict
+
+
 def sweep_table(jobs: List[dict]) -> List[str]:
     """The sweep's table as Markdown lines: job, overrides (those that differ between its jobs), hits /
-    misses, replay verdict, last values."""
+    misses, the replay verdict in a few words, the values of each job's last step. The full replay
+    sentences and each job's error are in the sweep's JSON (`SweepReport`)."""
     keys: List[str] = []
     for j in jobs:
         for k in j.get("values", {}):
             if k not in keys:
                 keys.append(k)
-    lines = ["| job | overrides | hits / misses | replay |" + "".join(f" {k} |" for k in keys),
+    lines = ["| job | overrides | hits / misses | replay |" + "".join(f" {k} (last step) |" for k in keys),
              "|" + "---|" * (4 + len(keys))]
     every = [set(j.get("overrides", [])) for j in jobs]
     common = set.intersection(*every) if len(every) > 1 else set()   # the sweep's own overrides are shown
     for j in sorted(jobs, key=lambda j: int(j["job"]) if str(j.get("job")).isdigit() else 0):
         if "error" in j:
-            verdict, counts = f"failed: {j['error']}", "-"
+            verdict, counts = f"failed: {j.get('kind') or 'error'} (below)", "-"
         else:
             counts = f"{j.get('hits', 0)} / {j.get('misses', 0)}"
-            verdict = j.get("replay") or "-"
-            if verdict.startswith("replay: "):
-                verdict = verdict[len("replay: "):]
+            verdict = _short_verdict(j)
         vals = [_fmt(j.get("values", {}).get(k, "-")) for k in keys]
         lines.append("| " + " | ".join(_cell(c) for c in [j.get("job"), " ".join(o for o in j.get("overrides", []) if o not in common) or "-",
                                                             counts, verdict, *vals]) + " |")
@@ -220,9 +231,10 @@ def sweep_table(jobs: List[dict]) -> List[str]:
 
 
 class SweepReport(Callback):
-    """At the end of a multirun: one table of every job (job, overrides, hits / misses, replay verdict,
-    last values), logged and written to `{sweep_dir}/sweep_summary.md` (and `.json`); then name the
-    failed jobs and exit non-zero (after every job ran)."""
+    """At the end of a multirun: one table of every job (job, overrides, hits / misses, replay verdict in
+    a few words, last step's values), logged and written to `{sweep_dir}/sweep_summary.md`; every job's
+    full record (the replay sentence, the error of a failed job) to `{sweep_dir}/sweep_summary.json`;
+    then name the failed jobs and exit non-zero (after every job ran)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
@@ -251,7 +263,8 @@ class SweepReport(Callback):
     @staticmethod
     def _table(sweep_dir: Path, jobs: List[dict]) -> None:
         lines = sweep_table(jobs)
-        log.info("sweep of %d jobs (%s):\n%s", len(jobs), sweep_dir / f"{SWEEP_TABLE}.md", "\n".join(lines))
+        log.info("sweep of %d jobs (%s; each job's full replay verdict: %s):\n%s", len(jobs),
+                 sweep_dir / f"{SWEEP_TABLE}.md", sweep_dir / f"{SWEEP_TABLE}.json", "\n".join(lines))
         try:
             (sweep_dir / f"{SWEEP_TABLE}.md").write_text("\n".join(lines) + "\n")
             (sweep_dir / f"{SWEEP_TABLE}.json").write_text(json.dumps({"jobs": jobs}, indent=1) + "\n")

@@ -5,7 +5,7 @@
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
     harness = attach(trainer, dump_dir="/tmp/rollouts", experiment_name="my-run")
     trainer.train()              # first run: generates and caches; a rerun: served from the cache
-    print(harness.summary())
+    print(harness.summary())     # rollout cache summary: 4 steps: 0 hits, ... 4 misses ...; cache in DIR
 
 What is cached
     The return of ``GRPOTrainer._generate_single_turn``: the completion token ids of one generation
@@ -21,7 +21,10 @@ What is cached
     is for.
 
 How it is keyed
-    step = ``trainer.state.global_step`` (the optimizer step, 0-based: ``first_step=0``), inner
+    step = ``trainer.state.global_step`` (the optimizer step, 0-based: ``first_step=0``; TRL's
+    ``log_history`` numbers the same step one higher, and the demo trainer and verl start at 1: kept at
+    0 so that ``steps=[...]``, ``outcome(step)`` and every TRL recording's step folders keep meaning
+    what they meant; docs/trl.md, "Step numbers"), inner
     index = the generation call's position within that step, rank = the process. K, the number of
     generation calls per optimizer step, comes from TRL's arguments (:func:`generations_per_step`).
     Evaluation generation (the model in eval mode) is never cached. Each call's prompts (token ids,
@@ -73,6 +76,10 @@ log = logging.getLogger("skip_harness")
 
 #: The GRPOTrainer method whose result is cached: the narrowest one returning all a generation produced.
 GENERATION_METHOD = "_generate_single_turn"
+
+#: How a TRL run's steps are numbered (docs/trl.md, "Step numbers"): said once when attach() is called.
+STEP_NUMBERS = ("steps are numbered from 0, as trainer.state.global_step is while the step generates "
+                "(TRL's log_history numbers the same step 1: harness step s is log entry step s+1)")
 
 
 #: Log keys computed from the rollouts and their rewards alone: the replay check compares them first, so a
@@ -207,8 +214,8 @@ def attach(
     if getattr(getattr(trainer, "accelerator", None), "is_main_process", True):
         log.info(
             "caching GRPOTrainer generations: K = %d generation call(s) per optimizer step (gradient_accumulation_steps"
-            " = %s, steps_per_generation = %s, num_iterations = %s), experiment %r",
+            " = %s, steps_per_generation = %s, num_iterations = %s), experiment %r; %s",
             K, trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation,
-            getattr(trainer.args, "num_iterations", 1), experiment_name,
+            getattr(trainer.args, "num_iterations", 1), experiment_name, STEP_NUMBERS,
         )
     return harness

@@ -341,6 +341,8 @@ class SkipHarness:
             summary = dataclasses.replace(summary, replay=self._values.report())
         if self._tier is not None and self._tier.times:
             summary = dataclasses.replace(summary, phases=self._tier.summary())
+        if self._runner is not None:
+            summary = dataclasses.replace(summary, namespace=str(self._runner.store.layout.root))
         return summary
 
     # ----------------------------------------------------------------- the second tier

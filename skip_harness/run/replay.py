@@ -111,6 +111,21 @@ class ReplayReport:
     def unchecked(self) -> int:
         return self.served - self.checked
 
+    def short(self) -> str:
+        """The verdict in a few words, for a table's cell: `4/4 reproduced`, `diverged at 2: loss`,
+        `3/5 reproduced, 2 unchecked`, `5 unchecked`, `not checked`; '' when nothing was served.
+        :meth:`describe` says the same in full."""
+        if self.served == 0:
+            return ""
+        if self.check == ReplayCheck.off.value:
+            return "not checked"
+        if self.divergence is not None:
+            return f"diverged at {self.divergence.step}: {self.divergence.key}"
+        if self.checked == 0:
+            return f"{self.served} unchecked"
+        line = f"{self.reproduced}/{self.served} reproduced"
+        return f"{line}, {self.unchecked} unchecked" if self.unchecked else line
+
     def describe(self) -> str:
         """`replay: 20 of 20 served steps reproduced (9 values each)`, `replay diverged at step 7 (loss
         0.1234 recorded, 0.124 now); 6 steps reproduced before it`, or '' when nothing was served."""

@@ -104,6 +104,15 @@ class RunSummary:
     bytes_not_written: int = 0   # a read-only cache: what the misses generated, which nothing wrote
     replay: Any = None      # a run.replay.ReplayReport: did the served steps reproduce their recorded values
     phases: Dict[str, PhaseTime] = field(default_factory=dict)   # the second tier: reward, reference, ...
+    namespace: str = ""     # the cache's directory (the harness's layout.root), once the run started
+
+    def __str__(self) -> str:
+        """The summary line the run logs at its end (`rollout cache summary: 4 steps: 0 hits, 0 repeats, 4
+        misses (4 committed, 0 not), ...; cache in /path/to/namespace`): what `print(harness.close())`
+        shows. The fields one by one: `repr()`."""
+        from skip_harness.run.callbacks import describe_summary   # the line is the logging callback's
+
+        return describe_summary(self, self.namespace or None)
 
     @property
     def phases_line(self) -> str:
@@ -118,6 +127,12 @@ class RunSummary:
         """`replay: 20 of 20 served steps reproduced (9 values each)`, or where the replay diverged;
         '' when no served step reported values."""
         return "" if self.replay is None else self.replay.describe()
+
+    @property
+    def replay_short(self) -> str:
+        """The replay verdict in a few words (`4/4 reproduced`, `diverged at 2: loss`): a sweep table's
+        cell; '' when no served step reported values."""
+        return "" if self.replay is None else self.replay.short()
 
     @property
     def steps(self) -> int:
