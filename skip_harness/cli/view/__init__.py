@@ -4,7 +4,7 @@ a read-only web viewer of rollout caches (extra `[view]`: Starlette, uvicorn, Ji
 Serves on loopback unless another host is asked for, says its URL on stderr, stops on Ctrl-C. Modules:
 `data` (what is read, and how: read-only scans, verified step reads), `samples` (a step's mini-batches
 as trajectories and groups), `decode` (text, tokens, per-token values), `charts` (SVG), `pages` (what
-each page holds), `templates` and `style` (HTML, autoescaped), `app` (the routes and the JSON API).
+each page holds, a module per page), `templates` and `style` (HTML, autoescaped), `app` (the routes and the JSON API).
 """
 from __future__ import annotations
 
