@@ -3,6 +3,7 @@ steps (reward, length, the recorded values; other runs overlaid)."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -10,9 +11,13 @@ from skip_harness.cli._common import fmt_ago, fmt_seconds, fmt_value, human_byte
 from skip_harness.cli.listing import grand_total
 from skip_harness.cli.view import charts
 from skip_harness.cli.view.data import Cache, Kept, Namespace, step_stamp
+from skip_harness.cli.view.live import live
 from skip_harness.cli.view.pages.common import BadQuery, _other, chart_steps, compare_choices
 from skip_harness.cli.view.values import by_prefix, default_order, pick
 from skip_harness.store.api import NamespaceReport, STATUSES, StepReport
+
+ROLLOUT_CHARTS = 3       # reward, length, dead groups: drawn before the recorded values
+DEAD_BUDGET_S = 0.5      # what the namespace page spends reading steps to count their dead groups
 
 
 def overview(cache: Cache) -> Dict[str, Any]:
@@ -21,7 +26,7 @@ def overview(cache: Cache) -> Dict[str, Any]:
         view = cache.namespace_view(ns, read_metas=False)
         views.append(view)
         mode, seed = cache.mode_seed(view)
-        rows.append({"key": ns.key, "label": ns.label, "root_index": ns.root_index, "K": ns.layout.K,
+        rows.append({"key": ns.key, "label": ns.label, "root_index": ns.root_index, "K": ns.layout.K, "live": live(cache, ns),
                      "W": ns.layout.W, "mode": fmt_value(mode), "seed": fmt_value(seed), "counts": view.counts(),
                      "size": human_bytes(view.bytes), "written": fmt_ago(view.written), "gen": fmt_seconds(view.gen_s)})
     return {"rows": rows, "statuses": STATUSES, "total": grand_total(views),
@@ -63,9 +68,11 @@ def namespace(cache: Cache, ns: Namespace, summaries: "Summaries", query: Option
     view = cache.namespace_view(ns, report)
     doc = cache.namespace_doc(ns, view)
     mode, seed = cache.mode_seed(view)
+    dead = dead_counts(cache, ns, summaries, report)
     steps = [{"step": r.report.step, "status": r.report.status, "size": human_bytes(r.report.bytes),
               "written": fmt_ago(r.written), "gen": fmt_seconds(r.gen_s), "reason": r.report.reason,
-              "fingerprint": None if r.report.fingerprint is None else r.report.fingerprint.digest} for r in view.rows]
+              "fingerprint": None if r.report.fingerprint is None else r.report.fingerprint.digest,
+              "dead": dead.get(r.report.step)} for r in view.rows]
     servable = [s.step for s in report.steps if s.servable]
     series = value_series(cache, ns, summaries, report)
     keys = default_order(list(series))
@@ -76,13 +83,31 @@ def namespace(cache: Cache, ns: Namespace, summaries: "Summaries", query: Option
     if missing or bad:
         raise BadQuery("; ".join(([f"no recorded value {', '.join(missing)} in {ns.label}"] if missing else [])
                                  + ([f"no namespace {', '.join(bad)} to overlay"] if bad else [])))
-    return {"ns": ns, "doc": doc, "mode": fmt_value(mode), "seed": fmt_value(seed), "size": human_bytes(view.bytes),
+    return {"ns": ns, "doc": doc, "live": live(cache, ns), "mode": fmt_value(mode), "seed": fmt_value(seed), "size": human_bytes(view.bytes),
             "steps": steps, "note": report.index_note, "ns_rows": compare_choices(cache), "pick_a": ns.key,
             "pick_b": _other(cache, ns.key), "pick_step": servable[-1] if servable else 1,
-            "chart_rows": 1 + math.ceil(len(shown) / 2), "chart_extra": 14 * len(runs),
+            "chart_rows": math.ceil((ROLLOUT_CHARTS + len(shown)) / 2), "dead_budget_s": DEAD_BUDGET_S, "chart_extra": 14 * len(runs),
             "value_groups": by_prefix(keys), "charted": set(shown), "query": query, "runs": runs,
             "charts_src": f"/ns/{ns.key}/charts" + (f"?{query.query_string()}" if query.query_string() else ""),
             "key_count": len(keys)}
+
+
+def dead_counts(cache: Cache, ns: Namespace, summaries: "Summaries", report: NamespaceReport
+                ) -> Dict[int, Tuple[int, Optional[float]]]:
+    """{step: (dead groups, their share)} for the charted steps whose summary is kept, or can be made within
+    DEAD_BUDGET_S (a step's dead groups need its verified read: the charts read the same steps and keep their
+    summaries, so the rest show once the charts are drawn)."""
+    servable = [s for s in report.steps if s.servable]
+    picked = set(chart_steps([s.step for s in servable]))
+    deadline = time.monotonic() + DEAD_BUDGET_S
+    out: Dict[int, Tuple[int, Optional[float]]] = {}
+    for s in servable:
+        if s.step not in picked:
+            continue
+        sm = summaries.get(cache, ns, s) if time.monotonic() < deadline else summaries.peek(ns, s)
+        if sm is not None and sm.get("dead_group_share") is not None:
+            out[s.step] = (sm["dead_group_count"], sm["dead_group_share"])
+    return out
 
 
 def value_series(cache: Cache, ns: Namespace, summaries: "Summaries", report: NamespaceReport
@@ -115,6 +140,10 @@ class Summaries:
             return None if table is None else table.summary()
         return self._kept.get((ns.key, s.step), step_stamp(s), compute)
 
+    def peek(self, ns: Namespace, s: StepReport) -> Optional[Dict[str, Any]]:
+        """The step's summary if it is kept (and still the step's), never reading it."""
+        return self._kept.peek((ns.key, s.step), step_stamp(s))
+
     def values(self, cache: Cache, ns: Namespace, s: StepReport) -> Optional[Dict[str, float]]:
         """The step's recorded values, kept while its commit record stays the same."""
         return self._values.get((ns.key, s.step), step_stamp(s), lambda: cache.values(ns, s.step))
@@ -122,10 +151,13 @@ class Summaries:
 
 
 def _rollout_series(cache: Cache, ns: Namespace, summaries: Summaries, report: NamespaceReport
-                    ) -> Tuple[List[charts.Point], List[charts.Point]]:
+                    ) -> Tuple[List[charts.Point], List[charts.Point], List[charts.Point]]:
+    """Reward, length and the share of dead groups over the charted steps."""
     servable = [s for s in report.steps if s.servable]
     picked = set(chart_steps([s.step for s in servable]))
-    reward, length = [], []
+    reward: List[charts.Point] = []
+    length: List[charts.Point] = []
+    dead: List[charts.Point] = []
     for s in servable:
         if s.step not in picked:
             continue
@@ -137,7 +169,9 @@ def _rollout_series(cache: Cache, ns: Namespace, summaries: Summaries, report: N
             reward.append(charts.Point(s.step, sm["reward_mean"], sm["reward_mean"] - std, sm["reward_mean"] + std))
         if sm["length_mean"] is not None:
             length.append(charts.Point(s.step, sm["length_mean"], sm["length_min"], sm["length_max"]))
-    return reward, length
+        if sm.get("dead_group_share") is not None:
+            dead.append(charts.Point(s.step, sm["dead_group_share"]))
+    return reward, length, dead
 
 
 def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries, query: Optional[ChartQuery] = None
@@ -149,7 +183,7 @@ def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries, query: O
     report = cache.scan(ns)
     servable = [s for s in report.steps if s.servable]
     picked = set(chart_steps([s.step for s in servable]))
-    reward, length = _rollout_series(cache, ns, summaries, report)
+    reward, length, dead = _rollout_series(cache, ns, summaries, report)
     others = []
     for key in query.runs:
         other = cache.namespace(key)
@@ -166,7 +200,9 @@ def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries, query: O
     svgs = [charts.line_chart("reward: mean ± std per step", reward, href, css_id="chart-reward", marks=marks,
                               overlays=[(label, rl[0]) for label, rl, _v in others]),
             charts.line_chart("response length: mean (min .. max)", length, href, css_id="chart-length", marks=marks,
-                              overlays=[(label, rl[1]) for label, rl, _v in others])]
+                              overlays=[(label, rl[1]) for label, rl, _v in others]),
+            charts.line_chart("dead groups: share of the step's groups (every sample the same reward)", dead, href,
+                              css_id="chart-dead", marks=marks, overlays=[(label, rl[2]) for label, rl, _v in others])]
     values = value_series(cache, ns, summaries, report)
     keys = default_order(list(values))
     shown = pick(keys, query.keys, query.q)

@@ -10,6 +10,7 @@ from skip_harness.cli._common import fmt_seconds, fmt_value
 from skip_harness.cli.show import describe
 from skip_harness.cli.view.data import Cache, Namespace
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, fill_rests, show
+from skip_harness.cli.view.live import live
 from skip_harness.cli.view.pages.common import (ROWS_PER_PAGE, SORT_KEYS, TOKENS_ON_STEP_PAGE, BadQuery, _decoder,
                                                 _no_step, colour_keys, token_row)
 from skip_harness.cli.view.samples import StepTable, Trajectory
@@ -25,6 +26,8 @@ class StepQuery:
     order: str = "asc"
     color: str = ""
     page: int = 1
+    groups: str = ""          # "" every group, "dead" the dead groups only, "live" the others
+
 
     @classmethod
     def from_params(cls, params: Any) -> "StepQuery":
@@ -39,8 +42,16 @@ class StepQuery:
             text = params.get(name, "")
             if text.strip() and _number(text) is None:
                 raise BadQuery(f"{name}={text!r} is not a number")
+        groups = params.get("groups", "")
+        if groups not in GROUP_FILTERS:
+            raise BadQuery(f"groups={groups!r}: groups=dead shows the dead groups (every sample the same reward), "
+                           f"groups=live the others")
         return cls(params.get("q", "")[:200], params.get("min_reward", ""), params.get("max_reward", ""),
-                   sort, "desc" if params.get("order") == "desc" else "asc", params.get("color", ""), int(page))
+                   sort, "desc" if params.get("order") == "desc" else "asc", params.get("color", ""), int(page),
+                   groups)
+
+
+GROUP_FILTERS = ("", "dead", "live")
 
 
 def _number(text: str) -> Optional[float]:
@@ -60,6 +71,9 @@ def _search_text(t: Trajectory, decoder: Decoder) -> str:
 
 def select(table: StepTable, query: StepQuery, decoder: Decoder) -> List[Trajectory]:
     rows = list(table.trajectories)
+    if query.groups:
+        dead = set(table.dead)
+        rows = [t for t in rows if (t.group in dead) == (query.groups == "dead")]
     lo, hi = _number(query.min_reward), _number(query.max_reward)
     if lo is not None:
         rows = [t for t in rows if t.reward is not None and t.reward >= lo]
@@ -88,7 +102,7 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
     steps = [r.step for r in report.steps]
     at = steps.index(step)
     read, table = cache.table(ns, s)
-    ctx: Dict[str, Any] = {"ns": ns, "step": step, "read": read, "prev": steps[at - 1] if at > 0 else None,
+    ctx: Dict[str, Any] = {"ns": ns, "step": step, "read": read, "live": live(cache, ns), "prev": steps[at - 1] if at > 0 else None,
                            "next": steps[at + 1] if at + 1 < len(steps) else None}
     if table is None:
         return ctx
@@ -139,8 +153,27 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
                pages=pages, page_url=page_url, sort_keys=SORT_KEYS, colour_keys=keys, color=color,
                minibatches=minibatches, decoder_name=decoder.name, legend=legend,
                rewards=[t.reward for t in table.trajectories if t.reward is not None],
-               recorded=_recorded(cache.values(ns, step)), reward_note=_reward_note(table))
+               recorded=_recorded(cache.values(ns, step)), reward_note=_reward_note(table),
+               group_filter=query.groups, dead=set(table.dead), ids_only=ids_only(decoder, all_shown),
+               filter_url=lambda groups: _filter_url(ns, step, query, groups))
     return ctx
+
+
+def ids_only(decoder: Decoder, shown: Sequence[Shown]) -> bool:
+    """Only token ids can be shown: no tokenizer (nor the demo's vocabulary), and no text stored."""
+    return not decoder.active and any(s.prompt_tokens or s.response_tokens for s in shown) \
+        and all(s.prompt_text is None and s.response_text is None for s in shown)
+
+
+def _filter_url(ns: Namespace, step: int, query: StepQuery, groups: str) -> str:
+    """This view with the group filter set to `groups` (from its first page)."""
+    from urllib.parse import urlencode
+
+    params = {k: v for k, v in vars(query).items() if v not in ("", None) and k != "page"}
+    params["groups"] = groups
+    if not groups:
+        params.pop("groups")
+    return f"/ns/{ns.key}/step/{step}" + (f"?{urlencode(params)}" if params else "")
 
 
 def _step_scale(name: str, rows: Sequence[Optional[TokenRow]]) -> Optional[TokenRow]:
@@ -184,6 +217,7 @@ def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
     doc["summary"] = table.summary()
     doc["advantage_computed"] = table.advantage_computed
     doc["reward_functions"] = table.reward_functions
+    doc["dead_groups"] = list(table.dead)
     doc["trajectories"] = [{"ref": t.ref, "inner_index": t.inner, "rank": t.rank, "trajectory_index": t.index,
                             "group": t.group, "reward": t.reward, "rewards_by": t.rewards_by, "advantage": t.advantage,
                             "length": t.length}

@@ -5,6 +5,7 @@ from typing import Any, Dict
 
 from skip_harness.cli.view.data import Cache, Namespace
 from skip_harness.cli.view.decode import Decoder, show
+from skip_harness.cli.view.pages.step import ids_only
 from skip_harness.cli.view.pages.common import BadQuery, NotFound, _decoder, _no_step, colour_keys, token_row
 
 
@@ -31,6 +32,7 @@ def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decode
             "colour_row": token_row(shown, color) if color else None, "colour_keys": keys, "color": color,
             "prev_ref": table.trajectories[at - 1].ref if at > 0 else None,
             "next_ref": table.trajectories[at + 1].ref if at + 1 < len(table.trajectories) else None,
-            "count": len(table.trajectories), "position": at + 1, "decoder_name": decoder.name}
+            "count": len(table.trajectories), "position": at + 1, "decoder_name": decoder.name,
+            "dead": t.group in table.dead, "ids_only": ids_only(decoder, [shown])}
 
 
