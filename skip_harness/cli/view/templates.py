@@ -61,7 +61,7 @@ NAMESPACE = """{% extends "base" %}{% block title %}{{ ns.label }}{% endblock %}
 <table id="steps" class="grid-table"><thead><tr><th>step</th><th>status</th><th>size</th><th>written</th><th>gen</th><th title="groups whose samples all got the same reward: no GRPO signal (charted steps; - not read yet)">dead groups</th><th>fingerprint</th><th>reason</th></tr></thead><tbody>
 {% for s in steps %}<tr class="status-{{ s.status }}"><td class="num"><a class="step-link" href="/ns/{{ ns.key }}/step/{{ s.step }}">{{ s.step }}</a></td>
 <td>{{ s.status }}</td><td class="num">{{ s.size }}</td><td>{{ s.written }}</td><td class="num">{{ s.gen }}</td>
-<td class="num dead-cell">{% if s.dead %}<a href="/ns/{{ ns.key }}/step/{{ s.step }}?groups=dead"{% if s.dead[0] %} class="dead-some"{% endif %}>{{ s.dead[0] }} ({{ (100 * s.dead[1])|round|int }}%)</a>{% else %}-{% endif %}</td>
+<td class="num dead-cell">{% if s.dead and s.dead[0] %}<a href="/ns/{{ ns.key }}/step/{{ s.step }}?groups=dead" class="dead-some">{{ s.dead[0] }} ({{ (100 * s.dead[1])|round|int }}%)</a>{% elif s.dead %}0{% else %}-{% endif %}</td>
 <td class="mono">{{ s.fingerprint or "-" }}</td><td class="reason">{{ s.reason or "" }}</td></tr>{% endfor %}
 </tbody></table>
 {% endblock %}"""
