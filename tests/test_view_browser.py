@@ -214,6 +214,32 @@ def test_dead_groups_filtered_in_the_browser(demo_cache, page, tmp_path):
         assert page.frame_locator("#charts").locator("#chart-dead a.point").count() == 3
 
 
+def test_a_recording_refreshes_its_pages_until_it_ends(page, tmp_path):
+    """While a run holds the namespace (a real lock holder) Chromium reloads its page by itself (the
+    HTTP Refresh header, no script), and stops once the run has ended."""
+    from conftest import HolderProcess
+
+    dump = tmp_path / "cache"
+    lay = write_namespace(dump, "rec", {1: demo_batch(1)})
+    with viewer(tmp_path, str(dump)) as v:
+        url = f"{v.url}ns/0/rec/{lay.root.name}"
+        asked: list = []
+        page.on("request", lambda r: asked.append(r.url) if r.url == url else None)
+        holder = HolderProcess(lay)
+        try:
+            page.goto(url)
+            assert f"pid {holder.pid}" in page.locator("#recording").inner_text()
+            page.wait_for_timeout(6500)
+            assert len(asked) >= 2, asked          # reloaded by itself after 5 s
+        finally:
+            holder.kill()
+        page.goto(url)
+        assert page.locator("#recording").count() == 0
+        asked.clear()
+        page.wait_for_timeout(6500)
+        assert asked == []                         # the recording ended: no more reloads
+
+
 def test_untrusted_text_never_runs(page, tmp_path):
     dump = tmp_path / "cache"
     batch = demo_batch(1, texts=[XSS[j % 2] for j in range(6)])
