@@ -135,6 +135,12 @@ def test_token_ids_alone_get_a_tokenizer_hint(tmp_path):
     assert 'id="tokenizer-hint"' in c.get(f"/ns/{key(trl)}/step/1/t/0.0.0").text
     demo = write_namespace(dump, "run_skip_harness_demo", {1: demo_batch(1)})   # the demo decodes its digits
     assert 'id="tokenizer-hint"' not in c.get(f"/ns/{key(demo)}/step/1").text
+    half = demo_batch(1, texts=[f"answer {j}" for j in range(6)])        # response text, prompt ids only
+    mixed = write_namespace(dump, "mixed", {1: half})
+    assert 'id="tokenizer-hint"' in c.get(f"/ns/{key(mixed)}/step/1").text
+    half["raw_prompt"] = [f"question {j // 2}" for j in range(6)]             # text of both: nothing to hint
+    texts = write_namespace(dump, "texts", {1: half})
+    assert 'id="tokenizer-hint"' not in c.get(f"/ns/{key(texts)}/step/1").text
 
 
 def test_the_trajectory_page_shows_the_prompt_once(tmp_path):

@@ -160,9 +160,10 @@ def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder:
 
 
 def ids_only(decoder: Decoder, shown: Sequence[Shown]) -> bool:
-    """Only token ids can be shown: no tokenizer (nor the demo's vocabulary), and no text stored."""
-    return not decoder.active and any(s.prompt_tokens or s.response_tokens for s in shown) \
-        and all(s.prompt_text is None and s.response_text is None for s in shown)
+    """Some prompt or response can be shown only as token ids: no tokenizer (nor the demo's vocabulary),
+    and no text of it stored."""
+    return not decoder.active and any((s.prompt_tokens and s.prompt_text is None)
+                                      or (s.response_tokens and s.response_text is None) for s in shown)
 
 
 def _filter_url(ns: Namespace, step: int, query: StepQuery, groups: str) -> str:
