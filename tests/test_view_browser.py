@@ -188,6 +188,58 @@ def test_click_through_overview_namespace_step_trajectory_compare(demo_cache, pa
     assert snapshot(demo_cache) == before           # nothing written, nothing locked
 
 
+def test_dead_groups_filtered_in_the_browser(demo_cache, page, tmp_path):
+    """A demo recording's dead groups (every sample of a prompt the same reward) are the ones the step's form
+    filters to, flagged, and counted on the namespace page."""
+    steps = {}
+    for s in (1, 2, 3):
+        batch = read_batch(demo_cache, SYNC, s)
+        by: dict = {}
+        for u, r in zip(batch["uid"].tolist(), batch["rewards"].tolist()):
+            by.setdefault(str(u), []).append(r)
+        steps[s] = [g for g, rs in by.items() if len(rs) >= 2 and max(rs) == min(rs)]
+    step = max(steps, key=lambda s: len(steps[s]))
+    assert steps[step], steps            # the seeded demo run has some (n = 2, an untrained policy)
+    with viewer(tmp_path, str(demo_cache)) as v:
+        page.goto(f"{v.url}ns/0/{SYNC}/step/{step}")
+        page.select_option("#group-filter", "dead")
+        page.click("#controls button[type=submit]")
+        page.wait_for_url("**groups=dead*")
+        assert page.locator("section.group").evaluate_all("s => s.map(e => e.dataset.group)") == steps[step]
+        assert page.locator("section.group.dead .dead-badge").count() == len(steps[step])
+        assert page.locator("#dead-count").inner_text() == f"{len(steps[step])} dead group{'s' if len(steps[step]) != 1 else ''}"
+        page.goto(f"{v.url}ns/0/{SYNC}")
+        cells = page.locator("#steps td.dead-cell").all_inner_texts()
+        assert [c.split(" ")[0] for c in cells] == [str(len(steps[s])) for s in (1, 2, 3)]
+        assert page.frame_locator("#charts").locator("#chart-dead a.point").count() == 3
+
+
+def test_a_recording_refreshes_its_pages_until_it_ends(page, tmp_path):
+    """While a run holds the namespace (a real lock holder) Chromium reloads its page by itself (the
+    HTTP Refresh header, no script), and stops once the run has ended."""
+    from conftest import HolderProcess
+
+    dump = tmp_path / "cache"
+    lay = write_namespace(dump, "rec", {1: demo_batch(1)})
+    with viewer(tmp_path, str(dump)) as v:
+        url = f"{v.url}ns/0/rec/{lay.root.name}"
+        asked: list = []
+        page.on("request", lambda r: asked.append(r.url) if r.url == url else None)
+        holder = HolderProcess(lay)
+        try:
+            page.goto(url)
+            assert f"pid {holder.pid}" in page.locator("#recording").inner_text()
+            page.wait_for_timeout(6500)
+            assert len(asked) >= 2, asked          # reloaded by itself after 5 s
+        finally:
+            holder.kill()
+        page.goto(url)
+        assert page.locator("#recording").count() == 0
+        asked.clear()
+        page.wait_for_timeout(6500)
+        assert asked == []                         # the recording ended: no more reloads
+
+
 def test_untrusted_text_never_runs(page, tmp_path):
     dump = tmp_path / "cache"
     batch = demo_batch(1, texts=[XSS[j % 2] for j in range(6)])

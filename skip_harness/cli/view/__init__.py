@@ -3,8 +3,9 @@ a read-only web viewer of rollout caches (extra `[view]`: Starlette, uvicorn, Ji
 
 Serves on loopback unless another host is asked for, says its URL on stderr, stops on Ctrl-C. Modules:
 `data` (what is read, and how: read-only scans, verified step reads), `samples` (a step's mini-batches
-as trajectories and groups), `decode` (text, tokens, per-token values), `charts` (SVG), `pages` (what
-each page holds), `templates` and `style` (HTML, autoescaped), `app` (the routes and the JSON API).
+as trajectories and groups), `grpo` (dead groups, computed advantages, zero within rounding), `live` (who
+records and replays a namespace now), `decode` (text, tokens, per-token values), `charts` (SVG), `pages` (what
+each page holds, a module per page), `templates` and `style` (HTML, autoescaped), `app` (the routes and the JSON API).
 """
 from __future__ import annotations
 

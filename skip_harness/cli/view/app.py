@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from skip_harness.cli.view import pages
 from skip_harness.cli.view.data import Cache, Namespace
 from skip_harness.cli.view.decode import Decoder
+from skip_harness.cli.view.live import REFRESH_S, REFRESH_STEP_S, live
 from skip_harness.cli.view.templates import environment
 from skip_harness.errors import SkipHarnessError
 
@@ -73,9 +74,11 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
     summaries = pages.Summaries()
     pairings = pages.Pairings()
 
-    def html(name: str, ctx: Dict[str, Any], status: int = 200) -> HTMLResponse:
+    def html(name: str, ctx: Dict[str, Any], status: int = 200, refresh: int = 0) -> HTMLResponse:
         ctx.setdefault("roots", [str(r) for r in cache.roots])
-        return HTMLResponse(env.get_template(name).render(**ctx), status_code=status, headers=_HEADERS)
+        ctx["refresh"] = refresh
+        headers = dict(_HEADERS, Refresh=str(refresh)) if refresh else _HEADERS
+        return HTMLResponse(env.get_template(name).render(**ctx), status_code=status, headers=headers)
 
     def error(status: int, title: str, message: str, api: bool) -> Response:
         if api:
@@ -112,11 +115,11 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         rows = ctx["rows"]
         ctx.update(ns_rows=rows, pick_a=rows[0]["key"] if rows else "",
                    pick_b=rows[1]["key"] if len(rows) > 1 else "", pick_step=1)
-        return html("overview", ctx)
+        return html("overview", ctx, refresh=REFRESH_S if any(r["live"].refreshing for r in rows) else 0)
 
     def namespace_page(request: Request) -> Response:
-        return html("namespace", pages.namespace(cache, ns_of(request), summaries,
-                                                 pages.ChartQuery.from_params(request.query_params)))
+        ctx = pages.namespace(cache, ns_of(request), summaries, pages.ChartQuery.from_params(request.query_params))
+        return html("namespace", ctx, refresh=REFRESH_S if ctx["live"].refreshing else 0)
 
     def charts_page(request: Request) -> Response:
         return html("charts", pages.namespace_charts(cache, ns_of(request), summaries,
@@ -124,7 +127,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
 
     def step_page(request: Request) -> Response:
         query = pages.StepQuery.from_params(request.query_params)
-        return html("step", pages.step_page(cache, ns_of(request), step_of(request), query, decoder))
+        ctx = pages.step_page(cache, ns_of(request), step_of(request), query, decoder)
+        return html("step", ctx, refresh=REFRESH_STEP_S if ctx["live"].refreshing else 0)
 
     def trajectory_page(request: Request) -> Response:
         return html("trajectory", pages.trajectory(cache, ns_of(request), step_of(request),
@@ -171,7 +175,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         return _Json(pages.overview_json(cache), headers=_HEADERS)
 
     def api_namespace(request: Request) -> Response:
-        return _Json(cache.namespace_doc(ns_of(request)), headers=_HEADERS)
+        ns = ns_of(request)
+        return _Json(dict(cache.namespace_doc(ns), live=live(cache, ns).to_json()), headers=_HEADERS)
 
     def api_step(request: Request) -> Response:
         return _Json(pages.step_json(cache, ns_of(request), step_of(request)), headers=_HEADERS)

@@ -70,6 +70,12 @@ class Kept(Generic[K, V]):
                 self._kept.popitem(last=False)
         return value
 
+    def peek(self, key: K, stamp: Any) -> Optional[V]:
+        """The value kept for `key` if its stamp is still `stamp`, else None (nothing computed)."""
+        with self._lock:
+            kept = self._kept.get(key)
+            return kept[1] if kept is not None and kept[0] == stamp else None
+
 # ls --json keys the viewer leaves out: `accessed` (a stat per payload) and `logical_bytes` (every meta.json
 # read) cost a read per step, and the overview of a 10,000-step namespace comes from its index alone.
 _COSTLY_KEYS = ("accessed", "logical_bytes", "total_logical_bytes")

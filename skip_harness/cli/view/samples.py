@@ -15,7 +15,8 @@ function, gathered over the processes): each trajectory's reward is their sum, N
 value is kept beside it.
 
 A step without stored advantages gets GRPO's: each reward minus its group's mean, over the group's
-standard deviation (+1e-6), marked `computed`.
+standard deviation (+1e-6), marked `computed`; its dead groups and what is zero within rounding are
+grpo.py's. A group the rollouts do not name is labelled `p{k}@{inner}.{rank}` (`group_label`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from skip_harness.cli.export_rows import _batch_length, _leaves
+from skip_harness.cli.view.grpo import EPS64, by_group, dead_groups, eps_of, grpo_advantages, mark_rounded_advantages
 
 PROMPT_IDS = ("prompts", "prompt_ids", "prompt_input_ids", "prompt_tokens", "query_ids")
 RESPONSE_IDS = ("responses", "completion_ids", "response_ids", "response_tokens")
@@ -225,8 +227,14 @@ def _groups(batch: Batch, group_size: Optional[int]) -> List[str]:
     if keys is not None and all(isinstance(k, str) for k in batch.columns[keys]):
         return [k.split("_", 1)[0] for k in batch.columns[keys]]
     if group_size and group_size > 0:
-        return [f"{batch.inner}.{batch.rank}.{j // group_size}" for j in range(batch.n)]
-    return [f"{batch.inner}.{batch.rank}.{j}" for j in range(batch.n)]
+        return [group_label(j // group_size, batch.inner, batch.rank) for j in range(batch.n)]
+    return [group_label(j, batch.inner, batch.rank) for j in range(batch.n)]
+
+
+def group_label(k: int, inner: int, rank: int) -> str:
+    """A group the rollouts do not name (no uid): `p{k}@{inner}.{rank}`, the k-th prompt of mini-batch
+    `inner` of rank `rank` -- never in the `inner.rank.index` form of a trajectory's id."""
+    return f"p{k}@{inner}.{rank}"
 
 
 @dataclass
@@ -242,6 +250,8 @@ class Trajectory:
     length: Optional[int]
     batch: Batch = field(repr=False)
     rewards_by: Optional[Dict[str, float]] = None     # per reward function (the second tier's), when stored
+    reward_eps: float = EPS64       # the machine epsilon of the reward's stored dtype (grpo: "within rounding")
+    advantage_zero: bool = False    # a stored advantage within rounding of zero: shown as 0, not coloured
 
     @property
     def ref(self) -> str:
@@ -255,6 +265,7 @@ class StepTable:
     fields: List[str]              # every per-trajectory field name, in order of first appearance
     scalars: Dict[str, Any]
     reward_functions: List[str] = field(default_factory=list)   # the second tier's, when rewards came from it
+    dead: List[str] = field(default_factory=list)     # the dead groups' ids (grpo.dead_groups)
 
     def groups(self, rows: Sequence[Trajectory]) -> List[Tuple[str, List[Trajectory]]]:
         """`rows` by group, groups in order of first appearance."""
@@ -272,7 +283,11 @@ class StepTable:
     def summary(self) -> Dict[str, Optional[float]]:
         rewards = [t.reward for t in self.trajectories if t.reward is not None and math.isfinite(t.reward)]
         lengths = [t.length for t in self.trajectories if t.length is not None]
+        judged = [g for g, members in by_group(self.trajectories).items()
+                  if len(members) >= 2 and all(t.reward is not None for t in members)]
         return {"trajectories": len(self.trajectories), "groups": len({t.group for t in self.trajectories}),
+                "dead_group_count": len(self.dead),
+                "dead_group_share": len(self.dead) / len(judged) if judged else None,
                 "reward_mean": _mean(rewards), "reward_std": _std(rewards),
                 "reward_min": min(rewards) if rewards else None, "reward_max": max(rewards) if rewards else None,
                 "length_mean": _mean(lengths), "length_min": min(lengths) if lengths else None,
@@ -303,11 +318,14 @@ def step_table(batches: Sequence[Tuple[int, int, Any]], group_size: Optional[int
     scalars: Dict[str, Any] = {}
     functions: Dict[str, None] = {}
     stored_advantage = True
+    advantage_eps = 0.0
     for inner, rank, payload in batches:
         b = batch_of(payload, inner, rank)
         fields.update(dict.fromkeys(b.columns))
         scalars.update({f"{inner}.{rank}:{k}": v for k, v in b.scalars.items()})
-        rewards = _listed(_per_row_number(b, b.find(REWARD)))
+        reward_field = b.find(REWARD)
+        rewards = _listed(_per_row_number(b, reward_field))
+        reward_eps = eps_of(b.columns[reward_field]) if rewards and reward_field is not None else EPS64
         parts: List[Optional[Dict[str, float]]] = [None] * b.n
         tier = (stored_rewards or {}).get((inner, rank)) if not rewards else None
         per_function = tier.for_batch(b.n, rank) if tier is not None else None
@@ -315,32 +333,27 @@ def step_table(batches: Sequence[Tuple[int, int, Any]], group_size: Optional[int
             names = tier.column_names(int(per_function.shape[1]))
             functions.update(dict.fromkeys(names))
             rewards = torch.nansum(per_function, dim=1).tolist()
+            reward_eps = eps_of(tier.values)
             parts = [dict(zip(names, row)) for row in per_function.tolist()]
-        advantages = _per_row_number(b, b.find(ADVANTAGE))
+        advantage_field = b.find(ADVANTAGE)
+        advantages = _per_row_number(b, advantage_field)
         stored_advantage = stored_advantage and advantages is not None
+        if advantages is not None and advantage_field is not None:
+            advantage_eps = max(advantage_eps, eps_of(b.columns[advantage_field]))
         adv = _listed(advantages)
         lengths = _listed(_lengths(b))
         groups = _groups(b, group_size)
         for j in range(b.n):
             rows.append(Trajectory(inner, rank, j, groups[j], rewards[j] if rewards else None,
-                                   adv[j] if adv else None, int(lengths[j]) if lengths else None, b, parts[j]))
+                                   adv[j] if adv else None, int(lengths[j]) if lengths else None, b, parts[j],
+                                   reward_eps))
     computed = False
     if not stored_advantage and any(t.reward is not None for t in rows):
-        _grpo_advantages(rows)
+        grpo_advantages(rows)
         computed = True
-    return StepTable(rows, computed, list(fields), scalars, list(functions))
-
-
-def _grpo_advantages(rows: List[Trajectory]) -> None:
-    by_group: Dict[str, List[Trajectory]] = {}
-    for t in rows:
-        if t.reward is not None:
-            by_group.setdefault(t.group, []).append(t)
-    for members in by_group.values():
-        rewards = [t.reward for t in members]
-        mean, std = sum(rewards) / len(rewards), _std(rewards) or 0.0
-        for t in members:
-            t.advantage = (t.reward - mean) / (std + 1e-6)
+    elif stored_advantage:
+        mark_rounded_advantages(rows, advantage_eps)
+    return StepTable(rows, computed, list(fields), scalars, list(functions), dead_groups(rows))
 
 
 def group_size_of(fingerprint_values: Optional[Dict[str, Any]]) -> Optional[int]:

@@ -50,6 +50,10 @@ svg.chart{background:#fff;border:1px solid #dde1e8}.chart-title{font-size:12px;f
 .line{fill:none;stroke:#4c78a8;stroke-width:1.5}.point circle{fill:#4c78a8}.point:hover circle{fill:#e45756;r:6}
 .side-by-side{display:flex;gap:16px}.side{flex:1;background:#fff;border:1px solid #dde1e8;padding:8px}
 tr.differs td{background:#fff4e5}.pertoken{overflow-x:auto}
+.group.dead{border-color:#c9ced8;background:#f4f5f7}.dead-badge{font-size:11px;font-weight:600;color:#7a4b00;
+background:#fff1d6;border:1px solid #e8c77a;border-radius:3px;padding:0 5px;margin-left:6px}a.dead-some{color:#7a4b00;font-weight:600}
+.live{background:#fff;border:1px solid #dde1e8;border-radius:6px;padding:2px 10px;margin:6px 0}.live p{margin:4px 0}
+.rec{color:#b00020;font-weight:600}
 .compare-form{margin:10px 0}.roots .root{margin-right:14px;color:#4a5366}
 """
 

@@ -25,12 +25,13 @@ OVERVIEW = """{% extends "base" %}{% block title %}cache{% endblock %}
 {% if not rows %}<p class="empty">No skip_harness namespaces here yet.</p>{% else %}
 <table id="namespaces" class="grid-table"><thead><tr><th>namespace</th><th>K</th><th>W</th><th>mode</th><th>seed</th>
 {% for s in statuses %}<th>{{ s }}</th>{% endfor %}<th>size</th><th>last written</th><th>gen stored</th></tr></thead><tbody>
-{% for r in rows %}<tr><td><a class="ns-link" href="/ns/{{ r.key }}">{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</a></td>
+{% for r in rows %}<tr><td><a class="ns-link" href="/ns/{{ r.key }}">{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</a>{% if r.live.recording %} <span class="rec" title="{{ r.live.recording.describe() }}">● recording</span>{% endif %}{% if r.live.replays %} <span class="facts small">{{ r.live.replays|length }} replaying</span>{% endif %}</td>
 <td class="num">{{ r.K }}</td><td class="num">{{ r.W }}</td><td>{{ r.mode }}</td><td class="num">{{ r.seed }}</td>
 {% for s in statuses %}<td class="num status-{{ s }}{% if r.counts[s] %} nonzero{% endif %}">{{ r.counts[s] }}</td>{% endfor %}
 <td class="num">{{ r.size }}</td><td>{{ r.written }}</td><td class="num">{{ r.gen }}</td></tr>{% endfor %}
 </tbody></table>
 <p id="totals" class="totals">{{ total }}</p>{% endif %}
+{% if refresh %}<p class="facts small" id="refreshing">a namespace is being recorded: this page refreshes every {{ refresh }} s while it runs</p>{% endif %}
 {% if ns_rows|length >= 2 %}{% include "compare_form" %}{% endif %}
 {% endblock %}"""
 
@@ -47,6 +48,7 @@ NAMESPACE = """{% extends "base" %}{% block title %}{{ ns.label }}{% endblock %}
 {% for s, n in doc.counts.items() %}{{ n }} {{ s }}{% if not loop.last %}, {% endif %}{% endfor %} · {{ size }}
 · <a href="/api/ns/{{ ns.key }}">JSON</a></p>
 {% if note %}<p class="note">{{ note }}</p>{% endif %}
+{% include "live" %}
 <form id="chart-picker" class="controls" method="get" action="/ns/{{ ns.key }}">
 <label>search the recorded values <input name="q" value="{{ query.q }}" placeholder="loss, reward, kl ..."></label>
 {% if ns_rows|length >= 2 %}<label>overlay runs <select name="with" multiple size="2">{% for r in ns_rows %}{% if r.key != ns.key %}<option value="{{ r.key }}"{% if r.key in runs %} selected{% endif %}>{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</option>{% endif %}{% endfor %}</select></label>{% endif %}
@@ -56,9 +58,10 @@ NAMESPACE = """{% extends "base" %}{% block title %}{{ ns.label }}{% endblock %}
 </details></form>
 <iframe id="charts" src="{{ charts_src }}" title="charts over steps" loading="eager" style="height:{{ (190 + chart_extra) * chart_rows + 30 }}px"></iframe>
 {% if ns_rows|length >= 2 %}{% include "compare_form" %}{% endif %}
-<table id="steps" class="grid-table"><thead><tr><th>step</th><th>status</th><th>size</th><th>written</th><th>gen</th><th>fingerprint</th><th>reason</th></tr></thead><tbody>
+<table id="steps" class="grid-table"><thead><tr><th>step</th><th>status</th><th>size</th><th>written</th><th>gen</th><th title="groups whose samples all got the same reward: no GRPO signal (charted steps; - not read yet)">dead groups</th><th>fingerprint</th><th>reason</th></tr></thead><tbody>
 {% for s in steps %}<tr class="status-{{ s.status }}"><td class="num"><a class="step-link" href="/ns/{{ ns.key }}/step/{{ s.step }}">{{ s.step }}</a></td>
 <td>{{ s.status }}</td><td class="num">{{ s.size }}</td><td>{{ s.written }}</td><td class="num">{{ s.gen }}</td>
+<td class="num dead-cell">{% if s.dead and s.dead[0] %}<a href="/ns/{{ ns.key }}/step/{{ s.step }}?groups=dead" class="dead-some">{{ s.dead[0] }} ({{ (100 * s.dead[1])|round|int }}%)</a>{% elif s.dead %}0{% else %}-{% endif %}</td>
 <td class="mono">{{ s.fingerprint or "-" }}</td><td class="reason">{{ s.reason or "" }}</td></tr>{% endfor %}
 </tbody></table>
 {% endblock %}"""
@@ -77,15 +80,18 @@ STEP = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }}{% 
 <nav class="stepnav">{% if prev is not none %}<a id="prev" href="/ns/{{ ns.key }}/step/{{ prev }}">← step {{ prev }}</a>{% endif %}
 <h1>step {{ step }}</h1>{% if next is not none %}<a id="next" href="/ns/{{ ns.key }}/step/{{ next }}">step {{ next }} →</a>{% endif %}
 <a href="/api/ns/{{ ns.key }}/step/{{ step }}">JSON</a></nav>
+{% include "live" %}
 {% if read.reason %}<div id="refused" class="refused status-{{ read.status }}"><b>{{ read.status }}</b>: {{ read.reason }}
 <p>The viewer shows only steps that pass the verified read; nothing of this step's payload is shown.</p></div>
 {% else %}
 <p id="summary" class="facts">{{ read.status }} · {{ summary.trajectories }} trajectories in {{ summary.groups }} groups ·
+{% if summary.dead_group_share is not none %}<a id="dead-count" class="{{ 'dead-some' if summary.dead_group_count else '' }}" href="{{ filter_url('dead') }}">{{ summary.dead_group_count }} dead group{{ "s" if summary.dead_group_count != 1 }}</a> ({{ (100 * summary.dead_group_share)|round|int }}%: every sample the same reward, no GRPO signal) ·{% endif %}
 reward mean {{ fmt(summary.reward_mean) }} ± {{ fmt(summary.reward_std) }} (min {{ fmt(summary.reward_min) }}, max {{ fmt(summary.reward_max) }}) ·
 length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% if table.advantage_computed %} · advantages computed (GRPO: group-normalised reward){% endif %}
 {% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
 {% if rewards %}<p class="facts">rewards {{ histogram_svg(rewards) }}</p>{% endif %}
 {% if reward_note %}<p class="note" id="reward-note">{{ reward_note }}</p>{% endif %}
+{% if ids_only %}{% include "ids_hint" %}{% endif %}
 {% if table.reward_functions %}<p class="facts" id="reward-source">rewards from the step's second tier: {{ table.reward_functions|join(", ") }}{% if table.reward_functions|length > 1 %} (reward: their sum, unweighted){% endif %}</p>{% endif %}
 {% if recorded %}<details id="recorded" class="fold"{% if reward_note %} open{% endif %}><summary>the step's recorded values ({{ recorded|length }})</summary>
 <div class="values-grid">{% for k, v in recorded %}<div class="value"><span class="mono key">{{ k }}</span> <span class="num">{{ v }}</span></div>{% endfor %}</div></details>{% endif %}
@@ -99,18 +105,19 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 <label>sort <select name="sort">{% for k in sort_keys %}<option{% if k == sort %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
 <label>order <select name="order">{% for k in ("asc", "desc") %}<option{% if k == order %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>
 {% if colour_keys %}<label>colour <select name="color">{% for k in colour_keys %}<option{% if k == color %} selected{% endif %}>{{ k }}</option>{% endfor %}</select></label>{% endif %}
+<label>groups <select name="groups" id="group-filter">{% for v, label in (("", "all"), ("dead", "dead only"), ("live", "with signal only")) %}<option value="{{ v }}"{% if v == group_filter %} selected{% endif %}>{{ label }}</option>{% endfor %}</select></label>
 <button type="submit">apply</button> <a href="/ns/{{ ns.key }}/step/{{ step }}">reset</a></form>
 {{ legend_html(legend) }}
 <p class="facts" id="shown">{{ shown_count }} of {{ summary.trajectories }} trajectories shown{% if pages > 1 %} · page {{ page }} of {{ pages }}
 {% if page > 1 %}<a href="{{ page_url(page - 1) }}">previous page</a>{% endif %} {% if page < pages %}<a href="{{ page_url(page + 1) }}">next page</a>{% endif %}{% endif %}</p>
-{% for group, members in groups %}<section class="group"><h3>group <span class="mono uid">{{ group }}</span> · {{ members|length }} sample{{ "s" if members|length != 1 }}</h3>
+{% for group, members in groups %}<section class="group{% if group in dead %} dead{% endif %}" data-group="{{ group }}"><h3>group <span class="mono uid">{{ group }}</span> · {{ members|length }} sample{{ "s" if members|length != 1 }}{% if group in dead %} <span class="dead-badge" title="every sample of this prompt got the same reward: GRPO's advantages are all zero">dead: every sample reward {{ fmt(members[0].traj.reward) }}, no GRPO signal</span>{% endif %}</h3>
 {% set first = members[0] %}<div class="prompt"><span class="label">prompt</span>
 {% if first.shown.prompt_text is not none %}<pre class="text">{{ first.shown.prompt_text }}</pre>{% elif first.shown.prompt_tokens is not none %}{{ tokens_html(first.shown.prompt_tokens) }}{% else %}<span class="empty">no prompt stored</span>{% endif %}
 {% if first.shown.prompt_folded %}<details class="fold"><summary>… {{ first.shown.prompt_folded }} more prompt tokens ({{ first.shown.prompt_tokens|length + first.shown.prompt_folded }} in all{% if first.shown.prompt_padding %}, {{ first.shown.prompt_padding }} padding dropped{% endif %})</summary><div class="rest">{{ first.shown.prompt_rest }}</div></details>
 {% elif first.shown.prompt_tokens is not none %}<span class="facts small">{{ first.shown.prompt_tokens|length }} tokens{% if first.shown.prompt_padding %} ({{ first.shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</div>
 {% set funcs = table.reward_functions if table.reward_functions|length > 1 else [] %}<table class="samples grid-table"><thead><tr><th>trajectory</th><th>reward</th>{% for f in funcs %}<th class="mono small">{{ f }}</th>{% endfor %}<th>advantage</th><th>length</th><th>response</th></tr></thead><tbody>
 {% for t in members %}<tr class="sample" data-ref="{{ t.traj.ref }}"><td><a class="traj-link" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">{{ t.traj.ref }}</a></td>
-<td class="num reward">{{ fmt(t.traj.reward) }}</td>{% for f in funcs %}<td class="num">{{ fmt((t.traj.rewards_by or {}).get(f)) }}</td>{% endfor %}<td class="num advantage" style="color:{{ adv_colour(t.traj.advantage) }}">{{ fmt(t.traj.advantage) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
+<td class="num reward">{{ fmt(t.traj.reward) }}</td>{% for f in funcs %}<td class="num">{{ fmt((t.traj.rewards_by or {}).get(f)) }}</td>{% endfor %}{% set a = 0.0 if t.traj.advantage_zero else t.traj.advantage %}<td class="num advantage" style="color:{{ adv_colour(a) }}">{{ fmt(a) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
 <td class="response">{% if t.shown.response_text is not none %}<pre class="text">{{ t.shown.response_text }}</pre>{% endif %}
 {% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.shown.masked) }}{% endif %}
 {% if t.shown.truncated %}<details class="fold"><summary>… {{ t.shown.truncated }} more tokens ({{ t.shown.response_real }} in all{% if t.shown.response_padding %}, padding dropped{% endif %})</summary><div class="rest">{{ t.shown.rest }}</div>
@@ -126,11 +133,12 @@ TRAJECTORY = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step
 <h1>step {{ step }}, trajectory {{ traj.ref }}</h1>{% if next_ref %}<a id="next-traj" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ next_ref }}{% if asked_color %}?color={{ asked_color|urlencode }}{% endif %}">{{ next_ref }} →</a>{% endif %}
 <span class="facts">{{ position }} of {{ count }}</span></nav>
 <p id="traj-facts" class="facts">inner index {{ traj.inner }} · rank {{ traj.rank }} · index {{ traj.index }} · group <span class="mono">{{ traj.group }}</span> ·
-reward <b id="reward">{{ fmt(traj.reward) }}</b>{% if traj.rewards_by %} <span id="rewards-by" class="small">({% for f, v in traj.rewards_by.items() %}{{ f }} {{ fmt(v) }}{{ ", " if not loop.last }}{% endfor %}; the second tier's)</span>{% endif %} · advantage <b id="advantage" style="color:{{ adv_colour(traj.advantage) }}">{{ fmt(traj.advantage) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b>
+{% if dead %}<span class="dead-badge" id="dead-group">dead group: every sample the same reward</span> · {% endif %}reward <b id="reward">{{ fmt(traj.reward) }}</b>{% if traj.rewards_by %} <span id="rewards-by" class="small">({% for f, v in traj.rewards_by.items() %}{{ f }} {{ fmt(v) }}{{ ", " if not loop.last }}{% endfor %}; the second tier's)</span>{% endif %} {% set a = 0.0 if traj.advantage_zero else traj.advantage %}· advantage <b id="advantage" style="color:{{ adv_colour(a) }}">{{ fmt(a) }}</b>{% if advantage_computed %} (computed){% endif %} · length <b id="length">{{ traj.length }}</b>
 {% if decoder_name %} · decoded with {{ decoder_name }}{% endif %}</p>
+{% if ids_only %}{% include "ids_hint" %}{% endif %}
 <h2>prompt{% if shown.prompt_tokens is not none %} <span class="facts small">{{ shown.prompt_tokens|length }} tokens{% if shown.prompt_padding %} ({{ shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
-{% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>{% endif %}
-{% if shown.prompt_tokens is not none %}{% if shown.prompt_tokens|length > 128 %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens[:64]) }}
+{% if shown.prompt_text is not none %}<pre id="prompt-text" class="text">{{ shown.prompt_text }}</pre>
+{% elif shown.prompt_tokens is not none %}{% if shown.prompt_tokens|length > 128 %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens[:64]) }}
 <details class="fold"><summary>… {{ shown.prompt_tokens|length - 64 }} more prompt tokens</summary>{{ tokens_html(shown.prompt_tokens[64:]) }}</details></div>
 {% else %}<div id="prompt-tokens">{{ tokens_html(shown.prompt_tokens) }}</div>{% endif %}{% endif %}
 <h2>response{% if shown.response_real is not none %} <span class="facts small">{{ shown.response_real }} tokens{% if shown.response_padding %} ({{ shown.response_padding }} padding dropped){% endif %}</span>{% endif %}</h2>
@@ -173,6 +181,16 @@ COMPARE = """{% extends "base" %}{% block title %}compare step {{ step }}{% endb
 <details><summary>the whole document (<code>skip-harness diff --json</code>, rollouts by their commit records only)</summary><pre id="diff-doc" class="text">{{ diff }}</pre></details>{% endif %}
 {% endblock %}"""
 
+LIVE = """{% if live.recording or live.replays or live.elsewhere %}<div class="live" id="live">
+{% if live.recording %}<p id="recording"><b class="rec">● recording</b> by {{ live.recording.describe() }}{% if live.recording.alive is none %} (a run on another host: whether it still runs cannot be checked from here){% endif %}{% if refresh %} · this page refreshes every {{ refresh }} s while it runs{% endif %}</p>{% endif %}
+{% for r in live.replays %}<p class="replaying"><b>replaying</b>: run <span class="mono">{{ r.run_id }}</span>, {{ r.describe() }}</p>{% endfor %}
+{% if live.elsewhere %}<p class="facts small" id="replays-elsewhere">{{ live.elsewhere }} replay{{ "s" if live.elsewhere != 1 }} recorded here from other hosts (whether they still run cannot be told from this host)</p>{% endif %}
+</div>{% endif %}"""
+
+IDS_HINT = """<p class="note" id="tokenizer-hint">token ids shown: no tokenizer was given and these rollouts store no
+text. Start the viewer with <code>--tokenizer NAME_OR_PATH</code> (a local tokenizer directory, a tokenizer.json, or a
+name in the local Hugging Face cache) to read them as text.</p>"""
+
 ERROR = """{% extends "base" %}{% block title %}{{ title }}{% endblock %}
 {% block main %}<h1>{{ title }}</h1><p class="refused">{{ message }}</p><p><a href="/">back to the cache</a></p>{% endblock %}"""
 
@@ -180,7 +198,8 @@ ERROR = """{% extends "base" %}{% block title %}{{ title }}{% endblock %}
 def environment() -> Environment:
     env = Environment(loader=DictLoader({"base": BASE, "overview": OVERVIEW, "compare_form": COMPARE_FORM,
                                          "namespace": NAMESPACE, "charts": CHARTS, "step": STEP,
-                                         "trajectory": TRAJECTORY, "compare": COMPARE, "error": ERROR}),
+                                         "trajectory": TRAJECTORY, "compare": COMPARE, "error": ERROR,
+                                         "ids_hint": IDS_HINT, "live": LIVE}),
                       autoescape=select_autoescape(default=True, default_for_string=True))
     env.globals.update(css=Markup(CSS), colour=colour, adv_colour=adv_colour, fmt=fmt,
                        tokens_html=tokens_html, legend_html=legend_html, histogram_svg=histogram_svg,
