@@ -34,8 +34,8 @@ def test_a_sweep_over_k_is_counted_as_the_recordings_replays_and_leaves_no_names
     assert list(listed) == [REC], listed        # no "ghost" namespace per K
     assert listed[REC]["replays"] == 4 and listed[REC]["counts"]["complete"] == 3, listed[REC]
     assert list(replays_of(source).values()) == [[1, 2, 3]] * 4
-    run_doc = json.loads((source / ".values" / "runs" / listed[REC]["runs"][0] / "run.json").read_text())
-    assert (run_doc["K"], run_doc["W"], run_doc["replay_from"]) == (1, 1, str(source))
+    docs = [json.loads((source / ".values" / "runs" / r / "run.json").read_text()) for r in listed[REC]["runs"]]
+    assert sorted((d["K"], d["W"], d["replay_from"]) for d in docs) == [(K, 1, str(source)) for K in (1, 2, 2, 8)]
 
 
 def test_a_step_the_recording_lacks_creates_the_runs_own_namespace_at_that_step(tmp_path, caplog, capsys):

@@ -28,7 +28,8 @@ Every name is imported from the module that defines it (nothing here is new code
   `NamespaceReport`.
 - **logged values and the second tier**: `ValuesStore`, `config_changes`, `config_digest`, `flatten_config`,
   `numbers_of`, `new_run_id`; `TierStore`, `TierRecord`, `key_digest`, `read_step_tier`.
-- **locking**: `Hold`, `HeldByThisProcess`, `new_run_token`.
+- **locking**: `Hold`, `HeldByThisProcess`, `new_run_token`; who holds a local namespace, read without trying
+  its lock (`read_lock_holder`), and whether a process of this host still runs (`process_runs_since`).
 - **cleanup and retention**: `plan_cleanup`, `CleanupPlan`, `CleanupItem`, `CleanupResult`; `RetentionRules`,
   `plan_retention`, `StepAge`, `bytes_left`, `parse_age`, `parse_size`.
 - **verl's own dump** (import-verl's input, read only): `find_verl_namespaces`, `scan_verl_namespaces`,
@@ -70,6 +71,7 @@ from skip_harness.store.values import (ValuesStore, config_changes, config_diges
 
 # locking
 from skip_harness.store.locking import HeldByThisProcess, Hold, new_run_token
+from skip_harness.store.open import process_runs_since, read_lock_holder
 
 # cleanup and retention
 from skip_harness.store.cleanup import CleanupItem, CleanupPlan, CleanupResult, plan_cleanup
@@ -95,7 +97,7 @@ __all__ = [
     "TierRecord", "TierStore", "ValuesStore", "config_changes", "config_digest", "flatten_config", "key_digest",
     "new_run_id", "numbers_of", "read_step_tier",
     # locking
-    "HeldByThisProcess", "Hold", "new_run_token",
+    "HeldByThisProcess", "Hold", "new_run_token", "process_runs_since", "read_lock_holder",
     # cleanup and retention
     "CleanupItem", "CleanupPlan", "CleanupResult", "RetentionRules", "StepAge", "bytes_left", "parse_age",
     "parse_size", "plan_cleanup", "plan_retention",

@@ -21,7 +21,9 @@ from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, parse_namespace_leaf
 from skip_harness.store.memory import MemoryLocker, MemoryStorage
 from skip_harness.store.namespace import Namespace
+from skip_harness.store.posix.holder import LockHolder, read_holder
 from skip_harness.store.posix.lock import FlockLocker
+from skip_harness.store.posix.processes import process_runs_since  # noqa: F401  (the store's face re-exports it)
 from skip_harness.store.posix.storage import PosixStorage
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.storage import DIR, Storage
@@ -118,6 +120,13 @@ def open_namespace(layout: Layout) -> Namespace:
         return posix_namespace(layout)
     root = layout.root
     return open_dump_dir(str(root.parent.parent)).namespace(f"{root.parent.name}/{root.name}")
+
+
+def read_lock_holder(layout: Layout) -> Optional[LockHolder]:
+    """Who holds a local namespace's lock (its holder record: pid, host, since), read without trying the
+    lock and never through a link; None on an object store (its lease says: `Namespace.holder()`), or
+    when there is no record."""
+    return None if is_url(layout.root) else read_holder(layout)
 
 
 def open_store(layout: Layout, *, pool: Optional[BufferPool] = None, form: Optional[StoredForm] = None) -> StepStore:

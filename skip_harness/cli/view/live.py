@@ -16,22 +16,18 @@ refresh itself (an HTTP `Refresh` header: no script) until the recording ends.
 """
 from __future__ import annotations
 
-import json
-import os
 import socket
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from skip_harness.cli.view.data import Cache, Namespace
-from skip_harness.store.api import ValuesStore
+from skip_harness.store.api import ValuesStore, process_runs_since, read_lock_holder
 
 RUNS_READ = 20            # replay records read per namespace (the newest)
 REFRESH_S = 5             # the overview and a namespace page refresh this often while a recording runs
 REFRESH_STEP_S = 10       # a step page (longer to read)
-_SLACK_S = 2.0            # clock granularity between a process's start and what it recorded
 
 
 @dataclass(frozen=True)
@@ -72,75 +68,18 @@ class Live:
                 "replays_on_other_hosts": self.elsewhere}
 
 
-def _boot_time() -> Optional[float]:
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _started(pid: int) -> Optional[float]:
-    """When process `pid` started (Linux /proc), None when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        boot = _boot_time()
-        return None if boot is None else boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def runs_since(pid: int, since: Optional[float]) -> bool:
-    """Process `pid` of this host runs, and is not a later process that reused the pid."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    started = _started(pid)
-    return started is None or since is None or started <= since + _SLACK_S
-
-
 def _alive(pid: int, host: str, since: Optional[float]) -> Optional[bool]:
-    return runs_since(pid, since) if host == socket.gethostname() else None
-
-
-def _small_json(path: Path) -> Optional[Dict[str, Any]]:
-    """A small JSON document, never through a link; None when absent or unreadable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        doc = json.loads(os.read(fd, 65536))
-        return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    finally:
-        os.close(fd)
+    return process_runs_since(pid, since) if host == socket.gethostname() else None
 
 
 def _recording(cache: Cache, ns: Namespace) -> Optional[Holder]:
     layout = ns.layout
     if isinstance(layout.root, Path):
-        doc = _small_json(layout.lock_holder_path)
-        if doc is None:
+        record = read_lock_holder(layout)          # never through a link, never by trying the lock
+        if record is None:
             return None
-        try:
-            pid, host, since = int(doc["pid"]), str(doc["host"]), float(doc["since"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        alive = _alive(pid, host, since)
-        return None if alive is False else Holder(pid, host, since, alive)
+        alive = _alive(record.pid, record.host, record.since)
+        return None if alive is False else Holder(record.pid, record.host, record.since, alive)
     try:
         text = cache.reader(ns).backend.holder()      # the lease, read without writing
     except Exception:  # noqa: BLE001 - a store out of reach: nothing to say about its holder
