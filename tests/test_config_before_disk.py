@@ -192,3 +192,83 @@ def test_an_unknown_key_stops_with_exit_2_and_creates_nothing(tmp_path, override
         assert "did you mean `action`?" in text, text
     assert list(work.iterdir()) == [], "the run left files (an outputs/ folder?)"
     assert not (tmp_path / "cache").exists()
+
+
+def replay_from_cases(tmp_path: Path):
+    """(override, what the message must say) for the two ways `replay_from` is refused before the disk: a path
+    that does not exist, and a recording (a real namespace directory) of another batch."""
+    other = tmp_path / "recorded" / "rec_skip_harness_demo" / "GBS16_N2_in6_out6"
+    other.mkdir(parents=True, exist_ok=True)
+    missing = tmp_path / "missing" / "GBS8_N2_in6_out6"
+    return [
+        (f"skip.rollout_tq.replay_from={missing}",
+         f"skip.rollout_tq.replay_from: {missing} does not exist"),
+        (f"skip.rollout_tq.replay_from={other}",
+         f"skip.rollout_tq.replay_from: {other} cannot serve this run: another batch (data.train_batch_size: "
+         "the recording has 16, this run has 8)"),
+    ]
+
+
+SMALL = ["data.train_batch_size=8", "data.max_prompt_length=6", "data.max_response_length=6",
+         "actor_rollout_ref.rollout.n=2"]
+
+
+def test_replay_from_is_refused_before_the_disk_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", str(tmp_path / "cache"))
+    for n, (override, says) in enumerate(replay_from_cases(tmp_path)):
+        assert refusal([*SMALL, override], tmp_path / f"run{n}") == ("callback", says + refusal_tail(says)), override
+        assert not (tmp_path / f"run{n}").exists() and not (tmp_path / "cache").exists(), override
+
+
+def refusal_tail(says: str) -> str:
+    """What follows the reason in the callback's line."""
+    if "does not exist" in says:
+        return (" (set a recording's namespace, {dump_dir}/{experiment}_{project}/GBS.._N.._in.._out..[_K.._W..], "
+                "or `auto`) (nothing was created: no run directory, nothing in the cache)")
+    return " (nothing was created: no run directory, nothing in the cache)"
+
+
+def test_replay_from_is_refused_before_the_disk_without_hydra(tmp_path):
+    """The same checks for a plain dict (`train`) and `SkipHarness.create`: nothing made in the dump_dir."""
+    from skip_harness.demo.config import DemoConfig
+    from skip_harness.errors import ConfigError
+    from skip_harness.run.harness import SkipHarness
+    from omegaconf import OmegaConf
+
+    cache = tmp_path / "cache"
+    base = OmegaConf.to_container(OmegaConf.structured(DemoConfig), resolve=True)
+    for override, says in replay_from_cases(tmp_path):
+        value = override.split("=", 1)[1]
+        cfg = OmegaConf.merge(base, OmegaConf.from_dotlist([*SMALL, "trainer.progress=false", override,
+                                                             "skip.rollout_tq.enable=true", f"skip.rollout_tq.dump_dir={cache}"]))
+        with pytest.raises(ConfigError) as err:
+            train(OmegaConf.to_container(cfg), run_dir=tmp_path / "run")
+        assert str(err.value).startswith(says), err.value
+        with pytest.raises(ConfigError) as err:
+            SkipHarness.create({"enable": True, "dump_dir": str(cache), "replay_from": value},
+                               namespace={"experiment_name": "e", "project_name": "p", "K": 1, "train_batch_size": 8,
+                                          "n": 2, "max_prompt_length": 6, "max_response_length": 6})
+        assert str(err.value).startswith(says), err.value
+        assert not cache.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_replay_from_stops_train_py_with_exit_2_before_the_disk(tmp_path):
+    env = {**os.environ, "SKIP_HARNESS_DUMP_DIR": str(tmp_path / "cache")}
+    env.pop("HYDRA_FULL_ERROR", None)
+    work = tmp_path / "work"
+    work.mkdir()
+    cases = replay_from_cases(tmp_path)
+
+    def run(case):
+        return subprocess.run([sys.executable, str(TRAIN), "trainer.progress=false", *SMALL, case[0]], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(run, cases))
+    for (override, says), proc in zip(cases, procs):
+        text = proc.stdout + proc.stderr
+        assert proc.returncode == 2, text
+        assert says in text and len(text.strip().splitlines()) == 1 and "Traceback" not in text, text
+        assert list(work.iterdir()) == [], "the run left files (an outputs/ folder?)"
+        assert not (tmp_path / "cache").exists()

@@ -33,7 +33,7 @@ from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
 from skip_harness.run.prefetch import Prefetcher
 from skip_harness.run.replay import ValuesTracker
 from skip_harness.run.sharing import Follower
-from skip_harness.run.source import Source, load_regrouped, start_source
+from skip_harness.run.source import Source, check_replay_from, load_regrouped, start_source
 from skip_harness.run.startup import StartupResult, start_namespace
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
@@ -70,6 +70,8 @@ class SkipHarness:
     ):
         self.settings = settings
         self.fingerprint = fingerprint
+        if settings.enable:
+            check_replay_from(settings, namespace)   # before any run directory or namespace is created
         self.K = namespace.K
         self._key = namespace
         self._user_callbacks = list(callbacks)
