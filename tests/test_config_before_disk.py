@@ -21,8 +21,10 @@ from hydra.errors import ConfigCompositionException
 
 from skip_harness.demo.config import register_demo_configs
 from skip_harness.demo.run import train
-from skip_harness.errors import SkipHarnessError
+from skip_harness.demo.config import DemoConfig
+from skip_harness.errors import ConfigError, SkipHarnessError
 from skip_harness.integrations.hydra import HydraStartupCallback
+from skip_harness.integrations.hydra_run import refuse_unknown_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
@@ -155,28 +157,46 @@ def test_a_bad_value_stops_train_py_with_exit_2_before_the_disk(tmp_path):
         assert not (tmp_path / f"run{n}").exists(), (overrides, "a run directory was made")
 
 
+ACTOIN = "skip.rollout_tq.actoin: unknown key (not in `skip.rollout_tq`); did you mean `action`?"
 UNKNOWN = [
-    # Hydra's advice for an unknown key is `+key=value`; following it must not run with the key ignored
-    ("+skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin: unknown key"),
-    ("skip.rollout_tq.actoin=cache", "skip.rollout_tq.actoin"),  # Hydra's own refusal (it exits 1)
+    # a `+key=value` (Hydra's advice for an unknown key) must not run with the key ignored ...
+    ("+skip.rollout_tq.actoin=cache", ACTOIN),
+    # ... and without the `+`, the same message (not Hydra's advice to append the typo)
+    ("skip.rollout_tq.actoin=cache", ACTOIN),
     ("+trainer.total_trainig_steps=3", "did you mean `total_training_steps`?"),
+    ("trainer.total_trainig_steps=3", "trainer.total_trainig_steps: unknown key (not in `trainer`); did you mean "
+                                      "`total_training_steps`?"),
+    ("trainr.total_training_steps=3", "trainr: unknown key (not in the config); did you mean `trainer`?"),
 ]
 
 
 def test_an_unknown_key_is_refused_naming_it_in_process(tmp_path, monkeypatch):
+    """With `+`, Hydra adds the key and the startup callback refuses it; without, Hydra would refuse it while
+    composing, with its advice to append it: scripts/train.py's `refuse_unknown_overrides` comes first."""
     monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", str(tmp_path / "cache"))
     for n, (override, says) in enumerate(UNKNOWN):
-        where, text = refusal(["data.train_batch_size=8", override], tmp_path / f"run{n}")
-        assert where == ("compose" if not override.startswith("+") else "callback"), (override, where)
+        if override.startswith("+"):
+            where, text = refusal(["data.train_batch_size=8", override], tmp_path / f"run{n}")
+            assert where == "callback", (override, where)
+        else:
+            with pytest.raises(ConfigError) as err:
+                refuse_unknown_overrides(DemoConfig, ["-m", "data.train_batch_size=8", "trainer_mode=sync", override])
+            text = str(err.value)
+            assert refusal(["data.train_batch_size=8", override], tmp_path / f"run{n}")[0] == "compose"  # Hydra's
         assert says in text, (override, text)
-        if override.startswith("+skip"):
-            assert "did you mean `action`?" in text, text
         assert not (tmp_path / f"run{n}").exists()
     assert not (tmp_path / "cache").exists()
 
 
+def test_known_keys_and_what_hydra_owns_are_left_to_hydra():
+    refuse_unknown_overrides(DemoConfig, [
+        "trainer_mode=sync", "hydra/launcher=joblib", "hydra.run.dir=x", "seed=3", "skip.rollout_tq.action=cache",
+        "actor_rollout_ref.actor.optim.lr=0.1,0.2", "~skip.rollout_tq.steps", "++skip.rollout_tq.nope=1",
+        "trainer_mde=sync", "data.train_batch_size=[", "--cfg", "job"])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("override, says", UNKNOWN[:2])  # one case per path: ours (a `+` key), Hydra's own
+@pytest.mark.parametrize("override, says", UNKNOWN[:2])  # one case per path: the callback's (a `+` key), train.py's
 def test_an_unknown_key_stops_with_exit_2_and_creates_nothing(tmp_path, override, says):
     env = {**os.environ, "SKIP_HARNESS_DUMP_DIR": str(tmp_path / "cache")}
     env.pop("HYDRA_FULL_ERROR", None)
@@ -187,9 +207,8 @@ def test_an_unknown_key_stops_with_exit_2_and_creates_nothing(tmp_path, override
                           capture_output=True, text=True, timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text
-    assert says in text and "Traceback" not in text, text
-    if override.startswith("+skip"):
-        assert "did you mean `action`?" in text, text
+    assert says in text and "Traceback" not in text and "To append" not in text, text
+    assert len(text.strip().splitlines()) == 1, text
     assert list(work.iterdir()) == [], "the run left files (an outputs/ folder?)"
     assert not (tmp_path / "cache").exists()
 
@@ -266,7 +285,7 @@ def test_replay_from_stops_train_py_with_exit_2_before_the_disk(tmp_path):
 
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(run, cases))
-    for (override, says), proc in zip(cases, procs):
+    for (_, says), proc in zip(cases, procs):
         text = proc.stdout + proc.stderr
         assert proc.returncode == 2, text
         assert says in text and len(text.strip().splitlines()) == 1 and "Traceback" not in text, text
