@@ -133,12 +133,12 @@ def _claim(config: Any, mode: str) -> None:
         log.debug("skip_harness: the %s directory could not be claimed: %s", mode, exc)
         return
     try:
-        claim_run_dir(where)
+        claim_run_dir(where, key=f"hydra.{mode}.dir")
     except RunDirTakenError as exc:
         log.error("%s", exc)
         sys.stderr.flush()
         raise SystemExit(2) from None
-    except OSError as exc:
+    except (OSError, ImportError) as exc:   # no flock here (fcntl is POSIX's)
         log.debug("skip_harness: %s could not be claimed: %s", where, exc)
 
 

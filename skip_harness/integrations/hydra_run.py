@@ -75,9 +75,10 @@ def _who(doc: dict) -> str:
     return f"pid {doc.get('pid')} on host {doc.get('host')} since {when}"
 
 
-def claim_run_dir(path: Path, wait: float = 10.0) -> None:
-    """Hold `path` (a run or sweep directory, created if needed) for this launch until the process exits.
-    RunDirTakenError when another live launch holds it; a WARNING when an earlier run used it."""
+def claim_run_dir(path: Path, wait: float = 10.0, key: str = "hydra.run.dir") -> None:
+    """Hold `path` (a run or sweep directory, created if needed; `key`: the setting that names it) for this
+    launch until the process exits. RunDirTakenError when another live launch holds it; a WARNING when an
+    earlier run used it."""
     import fcntl
 
     if str(path) in _CLAIMS:
@@ -101,7 +102,7 @@ def claim_run_dir(path: Path, wait: float = 10.0) -> None:
                         f"run directory {path} is in use by another run "
                         f"({_who(other) if other else 'its holder did not say who'}): two runs writing one "
                         "directory would corrupt each other's metrics.jsonl and train.log; nothing was "
-                        "written there. Set another hydra.run.dir (or hydra.sweep.dir), or wait for it to end") from None
+                        f"written there. Set another {key}, or wait for it to end") from None
                 time.sleep(0.05)                    # its holder has not written its record yet
         earlier = _read(fd)
         others = sorted(p.name for p in path.iterdir() if p.name != CLAIM_FILE)
@@ -114,8 +115,8 @@ def claim_run_dir(path: Path, wait: float = 10.0) -> None:
     if others:
         by = f" by {_who(earlier)}" if earlier and earlier.get("launch") != me["launch"] else ""
         log.warning("run directory %s was used before%s (it holds %s): this run writes its files there too "
-                    "(metrics.jsonl is replaced, train.log appended to); set hydra.run.dir for a directory of its own",
-                    path, by, ", ".join(others[:6]) + (", ..." if len(others) > 6 else ""))
+                    "(metrics.jsonl is replaced, train.log appended to); set %s for a directory of its own",
+                    path, by, ", ".join(others[:6]) + (", ..." if len(others) > 6 else ""), key)
 
 
 def refuse_unknown_overrides(schema: type, args: Sequence[str]) -> None:

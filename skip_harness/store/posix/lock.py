@@ -182,7 +182,8 @@ class NamespaceLock:
         logger.debug("namespace lock %s taken (level %d)", self.layout.lock_path, lock.lock_counter)
 
     def _write_holder(self, records: bool = False) -> None:
-        since = self._holder.since if self._holder is not None else time.time()
+        held = self._holder or (read_holder(self.layout) if records else None)   # a hand-over: the record it found
+        since = held.since if held is not None and held.pid == os.getpid() else time.time()
         holder = LockHolder(os.getpid(), socket.gethostname(), since, records)
         write_small_file(self.layout.root, self.layout.lock_holder_path.name, json.dumps(holder.to_json()).encode())
         self._holder = holder
