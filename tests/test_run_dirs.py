@@ -76,7 +76,8 @@ def test_two_launches_in_the_same_second_keep_their_own_run_directories(tmp_path
 @pytest.mark.slow
 def test_a_run_directory_in_use_stops_the_second_run_and_an_earlier_runs_is_reused_with_a_warning(tmp_path):
     run = tmp_path / "run"
-    first = start(tmp_path, f"hydra.run.dir={run}", "trainer.total_training_steps=40")
+    # each step's reward waits 0.5 s (a remote judge): the first run lasts 15 s at least, however fast the machine
+    first = start(tmp_path, f"hydra.run.dir={run}", "trainer.total_training_steps=30", "reward_model.cost_s=0.5")
     try:
         assert wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text(), timeout=300)
         second = subprocess.run([sys.executable, str(TRAIN), *TINY, f"hydra.run.dir={run}", "trainer.total_training_steps=2"],
@@ -90,7 +91,7 @@ def test_a_run_directory_in_use_stops_the_second_run_and_an_earlier_runs_is_reus
     assert f"run directory {run} is in use by another run (pid {first.pid} on host " in text, text
     assert len(text.strip().splitlines()) == 1 and "Traceback" not in text, text
     assert first.returncode == 0, out
-    assert steps_in(run) == list(range(1, 41))                  # the first run's output, whole
+    assert steps_in(run) == list(range(1, 31))                  # the first run's output, whole
     # a finished run's directory, named again: reused (as Hydra does), saying so
     third = subprocess.run([sys.executable, str(TRAIN), *TINY, f"hydra.run.dir={run}", "trainer.total_training_steps=2"],
                            cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
