@@ -11,40 +11,24 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from datetime import datetime
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from skip_harness.config import k_for
-from skip_harness.demo.config import register_demo_configs
+from skip_harness.demo.config import DemoConfig, register_demo_configs
 from skip_harness.demo.run import train
-from skip_harness.errors import SkipHarnessError
+from skip_harness.errors import ConfigError, SkipHarnessError
 from skip_harness.integrations.hydra import (
     config_composed, note_config_composed, record_job_failure, record_job_summary,
 )
+from skip_harness.integrations.hydra_run import refuse_unknown_overrides, run_id
 
 log = logging.getLogger("skip_harness")
-_STARTED = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-
-
-def _run_id() -> str:
-    """The run directory's name: identical on every rank of one torchrun / accelerate launch.
-
-    Every rank composes its own config, so a timestamp could differ between ranks; the launcher
-    process they share (their parent) gives a name they all agree on.
-    """
-    if "LOCAL_RANK" not in os.environ:
-        return _STARTED
-    import psutil  # a dependency of accelerate
-
-    launcher = psutil.Process(os.getppid())
-    started = datetime.fromtimestamp(launcher.create_time()).strftime("%Y-%m-%d_%H-%M-%S")
-    return f"{started}_launch{launcher.pid}"
-
 
 register_demo_configs()
-OmegaConf.register_new_resolver("skip_harness_run_id", _run_id, replace=True)
+# the run and sweep directories' name: `{start}_pid{pid}`, under torchrun `{launcher's start}_launch{its pid}`
+OmegaConf.register_new_resolver("skip_harness_run_id", run_id, replace=True)
 OmegaConf.register_new_resolver("skip_harness_k", lambda mode, k: k_for(str(mode), int(k)), replace=True)
 
 
@@ -79,7 +63,14 @@ def main(cfg: DictConfig) -> float:
 def run() -> None:
     """`main` with one exit status for every config error: Hydra exits 1 for a command line or config
     it cannot compose (an unknown key, a bad override), before any job starts; our own config errors
-    exit 2 (as a bad command line does), so Hydra's are made 2 as well. A job that fails keeps 1."""
+    exit 2 (as a bad command line does), so Hydra's are made 2 as well. A job that fails keeps 1.
+    A mistyped key without `+` gets the same message as with it (Hydra's own would advise the `+`)."""
+    try:
+        refuse_unknown_overrides(DemoConfig, sys.argv[1:])
+    except ConfigError as exc:
+        logging.basicConfig(format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        log.error("%s (nothing was created: no run directory, nothing in the cache)", exc)
+        raise SystemExit(2) from None
     try:
         main()
     except SystemExit as exc:

@@ -118,6 +118,8 @@ _NOT_THE_CACHE = {
     ("skip_harness/demo/run.py", "open"): "the demo's metrics.jsonl",
     ("skip_harness/integrations/hydra.py", "write_text"): "a sweep job's failure record",
     ("skip_harness/integrations/hydra.py", "read_text"): "a sweep job's failure record",
+    ("skip_harness/integrations/hydra_run.py", "open"): "the Hydra run directory's .run.lock (who holds it)",
+    ("skip_harness/integrations/hydra_run.py", "iterdir"): "the Hydra run directory (an earlier run's files)",
     ("skip_harness/codec/torchsave.py", "load"): "torch.load of bytes already in memory (io.BytesIO)",
     ("skip_harness/cli/__init__.py", "open"): "os.devnull, stdout's new target once its reader closed the pipe",
     ("skip_harness/integrations/verl_tier.py", "open"): "verl's custom reward function's source file and the "

@@ -127,6 +127,27 @@ def test_a_reader_serves_what_is_committed_and_trains_on_its_own_rollouts_for_th
         recorder.finish()
 
 
+@pytest.mark.slow   # a second process
+def test_a_reader_is_told_whether_the_holder_records_or_only_replays(tmp_path, caplog):
+    """The startup line of a run reading beside another says what that run does: a replay (every step it
+    ran was served) is not called the namespace's recorder; one that wrote a step is."""
+    dump = tmp_path / "cache"
+    record(dump, 2)
+    for steps, role in (("2", "which replays it (it has recorded no step of it so far)"), ("3", "which records it")):
+        holder = Rig(dump, "--steps", steps, "--hold")   # steps 1-2 served; with 3, step 3 generated and written
+        try:
+            holder.wait_for("done")
+            caplog.clear()
+            h = make(dump)
+            with caplog.at_level(logging.INFO, logger="skip_harness"):
+                h.start()
+            h.close()
+            line = next(r.getMessage() for r in caplog.records if "read beside" in r.getMessage())
+            assert f"read beside pid {holder.proc.pid} on host " in line and f", {role}: " in line, line
+        finally:
+            holder.finish()
+
+
 @pytest.mark.slow
 def test_a_reader_follows_a_recording_that_is_still_running(tmp_path):
     dump = tmp_path / "cache"

@@ -36,6 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from skip_harness.run.callbacks import LoggingCallback
 from skip_harness.config import check_batch_split, namespace_key_from_config, rollout_tq_from
 from skip_harness.errors import ConfigError
+from skip_harness.integrations.hydra_run import RunDirTakenError, claim_run_dir
 from skip_harness.run.startup import StartupResult, hand_over, prepare_namespace, take_over
 
 log = logging.getLogger("skip_harness")
@@ -76,22 +77,21 @@ class HydraStartupCallback(Callback):
         """A single run: the config checked before Hydra makes the run directory. A ConfigError ends the
         process here (exit 2, nothing created); anything else is left to the task function."""
         _COMPOSED.set()
-        if not self._validate:
-            return
-        task = _task_config(config)
-        if task is None:
-            return
-        try:
-            _import(self._validate)(task)
-        except ConfigError as exc:
-            log.error("%s (nothing was created: no run directory, nothing in the cache)", exc)
-            sys.stderr.flush()
-            raise SystemExit(2) from None  # not an Exception: Hydra would turn it into a warning
-        except Exception as exc:  # noqa: BLE001 - the task function repeats the check and reports it
-            log.debug("skip_harness config check deferred to the task function: %s", exc)
+        task = _task_config(config) if self._validate else None
+        if task is not None:
+            try:
+                _import(self._validate)(task)   # type: ignore[arg-type]  # set when task is
+            except ConfigError as exc:
+                log.error("%s (nothing was created: no run directory, nothing in the cache)", exc)
+                sys.stderr.flush()
+                raise SystemExit(2) from None  # not an Exception: Hydra would turn it into a warning
+            except Exception as exc:  # noqa: BLE001 - the task function repeats the check and reports it
+                log.debug("skip_harness config check deferred to the task function: %s", exc)
+        _claim(config, "run")
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         _COMPOSED.set()  # each job's config is checked by its task function (the sweep goes on)
+        _claim(config, "sweep")
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         if int(os.environ.get("RANK", "0")) != 0:
@@ -123,6 +123,24 @@ class HydraStartupCallback(Callback):
         result = self._held.pop(id(config), None)
         if result is not None and take_over(result.layout) is result:
             result.release()  # nobody took it over (the job stopped before its harness started)
+
+
+def _claim(config: Any, mode: str) -> None:
+    """The run (or sweep) directory held by this launch before Hydra writes anything there
+    (`hydra_run.claim_run_dir`): another live run in it stops this one, exit 2."""
+    try:
+        where = Path(str(OmegaConf.select(config, f"hydra.{mode}.dir", throw_on_missing=True)))
+    except Exception as exc:  # noqa: BLE001 - Hydra reports a directory it cannot name
+        log.debug("skip_harness: the %s directory could not be claimed: %s", mode, exc)
+        return
+    try:
+        claim_run_dir(where, key=f"hydra.{mode}.dir")
+    except RunDirTakenError as exc:
+        log.error("%s", exc)
+        sys.stderr.flush()
+        raise SystemExit(2) from None
+    except (OSError, ImportError) as exc:   # no flock here (fcntl is POSIX's)
+        log.debug("skip_harness: %s could not be claimed: %s", where, exc)
 
 
 def _task_config(config: Any) -> Optional[DictConfig]:

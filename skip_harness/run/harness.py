@@ -34,7 +34,7 @@ from skip_harness.run.prefetch import Prefetcher
 from skip_harness.run.replay import ValuesTracker
 from skip_harness.run.sharing import Follower
 from skip_harness.run.deferred import Deferred, start_run
-from skip_harness.run.source import Source, load_regrouped
+from skip_harness.run.source import Source, check_replay_from, load_regrouped
 from skip_harness.run.startup import StartupResult
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
@@ -71,6 +71,8 @@ class SkipHarness:
     ):
         self.settings = settings
         self.fingerprint = fingerprint
+        if settings.enable:
+            check_replay_from(settings, namespace)   # before any run directory or namespace is created
         self.K = namespace.K
         self._key = namespace
         self._user_callbacks = list(callbacks)
@@ -230,6 +232,8 @@ class SkipHarness:
         self._startup = run.startup
         self._build(dist, layout, run.namespace, run.servable, run.read_only, run.shared_with, source, run.deferred)
         self._started = True
+        if source is None and not run.servable:
+            self._note_recording()   # nothing to replay here: it generates (and records) from its first step
         if run.startup is not None:
             for path, reason in run.faults:
                 self.callbacks.on_fault(path=path, reason=reason)
@@ -243,8 +247,14 @@ class SkipHarness:
         store = StepStore(layout, namespace, pool=pool,
                           form=codec.stored_form(self.settings.compression, self.settings.compression_level))
         writer = Writer(self.settings.max_pending_writes, background=self.settings.async_write)
+        on_write = self.callbacks.on_write
+
+        def wrote(**kwargs: Any) -> None:
+            self._note_recording()
+            on_write(**kwargs)
+
         self._coordinator = CommitCoordinator(store.writer, dist, self.fingerprint, writer, self._fault,
-                                              report_write=self.callbacks.on_write)
+                                              report_write=wrote)
         self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
         # a reader writes no rollouts, but its values (small JSON files beside the steps: store.values)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
@@ -274,6 +284,14 @@ class SkipHarness:
         )
         if source is not None:
             self._values.serve_from(source, layout.K, dist.world_size, self._runner.served_from_source, deferred)
+
+    def _note_recording(self) -> None:
+        """This run writes steps of its namespace: its holder record says it records it, not only replays
+        it (what a run reading beside it is told at startup)."""
+        for hold in (self._startup.lock if self._startup is not None else None,
+                     self._follower.hold if self._follower is not None else None):
+            if hold is not None:
+                hold.note_recording()
 
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)

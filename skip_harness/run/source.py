@@ -107,6 +107,23 @@ def _scan(layout: Layout, ns: Namespace) -> StartupResult:
                          True, f"read by {REPLAY_FROM_KEY}")
 
 
+def check_replay_from(settings: RolloutTQConfig, key: NamespaceKey) -> None:
+    """What can be known of `replay_from` without reading the recording, checked when the harness is made
+    (before any run directory or namespace is created): a local path that exists, a namespace's name,
+    and the batch that name says it holds. ConfigError naming skip.rollout_tq.replay_from and the path.
+    The rest (complete steps, the generation fingerprint; an object store's URL) is checked at start."""
+    spec = settings.replay_from
+    if spec is None or spec == "auto":
+        return
+    if not is_url(spec) and not local_path(spec).exists():
+        raise ConfigError(REPLAY_FROM_KEY, f"{spec} does not exist (set a recording's namespace, "
+                          "{dump_dir}/{experiment}_{project}/GBS.._N.._in.._out..[_K.._W..], or `auto`)")
+    layout = _layout_at(spec)
+    diff = _batch_difference(layout, key)
+    if diff is not None:
+        raise ConfigError(REPLAY_FROM_KEY, f"{layout.url} cannot serve this run: another batch ({diff})")
+
+
 def _check(layout: Layout, key: NamespaceKey, fingerprint: Optional[Fingerprint]) -> Tuple[FrozenSet[int], str]:
     """(servable steps, '') when the recording at `layout` holds this run's batch, else (empty, why not)."""
     diff = _batch_difference(layout, key)

@@ -55,6 +55,11 @@ class Hold(abc.ABC):
     def release(self) -> None:
         """Give the namespace back (idempotent)."""
 
+    def note_recording(self) -> None:
+        """This run records the namespace (it writes a step), not only replays it: said where the holder
+        is described to other runs (`Locker.holder_records`). A no-op where nothing says it."""
+        return None
+
 
 class Locker(abc.ABC):
     """The lock of one namespace, for this process."""
@@ -68,6 +73,11 @@ class Locker(abc.ABC):
     def holder(self) -> Optional[str]:
         """Who holds the namespace now, described for a message, or None -- without creating, writing
         or taking anything."""
+        return None
+
+    def holder_records(self) -> Optional[bool]:
+        """Whether the run holding the namespace now has recorded a step of it since it took the hold
+        (False: it only replays so far); None when nobody holds it or it is not known here."""
         return None
 
     @abc.abstractmethod

@@ -120,6 +120,9 @@ class _NamespaceHold(Hold):
             ns.run_release_hooks()
         self._inner.release()
 
+    def note_recording(self) -> None:
+        self._inner.note_recording()
+
 
 class Namespace:
     """One namespace on a storage. Safe to call from several threads at once (a writer and a prefetch
@@ -376,6 +379,9 @@ class Namespace:
 
     def holder(self) -> Optional[str]:
         return self.locker.holder()
+
+    def holder_records(self) -> Optional[bool]:
+        return self.locker.holder_records()
 
     def writable(self) -> Optional[str]:
         return self.locker.writable()

@@ -1,4 +1,6 @@
-"""The holder record of a POSIX namespace lock (`.lock.holder.json`: pid, host, since), written and read
+"""The holder record of a POSIX namespace lock (`.lock.holder.json`: pid, host, since; records: whether the
+holder has recorded -- generated and written -- a step of it since it took the lock, False while it only
+replays), written and read
 without ever following a link: written under a temporary name and renamed into place (which replaces a
 link as a link), read with O_NOFOLLOW."""
 from __future__ import annotations
@@ -23,13 +25,17 @@ class LockHolder:
     pid: int
     host: str
     since: float
+    records: Optional[bool] = None   # None: a record without the key (an older version's)
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
         return f"pid {self.pid} on host {self.host} since {when}"
 
     def to_json(self) -> dict:
-        return {"pid": self.pid, "host": self.host, "since": self.since}
+        doc: dict = {"pid": self.pid, "host": self.host, "since": self.since}
+        if self.records is not None:
+            doc["records"] = self.records
+        return doc
 
     def is_alive(self) -> Optional[bool]:
         """Whether the process it names is running: None when it is on another host (unknowable)."""
@@ -70,7 +76,9 @@ def read_holder(layout: Layout) -> Optional[LockHolder]:
     if doc is None:
         return None
     try:
-        return LockHolder(int(doc["pid"]), str(doc["host"]), float(doc["since"]))
+        records = doc.get("records")
+        return LockHolder(int(doc["pid"]), str(doc["host"]), float(doc["since"]),
+                          records if isinstance(records, bool) else None)
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -129,6 +129,7 @@ class NamespaceLock:
         self.reentrant = bool(reentrant)
         self._lock: Optional[filelock.BaseFileLock] = None
         self._levels = 0
+        self._holder: Optional[LockHolder] = None   # the holder record this object wrote
 
     def _file_lock(self) -> filelock.BaseFileLock:
         if self._lock is None:
@@ -180,9 +181,22 @@ class NamespaceLock:
                     logger.warning("%s: could not write the lock holder record: %s", root, exc)
         logger.debug("namespace lock %s taken (level %d)", self.layout.lock_path, lock.lock_counter)
 
-    def _write_holder(self) -> None:
-        holder = LockHolder(os.getpid(), socket.gethostname(), time.time())
+    def _write_holder(self, records: bool = False) -> None:
+        held = self._holder or (read_holder(self.layout) if records else None)   # a hand-over: the record it found
+        since = held.since if held is not None and held.pid == os.getpid() else time.time()
+        holder = LockHolder(os.getpid(), socket.gethostname(), since, records)
         write_small_file(self.layout.root, self.layout.lock_holder_path.name, json.dumps(holder.to_json()).encode())
+        self._holder = holder
+
+    def note_recording(self) -> None:
+        """The holder record says from now on that this run records the namespace (it writes a step), not
+        only replays it: what a run reading beside it is told. Once; a failure to write is a warning."""
+        if self._levels == 0 or (self._holder is not None and self._holder.records):
+            return
+        try:
+            self._write_holder(records=True)
+        except OSError as exc:
+            logger.warning("%s: could not update the lock holder record: %s", self.layout.root, exc)
 
     def release(self, *, all_levels: bool = False) -> None:
         """Give back one level (every level of this object with `all_levels`). The last level held in
@@ -196,6 +210,7 @@ class NamespaceLock:
                 try:
                     if lock.lock_counter <= 1:
                         self._remove_holder()
+                        self._holder = None
                 finally:
                     try:
                         lock.release()
@@ -278,6 +293,10 @@ class _FileHold(Hold):
         if lock is not None:
             lock.release(all_levels=True)
 
+    def note_recording(self) -> None:
+        if self._lock is not None:
+            self._lock.note_recording()
+
 
 class FlockLocker(Locker):
     """The lock of a namespace directory: `.lock` (flock, released by the operating system when the
@@ -303,6 +322,10 @@ class FlockLocker(Locker):
 
     def holder(self) -> Optional[str]:
         return probe(self.layout) if os.path.isdir(self.layout.root) else None
+
+    def holder_records(self) -> Optional[bool]:
+        holder = read_holder(self.layout) if os.path.isdir(self.layout.root) else None
+        return None if holder is None else holder.records
 
     def writable(self) -> Optional[str]:
         probe_at = self.layout.root
