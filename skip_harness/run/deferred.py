@@ -49,9 +49,10 @@ def start_run(layout: Layout, settings: RolloutTQConfig, key: NamespaceKey, fing
     source = start_source(settings, key, fingerprint, layout, own, dist)
     if source is not None and not dist.broadcast(exists(own) if dist.is_main else None):
         if dist.is_main:
-            log.info("rollout cache %s: not created (this run replays %s; its values are kept there, under its "
-                     "run id); created when the run generates a step the recording lacks",
-                     layout.root, source.layout.url)
+            kept = ("a pack file is read only: its values are not kept" if source.layout.packed else
+                    "its values are kept there, under its run id")
+            log.info("rollout cache %s: not created (this run replays %s; %s); created when the run generates a "
+                     "step the recording lacks", layout.root, source.layout.url, kept)
         return StartedRun(own, None, frozenset(), True, False, deferred=True), source
     return start_namespace(layout, settings, fingerprint, dist, own), source
 

@@ -31,8 +31,8 @@ from skip_harness.run.dist import DistContext
 from skip_harness.run.prefetch import Loaded
 from skip_harness.run.startup import StartupResult, _rebuild
 from skip_harness.store.api import (Fingerprint, Layout, Namespace, NamespaceKey, StepStatus, StepStore, UrlPath,
-                                    is_url, local_path, namespace_leaf_values, open_dump_dir, open_namespace,
-                                    scan_namespace)
+                                    is_pack, is_url, local_path, namespace_leaf_values, namespaces_at, open_dump_dir,
+                                    open_namespace, scan_namespace)
 
 log = logging.getLogger("skip_harness")
 
@@ -81,7 +81,13 @@ def batch_fingerprint(fingerprint: Optional[Fingerprint]) -> Optional[Fingerprin
 
 
 def _layout_at(text: str) -> Layout:
-    """The namespace at a path or URL; ConfigError naming replay_from when its last part is no namespace name."""
+    """The namespace at a path or URL, or in a pack file (its name and shape from the pack's manifest);
+    ConfigError naming replay_from when its last part is no namespace name."""
+    if not is_url(text) and is_pack(local_path(text)):
+        try:
+            return namespaces_at(local_path(text))[0]
+        except SkipHarnessError as exc:
+            raise ConfigError(REPLAY_FROM_KEY, str(exc)) from None
     root: Union[Path, UrlPath] = UrlPath(text.rstrip("/")) if is_url(text) else local_path(text)
     leaf = str(root).rstrip("/").rsplit("/", 1)[-1]
     values = namespace_leaf_values(leaf)
@@ -92,7 +98,7 @@ def _layout_at(text: str) -> Layout:
 
 
 def _batch_difference(layout: Layout, key: NamespaceKey) -> Optional[str]:
-    values = namespace_leaf_values(str(layout.root).rstrip("/").rsplit("/", 1)[-1]) or {}
+    values = namespace_leaf_values(layout.leaf) or {}
     for name, config_key in _BATCH_FIELDS:
         theirs, ours = values.get(name), getattr(key, name)
         if theirs != ours:
@@ -116,7 +122,7 @@ def check_replay_from(settings: RolloutTQConfig, key: NamespaceKey) -> None:
     if spec is None or spec == "auto":
         return
     if not is_url(spec) and not local_path(spec).exists():
-        raise ConfigError(REPLAY_FROM_KEY, f"{spec} does not exist (set a recording's namespace, "
+        raise ConfigError(REPLAY_FROM_KEY, f"{spec} does not exist (set a recording's namespace or pack file, "
                           "{dump_dir}/{experiment}_{project}/GBS.._N.._in.._out..[_K.._W..], or `auto`)")
     layout = _layout_at(spec)
     diff = _batch_difference(layout, key)
@@ -220,6 +226,8 @@ def start_source(settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Opti
     if outcome[1] is None:
         return None
     url, K, W, steps = outcome[1]
+    if not is_url(url) and is_pack(url):
+        return Source(_layout_at(url), frozenset(steps)).opened()
     root: Union[Path, UrlPath] = UrlPath(url) if is_url(url) else Path(url)
     return Source(Layout(root, K=K, W=W), frozenset(steps)).opened()  # type: ignore[arg-type]
 

@@ -32,6 +32,9 @@ Every name is imported from the module that defines it (nothing here is new code
   its lock (`read_lock_holder`), and whether a process of this host still runs (`process_runs_since`).
 - **cleanup and retention**: `plan_cleanup`, `CleanupPlan`, `CleanupItem`, `CleanupResult`; `RetentionRules`,
   `plan_retention`, `StepAge`, `bytes_left`, `parse_age`, `parse_size`.
+- **packs** (`skip-harness pack` / `unpack`; a pack opens as a read-only namespace): `write_pack`, `unpack`,
+  `read_pack_info` (its manifest: a `PackInfo`), `is_pack`, `bless_pack` (new expected values written into a
+  pack), `PackError`.
 - **verl's own dump** (import-verl's input, read only): `find_verl_namespaces`, `scan_verl_namespaces`,
   `VerlNamespace`, `VerlStep`, `read_verl_meta`, `load_trusted` (the one unpickling in skip_harness).
 """
@@ -77,6 +80,10 @@ from skip_harness.store.open import process_runs_since, read_lock_holder
 from skip_harness.store.cleanup import CleanupItem, CleanupPlan, CleanupResult, plan_cleanup
 from skip_harness.store.retention import RetentionRules, StepAge, bytes_left, parse_age, parse_size, plan_retention
 
+# packs: one recording as one read-only file
+from skip_harness.store.open import PackError, is_pack
+from skip_harness.store.pack import PackInfo, bless_pack, read_pack_info, unpack, write_pack
+
 # verl's own dump
 from skip_harness.store.verl_dump import VerlNamespace, VerlStep, find_verl_namespaces, load_trusted, scan_verl_namespaces
 from skip_harness.store.verl_dump import read_meta as read_verl_meta
@@ -101,6 +108,8 @@ __all__ = [
     # cleanup and retention
     "CleanupItem", "CleanupPlan", "CleanupResult", "RetentionRules", "StepAge", "bytes_left", "parse_age",
     "parse_size", "plan_cleanup", "plan_retention",
+    # packs
+    "PackError", "PackInfo", "bless_pack", "is_pack", "read_pack_info", "unpack", "write_pack",
     # verl's own dump
     "VerlNamespace", "VerlStep", "find_verl_namespaces", "load_trusted", "read_verl_meta", "scan_verl_namespaces",
 ]

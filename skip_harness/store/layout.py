@@ -139,9 +139,27 @@ def meta_name(rank: int, W: int) -> str:
 class Layout:
     """Paths inside one namespace directory `root` for a given K and W."""
 
-    root: Path      # a UrlPath for an object store (`is_url`)
+    root: Path      # a UrlPath for an object store (`is_url`); a pack file's path for a pack (`name` set)
     K: int = 1
     W: int = 1
+    name: str = ""  # `{experiment}_{project}/{leaf}` where the root's path does not end in it (a pack file)
+
+    @property
+    def leaf(self) -> str:
+        """The namespace's leaf name (`GBS64_N4_in128_out256[_K.._W..]`: its batch shape, K and W)."""
+        return self.name.rsplit("/", 1)[-1] if self.name else str(self.root).rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def group(self) -> str:
+        """The namespace's `{experiment}_{project}` name."""
+        if self.name:
+            return self.name.rsplit("/", 1)[0] if "/" in self.name else ""
+        return Path(str(self.root).rstrip("/")).parent.name
+
+    @property
+    def packed(self) -> bool:
+        """Whether the namespace is a pack file (read only, `store.packfile`)."""
+        return bool(self.name)
 
     @property
     def is_url(self) -> bool:

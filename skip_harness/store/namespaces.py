@@ -1,5 +1,5 @@
-"""Where the namespaces are: a path that is one, an `{experiment}_{project}` directory holding them, or a
-dump dir two levels above them -- local or an object-store URL. Reads listings only, through the
+"""Where the namespaces are: a path that is one (a directory, or a pack file), an `{experiment}_{project}`
+directory holding them, or a dump dir two levels above them -- local or an object-store URL. Reads listings only, through the
 storage (`store.open.open_dump_dir`), never a directory by itself."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import List, Union
 
 from skip_harness.store.layout import Layout, UrlPath, is_url_text, parse_namespace_leaf
-from skip_harness.store.open import open_dump_dir
+from skip_harness.store.open import open_dump_dir, pack_layout
 from skip_harness.store.storage import DIR
 
 __all__ = ["namespaces_at", "find_namespaces"]
@@ -22,6 +22,9 @@ def namespaces_at(path: Union[Path, UrlPath]) -> List[Layout]:
     if is_url_text(path):
         return _namespaces_at_url(UrlPath(str(path)))
     path = Path(str(path))
+    packed = pack_layout(path)
+    if packed is not None:
+        return [packed]         # a pack file: the one namespace it holds
     kw = parse_namespace_leaf(path.name)
     if kw is not None:
         return [Layout(path, K=kw[0], W=kw[1])]

@@ -1,8 +1,9 @@
 """Opening a cache: a dump_dir or a namespace's layout -> its `Namespace` on the right storage.
 
 The only module that imports a backend (an import-linter contract holds it): a local path opens the
-POSIX storage with its flock locker, an object-store URL the object store's (`store.objstore`, which
-needs the [s3] extra; imported only when a URL is used).
+POSIX storage with its flock locker, a pack file (told by its first bytes) the read-only pack storage
+(`store.packfile`, whose format names `store.pack` takes from here), an object-store URL the object
+store's (`store.objstore`, which needs the [s3] extra; imported only when a URL is used).
 
 A namespace is opened once -- by a run's startup (`run.startup`), by a command -- and handed down to
 everything that reads or writes it (the scan, the cleanup, the step store): an object store's namespace
@@ -21,6 +22,8 @@ from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, parse_namespace_leaf
 from skip_harness.store.memory import MemoryLocker, MemoryStorage
 from skip_harness.store.namespace import Namespace
+from skip_harness.store.packfile import (MANIFEST_NAME, PACK_FORMAT, PACK_VERSION, PackError, PackLocker, PackReadOnly,
+                                         PackStorage, is_pack, read_manifest, safe_member)
 from skip_harness.store.posix.holder import LockHolder, read_holder
 from skip_harness.store.posix.lock import FlockLocker
 from skip_harness.store.posix.processes import process_runs_since  # noqa: F401  (the store's face re-exports it)
@@ -112,11 +115,34 @@ def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
         raise ConfigError(DUMP_DIR_KEY, f"{url}: not an object-store URL this build can open: {exc}") from None
 
 
+def pack_namespace(path: Union[str, os.PathLike]) -> Namespace:
+    """The read-only namespace a pack file holds (`store.packfile`): PackError naming the path when it is
+    no pack, or a damaged one."""
+    storage = PackStorage(path)
+    return Namespace(storage, PackLocker(storage.url))
+
+
+def pack_layout(path: Union[str, os.PathLike]) -> Optional[Layout]:
+    """The Layout of the pack file at `path` (its K and W, and its namespace's name, from its manifest),
+    None when `path` is no pack. PackError when it looks like one but its manifest cannot be read."""
+    if is_url(path) or not is_pack(path):
+        return None
+    manifest, _ = read_manifest(path)
+    name = str(manifest.get("namespace", ""))
+    kw = parse_namespace_leaf(name.rsplit("/", 1)[-1])
+    if kw is None:
+        raise PackError(str(path), f"its manifest names no namespace ({name!r})")
+    return Layout(local_path(path), K=kw[0], W=kw[1], name=name)
+
+
 def open_namespace(layout: Layout) -> Namespace:
     """The namespace of a Layout: the POSIX one for a directory, the object store's for a URL layout
-    (`layout.is_url`). Opened once by each run (`run.startup`) and each command, and handed down: an
-    object store's namespace holds its client and the lease the run takes, which its writes check."""
+    (`layout.is_url`), the read-only one of a pack file (`layout.packed`, or a path that is a pack file).
+    Opened once by each run (`run.startup`) and each command, and handed down: an object store's
+    namespace holds its client and the lease the run takes, which its writes check."""
     if not layout.is_url:
+        if layout.packed or is_pack(layout.root):
+            return pack_namespace(layout.root)
         return posix_namespace(layout)
     root = layout.root
     return open_dump_dir(str(root.parent.parent)).namespace(f"{root.parent.name}/{root.name}")
@@ -136,4 +162,6 @@ def open_store(layout: Layout, *, pool: Optional[BufferPool] = None, form: Optio
     return StepStore(layout, open_namespace(layout), pool=pool, form=form)
 
 
-__all__ = ["DumpDir", "memory_namespace", "open_dump_dir", "open_namespace", "open_store", "posix_namespace"]
+__all__ = ["MANIFEST_NAME", "PACK_FORMAT", "PACK_VERSION", "DumpDir", "PackError", "PackReadOnly", "is_pack",
+           "read_manifest", "safe_member", "memory_namespace", "open_dump_dir", "open_namespace", "open_store", "pack_layout",
+           "pack_namespace", "posix_namespace"]
