@@ -8,13 +8,15 @@
     skip-harness export [DUMP_DIR] -o OUT [--format parquet|jsonl] [--namespace NS ...] [--steps 1,3,5-9]
     skip-harness import-verl VERL_DUMP_DIR [DUMP_DIR] --trust [--dry-run] [--json]
     skip-harness diff A B [--json]
+    skip-harness pack NAMESPACE [--steps A-B] -o FILE [--json]
+    skip-harness unpack FILE DUMP_DIR [--json]
     skip-harness view [DUMP_DIR | NAMESPACE ...] [--host 127.0.0.1] [--port N] [--tokenizer NAME_OR_PATH] [--open]
 
 Exit codes: 0 fine; 1 a corrupt step (verify, show, export), a failed removal (clean) or a verl step that
 could not be converted (import-verl); 2 bad usage,
 a path that is not there, or import-verl without --trust; 3 a namespace was locked by a running job
 (clean, import-verl; other namespaces are still handled). diff: 0 identical, 1 they differ, 2 bad input. DUMP_DIR may be the cache root, one
-`{experiment}_{project}` directory, or one namespace directory; without it, the directory runs write to
+`{experiment}_{project}` directory, or one namespace directory or a pack file (`skip-harness pack`; read in place); without it, the directory runs write to
 ($SKIP_HARNESS_DUMP_DIR, else the per-user cache directory), named in the output. Tables go to stdout; progress bars go
 to stderr when it is a terminal (plain log lines otherwise); errors are one line on stderr.
 """
@@ -27,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from skip_harness.store.api import RetentionRules, UrlPath, parse_age, parse_size
+from skip_harness.store.api import RetentionRules, UrlPath, is_pack, parse_age, parse_size
 from skip_harness.errors import SkipHarnessError
 
 from skip_harness.cli._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, default_dump_dir, emit_json, namespaces_under, require_dir,
@@ -150,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b", metavar="B", help="the same kind of thing as A")
     df.add_argument("--json", action="store_true", help="print one JSON document")
 
+    pk = sub.add_parser("pack", help="one namespace's committed steps as one portable, checksummed file")
+    pk.add_argument("namespace", metavar="NAMESPACE", help="the namespace to pack (its directory)")
+    pk.add_argument("-o", "--output", required=True, metavar="FILE", help="the pack file to write (replaced atomically)")
+    pk.add_argument("--steps", metavar="A-B", help="only these steps: 1-5, 3, 10-, 1,4,7 (default: every complete one)")
+    pk.add_argument("--json", action="store_true", help="print the pack's manifest summary as JSON")
+
+    up = sub.add_parser("unpack", help="restore the namespace a pack file holds under DUMP_DIR")
+    up.add_argument("pack", metavar="FILE", help="a pack file")
+    up.add_argument("target", metavar="DUMP_DIR", help="the cache root to restore it under")
+    up.add_argument("--json", action="store_true", help="print one JSON document")
+
     vw = sub.add_parser("view", help="a read-only web viewer of the cache (extra [view])")
     vw.add_argument("targets", metavar="DUMP_DIR | NAMESPACE", nargs="*",
                     help="cache roots, group directories or namespaces (local or s3://); default: where runs write")
@@ -207,7 +220,7 @@ def _restore_logging(saved) -> None:
 
 #: The arguments that name a place (attribute, metavar): each is checked before any command starts.
 _PLACES = (("dump_dir", "DUMP_DIR"), ("path", "PATH"), ("a", "A"), ("b", "B"), ("verl_dump_dir", "VERL_DUMP_DIR"),
-           ("targets", "DUMP_DIR | NAMESPACE"))
+           ("targets", "DUMP_DIR | NAMESPACE"), ("namespace", "NAMESPACE"), ("pack", "FILE"), ("target", "DUMP_DIR"))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -223,6 +236,14 @@ def _run(args: argparse.Namespace) -> int:
         from skip_harness.cli.show import cmd_show
 
         return cmd_show(where_of(args.path, "PATH"), args.step, args.inner, args.rank, args.head, args.json)  # type: ignore[arg-type]
+    if args.command == "pack":
+        from skip_harness.cli.pack import cmd_pack
+
+        return cmd_pack(where_of(args.namespace, "NAMESPACE"), Path(args.output), args.steps, args.json)
+    if args.command == "unpack":
+        from skip_harness.cli.pack import cmd_unpack
+
+        return cmd_unpack(Path(args.pack), Path(args.target), args.json)
     if args.command == "view":
         from skip_harness.cli.view import cmd_view
 
@@ -245,7 +266,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             stdout_console().print(f"no skip_harness cache at {dump_dir} yet ({where})")
         return EXIT_OK
-    if not isinstance(dump_dir, UrlPath):
+    if not isinstance(dump_dir, UrlPath) and not is_pack(dump_dir):
         dump_dir = require_dir(dump_dir)
     layouts = namespaces_under(dump_dir)
     if not layouts and not as_json and args.command != "export":

@@ -26,7 +26,7 @@ from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, k
                                       run_steps, side_of, split_keys, split_run, values_rule)
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store.api import (Layout, PAYLOAD_NAME, StepReport, StepStore, UrlPath, config_changes,
+from skip_harness.store.api import (Layout, PAYLOAD_NAME, StepReport, StepStore, UrlPath, config_changes, is_pack,
                                     namespaces_at, open_namespace, parse_namespace_leaf, scan_namespace)
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit(".", 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
@@ -56,19 +56,19 @@ def _namespaces(text: str, arg: str) -> Tuple[bool, Dict[str, Layout]]:
     if not isinstance(where, UrlPath):
         if not where.exists():
             raise CliError(f"{text} does not exist")
-        if not where.is_dir():
-            raise CliError(f"{text} is not a directory")
+        if not where.is_dir() and not is_pack(where):
+            raise CliError(f"{text} is not a directory or a pack file")
     try:
         layouts = namespaces_at(where)
     except (OSError, SkipHarnessError) as exc:
         raise CliError(f"{text}: {exc}") from None
-    single = parse_namespace_leaf(where.name) is not None
+    single = parse_namespace_leaf(where.name) is not None or (len(layouts) == 1 and layouts[0].packed)
     if not layouts:
         raise CliError(f"{text}: no skip_harness namespace there")
     out = {}
     for lay in layouts:
         try:
-            rel = str(lay.root.relative_to(where)) if not single else lay.root.name
+            rel = str(lay.root.relative_to(where)) if not single else lay.leaf
         except ValueError:
             rel = str(lay.root)
         out[rel] = lay

@@ -30,6 +30,7 @@ from skip_harness.cli._common import (
     step_written,
 )
 from skip_harness.cli._verify import verified_steps
+from skip_harness.cli.pack import pack_doc, pack_lines
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ def namespace_json(v: NamespaceView) -> Dict[str, Any]:
     return {"path": str(v.layout.root), "K": v.layout.K, "W": v.layout.W, "steps": [_step_json(r) for r in v.rows],
             "counts": v.counts(), "total_bytes": v.bytes, "total_logical_bytes": v.logical_bytes,
             "written": v.written, "gen_s": v.gen_s,
-            "accessed": v.accessed, "mode": mode, "seed": seed, "replays": len(v.runs), "runs": list(v.runs)}
+            "accessed": v.accessed, "mode": mode, "seed": seed, "replays": len(v.runs), "runs": list(v.runs),
+            **({"pack": pack_doc(v.layout)} if v.layout.packed else {})}
 
 
 def namespace_table(views: Sequence[NamespaceView], base: Path, title: str) -> Table:
@@ -225,6 +227,9 @@ def _print_views(views: Sequence[NamespaceView], base: Path, title: str, steps: 
     if len(views) > 1:
         console.print(grand_total(views))
     for v in views:
+        for line in pack_lines(v.layout):       # a pack: when it was packed, when and why it was blessed
+            console.print(escape(line), highlight=False)
+    for v in views:
         if steps or (only is not None and any(s.status in only for s in v.steps)):
             console.print(steps_table(v, base, None if steps else only))
 
@@ -263,8 +268,9 @@ def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) ->
         _print_views(views, base, f"verified {base}", steps, only=(StepStatus.INCOMPLETE, StepStatus.CORRUPT))
         console = stdout_console()
         if n_corrupt:
-            console.print(f"{n_corrupt} corrupt step{'s' if n_corrupt != 1 else ''} found "
-                          f"(run `skip-harness clean` to remove them, `--quarantine` to keep them aside)")
+            fix = ("a pack is read only: pack it again from its namespace" if all(v.layout.packed for v in views)
+                   else "run `skip-harness clean` to remove them, `--quarantine` to keep them aside")
+            console.print(f"{n_corrupt} corrupt step{'s' if n_corrupt != 1 else ''} found ({fix})")
         else:
             console.print("every complete step verifies (sizes, checksums, safe load)")
     return EXIT_CORRUPT if n_corrupt else EXIT_OK

@@ -85,13 +85,13 @@ class ValuesRule:
 
 def batch_of(layout: Any) -> str:
     """The batch a namespace holds, from its name: `GBS8_N2_in6_out6` (its K and W left out)."""
-    return "_".join(t for t in str(layout.root.name).split("_") if t[:1] not in ("K", "W"))
+    return "_".join(t for t in str(layout.leaf).split("_") if t[:1] not in ("K", "W"))
 
 
 def batch_difference(la: Any, lb: Any) -> str:
     """'' when two namespaces hold one batch (B, n and the lengths their names hold), else a sentence saying
     they are different runs."""
-    va, vb = namespace_leaf_values(la.root.name), namespace_leaf_values(lb.root.name)
+    va, vb = namespace_leaf_values(la.leaf), namespace_leaf_values(lb.leaf)
     if va is None or vb is None:
         return ""
     fields = ("train_batch_size", "n", "max_prompt_length", "max_response_length")

@@ -16,12 +16,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from skip_harness.store.api import (Layout, StepReport, StepStore, UrlPath, classify_step, load_payload_file,
-                                    open_namespace, parse_namespace_leaf, parse_step_name, payload_file_fields,
+                                    is_pack, open_namespace, parse_namespace_leaf, parse_step_name, payload_file_fields,
                                     payload_file_meta, payload_rel_at, scan_namespace)
 from skip_harness.errors import CodecError, CorruptStepError
 
 from skip_harness.cli._common import EXIT_CORRUPT, EXIT_OK, CliError, fmt_time, human_bytes, namespaces_under, stdout_console
 from skip_harness.cli._verify import VERL_HINT, _plain_reason
+from skip_harness.cli.pack import pack_doc, pack_lines
 from skip_harness.cli.describe import _MAX_ROWS, _meta_text, _ratio, _stored_table, describe, head_values  # noqa: F401
 
 @dataclasses.dataclass
@@ -58,6 +59,8 @@ def _enclosing_namespace(path: Path) -> Optional[Tuple[Layout, int, int, int]]:
 
 def resolve(path: Path, step: Optional[int], inner: Optional[int], rank: int) -> Target:
     if isinstance(path, UrlPath):       # an object store: a namespace or a step URL
+        return _resolve_in_namespace(path, step, inner, rank)
+    if path.is_file() and is_pack(path):        # a pack file: the namespace it holds, read in place
         return _resolve_in_namespace(path, step, inner, rank)
     if path.is_file():
         if step is not None:
@@ -129,7 +132,8 @@ def _header(target: Target, meta: Dict[str, Any], status: Optional[StepReport],
     t.add_column(style="bold")
     t.add_column(overflow="fold")
     t.add_row("file", escape(str(target.payload)))
-    if isinstance(target.payload, UrlPath):      # an object: its size as the commit record lists it
+    if isinstance(target.payload, UrlPath) or (target.layout is not None and target.layout.packed):
+        # an object, a pack's member: its size as the commit record lists it
         rel = str(target.payload.relative_to(target.layout.step_dir(target.step))) if target.layout else ""
         sizes = {e.rel: e.bytes for e in record.files} if record is not None else {}
         if rel in sizes:
@@ -187,7 +191,8 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
             reason += f" ({VERL_HINT})"
         raise CliError(f"{reason}", EXIT_CORRUPT) from None
     rows = list(describe(payload))
-    stored = [] if isinstance(target.payload, UrlPath) else payload_file_fields(target.payload)
+    packed = target.layout is not None and target.layout.packed
+    stored = [] if isinstance(target.payload, UrlPath) or packed else payload_file_fields(target.payload)
     if as_json:
         doc = {"file": str(target.payload), "namespace": None if target.layout is None else str(target.layout.root),
                "step": target.step, "inner_index": target.inner, "rank": target.rank,
@@ -196,6 +201,8 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
                "meta": meta, "structure": [dict(zip(("key", "type", "shape", "dtype", "bytes", "value"), r))
                                            for r in rows],
                "stored": [dict(vars(f), ratio=_ratio(f)) for f in stored]}
+        if packed:
+            doc["pack"] = pack_doc(target.layout)
         if head:
             doc["head"] = dict(head_values(payload, head))
         sys_out = json.dumps(doc, indent=1, default=str)
@@ -203,6 +210,8 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
         return EXIT_OK
     console = stdout_console()
     console.print(_header(target, meta, status, record))
+    for line in pack_lines(target.layout) if packed else []:   # when it was packed, when and why blessed
+        console.print(escape(line), highlight=False)
     t = Table(title="structure", title_justify="left")
     for col, justify in (("key", "left"), ("type", "left"), ("shape", "left"), ("dtype", "left"),
                          ("bytes", "right"), ("value", "left")):

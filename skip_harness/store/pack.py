@@ -108,7 +108,7 @@ def _write_file(out: Path, manifest: Dict[str, Any], members: List[_Member]) -> 
         with open(tmp, "wb") as f:
             with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
                 zf.writestr(zipfile.ZipInfo(MANIFEST_NAME, _EPOCH),
-                            json.dumps(manifest, indent=1, sort_keys=True).encode())
+                            json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
                 for m in members:
                     data = m.read()
                     if len(data) != m.size or checksum_bytes(data) != m.checksum:

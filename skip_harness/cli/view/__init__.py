@@ -18,6 +18,7 @@ import webbrowser
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from skip_harness.store.api import is_pack
 from skip_harness.cli._common import EXIT_OK, CliError, default_dump_dir, where_of
 
 logger = logging.getLogger("skip_harness.cli.view")
@@ -69,8 +70,8 @@ def cmd_view(targets: Sequence[str], host: str, port: Optional[int], tokenizer: 
             logger.info("no skip_harness cache at %s yet (%s)", where, how)
     for text in targets:
         root = where_of(text, "DUMP_DIR | NAMESPACE")
-        if isinstance(root, Path) and not root.is_dir():
-            raise CliError(f"{root} {'does not exist' if not root.exists() else 'is not a directory'}")
+        if isinstance(root, Path) and not root.is_dir() and not is_pack(root):
+            raise CliError(f"{root} {'does not exist' if not root.exists() else 'is not a directory or a pack file'}")
         roots.append(root)
     decoder = Decoder(tokenizer)           # a tokenizer that does not load stops here, naming --tokenizer
     cache = Cache(roots)

@@ -91,11 +91,11 @@ class Namespace:
 
     @property
     def group(self) -> str:
-        return self.layout.root.parent.name
+        return self.layout.group
 
     @property
     def leaf(self) -> str:
-        return self.layout.root.name
+        return self.layout.leaf
 
     @property
     def label(self) -> str:
@@ -155,7 +155,7 @@ class Cache:
                 logger.warning("%s: cannot list its namespaces: %s", root, exc)
                 continue
             for lay in layouts:
-                out.append(Namespace(f"{i}/{lay.root.parent.name}/{lay.root.name}", i, lay))
+                out.append(Namespace(f"{i}/{lay.group}/{lay.leaf}", i, lay))     # a pack: the name it holds
         return out
 
     def namespace(self, key: str) -> Optional[Namespace]:

@@ -74,6 +74,8 @@ def _alive(pid: int, host: str, since: Optional[float]) -> Optional[bool]:
 
 def _recording(cache: Cache, ns: Namespace) -> Optional[Holder]:
     layout = ns.layout
+    if layout.packed:                              # a pack file: nobody records it
+        return None
     if isinstance(layout.root, Path):
         record = read_lock_holder(layout)          # never through a link, never by trying the lock
         if record is None:
