@@ -18,8 +18,8 @@ import reshard_rig
 from skip_harness import SkipHarness
 from skip_harness.cli import main
 from skip_harness.errors import ConfigError
-from skip_harness.store.api import (PackError, bless_pack, is_pack, namespaces_at, open_namespace, read_pack_info,
-                                    unpack, write_pack)
+from skip_harness.store.api import (PackError, StepStore, TierStore, bless_pack, is_pack, namespaces_at, open_namespace,
+                                    read_pack_info, unpack, write_pack)
 from skip_harness.store.pack import _Member, _write_file
 from skip_harness.store.packfile import MANIFEST_NAME, PackReadOnly
 
@@ -79,7 +79,22 @@ def flip(pack: Path, name: str, at: int = 100) -> None:
     pack.write_bytes(bytes(data))
 
 
+def add_tier(root: Path, step: int) -> float:
+    """A second-tier entry (rewards) for `step` of the namespace at `root`, bound to its commit record."""
+    layout = namespaces_at(root)[0]
+    ns = open_namespace(layout)
+    created = StepStore(layout, ns).reader.read_commit(step).created
+    hold = ns.lock()
+    try:
+        assert TierStore(ns).write(step, "reward", 0, 0, {"reward": "r1"}, TierStore.encode(torch.arange(3.0)),
+                                   commit_created=created, seconds=0.5)
+    finally:
+        hold.release()
+    return created
+
+
 def test_pack_and_unpack_round_trip_byte_identical(recording, tmp_path):
+    created = add_tier(recording, 2)
     pack = tmp_path / "rec.shpack"
     info = write_pack(recording, pack)
     assert is_pack(pack) and info.steps == (1, 2, 3, 4) and (info.K, info.W) == (2, 1)
@@ -89,9 +104,15 @@ def test_pack_and_unpack_round_trip_byte_identical(recording, tmp_path):
         assert zf.infolist()[0].filename == MANIFEST_NAME
         assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
         assert not any(str(tmp_path) in zf.read(i).decode("latin-1") for i in zf.infolist())   # no absolute path
+    packed = open_namespace(namespaces_at(pack)[0])       # the second tier, served from the pack
+    entry = TierStore(packed).read(2, "reward", {"reward": "r1"}, 0, 0, commit_created=created)
+    assert entry is not None and entry.values.tolist() == [0.0, 1.0, 2.0]
     root = unpack(pack, tmp_path / "restored")
     assert root == tmp_path / "restored" / "rig_pack" / LEAF
     assert files_of(root, range(1, 5)) == files_of(recording, range(1, 5))
+    tier = sorted(p.relative_to(recording).as_posix() for p in (recording / ".tier").rglob("*") if p.is_file())
+    assert len(tier) == 2
+    assert all((root / t).read_bytes() == (recording / t).read_bytes() for t in tier)
     assert unpack(pack, tmp_path / "restored") == root        # again: the same steps are left as they are
     assert main(["verify", str(root)]) == 0
 
@@ -228,7 +249,6 @@ def test_bless_pack_replaces_values_and_keeps_a_history(recording, tmp_path, cap
     pack = tmp_path / "rec.pack"
     write_pack(recording, pack)
     reader = open_namespace(namespaces_at(pack)[0])
-    from skip_harness.store.api import StepStore
     before = StepStore(namespaces_at(pack)[0], reader).reader.read_values(2)
     assert before["loss"] == pytest.approx(0.2)
     bless_pack(pack, {2: {"loss": 0.202, "rows": 16.0}, 3: {"loss": 0.303, "rows": 16.0}},

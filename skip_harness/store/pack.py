@@ -13,6 +13,7 @@ history. Nothing here is pickled; nothing holds an absolute path.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -88,6 +89,10 @@ def read_pack_info(pack_path: PathLike) -> PackInfo:
 
 # --------------------------------------------------------------------------------------------
 # writing a pack file: the manifest first, then every member (stored), into a temporary file renamed
+
+
+def _const(data: bytes) -> Callable[[], bytes]:
+    return lambda: data
 
 
 @dataclass
@@ -189,25 +194,25 @@ def write_pack(namespace: Any, out_path: PathLike, steps: Optional[Iterable[int]
         for entry in record.files:
             key = f"{s}/{entry.rel}"
             members.append(_Member(key, entry.bytes, entry.checksum,
-                                    lambda key=key: small(key)))      # checked against the record when copied
+                                   functools.partial(small, key)))    # checked against the record when copied
         members.append(_Member(f"{s}/{COMMIT_NAME}", len(record_bytes), checksum_bytes(record_bytes),
-                               lambda b=record_bytes: b))
+                               _const(record_bytes)))
         extra = [e.key for e in storage.list(f"{TIER_DIR}/{s}/")]
         vkey = values_key(s)
         vdata = storage.get(vkey)
         if vdata is not None:
             extra.append(vkey)
-            digest = ValuesStore(ns).read_step(s)
-            if digest is not None and digest.config and digest.config not in digests:
-                digests.append(digest.config)
+            recorded = ValuesStore(ns).read_step(s)
+            if recorded is not None and recorded.config and recorded.config not in digests:
+                digests.append(recorded.config)
         for key in extra:
             data = small(key)
-            members.append(_Member(key, len(data), checksum_bytes(data), lambda b=data: b))
+            members.append(_Member(key, len(data), checksum_bytes(data), _const(data)))
     training_config = None
     for digest in digests:
         data = storage.get(config_key(digest))
         if data is not None:
-            members.append(_Member(config_key(digest), len(data), checksum_bytes(data), lambda b=data: b))
+            members.append(_Member(config_key(digest), len(data), checksum_bytes(data), _const(data)))
             training_config = ValuesStore(ns).read_config(digest)
     members.sort(key=lambda m: m.name)
     manifest = {
@@ -294,6 +299,10 @@ def unpack(pack_path: PathLike, dump_dir: PathLike) -> Path:
 # blessing: new expected values written into the pack
 
 
+def _member_bytes(storage: Any, name: str) -> bytes:
+    return storage.get(name) or b""
+
+
 def bless_pack(pack_path: PathLike, values: Mapping[int, Mapping[str, float]],
                training_config: Optional[Mapping[str, Any]], reason: str) -> None:
     """Replace the recorded values of the steps in `values` (and, when given, the recorded training-side
@@ -330,23 +339,23 @@ def bless_pack(pack_path: PathLike, values: Mapping[int, Mapping[str, float]],
                              config=digest if digest is not None else (old.config if old else None))
     replaced = {e.key: scratch.storage.get(e.key) for e in scratch.storage.list("")}
     members: List[_Member] = []
-    for name, entry in manifest["members"].items():
+    for name, listed in manifest["members"].items():
         if name in replaced:
             continue
-        members.append(_Member(name, int(entry["bytes"]), str(entry["checksum"]),
-                               lambda name=name: storage.get(name) or b""))
+        members.append(_Member(name, int(listed["bytes"]), str(listed["checksum"]),
+                               functools.partial(_member_bytes, storage, name)))
     for name, data in replaced.items():
         assert data is not None
-        members.append(_Member(name, len(data), checksum_bytes(data), lambda b=data: b))
+        members.append(_Member(name, len(data), checksum_bytes(data), _const(data)))
     members.sort(key=lambda m: m.name)
     changes = [] if flat is None else [{"key": k, "recorded": a, "now": b} for k, a, b in config_changes(before, flat)]
-    entry: Dict[str, Any] = {
+    blessing: Dict[str, Any] = {
         "when": time.time(), "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": str(reason),
         "steps": sorted(int(s) for s in values), "config_changes": changes, "host": socket.gethostname(),
     }
     if flat is not None:
         manifest["training_config"] = flat
-    manifest["blessed"] = list(manifest.get("blessed") or []) + [entry]
+    manifest["blessed"] = list(manifest.get("blessed") or []) + [blessing]
     manifest.pop("members", None)
     _write_file(Path(pack_path), manifest, members)
     storage.close()                          # type: ignore[attr-defined]
