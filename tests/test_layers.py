@@ -167,7 +167,10 @@ _OPENERS = {"open_namespace", "open_store", "namespace_of", "posix_namespace"}
 # that `replay_from=auto` checks) and a replay_from run's own, opened once before its startup (run.deferred)
 # and handed to it. Everything else is handed the opened one.
 _OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/source.py": 2,
-              "skip_harness/run/deferred.py": 1}   # a replay_from run's own: opened before its startup decides
+              "skip_harness/run/deferred.py": 1,   # a replay_from run's own: opened before its startup decides
+              # the packs' API, called as a command is (`pack` / `unpack`): the namespace packed (read only)
+              # and the one a pack is restored into, each opened once by the call that works on it
+              "skip_harness/store/pack.py": 2}
 
 
 def _opener_calls(path: Path):
@@ -229,6 +232,10 @@ _NOT_A_NAMESPACE = {
 }
 
 
+# Backends whose storage is a local file (the seam itself, as the POSIX backend's package is).
+_BACKEND_FILES = {"skip_harness/store/packfile.py"}     # a pack file: read in place, written whole
+
+
 def _file_access(path: Path):
     """Calls that reach a file by its path: builtin open, os.* / os.path.* file calls, payload_file's path readers."""
     import ast
@@ -251,7 +258,7 @@ def _store_file_access(root: Path):
     found = []
     for path in sorted((root / "skip_harness" / "store").rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel.startswith("skip_harness/store/posix/") or rel in _NOT_A_NAMESPACE:
+        if rel.startswith("skip_harness/store/posix/") or rel in _NOT_A_NAMESPACE or rel in _BACKEND_FILES:
             continue
         found += [f"{rel}:{line}: {name}(...)" for name, line in _file_access(path)]
     return found

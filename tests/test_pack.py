@@ -20,8 +20,7 @@ from skip_harness.cli import main
 from skip_harness.errors import ConfigError
 from skip_harness.store.api import (PackError, StepStore, TierStore, bless_pack, is_pack, namespaces_at, open_namespace,
                                     read_pack_info, unpack, write_pack)
-from skip_harness.store.pack import _Member, _write_file
-from skip_harness.store.packfile import MANIFEST_NAME, PackReadOnly
+from skip_harness.store.packfile import MANIFEST_NAME, PackMember, PackReadOnly, write_pack_file
 
 NS = {"experiment_name": "rig", "project_name": "pack", "train_batch_size": reshard_rig.B, "n": reshard_rig.N}
 LEAF = "GBS8_N2_K2_W1"
@@ -299,7 +298,7 @@ def test_no_pickle_in_a_pack(recording, tmp_path, capsys):
     from skip_harness.store.checksum import checksum_bytes
 
     def pack_of(path: Path, blobs: dict) -> Path:
-        _write_file(path, manifest, [_Member(n, len(b), checksum_bytes(b), lambda b=b: b) for n, b in sorted(blobs.items())])
+        write_pack_file(path, manifest, [PackMember(n, len(b), checksum_bytes(b), lambda b=b: b) for n, b in sorted(blobs.items())])
         return path
 
     evil = pack_of(tmp_path / "evil.pack", {**members, "1/0/evil.pkl": b"cos\nsystem\n(S'true'\ntR."})

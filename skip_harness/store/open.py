@@ -22,8 +22,9 @@ from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, parse_namespace_leaf
 from skip_harness.store.memory import MemoryLocker, MemoryStorage
 from skip_harness.store.namespace import Namespace
-from skip_harness.store.packfile import (MANIFEST_NAME, PACK_FORMAT, PACK_VERSION, PackError, PackLocker, PackReadOnly,
-                                         PackStorage, is_pack, read_manifest, safe_member)
+from skip_harness.store.packfile import (MANIFEST_NAME, PACK_FORMAT, PACK_VERSION, PackError, PackLocker, PackMember,
+                                         PackReadOnly, PackStorage, const_bytes, is_pack, pack_file_size, read_manifest,
+                                         safe_member, write_pack_file)
 from skip_harness.store.posix.holder import LockHolder, read_holder
 from skip_harness.store.posix.lock import FlockLocker
 from skip_harness.store.posix.processes import process_runs_since  # noqa: F401  (the store's face re-exports it)
@@ -162,6 +163,6 @@ def open_store(layout: Layout, *, pool: Optional[BufferPool] = None, form: Optio
     return StepStore(layout, open_namespace(layout), pool=pool, form=form)
 
 
-__all__ = ["MANIFEST_NAME", "PACK_FORMAT", "PACK_VERSION", "DumpDir", "PackError", "PackReadOnly", "is_pack",
-           "read_manifest", "safe_member", "memory_namespace", "open_dump_dir", "open_namespace", "open_store", "pack_layout",
+__all__ = ["MANIFEST_NAME", "PACK_FORMAT", "PACK_VERSION", "DumpDir", "PackError", "PackMember", "PackReadOnly",
+           "const_bytes", "is_pack", "pack_file_size", "read_manifest", "safe_member", "write_pack_file", "memory_namespace", "open_dump_dir", "open_namespace", "open_store", "pack_layout",
            "pack_namespace", "posix_namespace"]

@@ -18,10 +18,9 @@ import json
 import os
 import socket
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from skip_harness.codec import MAGIC
 from skip_harness.errors import CorruptStepError
@@ -29,13 +28,13 @@ from skip_harness.store.checksum import checksum_bytes
 from skip_harness.store.commit import COMMIT_FORMAT, parse_commit
 from skip_harness.store.layout import COMMIT_NAME, TIER_DIR, VALUES_DIR, Layout
 from skip_harness.store.namespaces import namespaces_at
-from skip_harness.store.open import (MANIFEST_NAME, PACK_FORMAT, PACK_VERSION, PackError, memory_namespace,
-                                     open_namespace, pack_layout, pack_namespace, read_manifest, safe_member)
+from skip_harness.store.open import (PACK_FORMAT, PACK_VERSION, PackError, PackMember, const_bytes, memory_namespace,
+                                     open_namespace, pack_file_size, pack_layout, pack_namespace, read_manifest,
+                                     safe_member, write_pack_file)
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.status import StepStatus
 from skip_harness.store.values import ValuesStore, config_changes, config_digest, config_key, flatten_config, values_key
 
-_EPOCH = (1980, 1, 1, 0, 0, 0)        # every member's ZIP time: a pack's bytes depend on its contents only
 _JSON = (".json", ".jsonl")
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -81,61 +80,10 @@ def read_pack_info(pack_path: PathLike) -> PackInfo:
     return PackInfo(
         path=Path(pack_path), namespace=layout.name, K=layout.K, W=layout.W,
         steps=tuple(int(s) for s in manifest.get("steps", [])),
-        bytes=sum(i.file_size for i in members.values()), file_bytes=os.path.getsize(pack_path),
+        bytes=sum(i.file_size for i in members.values()), file_bytes=pack_file_size(pack_path),
         fingerprint=manifest.get("fingerprint"), training_config=manifest.get("training_config"),
         packed=float(manifest.get("packed") or 0.0), blessed=tuple(manifest.get("blessed") or ()),
         members=len(members), version=int(manifest["version"]), extra=manifest)
-
-
-# --------------------------------------------------------------------------------------------
-# writing a pack file: the manifest first, then every member (stored), into a temporary file renamed
-
-
-def _const(data: bytes) -> Callable[[], bytes]:
-    return lambda: data
-
-
-@dataclass
-class _Member:
-    name: str
-    size: int
-    checksum: str
-    read: Callable[[], bytes]
-
-
-def _write_file(out: Path, manifest: Dict[str, Any], members: List[_Member]) -> None:
-    """Write the pack at `out` atomically: a temporary file beside it, fsynced, renamed over it. Every
-    member's bytes are checked against its size and checksum as they are copied (PackError otherwise)."""
-    manifest = dict(manifest, members={m.name: {"bytes": m.size, "checksum": m.checksum} for m in members})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-                zf.writestr(zipfile.ZipInfo(MANIFEST_NAME, _EPOCH),
-                            json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
-                for m in members:
-                    data = m.read()
-                    if len(data) != m.size or checksum_bytes(data) != m.checksum:
-                        raise PackError(m.name, f"changed or damaged while it was packed ({len(data)} bytes, "
-                                        f"expected {m.size} with checksum {m.checksum})")
-                    info = zipfile.ZipInfo(m.name, _EPOCH)
-                    info.file_size = len(data)
-                    zf.writestr(info, data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:
-        fd = os.open(out.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def _checked(where: str, name: str, data: bytes) -> bytes:
@@ -182,7 +130,7 @@ def write_pack(namespace: Any, out_path: PathLike, steps: Optional[Iterable[int]
             raise CorruptStepError(ns.where(key), "missing")
         return _checked(where, key, data)
 
-    members: List[_Member] = []
+    members: List[PackMember] = []
     fingerprint: Optional[Dict[str, Any]] = None
     digests: List[str] = []
     for r in chosen:
@@ -193,10 +141,10 @@ def write_pack(namespace: Any, out_path: PathLike, steps: Optional[Iterable[int]
             fingerprint = record.fingerprint.to_json()
         for entry in record.files:
             key = f"{s}/{entry.rel}"
-            members.append(_Member(key, entry.bytes, entry.checksum,
+            members.append(PackMember(key, entry.bytes, entry.checksum,
                                    functools.partial(small, key)))    # checked against the record when copied
-        members.append(_Member(f"{s}/{COMMIT_NAME}", len(record_bytes), checksum_bytes(record_bytes),
-                               _const(record_bytes)))
+        members.append(PackMember(f"{s}/{COMMIT_NAME}", len(record_bytes), checksum_bytes(record_bytes),
+                               const_bytes(record_bytes)))
         extra = [e.key for e in storage.list(f"{TIER_DIR}/{s}/")]
         vkey = values_key(s)
         vdata = storage.get(vkey)
@@ -207,12 +155,12 @@ def write_pack(namespace: Any, out_path: PathLike, steps: Optional[Iterable[int]
                 digests.append(recorded.config)
         for key in extra:
             data = small(key)
-            members.append(_Member(key, len(data), checksum_bytes(data), _const(data)))
+            members.append(PackMember(key, len(data), checksum_bytes(data), const_bytes(data)))
     training_config = None
     for digest in digests:
         data = storage.get(config_key(digest))
         if data is not None:
-            members.append(_Member(config_key(digest), len(data), checksum_bytes(data), _const(data)))
+            members.append(PackMember(config_key(digest), len(data), checksum_bytes(data), const_bytes(data)))
             training_config = ValuesStore(ns).read_config(digest)
     members.sort(key=lambda m: m.name)
     manifest = {
@@ -221,7 +169,7 @@ def write_pack(namespace: Any, out_path: PathLike, steps: Optional[Iterable[int]
         "training_config": training_config, "packed": time.time(), "packed_on": socket.gethostname(),
         "commit_format": COMMIT_FORMAT, "blessed": [],
     }
-    _write_file(Path(out_path), manifest, members)
+    write_pack_file(Path(out_path), manifest, members)
     return read_pack_info(out_path)
 
 
@@ -338,15 +286,15 @@ def bless_pack(pack_path: PathLike, values: Mapping[int, Mapping[str, float]],
         new_store.write_step(step, {str(k): float(v) for k, v in vals.items()}, commit_created=created,
                              config=digest if digest is not None else (old.config if old else None))
     replaced = {e.key: scratch.storage.get(e.key) for e in scratch.storage.list("")}
-    members: List[_Member] = []
+    members: List[PackMember] = []
     for name, listed in manifest["members"].items():
         if name in replaced:
             continue
-        members.append(_Member(name, int(listed["bytes"]), str(listed["checksum"]),
+        members.append(PackMember(name, int(listed["bytes"]), str(listed["checksum"]),
                                functools.partial(_member_bytes, storage, name)))
     for name, data in replaced.items():
         assert data is not None
-        members.append(_Member(name, len(data), checksum_bytes(data), _const(data)))
+        members.append(PackMember(name, len(data), checksum_bytes(data), const_bytes(data)))
     members.sort(key=lambda m: m.name)
     changes = [] if flat is None else [{"key": k, "recorded": a, "now": b} for k, a, b in config_changes(before, flat)]
     blessing: Dict[str, Any] = {
@@ -357,7 +305,7 @@ def bless_pack(pack_path: PathLike, values: Mapping[int, Mapping[str, float]],
         manifest["training_config"] = flat
     manifest["blessed"] = list(manifest.get("blessed") or []) + [blessing]
     manifest.pop("members", None)
-    _write_file(Path(pack_path), manifest, members)
+    write_pack_file(Path(pack_path), manifest, members)
     storage.close()                          # type: ignore[attr-defined]
 
 

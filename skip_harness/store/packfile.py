@@ -27,8 +27,9 @@ import os
 import struct
 import threading
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from skip_harness.codec import MAGIC
 from skip_harness.errors import CorruptStepError, StoreError
@@ -44,6 +45,7 @@ PICKLE_SUFFIXES = (".pkl", ".pickle", ".pck", ".dp", ".npy.pkl", ".joblib")
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")       # a ZIP local file header (30 bytes)
 _LOCAL_MAGIC = b"PK\x03\x04"
 _JSON_SUFFIXES = (".json", ".jsonl")
+_EPOCH = (1980, 1, 1, 0, 0, 0)        # every member's ZIP time: a pack's bytes depend on its contents only
 READ_ONLY = "a pack file is read only (skip-harness unpack FILE DUMP_DIR restores a namespace that can be written)"
 
 
@@ -127,6 +129,65 @@ def read_manifest(path: Union[str, os.PathLike]) -> Tuple[Dict[str, Any], Dict[s
     if missing:
         raise PackError(where, f"member {missing[0]!r} is in the manifest but not in the pack")
     return manifest, members
+
+
+# ---- writing a pack file: the manifest first, then every member (stored), into a temporary file renamed
+
+
+def const_bytes(data: bytes) -> Callable[[], bytes]:
+    return lambda: data
+
+
+@dataclass
+class PackMember:
+    """One member to write: its name, size and checksum (for the manifest), and how to read its bytes."""
+
+    name: str
+    size: int
+    checksum: str
+    read: Callable[[], bytes]
+
+
+def write_pack_file(out: Path, manifest: Dict[str, Any], members: List[PackMember]) -> None:
+    """Write the pack at `out` atomically: a temporary file beside it, fsynced, renamed over it. Every
+    member's bytes are checked against its size and checksum as they are copied (PackError otherwise)."""
+    manifest = dict(manifest, members={m.name: {"bytes": m.size, "checksum": m.checksum} for m in members})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+                zf.writestr(zipfile.ZipInfo(MANIFEST_NAME, _EPOCH),     # first: what `is_pack` looks for
+                            json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
+                for m in members:
+                    data = m.read()
+                    if len(data) != m.size or checksum_bytes(data) != m.checksum:
+                        raise PackError(m.name, f"changed or damaged while it was packed ({len(data)} bytes, "
+                                        f"expected {m.size} with checksum {m.checksum})")
+                    info = zipfile.ZipInfo(m.name, _EPOCH)
+                    info.file_size = len(data)
+                    zf.writestr(info, data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:
+        fd = os.open(out.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+
+
+def pack_file_size(path: Union[str, os.PathLike]) -> int:
+    """The pack file's size in bytes."""
+    return os.path.getsize(path)
 
 
 class PackStorage(Storage):
@@ -309,5 +370,6 @@ class PackLocker(Locker):
         raise PackReadOnly(f"{self.url} (member {key})" if key else self.url, READ_ONLY)
 
 
-__all__ = ["MANIFEST_NAME", "PACK_FORMAT", "PACK_VERSION", "PackError", "PackLocker", "PackReadOnly", "PackStorage",
-           "is_pack", "pickle_like", "read_manifest", "safe_member"]
+__all__ = ["MANIFEST_NAME", "PACK_FORMAT", "PACK_VERSION", "PackError", "PackLocker", "PackMember", "PackReadOnly",
+           "PackStorage", "const_bytes", "is_pack", "pack_file_size", "pickle_like", "read_manifest", "safe_member",
+           "write_pack_file"]
