@@ -33,6 +33,7 @@ from skip_harness.store.open import (PACK_FORMAT, PACK_VERSION, PackError, PackM
                                      safe_member, write_pack_file)
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.status import StepStatus
+from skip_harness.store.urls import UrlPath, is_url
 from skip_harness.store.values import ValuesStore, config_changes, config_digest, config_key, flatten_config, values_key
 
 _JSON = (".json", ".jsonl")
@@ -100,8 +101,7 @@ def _checked(where: str, name: str, data: bytes) -> bytes:
 def _layout_of(namespace: Any) -> Layout:
     if isinstance(namespace, Layout):
         return namespace
-    found = namespaces_at(Path(str(namespace)) if not str(namespace).startswith(("s3://", "gs://", "az://"))
-                          else namespace)
+    found = namespaces_at(UrlPath(str(namespace)) if is_url(str(namespace)) else Path(str(namespace)))
     if len(found) != 1:
         raise PackError(str(namespace), f"names {len(found)} namespaces; a pack holds one (name its directory)")
     return found[0]
