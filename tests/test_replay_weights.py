@@ -70,9 +70,11 @@ def test_digests_name_each_parameter_in_order_and_combine_the_ranks():
 
 
 def test_the_key_is_validated_naming_it():
-    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_weights"):
-        SkipHarness.create({"enable": True, "replay_weights": "maybe"},
-                           namespace={"experiment_name": "e", "project_name": "p", "K": 1})
+    ns = {"experiment_name": "e", "project_name": "p", "K": 1}
+    assert SkipHarness.create({"enable": True, "replay_weights": True}, namespace=ns).settings.replay_weights is True
+    assert SkipHarness.create({"enable": True}, namespace=ns).settings.replay_weights is False    # opt-in
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_weights: Value 'maybe' is not a valid bool"):
+        SkipHarness.create({"enable": True, "replay_weights": "maybe"}, namespace=ns)
 
 
 def test_with_the_key_off_nothing_is_computed(tmp_path):
@@ -136,9 +138,9 @@ def test_the_learning_rate_changed_by_one_percent_names_the_first_parameter_at_s
 
 
 def test_digests_are_compared_exactly_whatever_the_tolerance(recorded, tmp_path):
-    """replay_rtol=1e9 lets every metric pass: the digests still do not (a digest is equal or not)."""
+    """replay_rtol=replay_atol=1e9 let every metric pass: the digests still do not (a digest is equal or not)."""
     line = _demo(_copy(recorded, tmp_path), SYNC, ON, "actor_rollout_ref.actor.optim.lr=0.00303",
-                 "skip.rollout_tq.replay_rtol=1e9").summary.replay_line
+                 "skip.rollout_tq.replay_rtol=1e9", "skip.rollout_tq.replay_atol=1e9").summary.replay_line
     assert line.startswith(f"replay diverged at step 1 ({FIRST} digest "), line
 
 
