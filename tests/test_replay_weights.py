@@ -157,3 +157,15 @@ def test_with_the_key_off_the_demo_records_no_digest(tmp_path):
     _demo(tmp_path, SYNC, "trainer.total_training_steps=1")
     values = open_store(namespace_in(tmp_path / "cache")).reader.read_values(1)
     assert values and not _weights(values)
+
+
+def test_verl_refuses_the_key_naming_it():
+    """The verl plug-in cannot reach the weights (docs/verl.md): the key is refused, not quietly ignored."""
+    from omegaconf import OmegaConf
+
+    from skip_harness.integrations.verl_config import settings_of
+
+    local = OmegaConf.create({"enable": True, "dump_dir": "/tmp/x", "steps": [], "action": "cache"})
+    assert settings_of(local, OmegaConf.create({"skip_harness": {"tier": False}}))[0].replay_weights is False
+    with pytest.raises(ConfigError, match=r"^skip_harness\.replay_weights: not supported in verl"):
+        settings_of(local, OmegaConf.create({"skip_harness": {"replay_weights": True}}))

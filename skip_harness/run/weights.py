@@ -8,10 +8,10 @@ parameters (`SkipHarness.observe_weights(step, model)`, or `harness.observe(step
 
 A digest is xxh3-64 of the tensor's dtype, shape and bytes, masked to 52 bits: an integer below 2**53,
 which a float (and so the values' JSON) holds exactly. Several ranks: each rank digests the tensor it
-holds (a DTensor's local shard; a DDP-wrapped module's own parameters) and the digests are all-gathered
-(a collective: every rank calls it). Where every rank holds the same bytes (DDP, accelerate: replicas)
-the value is that digest; where they differ (sharded parameters: FSDP, ZeRO-3) it is the digest of
-the ranks' digests in rank order. Either way a replay on the same number of ranks and the same K
+holds (a DTensor's local shard, a ZeRO-3 partition; a DDP-wrapped module's own parameters) and the
+digests are all-gathered (a collective: every rank calls it). Where every rank holds the same bytes
+(DDP, accelerate: replicas) the value is that digest; where they differ (sharded parameters: FSDP,
+ZeRO-3) it is the digest of the ranks' digests in rank order. Either way a replay on the same number of ranks and the same K
 reproduces it bit for bit when the update does; at another K or W the update is summed in another order
 and the digests change legitimately, so the replay check leaves them out there (and says so).
 """
@@ -34,7 +34,7 @@ def tensor_digest(tensor: Any) -> int:
     """xxh3-64 of a tensor's dtype, shape and bytes (this rank's shard of a DTensor), below 2**52."""
     import torch
 
-    t = tensor.detach()
+    t = getattr(tensor, "ds_tensor", tensor).detach()   # DeepSpeed ZeRO-3: this rank's partition, not the placeholder
     if hasattr(t, "to_local"):           # a DTensor (FSDP2, tensor parallel): the shard this rank holds
         t = t.to_local()
     t = t.cpu().contiguous()
