@@ -169,3 +169,11 @@ def test_verl_refuses_the_key_naming_it():
     assert settings_of(local, OmegaConf.create({"skip_harness": {"tier": False}}))[0].replay_weights is False
     with pytest.raises(ConfigError, match=r"^skip_harness\.replay_weights: not supported in verl"):
         settings_of(local, OmegaConf.create({"skip_harness": {"replay_weights": True}}))
+
+
+def test_the_viewer_charts_the_metrics_before_the_digests():
+    from skip_harness.cli.view.values import default_order
+
+    keys = ["weights/policy.blocks.0.ln1.weight", "weights/policy.clip_len.kl", "gen_s", "loss", "other"]
+    assert default_order(keys) == ["loss", "other", "gen_s", "weights/policy.blocks.0.ln1.weight",
+                                   "weights/policy.clip_len.kl"]
