@@ -151,6 +151,21 @@ def test_a_replay_at_another_k_leaves_the_digests_out_and_says_so(recorded, tmp_
     assert line.startswith("replay: 4 of 4 served steps reproduced ("), line
     assert "weights/* not compared (the weights change with K and W)" in line
     assert "weights/policy." not in line
+    # `skip-harness diff` of the recording and this replay says the same, once
+    from skip_harness.cli.diff import compare
+
+    ns = namespace_in(recorded / "cache").root
+    (side,) = compare(str(ns), f"{ns}@{replay.run_id}")["namespaces"]
+    said = side["values"]["describe"]
+    assert "weights/* not compared (the weights change with K and W)" in said and "weights/policy." not in said, said
+
+
+def test_diff_at_another_w_leaves_the_digests_out():
+    from skip_harness.cli.pairing import Side, values_rule
+
+    rule = values_rule(Side(1, 2, "rec"), Side(1, 1, "rec", True))
+    assert rule.compared("loss") and not rule.compared("weights/policy.tok.weight")
+    assert values_rule(Side(1, 2, "rec"), Side(1, 2, "rec", True)).compared("weights/policy.tok.weight")
 
 
 def test_with_the_key_off_the_demo_records_no_digest(tmp_path):
