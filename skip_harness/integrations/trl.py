@@ -207,10 +207,11 @@ def attach(
             # every rank), reported after its log entry (its rewards first) or, unlogged, with the next step
             if self.done or model is None:
                 return
-            self._observe_weights(before=state.global_step - 1)
-            digests = harness.weight_values(model)
+            step = state.global_step - 1
+            self._observe_weights(before=step)
+            digests = harness.weight_values(model) if harness.outcome(step) != "off" else {}   # not a step it decided
             if digests:
-                self.weights[state.global_step - 1] = digests
+                self.weights[step] = digests
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             # the log_history entry of an optimizer step (not the end-of-training totals, not an evaluation):
