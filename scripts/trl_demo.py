@@ -124,6 +124,7 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
         num_generations=opts.num_generations,
         max_completion_length=opts.max_completion_length,
         learning_rate=opts.lr,
+        weight_decay=opts.weight_decay,
         beta=opts.beta,
         temperature=opts.temperature,
         seed=opts.seed,
@@ -142,7 +143,8 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
     )
     harness = None
     if not opts.no_cache:
-        harness = attach(trainer, dump_dir=opts.dump_dir, experiment_name="trl_demo", tier=not opts.no_tier)
+        harness = attach(trainer, dump_dir=opts.dump_dir, experiment_name="trl_demo", tier=not opts.no_tier,
+                         replay_weights=opts.replay_weights)
     t0 = time.perf_counter()
     trainer.train()
     wall_s = time.perf_counter() - t0
@@ -207,6 +209,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-iterations", type=int, default=1, help="GRPO's mu: optimizer steps per generation")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's weight decay (a training-side change "
+                   "the first step's loss does not show: its update does)")
+    p.add_argument("--replay-weights", action="store_true", help="skip.rollout_tq.replay_weights=true: a digest of "
+                   "each parameter after each update, in the replay check")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-steps", type=int, default=2, help="evaluate every N steps (0: never)")

@@ -48,6 +48,9 @@ ROLLOUT_VALUES = ("reward_mean", "response_len", "critic/score/*", "response_len
 # The tolerance a replay at another K or W compares within (at least; replay_rtol when larger): the same
 # rows summed in another order or over another split of ranks agree to float rounding, not to the bit.
 REGROUPED_RTOL = 1e-4
+# `skip.rollout_tq.replay_weights`: the values naming the policy's parameters (`weights/{name}.{parameter}`, a
+# digest each, run.weights): compared exactly, and only by a replay at the recording's K and W.
+WEIGHTS_PREFIX = "weights/"
 
 
 @dataclass
@@ -84,6 +87,9 @@ class RolloutTQConfig:
     replay_atol: float = 0.0
     # Value keys left out of the check (fnmatch patterns, case-insensitive): timings by default.
     replay_ignore: List[str] = field(default_factory=lambda: list(DEFAULT_REPLAY_IGNORE))
+    # Record a digest of each of the policy's parameters after each step's update (`weights/...` values,
+    # docs/replay_check.md#weights), compared exactly on a replay at the same K and W. Off: none computed.
+    replay_weights: bool = False
     # Serve from another recording of the same batch (a namespace path or URL, or `auto`), re-chunked to
     # this run's K and re-sharded to its ranks; read only. None: this run's own namespace.
     replay_from: Optional[str] = None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from skip_harness.cli._common import CliError
-from skip_harness.config import REGROUPED_RTOL
+from skip_harness.config import REGROUPED_RTOL, WEIGHTS_PREFIX
 from skip_harness.errors import SkipHarnessError
 from skip_harness.run.replay import depends_on_rollouts, values_agree
 from skip_harness.store.api import (StepStore, UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
@@ -76,8 +76,12 @@ class ValuesRule:
         if not self.regrouped:
             return ""
         parts = [self.regrouped]
+        digests = [k for k in left_out if k.startswith(WEIGHTS_PREFIX)]      # replay_weights: one per parameter
+        left_out = [k for k in left_out if not k.startswith(WEIGHTS_PREFIX)]
         if left_out:
             parts.append(f"{', '.join(left_out)} not compared (they depend on K)")
+        if digests:
+            parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with K and W)")
         if compared:
             parts.append(f"{', '.join(compared)} compared within rtol={self.rtol:g}")
         return "; ".join(parts)
@@ -110,7 +114,8 @@ def values_rule(a: Side, b: Side, other_batch: str = "") -> ValuesRule:
         how = f"re-chunked: K={a.K} (A) vs K={b.K} (B)" + (f", W={a.W} vs W={b.W}" if a.W != b.W else "")
         return ValuesRule(depends_on_rollouts, REGROUPED_RTOL, how)
     if a.W != b.W:
-        return ValuesRule(lambda key: True, REGROUPED_RTOL, f"re-sharded: W={a.W} (A) vs W={b.W} (B)")
+        return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), REGROUPED_RTOL,
+                          f"re-sharded: W={a.W} (A) vs W={b.W} (B)")
     return ValuesRule(lambda key: True, 0.0, "")
 
 

@@ -132,6 +132,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
             bar.update(1)
         # recorded with a generated step; checked on a served one: the reward first, the loss it moves after
         harness.observe(step, **{"reward_mean": metrics["reward_mean"], **metrics})
+        # skip.rollout_tq.replay_weights: each parameter's digest after the step's updates (every rank calls it)
+        harness.observe_weights(step, trainer.accelerator.unwrap_model(trainer.actor))
 
     t0 = time.perf_counter()
     if bar is not None:

@@ -181,18 +181,15 @@ def attach(
         to cache it)."""
 
         done = False
+        weights: dict = {}       # replay_weights: {step: its digests}, reported after the step's log entry
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if not self.done:
                 harness.start()
 
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-            # the log_history entry of an optimizer step (not the end-of-training totals, not an evaluation):
-            # recorded with, or checked against, the generation step it trained on (global_step - 1)
-            if self.done or not logs or "loss" not in logs or "train_runtime" in logs:
-                return
+        def _observe(self, step: int, values: Mapping[str, Any]) -> None:
             try:
-                harness.observe(state.global_step - 1, **rollout_side_first(logs))
+                harness.observe(step, **values)
             except ReplayDivergedError:       # replay_check=error: the run stops here, closed and reported
                 self.done = True
                 try:
@@ -201,9 +198,33 @@ def attach(
                     detach()
                 raise
 
+        def _observe_weights(self, before: Optional[int] = None) -> None:
+            for step in sorted(s for s in self.weights if before is None or s < before):
+                self._observe(step, self.weights.pop(step))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            # skip.rollout_tq.replay_weights: the digests after this optimizer step's update (a collective: on
+            # every rank), reported after its log entry (its rewards first) or, unlogged, with the next step
+            if self.done or model is None:
+                return
+            step = state.global_step - 1
+            self._observe_weights(before=step)
+            digests = harness.weight_values(model) if harness.outcome(step) != "off" else {}   # not a step it decided
+            if digests:
+                self.weights[step] = digests
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            # the log_history entry of an optimizer step (not the end-of-training totals, not an evaluation):
+            # recorded with, or checked against, the generation step it trained on (global_step - 1)
+            if self.done or not logs or "loss" not in logs or "train_runtime" in logs:
+                return
+            self._observe(state.global_step - 1, rollout_side_first(logs))
+            self._observe_weights()
+
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.done:
                 return
+            self._observe_weights()
             self.done = True
             try:
                 harness.close()

@@ -170,6 +170,9 @@ def settings_of(local_config: Any, cfg: Any) -> Tuple[RolloutTQConfig, bool, Lis
             message = str(exc)[len(exc.key) + 2:]
             raise ConfigError(f"{NODE}.{field}", message) from None
         raise
+    if settings.replay_weights:
+        raise ConfigError(f"{NODE}.replay_weights", "not supported in verl: the weights live in its training "
+                          "workers, out of the plug-in's reach (docs/verl.md, \"The weights are not in the replay check\")")
     return settings, all_steps, list(extra)
 
 

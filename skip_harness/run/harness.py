@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 from skip_harness import codec
 from skip_harness.run.callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback
@@ -39,6 +39,8 @@ from skip_harness.run.startup import StartupResult
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
+from skip_harness.run.training import training_side
+from skip_harness.run.weights import weight_digests
 
 _DEFAULT = object()
 
@@ -397,6 +399,17 @@ class SkipHarness:
             return
         self._values.observe(step, outcome, values)
 
+    def weight_values(self, model: Any, *, name: str = "policy") -> Dict[str, int]:
+        """`skip.rollout_tq.replay_weights` on: {`weights/{name}.{parameter}`: digest} of `model`'s parameters
+        now, for `observe`; else {} (nothing computed). W > 1: a collective, every rank calls it (run.weights)."""
+        if not self.settings.replay_weights or self._runner is None or self._closed or not self.enabled:
+            return {}
+        return weight_digests(model, name=name, gather=self._runner.dist.gather)
+
+    def observe_weights(self, step: int, model: Any, *, name: str = "policy") -> None:
+        """`observe(step, **weight_values(model))` for a step the harness decided: call it after the update."""
+        self.observe(step, **(self.weight_values(model, name=name) if self.outcome(step) != OFF else {}))
+
     def set_training_config(self, config: Any) -> None:
         """The run's training-side config (what the fingerprint leaves out: learning rate, loss,
         clipping...), a nested mapping recorded flattened once per run, so that a replay's divergence
@@ -435,21 +448,3 @@ class SkipHarness:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-
-
-_NOT_TRAINING_SIDE = ("skip", "skip_harness", "hydra")
-
-
-def training_side(cfg: Any, fingerprint_keys: Sequence[str] = ()) -> dict:
-    """A whole config flattened, less what the fingerprint holds (those keys and what is under them) and
-    the harness's own settings: the training side a replay may change."""
-    flat = flatten_config(cfg)
-    fp = tuple(fingerprint_keys)
-
-    def kept(key: str) -> bool:
-        if key.split(".", 1)[0] in _NOT_TRAINING_SIDE:
-            return False
-        return not any(key == k or key.startswith(k + ".") for k in fp)
-
-    return {k: v for k, v in flat.items() if kept(k)}

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from skip_harness.config import REGROUPED_RTOL, ROLLOUT_VALUES, ReplayCheck, RolloutTQConfig
+from skip_harness.config import REGROUPED_RTOL, ROLLOUT_VALUES, WEIGHTS_PREFIX, ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
 from skip_harness.run.stats import HIT, MISS
 from skip_harness.store.api import config_changes, config_digest, numbers_of
@@ -75,6 +75,8 @@ class Divergence:
         return bool(self.config_changes)
 
     def short(self) -> str:
+        if self.key.startswith(WEIGHTS_PREFIX):      # a parameter's digest (run.weights): an integer, in hex
+            return f"{self.key} digest {int(self.recorded):013x} recorded, {int(self.now):013x} now"
         a, b = _pair(self.recorded, self.now)
         return f"{self.key} {a} recorded, {b} now"
 
@@ -226,6 +228,7 @@ class ValuesTracker:
         self._runs_note = ""                          # said once when they cannot go where ls counts them
         self._keep_runs = True
         self._compared_rollout: Set[str] = set()
+        self._weights_left_out = False                # weights/* served at another K or W (run.weights)
         # served steps the recording has no values for (its recorder ended first): filled in once this
         # reader took the hold (`holds`, set by the harness)
         self.holds: Callable[[], bool] = lambda: False
@@ -358,8 +361,9 @@ class ValuesTracker:
 
     # ---- checking
     def _ignored(self, key: str) -> bool:
-        low = key.lower()
-        return any(fnmatch.fnmatchcase(low, p) for p in self._ignore)
+        low = key.lower()     # a parameter's digest: only patterns of weights/ keys (not `*time*` ...) leave it out
+        weights = low.startswith(WEIGHTS_PREFIX)
+        return any(fnmatch.fnmatchcase(low, p) for p in self._ignore if not weights or p.startswith(WEIGHTS_PREFIX))
 
     def _compare(self, step: int, numbers: Dict[str, float]) -> None:
         served = self._served.setdefault(step, _Served())
@@ -376,16 +380,21 @@ class ValuesTracker:
         keys = [k for k in numbers if k in recorded.values and not self._ignored(k)]   # as reported
         if regrouped:
             rtol = max(rtol, REGROUPED_RTOL)
+            # weight digests change legitimately at another K or W (the update sums in another order)
+            self._weights_left_out |= any(k.startswith(WEIGHTS_PREFIX) for k in keys)
+            keys = [k for k in keys if not k.startswith(WEIGHTS_PREFIX)]
             if self._source.K != self._K:
                 self._not_compared.update(k for k in keys if not _rollout_value(k))
                 keys = [k for k in keys if _rollout_value(k)]
                 self._compared_rollout.update(keys)
         for key in keys:
             served.compared += 1
-            if not _same(recorded.values[key], numbers[key], rtol, atol):
+            exact = key.startswith(WEIGHTS_PREFIX)          # a digest: equal or not, never within a tolerance
+            tol = (0.0, 0.0) if exact else (rtol, atol)
+            if not _same(recorded.values[key], numbers[key], *tol):
                 served.diverged = True
                 self._diverged(Divergence(step, key, recorded.values[key], numbers[key],
-                                          *self._changes(recorded.config, reader), rtol=rtol, atol=atol))
+                                          *self._changes(recorded.config, reader), rtol=tol[0], atol=tol[1]))
                 return
 
     def _regrouped_note(self) -> str:
@@ -405,6 +414,8 @@ class ValuesTracker:
             parts.append(f"re-sharded from W={src.W} to W={self._W}")
             if src.K == self._K:
                 parts.append(f"compared within rtol={rtol:g}")
+        if self._weights_left_out:
+            parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with K and W)")
         return "; ".join(parts)
 
     def _changes(self, digest: Optional[str], reader: Any = None) -> Tuple[Tuple[Tuple[str, Any, Any], ...], bool]:
