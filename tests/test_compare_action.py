@@ -78,9 +78,9 @@ class Sampler:
         return {"prompts": torch.arange(8).view(4, 2), "responses": ids + 1, "old_logprobs": logp}
 
 
-def _run(tmp_path, temperature, **settings):
+def _run(tmp_path, temperature, experiment="e", **settings):
     h = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path / "c"), **settings},
-                           namespace={"experiment_name": "e", "project_name": "p", "K": 1, "n": 2},
+                           namespace={"experiment_name": experiment, "project_name": "p", "K": 1, "n": 2},
                            fingerprint={"temperature": temperature})
     trainer = Sampler(temperature)
     h.wrap(trainer, prepare_data=None)
@@ -113,6 +113,16 @@ def test_another_temperature_is_measured_not_refused_and_nothing_is_written(tmp_
     assert 0 <= kept["compare/identical_share"] < 1 and kept["loss"] == 2.0 and "compare/max_logprob_diff" in kept
     assert json.loads((ns / ".values" / "runs" / hot.run_id / "run.json").read_text())["action"] == "compare"
     assert rec.run_id not in {p.name for p in (ns / ".values" / "runs").iterdir()}   # the recording kept none
+
+
+def test_compare_with_another_recording_reads_it_and_creates_nothing(tmp_path):
+    rec, _ = _run(tmp_path, 1.0)
+    before = _files(rec.layout.root)
+    h, summary = _run(tmp_path, 0.5, experiment="other", action="compare", replay_from=str(rec.layout.root))
+    assert summary.compared.startswith("rollouts compared: ") and "of 12 trajectories identical (3 steps)" in summary.compared
+    assert not (tmp_path / "c" / "other_p").exists()              # this run's own namespace: never created
+    assert _files(rec.layout.root) == before
+    assert (rec.layout.root / ".values" / "runs" / h.run_id / "3.json").is_file()   # kept where a replay's are
 
 
 def test_a_step_the_recording_lacks_is_generated_and_said_not_compared(tmp_path):

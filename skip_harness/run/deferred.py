@@ -68,7 +68,7 @@ def _start_compare(layout: Layout, settings: RolloutTQConfig, key: NamespaceKey,
     changed generation fingerprint is what this mode measures, not an error (the log says what differs)."""
     own = open_namespace(layout)               # opened only: nothing is created by opening
     if settings.replay_from is not None:
-        source = start_source(settings, key, None, own, own, dist)      # None: any generator
+        source = start_source(settings, key, None, layout, own, dist)   # None: any generator
         if source is not None:
             if dist.is_main:
                 _say_generator(source.layout.url, batch_fingerprint(fingerprint),
