@@ -43,11 +43,12 @@ def start_run(layout: Layout, settings: RolloutTQConfig, key: NamespaceKey, fing
     """Every rank calls it together: the recording `replay_from` names (checked before anything is
     created), then this run's own namespace started -- or, when it is served from a recording and its own
     namespace does not exist, deferred (`StartedRun.deferred`: nothing created, read-only until a miss)."""
-    if settings.action == Action.compare:
-        return _start_compare(layout, settings, key, fingerprint, dist)
-    if settings.replay_from is None:
+    comparing = settings.action == Action.compare
+    if settings.replay_from is None and not comparing:
         return start_namespace(layout, settings, fingerprint, dist), None
     own = open_namespace(layout)               # opened only: nothing is created by opening
+    if comparing:
+        return _start_compare(layout, settings, key, fingerprint, dist, own)
     source = start_source(settings, key, fingerprint, layout, own, dist)
     if source is not None and not dist.broadcast(exists(own) if dist.is_main else None):
         if dist.is_main:
@@ -62,11 +63,10 @@ COMPARE_READ = "read by skip.rollout_tq.action=compare"
 
 
 def _start_compare(layout: Layout, settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[Fingerprint],
-                   dist: DistContext) -> Tuple[StartedRun, Optional[Source]]:
+                   dist: DistContext, own: Namespace) -> Tuple[StartedRun, Optional[Source]]:
     """`action=compare` (run.drift): the recording -- this run's namespace, or `replay_from`'s -- is read only:
     no lock, no cleanup, nothing created. Every complete step is compared, whatever generator made it: a
     changed generation fingerprint is what this mode measures, not an error (the log says what differs)."""
-    own = open_namespace(layout)               # opened only: nothing is created by opening
     if settings.replay_from is not None:
         source = start_source(settings, key, None, layout, own, dist)   # None: any generator
         if source is not None:
