@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 from skip_harness import codec
 from skip_harness.run.callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback
 from skip_harness.config import (
-    Action,
     RolloutTQConfig,
     check_batch_split,
     namespace_key_from,
@@ -244,7 +243,7 @@ class SkipHarness:
                shared_with: str = "", source: Optional[Source] = None, deferred: bool = False) -> None:
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
-        comparing = self.settings.action == Action.compare     # values kept, nothing recorded (run.drift)
+        comparing = self.settings.action == "compare"     # action=compare: values kept, nothing recorded (run.drift)
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
         store = StepStore(layout, namespace, pool=pool,
                           form=codec.stored_form(self.settings.compression, self.settings.compression_level))
@@ -364,8 +363,7 @@ class SkipHarness:
             summary = dataclasses.replace(summary, phases=self._tier.summary())
         if self._runner is not None:
             summary = dataclasses.replace(summary, namespace=str(self._runner.store.layout.root))
-            if self._runner.comparing:      # action=compare: the generation side's drift
-                summary = dataclasses.replace(summary, compared=self._runner.drift_totals.describe())
+            summary = dataclasses.replace(summary, compared=self._runner.compared_line())   # action=compare
         return summary
 
     # ----------------------------------------------------------------- the second tier

@@ -404,6 +404,10 @@ class StepRunner:
         state = self._states.get(step)
         return None if state is None else state.decision.source_step
 
+    def compared_line(self) -> str:
+        """action=compare: `rollouts compared: X of Y trajectories identical (N steps)`; '' otherwise."""
+        return self.drift_totals.describe() if self.comparing else ""
+
     def flush_local(self, step: int) -> Optional[str]:
         return self.coordinator.wait_local(step)
 
