@@ -167,3 +167,20 @@ def test_demo_compare_with_another_temperature_reports_the_drift_per_step(tmp_pa
     for step in (1, 2, 3, 4):
         kept = json.loads((run / f"{step}.json").read_text())["values"]
         assert {"compare/identical_share", "compare/max_logprob_diff", "loss"} <= set(kept)
+
+
+def test_view_charts_the_newest_compare_runs_figures_beside_the_recorded_values(tmp_path):
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from skip_harness.cli.view.app import build_app
+    from skip_harness.cli.view.data import Cache
+    from skip_harness.cli.view.decode import Decoder
+
+    rec, _ = _run(tmp_path, 1.0)
+    _run(tmp_path, 0.5, action="compare")
+    ns = rec.layout.root
+    c = TestClient(build_app(Cache([tmp_path / "c"]), Decoder(), ["testserver"]), raise_server_exceptions=True)
+    svg = c.get(f"/ns/0/{ns.parent.name}/{ns.name}/charts").text
+    assert "recorded: loss" in svg and "recorded: compare/identical_share" in svg
+    assert "compare/max_logprob_diff" in c.get(f"/ns/0/{ns.parent.name}/{ns.name}/step/2").text
