@@ -144,7 +144,7 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
     harness = None
     if not opts.no_cache:
         harness = attach(trainer, dump_dir=opts.dump_dir, experiment_name="trl_demo", tier=not opts.no_tier,
-                         replay_weights=opts.replay_weights)
+                         replay_weights=opts.replay_weights, action=opts.action)
     t0 = time.perf_counter()
     trainer.train()
     wall_s = time.perf_counter() - t0
@@ -167,6 +167,8 @@ def train_once(opts: argparse.Namespace) -> Dict[str, Any]:
         result["namespace"] = str(harness.layout.root)
         result["replay"] = summary.replay_line
         result["summary_line"] = str(summary)    # the line the harness logs at its end, namespace included
+        result["compared"] = summary.compared    # action=compare: `rollouts compared: X of Y trajectories identical`
+        result["run_id"] = harness.run_id
         result["K"] = harness.K
     return result
 
@@ -220,6 +222,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: let TRL use the GPU")
     p.add_argument("--no-cache", action="store_true", help="run TRL without the harness")
+    p.add_argument("--action", choices=("cache", "repeat", "compare"), default="cache",
+                   help="skip.rollout_tq.action (compare: generate anyway, measure the drift from the recording)")
     p.add_argument("--no-tier", action="store_true", help="skip.rollout_tq.tier=false: rewards and reference "
                    "log-probs are recomputed on a replay")
     p.add_argument("--reward-noise", type=float, default=0.0, help="add this much OS-random noise to each reward")

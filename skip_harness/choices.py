@@ -12,6 +12,7 @@ from enum import Enum
 class Action(str, Enum):
     cache = "cache"
     repeat = "repeat"
+    compare = "compare"   # generate anyway, measure the drift from the recording, write nothing
 
 
 class Cleanup(str, Enum):

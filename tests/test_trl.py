@@ -148,6 +148,22 @@ def test_other_rollouts_at_step_3_are_reported_as_a_divergence_at_step_3(recorde
 
 
 @pytest.mark.slow
+def test_compare_with_the_recordings_arguments_finds_every_trajectory_identical(recorded, tmp_path):
+    """Issue 39: `action=compare` generates every step again (TRL's cached unit: completion ids, cut by
+    their lengths) and compares it with the recording; nothing is served, nothing written."""
+    dump_dir = _copy_cache(recorded, tmp_path)
+    ns = namespace_in(dump_dir).root
+    before = {p: p.read_bytes() for p in ns.rglob("*") if p.is_file() and ".values/runs" not in p.as_posix()}
+    result, stderr = _run("replay", recorded.workdir, dump_dir, tmp_path, "--action", "compare")
+    n = STEPS * 8                              # --batch 8 completions per step
+    assert result["compared"] == f"rollouts compared: {n} of {n} trajectories identical ({STEPS} steps)", stderr[-3000:]
+    assert result["summary"]["hits"] == 0 and result["generation_calls"]["train"] == STEPS
+    assert "step 1: miss" in stderr and "compared: 8 of 8 trajectories identical, no differing token" in stderr
+    assert {p: p.read_bytes() for p in ns.rglob("*") if p.is_file() and ".values/runs" not in p.as_posix()} == before
+    assert (ns / ".values" / "runs" / result["run_id"] / "1.json").is_file()     # its figures, under its run id
+
+
+@pytest.mark.slow
 def test_evaluation_generation_is_never_cached(recorded):
     report = recorded.report
     # the demo evaluates every 2 steps: those generations run on the replay too

@@ -3,20 +3,20 @@ split along the mini-batch's length, and written as an Arrow table (a Parquet ro
 lines. The conversion `skip-harness export` streams step by step (:mod:`skip_harness.cli.export`)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from skip_harness.codec.payload_kinds import is_non_tensor_data, is_non_tensor_stack, is_tensordict
+from skip_harness.codec.payload_kinds import is_tensordict
 from skip_harness.errors import SkipHarnessError
+from skip_harness.run.trajectories import leaves as _leaves  # the walk `action=compare` uses too
 
 try:
     import numpy as np
@@ -46,36 +46,6 @@ class _Column:
 
 def _is_td(obj: Any) -> bool:
     return is_tensordict(obj)
-
-
-def _children(obj: Any) -> Optional[List[Tuple[str, Any]]]:
-    """(key, value) pairs of a container that becomes several columns; None for a leaf."""
-    if is_non_tensor_stack(obj) or is_non_tensor_data(obj):
-        return None
-    if _is_td(obj):
-        return [(str(k), obj.get(k)) for k in obj.keys()]
-    if isinstance(obj, dict):
-        return [(str(k), v) for k, v in obj.items()]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return [(str(k), v) for k, v in obj._asdict().items()]  # type: ignore[attr-defined]  # a namedtuple
-    if isinstance(obj, tuple):
-        return [(str(i), v) for i, v in enumerate(obj)]
-    return None
-
-
-def _leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
-    if is_non_tensor_stack(obj):       # one value per row (verl's chat messages, uids): a list column
-        obj = obj.tolist()
-    elif is_non_tensor_data(obj):      # one value for the whole batch
-        obj = obj.data
-    kids = _children(obj)
-    if kids is None:
-        yield (prefix or "value"), obj
-        return
-    for k, v in kids:
-        yield from _leaves(v, f"{prefix}.{k}" if prefix else k)
 
 
 def _leading(value: Any) -> Optional[int]:

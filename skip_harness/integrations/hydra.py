@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from skip_harness.run.callbacks import LoggingCallback
-from skip_harness.config import check_batch_split, namespace_key_from_config, rollout_tq_from
+from skip_harness.config import Action, check_batch_split, namespace_key_from_config, rollout_tq_from
 from skip_harness.errors import ConfigError
 from skip_harness.integrations.hydra_run import RunDirTakenError, claim_run_dir
 from skip_harness.run.startup import StartupResult, hand_over, prepare_namespace, take_over
@@ -103,8 +103,9 @@ class HydraStartupCallback(Callback):
             if self._validate:
                 _import(self._validate)(task)
             settings = rollout_tq_from(task)
-            if not settings.enable or settings.replay_from is not None:
-                return    # replay_from: the harness checks the recording first, and creates its own namespace lazily
+            if not settings.enable or settings.replay_from is not None or settings.action == Action.compare:
+                return    # replay_from: the harness checks the recording first, and creates its own namespace lazily;
+                # action=compare: the recording is only read (no lock, no cleanup)
             key = namespace_key_from_config(task)
             check_batch_split(int(task.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
             layout = key.with_world_size(int(os.environ.get("WORLD_SIZE", "1"))).layout(settings.resolved_dump_dir())

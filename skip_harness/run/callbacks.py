@@ -167,7 +167,8 @@ def describe_step(r: StepRecord) -> str:
     if r.kind == MISS:
         what = "miss (inputs differed from the recorded ones)" if r.regenerated else "miss"
         done = "committed" if r.committed else f"not committed ({r.reason})"
-        return f"step {r.step}: {what}, K={r.K}, generated {human_bytes(r.bytes)} in {r.gen_s:.2f}s, {done}"
+        line = f"step {r.step}: {what}, K={r.K}, generated {human_bytes(r.bytes)} in {r.gen_s:.2f}s, {done}"
+        return f"{line}; {r.compared}" if r.compared else line
     return f"step {r.step}: uncached ({r.reason})" if r.reason else f"step {r.step}: uncached"
 
 
@@ -185,13 +186,16 @@ def describe_summary(s: RunSummary, namespace: Optional[str] = None, world_size:
     ranks = f" (all {world_size} ranks' files)" if world_size > 1 else ""
     line += (
         f"), {s.off} uncached; read {human_bytes(s.bytes_read)}, wrote {human_bytes(s.bytes_written)}{ranks}"
-        + (f" ({human_bytes(s.bytes_not_written)} generated into a read-only cache, not written)"
+        + (f" ({human_bytes(s.bytes_not_written)} generated "
+           f"{'and compared' if getattr(s, 'compared', '') else 'into a read-only cache'}, not written)"
            if s.bytes_not_written else "")
         + "; "
         f"generation {s.gen_s_spent:.1f}s spent, {s.gen_s_saved:.1f}s saved; loading {s.load_s:.1f}s"
     )
     for name, t in getattr(s, "phases", {}).items():      # the second tier's phases (run.tier)
         line += f"; {name} {t.spent_s:.1f}s spent, {t.saved_s:.1f}s saved"
+    if getattr(s, "compared", ""):               # action=compare: the generation side's drift
+        line += f"; {s.compared}"
     replay = getattr(s, "replay_line", "")
     if replay:
         line += f"; {replay}"

@@ -245,6 +245,7 @@ class SkipHarness:
                shared_with: str = "", source: Optional[Source] = None, deferred: bool = False) -> None:
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
+        comparing = self.settings.action == "compare"     # action=compare: values kept, nothing recorded (run.drift)
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
         store = StepStore(layout, namespace, pool=pool,
                           form=codec.stored_form(self.settings.compression, self.settings.compression_level))
@@ -260,7 +261,7 @@ class SkipHarness:
         self._prefetcher = Prefetcher(store, dist.rank, enabled=self.settings.prefetch)
         # a reader writes no rollouts, but its values (small JSON files beside the steps: store.values)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
-                                     dist.is_main and (not read_only or bool(shared_with) or deferred),
+                                     dist.is_main and (not read_only or bool(shared_with) or deferred or comparing),
                                      self._training_config)
         self._values.run_id = new_run_id() if dist.is_main else None   # a replay's values go under it
         self._follower = (Deferred(store, self.settings, self.fingerprint, dist, source) if deferred and source else
@@ -283,6 +284,7 @@ class SkipHarness:
             read_only=read_only, call_digest=self._call_digest, on_committed=committed,
             follower=self._follower,
             source=source,
+            on_compared=lambda step, drift: values.compared(step, drift.values()),
         )
         if source is not None:
             self._values.serve_from(source, layout.K, dist.world_size, self._runner.served_from_source, deferred)
@@ -363,6 +365,7 @@ class SkipHarness:
             summary = dataclasses.replace(summary, phases=self._tier.summary())
         if self._runner is not None:
             summary = dataclasses.replace(summary, namespace=str(self._runner.store.layout.root))
+            summary = dataclasses.replace(summary, compared=self._runner.compared_line())   # action=compare
         return summary
 
     # ----------------------------------------------------------------- the second tier

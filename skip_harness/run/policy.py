@@ -18,7 +18,8 @@ class Decision:
     """What to do for one step.
 
     kind: ``off`` (run untouched, write nothing), ``hit`` (serve this step from the cache),
-    ``repeat`` (serve ``source_step`` in place of ``step``) or ``miss`` (generate and write).
+    ``repeat`` (serve ``source_step`` in place of ``step``) or ``miss`` (generate and write; with
+    ``action=compare``, generate and compare with the recording, write nothing).
     """
 
     kind: Outcome
@@ -58,6 +59,8 @@ def decide(
         return Decision(OFF, step, reason="skip.rollout_tq.enable is false")
     if not settings.wants_step(step):
         return Decision(OFF, step, reason="step not in skip.rollout_tq.steps")
+    if settings.action == Action.compare:      # generated whatever is cached, then compared (run.drift)
+        return Decision(MISS, step, reason="generated and compared with the recording (action=compare)")
     if step in servable:
         return Decision(HIT, step, source_step=step)
     if settings.action == Action.repeat:

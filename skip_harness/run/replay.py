@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from skip_harness.config import REGROUPED_RTOL, ROLLOUT_VALUES, WEIGHTS_PREFIX, ReplayCheck, RolloutTQConfig
+from skip_harness.config import REGROUPED_RTOL, ROLLOUT_VALUES, WEIGHTS_PREFIX, Action, ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
 from skip_harness.run.stats import HIT, MISS
 from skip_harness.store.api import config_changes, config_digest, numbers_of
@@ -202,6 +202,9 @@ class ValuesTracker:
                  training_config: Optional[Mapping[str, Any]] = None):
         self.settings = settings
         self.check = ReplayCheck(settings.replay_check)
+        # action=compare (run.drift): nothing is recorded; the run's values (its drift figures included) are
+        # kept under its run id from its first step, as a replay's are
+        self.comparing = settings.action == Action.compare
         self.reader = reader
         self.coordinator = coordinator
         self.callbacks = callbacks
@@ -264,7 +267,8 @@ class ValuesTracker:
                           key, type(values[key]).__name__)
         self._fill_gaps(before=step)
         if outcome == MISS:
-            self._record(step, numbers)
+            if not self.comparing:
+                self._record(step, numbers)
         elif outcome == HIT and self.check != ReplayCheck.off:
             try:
                 self._compare(step, numbers)
@@ -274,6 +278,10 @@ class ValuesTracker:
         elif outcome == HIT:
             self._served.setdefault(step, _Served())
         self._keep(step, outcome, numbers)
+
+    def compared(self, step: int, figures: Mapping[str, float]) -> None:
+        """action=compare: a step's drift figures (run.drift), kept with the run's values under its run id."""
+        self._keep(step, MISS, dict(figures))
 
     def committed(self, step: int, created: Optional[float]) -> None:
         """A miss step's commit record landed (rank 0 knows `created`): record what it produced."""
@@ -290,15 +298,16 @@ class ValuesTracker:
         values under its run id -- the ones reported before too -- and each one as it comes."""
         if not self.is_main or self.run_id is None:
             return
+        starts = outcome == HIT or self.comparing
         if not self._keep_runs:
-            if outcome == HIT and not self._replaying:
+            if starts and not self._replaying:
                 self._replaying = True
                 log.warning("%s", self._runs_note)
             return
         if numbers:
             self._observed[step] = {**self._observed.get(step, {}), **numbers}
         into = self._runs_into
-        if outcome == HIT and not self._replaying:
+        if starts and not self._replaying:
             self._replaying = True
             if self._runs_note:
                 log.warning("%s", self._runs_note)
@@ -308,6 +317,8 @@ class ValuesTracker:
                    "W": self.reader.layout.W}
             if self._source is not None:
                 doc["replay_from"] = str(self._source.layout.url)
+            if self.comparing:
+                doc["action"] = Action.compare.value
             self.coordinator.record_run(self.run_id, doc, into)
             for s in sorted(self._observed):
                 self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest, into)

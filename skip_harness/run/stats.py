@@ -41,11 +41,12 @@ OTHER_RANK_FAILED = "another rank failed"
 COMMIT_FAILED = "commit failed"
 READ_ONLY = "read-only cache"
 OWN_ROLLOUTS = "own rollouts, not written"   # a reader's miss: another live run records the namespace
+COMPARED = "compared with the recording, not written"   # skip.rollout_tq.action=compare
 
 
 def not_written(reason: str) -> bool:
     """Whether a miss's reason says nothing was written for it (a read-only cache, a reader's own rollouts)."""
-    return reason == READ_ONLY or reason.startswith(OWN_ROLLOUTS)
+    return reason in (READ_ONLY, COMPARED) or reason.startswith(OWN_ROLLOUTS)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class StepRecord:
     unverified: bool = False
     regenerated: bool = False  # a hit whose inputs differed from the recorded ones, generated again
     served_from: str = ""      # a hit from another recording (replay_from): `re-chunked from K=4 to K=2`, ...
+    compared: str = ""         # action=compare: how the step's rollouts drifted from the recording's (run.drift)
 
 
 @dataclass
@@ -105,6 +107,7 @@ class RunSummary:
     replay: Any = None      # a run.replay.ReplayReport: did the served steps reproduce their recorded values
     phases: Dict[str, PhaseTime] = field(default_factory=dict)   # the second tier: reward, reference, ...
     namespace: str = ""     # the cache's directory (the harness's layout.root), once the run started
+    compared: str = ""      # action=compare: `rollouts compared: X of Y trajectories identical (...)`
 
     def __str__(self) -> str:
         """The summary line the run logs at its end (`rollout cache summary: 4 steps: 0 hits, 0 repeats, 4

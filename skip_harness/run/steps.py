@@ -19,13 +19,14 @@ from skip_harness.run.callbacks import CallbackDispatcher
 from skip_harness.config import Action, Cleanup, RolloutTQConfig
 from skip_harness.run.coordinator import CommitCoordinator, Finished
 from skip_harness.run.dist import DistContext
+from skip_harness.run.drift import Drift, DriftTotals, combined, compare_batches
 from skip_harness.errors import CacheWritesStopped, HarnessUsageError, SkipHarnessError
 from skip_harness.run.policy import Decision, decide
 from skip_harness.run.prefetch import Loaded, Prefetcher, load_step
 from skip_harness.run.source import Source, load_regrouped
 from skip_harness.run.startup import set_aside
 from skip_harness.run.sharing import COMMITTED, Follower
-from skip_harness.run.stats import HIT, MISS, OFF, READ_ONLY, Outcome, RunStats, StepRecord
+from skip_harness.run.stats import COMPARED, HIT, MISS, OFF, READ_ONLY, Outcome, RunStats, StepRecord
 from skip_harness.store.api import StepStore
 
 log = logging.getLogger("skip_harness")
@@ -42,6 +43,9 @@ class _StepState:
     finished: bool = False
     unwritten: int = 0  # a read-only cache: bytes generated that would have been written
     served_from: str = ""  # served from another recording (replay_from): how it was regrouped
+    recorded: Optional[Loaded] = None   # action=compare: the recording's mini-batches of the step
+    drifts: List[Optional[Drift]] = field(default_factory=list)   # action=compare: each mini-batch's
+    drift: Optional[Drift] = None       # action=compare: the step's, every rank's summed
 
 
 class StepRunner:
@@ -62,8 +66,12 @@ class StepRunner:
         on_committed: Optional[Callable[[int, Optional[float]], None]] = None,
         follower: Optional[Follower] = None,
         source: Optional[Source] = None,
+        on_compared: Optional[Callable[[int, Drift], None]] = None,
     ):
         self.settings = settings
+        self.comparing = settings.action == Action.compare   # generate every step, compare, write nothing
+        self.on_compared = on_compared
+        self.drift_totals = DriftTotals()
         self.store = store
         self.dist = dist
         self.K = store.layout.K
@@ -195,7 +203,7 @@ class StepRunner:
     def _not_written(self) -> str:
         if self.follower is not None:
             return self.follower.not_written()
-        return READ_ONLY
+        return COMPARED if self.comparing else READ_ONLY
 
     def _start_miss(self, step: int) -> None:
         if self.read_only:
@@ -285,6 +293,8 @@ class StepRunner:
             meta["call_digest"] = self.call_digest(args, kwargs)
         if self.settings.restore_rng:
             meta["rng"] = rng.capture()
+        if self.comparing:
+            self._compare(step, inner, state, out)
         self._stash(step, inner, out, meta)
         if state.sampled == self.K:
             if self.read_only:
@@ -293,6 +303,29 @@ class StepRunner:
                 self.coordinator.sampled_all(step, self._epoch, state.gen_s)
                 self._collect(self.coordinator.poll(self._epoch))
         return out
+
+    def _compare(self, step: int, inner: int, state: _StepState, out: Any) -> None:
+        """action=compare: mini-batch `inner` as generated against the recording's (run.drift); once the
+        step's K are in, every rank's figures summed (a collective with W > 1), reported to `on_compared`."""
+        if inner == 0 and step in self.servable:
+            state.recorded = self._load(step)
+        loaded = state.recorded
+        if step not in self.servable:
+            drift = Drift(unpaired=f"the recording has no complete step {step}")
+        elif loaded is None or not loaded.ok:
+            drift = Drift(unpaired=f"the recorded step cannot be read: {loaded.reason if loaded else 'not loaded'}")
+        else:
+            try:
+                drift = compare_batches(out, loaded.batches[inner])
+            except Exception as exc:  # noqa: BLE001 - a batch of an unforeseen shape: said, never fatal
+                drift = Drift(unpaired=f"the mini-batches could not be compared: {exc!r}")
+        state.drifts.append(drift)
+        if state.sampled == self.K:
+            state.recorded = None
+            state.drift = combined(self.dist.gather(combined(state.drifts)))
+            self.drift_totals.add(state.drift)
+            if self.on_compared is not None:
+                self.on_compared(step, state.drift)
 
     def _stash(self, step: int, inner: int, out: Any, meta: Dict[str, Any]) -> None:
         """Hand `out` to the coordinator: what sample returned, as it is now (it is encoded into its
@@ -371,6 +404,10 @@ class StepRunner:
         state = self._states.get(step)
         return None if state is None else state.decision.source_step
 
+    def compared_line(self) -> str:
+        """action=compare: `rollouts compared: X of Y trajectories identical (N steps)`; '' otherwise."""
+        return self.drift_totals.describe() if self.comparing else ""
+
     def flush_local(self, step: int) -> Optional[str]:
         return self.coordinator.wait_local(step)
 
@@ -399,4 +436,5 @@ def _served_record(step: int, state: _StepState, K: int, nbytes: int) -> StepRec
 
 def _miss_record(step: int, state: _StepState, K: int, done: Finished) -> StepRecord:
     return StepRecord(step, MISS, K, bytes=done.bytes, gen_s=state.gen_s, committed=done.committed,
-                      reason=done.reason, regenerated=state.regenerated)
+                      reason=done.reason, regenerated=state.regenerated,
+                      compared=state.drift.describe() if state.drift is not None else "")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 from skip_harness.cli._common import mode_and_seed, step_gen_s, step_written
 from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store.api import (BufferPool, Layout, NamespaceReport, StepReader, StepReport, UrlPath, namespaces_at,
+from skip_harness.store.api import (BufferPool, ValuesStore, Layout, NamespaceReport, StepReader, StepReport, UrlPath, namespaces_at,
                                     open_namespace, read_step_tier, scan_namespace)
 from skip_harness.run.tier import REWARD as REWARD_PHASE
 from skip_harness.cli.view.samples import StepTable, StoredRewards, group_size_of, step_table
@@ -38,6 +39,12 @@ from skip_harness.cli.compare import compare as _diff_compare   # the same dict 
 logger = logging.getLogger("skip_harness.cli.view")
 
 Where = Union[Path, UrlPath]
+# `action=compare` runs' figures (run.drift) shown beside the recorded values: the newest such run among the
+# newest COMPARE_RUNS_READ runs of a namespace, looked for again after COMPARE_RUN_TTL_S seconds
+COMPARE_PREFIX = "compare/"
+COMPARE_RUNS_READ = 20
+COMPARE_RUN_TTL_S = 5.0
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 REWARD_FUNCTION = "reward function "      # run.tier's key component for one reward function (trl_tier.reward_key)
@@ -139,6 +146,7 @@ class Cache:
         self.roots = list(roots)
         self._lock = threading.Lock()
         self._readers: Dict[str, StepReader] = {}
+        self._compare_runs: Dict[str, Tuple[Optional[str], float]] = {}   # the newest action=compare run, found when
         self._diffs: Kept[Tuple[str, str], Dict[str, Any]] = Kept()
         # the last step read and turned into trajectories: a step page's links to its trajectories (and
         # back) read it once; one kept, so a step's buffers go back to the pool before the next is read
@@ -259,12 +267,31 @@ class Cache:
     # ---- what the replay check recorded
 
     def values(self, ns: Namespace, step: int) -> Optional[Dict[str, float]]:
-        """The values the trainer reported for `step` (its metrics), None when none were recorded."""
+        """The values the trainer reported for `step` (its metrics), None when none were recorded; with the
+        newest `action=compare` run's figures for the step beside them (`compare/...`: run.drift)."""
         try:
-            return self.reader(ns).read_values(step)
+            recorded = self.reader(ns).read_values(step)
+            drift = self._drift(ns, step)
         except (CorruptStepError, SkipHarnessError, OSError, ValueError) as exc:
             logger.warning("%s: recorded values of step %d cannot be read: %s", ns.layout.root, step, exc)
             return None
+        return {**(recorded or {}), **drift} if drift else recorded
+
+    def _drift(self, ns: Namespace, step: int) -> Dict[str, float]:
+        """The newest `action=compare` run's `compare/...` figures for `step` (its run found once a few seconds)."""
+        store = ValuesStore(self.reader(ns).backend)
+        now = time.monotonic()
+        with self._lock:
+            found = self._compare_runs.get(ns.key)
+        if found is None or now - found[1] > COMPARE_RUN_TTL_S:
+            run = next((r for r in reversed(store.list_runs()[-COMPARE_RUNS_READ:])
+                        if (store.read_run(r) or {}).get("action") == "compare"), None)
+            with self._lock:
+                self._compare_runs[ns.key] = found = (run, now)
+        if found[0] is None:
+            return {}
+        kept = store.read_run_step(found[0], step)
+        return {} if kept is None else {k: v for k, v in kept.values.items() if k.startswith(COMPARE_PREFIX)}
 
     def diff(self, a: Namespace, b: Namespace,
              scans: Optional[Sequence[NamespaceReport]] = None) -> Dict[str, Any]:

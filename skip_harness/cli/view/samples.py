@@ -27,15 +27,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from skip_harness.cli.export_rows import _batch_length, _leaves
+from skip_harness.run.trajectories import MASK, PROMPT_IDS, RESPONSE_IDS, last_part  # noqa: F401 - shared with action=compare
 from skip_harness.cli.view.grpo import EPS64, by_group, dead_groups, eps_of, grpo_advantages, mark_rounded_advantages
 
-PROMPT_IDS = ("prompts", "prompt_ids", "prompt_input_ids", "prompt_tokens", "query_ids")
-RESPONSE_IDS = ("responses", "completion_ids", "response_ids", "response_tokens")
 PROMPT_TEXT = ("raw_prompt", "prompt", "prompt_text", "prompts_text", "question", "query")
 RESPONSE_TEXT = ("response_text", "completion", "completions", "completion_text", "response", "text")
 REWARD = ("rewards", "reward", "scores", "score", "token_level_rewards", "token_level_scores", "rm_scores")
 ADVANTAGE = ("advantages", "advantage")
-MASK = ("response_mask", "completion_mask", "loss_mask")
 ATTENTION_MASK = ("attention_mask",)
 GROUP = ("uid", "prompt_uid", "group", "group_id", "prompt_id")
 LENGTHS = ("lengths", "response_length", "response_lengths")
@@ -43,9 +41,7 @@ KEYS = ("keys",)           # verl's trajectory keys {uid}_{session}_{index}
 GROUP_SIZE_KEYS = ("num_generations", "actor_rollout_ref.rollout.n", "rollout.n", "n")
 
 
-def _last(name: str) -> str:
-    """The role part of a field's name: its last dotted part (a derived field's after the arrow)."""
-    return name.rsplit(".", 1)[-1].rsplit("→", 1)[-1]
+_last = last_part
 
 
 @dataclass(frozen=True)
