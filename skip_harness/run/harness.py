@@ -1,11 +1,9 @@
 """The object a trainer owns: `SkipHarness` caches the mini-batches its `sample` returns.
 
-It is a few named parts: :class:`~skip_harness.run.hooks.MethodHooks` wraps the trainer's methods
-(reversibly), :class:`~skip_harness.run.steps.StepRunner` decides and serves each step,
-:class:`~skip_harness.run.coordinator.CommitCoordinator` owns the writer thread and the commits, and
-:class:`~skip_harness.run.stats.RunStats` keeps the run's records. This module builds them, runs the
-startup (lock, scan, cleanup, fingerprint check, shared-filesystem check) and shuts them down.
-Construction only validates: nothing touches the disk before :meth:`SkipHarness.start`.
+Its parts: `run.hooks.MethodHooks` wraps the trainer's methods (reversibly), `run.steps.StepRunner` decides
+and serves each step, `run.coordinator.CommitCoordinator` owns the writer thread and the commits,
+`run.stats.RunStats` keeps the run's records. This module builds them, runs the startup (lock, scan,
+cleanup, fingerprint and shared-filesystem checks) and shuts them down; construction only validates.
 """
 from __future__ import annotations
 
