@@ -3,8 +3,7 @@
 Its parts: `run.hooks.MethodHooks` wraps the trainer's methods (reversibly), `run.steps.StepRunner` decides
 and serves each step, `run.coordinator.CommitCoordinator` owns the writer thread and the commits,
 `run.stats.RunStats` keeps the run's records. This module builds them, runs the startup (lock, scan,
-cleanup, fingerprint and shared-filesystem checks) and shuts them down; construction only validates.
-"""
+cleanup, fingerprint and shared-filesystem checks) and shuts them down; construction only validates."""
 from __future__ import annotations
 
 import dataclasses
