@@ -184,7 +184,7 @@ def test_sweep_the_training_side_example_runs_as_written_with_no_generation(tmp_
         assert f"served re-chunked from K=4 to K={K}" in out
         assert (f"replay: 3 of 3 served steps reproduced (2 values each); re-chunked from K=4 to K={K}: values "
                 "recorded at K=4; approx_kl, clip_frac, grad_norm, loss not compared (they depend on K); "
-                "response_len, reward_mean compared within rtol=0.0001") in out
+                "response_len, reward_mean compared within rounding noise (32 x float32 eps)") in out
     assert "diverged" not in out
     readme = " ".join(README.split())
     assert "`step 3: hit, K=2, loaded 19.1 KiB in 0.01s, served re-chunked from K=4 to K=2`" in readme

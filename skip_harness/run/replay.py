@@ -331,6 +331,8 @@ class ValuesTracker:
     def _compare_baseline(self, step: int, served: _Served, numbers: Dict[str, float], keys: List[str]) -> None:
         """At another K: the values that depend on K, compared with the earlier replay's at this K and W
         (same shape: replay_rtol / replay_atol, exact by default); not compared when none kept them."""
+        if not keys:
+            return
         if not self._baseline_looked:          # looked up once, at the first step compared (run_id known)
             self._baseline_looked = True
             self._baseline = find_baseline(self._source, self._K, self._W, self.run_id, self._created)
