@@ -347,7 +347,8 @@ class ValuesTracker:
             self._baseline_compared.add(key)
             if not self._tolerances.same(key, theirs[key], numbers[key]):
                 served.diverged = True
-                changes = tuple(config_changes(base.training_config, self.training_config or {}))
+                now = self.training_config
+                changes = () if now is None else tuple(config_changes(base.training_config, now))
                 self._diverged(Divergence(step, key, theirs[key], numbers[key], changes, self.training_config is not None,
                                           tolerance=self._tolerances.of_key(key).describe(),
                                           reference=f"; recorded by replay {base.run} at K={self._K}, W={self._W}"))
