@@ -12,7 +12,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -45,12 +45,18 @@ BATCH_SPLIT_KEYS = ("trainer.v1.trainer_mode", "trainer.v1.separate_async.parame
 # ones a replay at another K compares (the demo's, verl's and TRL's names; fnmatch, case-insensitive).
 ROLLOUT_VALUES = ("reward_mean", "response_len", "critic/score/*", "response_length/*", "prompt_length/*",
                   "reward", "rewards/*", "completions/mean_length", "completions/*_length")
-# The tolerance a replay at another K or W compares within (at least; replay_rtol when larger): the same
-# rows summed in another order or over another split of ranks agree to float rounding, not to the bit.
-REGROUPED_RTOL = 1e-4
 # `skip.rollout_tq.replay_weights`: the values naming the policy's parameters (`weights/{name}.{parameter}`, a
 # digest each, run.weights): compared exactly, and only by a replay at the recording's K and W.
 WEIGHTS_PREFIX = "weights/"
+
+
+@dataclass
+class KeyTolerance:
+    """One `skip.rollout_tq.replay_tolerances` entry: what the keys its pattern matches are compared within,
+    on any replay (`run.tolerance`)."""
+
+    rtol: float = 0.0
+    atol: float = 0.0
 
 
 @dataclass
@@ -90,6 +96,9 @@ class RolloutTQConfig:
     # Record a digest of each of the policy's parameters after each step's update (`weights/...` values,
     # docs/replay_check.md#weights), compared exactly on a replay at the same K and W. Off: none computed.
     replay_weights: bool = False
+    # Per-key tolerances: {key pattern (fnmatch, case-insensitive): {rtol, atol}}, the first match wins; a
+    # key one names is compared within exactly those, on any replay (docs/replay_check.md).
+    replay_tolerances: Dict[str, KeyTolerance] = field(default_factory=dict)
     # Serve from another recording of the same batch (a namespace path or URL, or `auto`), re-chunked to
     # this run's K and re-sharded to its ranks; read only. None: this run's own namespace.
     replay_from: Optional[str] = None
@@ -123,6 +132,7 @@ class RolloutTQConfig:
         for name in ("replay_rtol", "replay_atol"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{key}.{name}", f"must be >= 0, got {getattr(self, name)}")
+        self._check_tolerances()
         for name, enum in (
             ("action", Action), ("cleanup", Cleanup), ("on_mismatch", OnMismatch), ("compression", Compression),
             ("replay_check", ReplayCheck),
@@ -134,6 +144,28 @@ class RolloutTQConfig:
                 except ValueError:
                     choices = ", ".join(e.value for e in enum)
                     raise ConfigError(f"{key}.{name}", f"unknown value {value!r}; expected one of {choices}") from None
+
+    def _check_tolerances(self) -> None:
+        where = f"{ROLLOUT_TQ_KEY}.replay_tolerances"
+        if not isinstance(self.replay_tolerances, dict):
+            raise ConfigError(where, f"must be a mapping {{key pattern: {{rtol, atol}}}}, got {self.replay_tolerances!r}")
+        checked: Dict[str, KeyTolerance] = {}
+        for pattern, entry in self.replay_tolerances.items():
+            if not str(pattern).strip():
+                raise ConfigError(where, "an empty key pattern")
+            if isinstance(entry, dict):
+                unknown = [k for k in entry if k not in ("rtol", "atol")]
+                if unknown:
+                    raise ConfigError(f"{where}.{pattern}.{unknown[0]}", "unknown key; expected rtol or atol")
+                entry = KeyTolerance(**entry)
+            if not isinstance(entry, KeyTolerance):
+                raise ConfigError(f"{where}.{pattern}", f"must be a mapping {{rtol, atol}}, got {entry!r}")
+            for name in ("rtol", "atol"):
+                v = getattr(entry, name)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                    raise ConfigError(f"{where}.{pattern}.{name}", f"must be a number >= 0, got {v!r}")
+            checked[str(pattern)] = entry
+        self.replay_tolerances = checked
 
     def resolved_dump_dir(self) -> Union[Path, str]:
         """The cache root: the explicit key, else $SKIP_HARNESS_DUMP_DIR, else the user's cache dir. A

@@ -184,8 +184,11 @@ def test_sweep_the_training_side_example_runs_as_written_with_no_generation(tmp_
         assert f"served re-chunked from K=4 to K={K}" in out
         assert (f"replay: 3 of 3 served steps reproduced (2 values each); re-chunked from K=4 to K={K}: values "
                 "recorded at K=4; approx_kl, clip_frac, grad_norm, loss not compared (they depend on K); "
-                "response_len, reward_mean compared within rtol=0.0001") in out
-    assert "diverged" not in out
+                "response_len, reward_mean compared within rounding noise (32 x float32 eps)") in out
+    # the lr=1e-2 jobs are compared with the lr=3e-3 job's values at their K (the recording's training side)
+    diverged = [ln for ln in out.splitlines() if "rollout cache summary" in ln and "replay diverged" in ln]
+    assert len(diverged) == 3, out[-6000:]
+    assert all("training side changed: actor_rollout_ref.actor.optim.lr 0.003 -> 0.01" in ln for ln in diverged)
     readme = " ".join(README.split())
     assert "`step 3: hit, K=2, loaded 19.1 KiB in 0.01s, served re-chunked from K=4 to K=2`" in readme
     assert re.search(r"step 3: hit, K=2, loaded 19\.1 KiB in \d\.\d\ds, served re-chunked from K=4 to K=2", out)

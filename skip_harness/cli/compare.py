@@ -200,7 +200,7 @@ def _compare_values(a: Optional[Dict[str, float]], b: Optional[Dict[str, float]]
         return "unrecorded", None, {}, (sorted(set(a) - set(b)), sorted(set(b) - set(a)))
     for key in compared:
         x, y = a[key], b[key]
-        same = rule.same(x, y)
+        same = rule.same(key, x, y)
         d = 0.0 if same else (abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf)
         diffs[key] = d
         if not same and first is None:

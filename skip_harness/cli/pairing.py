@@ -4,7 +4,7 @@
   up under the cache root `ls` lists by default (`$SKIP_HARNESS_DUMP_DIR`, else the per-user cache).
 - **Values at another K or W**, as the replay check compares them (`run.replay`): at another K only the
   values that depend on the rollouts alone (`config.ROLLOUT_VALUES`), at another W every value, both within
-  at least `config.REGROUPED_RTOL`; at the same K and W, exactly. A replay's K and W are its `run.json`'s (a
+  rounding noise (`run.tolerance`, the replay check's one comparison); at the same K and W, exactly. A replay's K and W are its `run.json`'s (a
   `replay_from` run's values are kept in the recording it replayed, at its own K and W); the recording's
   are its namespace's.
 - **A replay's rollouts** are those it was served: the recording named by its `run.json`'s `replay_from`,
@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from skip_harness.cli._common import CliError
-from skip_harness.config import REGROUPED_RTOL, WEIGHTS_PREFIX
+from skip_harness.config import WEIGHTS_PREFIX
 from skip_harness.errors import SkipHarnessError
-from skip_harness.run.replay import depends_on_rollouts, values_agree
+from skip_harness.run.replay import depends_on_rollouts
+from skip_harness.run.tolerance import EPS32, NOISE_ULPS, NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import (StepStore, UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
                                     open_namespace)
 
@@ -65,14 +66,19 @@ class ValuesRule:
     """Which keys are compared, and within what, for two sides (the replay check's rule)."""
 
     compared: Callable[[str], bool]
-    rtol: float
+    tolerances: ToleranceModel
     regrouped: str            # '' at the same K and W, else what differs: `K=4 vs K=1`, `W=2 vs W=1`
 
-    def same(self, a: float, b: float) -> bool:
-        return values_agree(a, b, self.rtol, 0.0)
+    @property
+    def rtol(self) -> float:
+        """The relative part of the rounding noise allowed (of a float32 value) when regrouped, else 0."""
+        return NOISE_ULPS * EPS32 if self.tolerances.regrouped else 0.0
+
+    def same(self, key: str, a: float, b: float) -> bool:
+        return self.tolerances.same(key, a, b)
 
     def describe(self, left_out: List[str], compared: List[str]) -> str:
-        """`re-chunked K=4 vs K=1: loss not compared (they depend on K); reward_mean compared within rtol=0.0001`."""
+        """`re-chunked K=4 vs K=1: loss not compared (they depend on K); reward_mean compared within rounding noise (32 x eps)`."""
         if not self.regrouped:
             return ""
         parts = [self.regrouped]
@@ -83,7 +89,7 @@ class ValuesRule:
         if digests:
             parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with K and W)")
         if compared:
-            parts.append(f"{', '.join(compared)} compared within rtol={self.rtol:g}")
+            parts.append(f"{', '.join(compared)} compared {NOISE_WORDS}")
         return "; ".join(parts)
 
 
@@ -109,14 +115,14 @@ def values_rule(a: Side, b: Side, other_batch: str = "") -> ValuesRule:
     """How the two sides' values are compared: as the replay check compares a replay at another K or W with
     its recording; exactly when the two are different runs (`other_batch`) or at one K and W."""
     if other_batch:
-        return ValuesRule(lambda key: True, 0.0, "")
+        return ValuesRule(lambda key: True, ToleranceModel(), "")
     if a.K != b.K:
         how = f"re-chunked: K={a.K} (A) vs K={b.K} (B)" + (f", W={a.W} vs W={b.W}" if a.W != b.W else "")
-        return ValuesRule(depends_on_rollouts, REGROUPED_RTOL, how)
+        return ValuesRule(depends_on_rollouts, ToleranceModel(regrouped=True), how)
     if a.W != b.W:
-        return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), REGROUPED_RTOL,
+        return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), ToleranceModel(regrouped=True),
                           f"re-sharded: W={a.W} (A) vs W={b.W} (B)")
-    return ValuesRule(lambda key: True, 0.0, "")
+    return ValuesRule(lambda key: True, ToleranceModel(), "")
 
 
 def split_keys(keys: List[str], rule: ValuesRule) -> Tuple[List[str], List[str]]:

@@ -23,76 +23,21 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import math
 import os
 import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from skip_harness.config import REGROUPED_RTOL, ROLLOUT_VALUES, WEIGHTS_PREFIX, Action, ReplayCheck, RolloutTQConfig
+from skip_harness.config import ROLLOUT_VALUES, WEIGHTS_PREFIX, Action, ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
+from skip_harness.run.baseline import Baseline, find_baseline
+from skip_harness.run.divergence import Divergence, cfg_value
 from skip_harness.run.stats import HIT, MISS
+from skip_harness.run.tolerance import NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import config_changes, config_digest, numbers_of
 
 log = logging.getLogger("skip_harness")
-
-
-def _fmt(x: Optional[float]) -> str:
-    if x is None:
-        return "none"
-    return f"{x:.6g}"
-
-
-def _pair(a: float, b: float) -> Tuple[str, str]:
-    """Both numbers short, but never printed alike when they differ."""
-    sa, sb = _fmt(a), _fmt(b)
-    if sa == sb and a != b:
-        return repr(a), repr(b)
-    return sa, sb
-
-
-def _cfg_value(v: Any) -> str:
-    return "(absent)" if v is None else str(v)
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """The first value of a replay that differed from the recorded one."""
-
-    step: int
-    key: str
-    recorded: float
-    now: float
-    config_changes: Tuple[Tuple[str, Any, Any], ...] = ()
-    config_known: bool = True           # whether the recorded run's config was recorded too
-    rtol: float = 0.0
-    atol: float = 0.0
-
-    @property
-    def explained(self) -> bool:
-        """Whether the training-side config differs from the recorded run's (a change that may explain it)."""
-        return bool(self.config_changes)
-
-    def short(self) -> str:
-        if self.key.startswith(WEIGHTS_PREFIX):      # a parameter's digest (run.weights): an integer, in hex
-            return f"{self.key} digest {int(self.recorded):013x} recorded, {int(self.now):013x} now"
-        a, b = _pair(self.recorded, self.now)
-        return f"{self.key} {a} recorded, {b} now"
-
-    def describe(self) -> str:
-        tol = "exact" if not self.rtol and not self.atol else f"replay_rtol {self.rtol:g}, replay_atol {self.atol:g}"
-        line = f"replay diverged at step {self.step}: {self.short()} ({tol})"
-        if self.config_changes:
-            shown = "; ".join(f"{k}: {_cfg_value(a)} -> {_cfg_value(b)}" for k, a, b in self.config_changes[:8])
-            more = f" and {len(self.config_changes) - 8} more" if len(self.config_changes) > 8 else ""
-            return (f"{line}; the training-side config differs from the recorded run's: {shown}{more} "
-                    "(an intended change explains a divergence)")
-        if not self.config_known:
-            return (f"{line}; no training-side config was recorded with these values, so nothing says whether "
-                    "a config change explains it")
-        return (f"{line}; the training-side config is the recorded run's: nothing in it explains this (other "
-                "rollouts than recorded, a nondeterministic kernel, another library version?)")
 
 
 @dataclass(frozen=True)
@@ -140,7 +85,7 @@ class ReplayReport:
             line = (f"replay diverged at step {d.step} ({d.short()}); {self.reproduced_before} "
                     f"{_steps(self.reproduced_before)} reproduced before it")
             if d.config_changes:      # the training-side change the replay made (a sweep's line names it)
-                shown = ", ".join(f"{k} {_cfg_value(a)} -> {_cfg_value(b)}" for k, a, b in d.config_changes[:3])
+                shown = ", ".join(f"{k} {cfg_value(a)} -> {cfg_value(b)}" for k, a, b in d.config_changes[:3])
                 more = f" and {len(d.config_changes) - 3} more" if len(d.config_changes) > 3 else ""
                 line += f"; training side changed: {shown}{more}"
             return f"{line}; {self.regrouped}" if self.regrouped else line
@@ -163,24 +108,9 @@ def _steps(n: int) -> str:
     return "step" if n == 1 else "steps"
 
 
-def _same(recorded: float, now: float, rtol: float, atol: float) -> bool:
-    if recorded == now:
-        return True
-    if math.isnan(recorded) or math.isnan(now):
-        return math.isnan(recorded) and math.isnan(now)
-    if math.isinf(recorded) or math.isinf(now):
-        return False
-    return abs(now - recorded) <= atol + rtol * abs(recorded)
-
-
 def _rollout_value(key: str) -> bool:
     low = key.lower()
     return any(fnmatch.fnmatchcase(low, p) for p in ROLLOUT_VALUES)
-
-
-def values_agree(recorded: float, now: float, rtol: float, atol: float) -> bool:
-    """Whether a value reproduces, as the replay check decides it (`skip-harness diff` decides alike)."""
-    return _same(recorded, now, rtol, atol)
 
 
 def depends_on_rollouts(key: str) -> bool:
@@ -232,6 +162,12 @@ class ValuesTracker:
         self._keep_runs = True
         self._compared_rollout: Set[str] = set()
         self._weights_left_out = False                # weights/* served at another K or W (run.weights)
+        self._tolerances = ToleranceModel.of(settings)             # same shape: replay_rtol / replay_atol
+        self._regrouped_tol = self._tolerances.at(regrouped=True)   # another K or W: rounding noise too
+        self._baseline: Optional[Baseline] = None                  # at another K: an earlier replay at this K
+        self._baseline_compared: Set[str] = set()
+        self._baseline_looked = False
+        self._created = time.time()                 # a baseline replay started before this run
         # served steps the recording has no values for (its recorder ended first): filled in once this
         # reader took the hold (`holds`, set by the harness)
         self.holds: Callable[[], bool] = lambda: False
@@ -239,9 +175,10 @@ class ValuesTracker:
 
     def serve_from(self, source: Any, K: int, W: int, from_source: Callable[[int], bool], deferred: bool = False) -> None:
         """Steps for which `from_source(step)` are served from `source` (a `run.source.Source`, another K
-        or W): their recorded values live there. At another K only the values that depend on the rollouts
-        alone are compared (config.ROLLOUT_VALUES); at another W every value; both within at least
-        config.REGROUPED_RTOL. The run's own values are kept in the recording (under its run id); where it
+        or W): their recorded values live there. At another K the values that depend on the rollouts
+        alone are compared with the recording's (config.ROLLOUT_VALUES), the others with those of the
+        recording's first replay at this run's K and W and the recording's training side, if one kept them
+        (run.baseline); at another W every value; within rounding noise (run.tolerance). The run's own values are kept in the recording (under its run id); where it
         cannot be written, in this run's namespace -- not at all when that was not created (`deferred`)."""
         self._source, self._K, self._W, self._from_source = source, K, W, from_source
         # a replay_from run is a replay of the recording: its values are kept there, where `ls` counts them
@@ -387,25 +324,52 @@ class ValuesTracker:
             if not regrouped and self.is_main and numbers:
                 self._gaps[step] = {**self._gaps.get(step, {}), **numbers}
             return
-        rtol, atol = float(self.settings.replay_rtol), float(self.settings.replay_atol)
         keys = [k for k in numbers if k in recorded.values and not self._ignored(k)]   # as reported
-        if regrouped:
-            rtol = max(rtol, REGROUPED_RTOL)
-            # weight digests change legitimately at another K or W (the update sums in another order)
+        tolerances = self._regrouped_tol if regrouped else self._tolerances
+        later: List[str] = []
+        if regrouped:        # weight digests change legitimately at another K or W (the update sums in another order)
             self._weights_left_out |= any(k.startswith(WEIGHTS_PREFIX) for k in keys)
             keys = [k for k in keys if not k.startswith(WEIGHTS_PREFIX)]
-            if self._source.K != self._K:
-                self._not_compared.update(k for k in keys if not _rollout_value(k))
-                keys = [k for k in keys if _rollout_value(k)]
-                self._compared_rollout.update(keys)
+        if regrouped and self._source.K != self._K:
+            later = [k for k in keys if not _rollout_value(k)]
+            keys = [k for k in keys if _rollout_value(k)]
+            self._compared_rollout.update(keys)
         for key in keys:
             served.compared += 1
             exact = key.startswith(WEIGHTS_PREFIX)          # a digest: equal or not, never within a tolerance
-            tol = (0.0, 0.0) if exact else (rtol, atol)
-            if not _same(recorded.values[key], numbers[key], *tol):
+            if not (recorded.values[key] == numbers[key] if exact else
+                    tolerances.same(key, recorded.values[key], numbers[key])):
                 served.diverged = True
                 self._diverged(Divergence(step, key, recorded.values[key], numbers[key],
-                                          *self._changes(recorded.config, reader), rtol=tol[0], atol=tol[1]))
+                                          *self._changes(recorded.config, reader),
+                                          tolerance="exact" if exact else tolerances.of_key(key).describe()))
+                return
+        self._compare_baseline(step, served, numbers, later)
+
+    def _compare_baseline(self, step: int, served: _Served, numbers: Dict[str, float], keys: List[str]) -> None:
+        """At another K: the values that depend on K, compared with the earlier replay's at this K and W
+        (same shape: replay_rtol / replay_atol, exact by default); not compared when none kept them."""
+        if not keys:
+            return
+        if not self._baseline_looked:          # looked up once, at the first step compared (run_id known)
+            self._baseline_looked = True
+            self._baseline = find_baseline(self._source, self._K, self._W, self.run_id, self._created)
+        base = self._baseline
+        theirs = None if base is None else base.values(step)
+        if base is None or theirs is None:
+            self._not_compared.update(keys)
+            return
+        self._not_compared.update(k for k in keys if k not in theirs)
+        for key in (k for k in keys if k in theirs):
+            served.compared += 1
+            self._baseline_compared.add(key)
+            if not self._tolerances.same(key, theirs[key], numbers[key]):
+                served.diverged = True
+                now = self.training_config
+                changes = () if now is None else tuple(config_changes(base.training_config, now))
+                self._diverged(Divergence(step, key, theirs[key], numbers[key], changes, self.training_config is not None,
+                                          tolerance=self._tolerances.of_key(key).describe(),
+                                          reference=f"; recorded by replay {base.run} at K={self._K}, W={self._W}"))
                 return
 
     def _regrouped_note(self) -> str:
@@ -413,18 +377,21 @@ class ValuesTracker:
         src = self._source
         if src is None or not any(self._from_source(s) for s in self._served):
             return ""
-        rtol = max(float(self.settings.replay_rtol), REGROUPED_RTOL)
         parts: List[str] = []
         if src.K != self._K:
             parts.append(f"re-chunked from K={src.K} to K={self._K}: values recorded at K={src.K}")
-            if self._not_compared:
-                parts.append(f"{', '.join(sorted(self._not_compared))} not compared (they depend on K)")
+            if self._baseline_compared and self._baseline is not None:
+                parts.append(f"{', '.join(sorted(self._baseline_compared))} compared with replay "
+                             f"{self._baseline.run}'s at K={self._K}, W={self._W}")
+            if self._not_compared - self._baseline_compared:
+                parts.append(f"{', '.join(sorted(self._not_compared - self._baseline_compared))} not compared "
+                             "(they depend on K)")
             if self._compared_rollout:
-                parts.append(f"{', '.join(sorted(self._compared_rollout))} compared within rtol={rtol:g}")
+                parts.append(f"{', '.join(sorted(self._compared_rollout))} compared {NOISE_WORDS}")
         if src.W != self._W:
             parts.append(f"re-sharded from W={src.W} to W={self._W}")
             if src.K == self._K:
-                parts.append(f"compared within rtol={rtol:g}")
+                parts.append(f"compared {NOISE_WORDS}")
         if self._weights_left_out:
             parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with K and W)")
         return "; ".join(parts)
@@ -457,4 +424,4 @@ class ValuesTracker:
                             (min(counts), max(counts)), div, before, self._regrouped_note())
 
 
-__all__ = ["Divergence", "ReplayReport", "ValuesTracker", "depends_on_rollouts", "values_agree"]
+__all__ = ["Divergence", "ReplayReport", "ValuesTracker", "depends_on_rollouts"]

@@ -1,0 +1,86 @@
+"""A replay at another K: what its values that depend on K are compared with.
+
+A recording made at K = 4 holds the values of four updates a step; a replay at K = 1 makes one, on the same
+rows: its loss, KL and gradient norm are not the recording's, and no tolerance makes them so. What they can be
+compared with is an earlier replay of the same recording at the same K and W whose training side was the
+recording's (its config differs only in how the batch is split, `config.BATCH_SPLIT_KEYS`): it trained on the
+same rows, in the same order, at the same shape -- the same computation. Replays keep their values in the
+recording (`{recording}/.values/runs/{run_id}/`), so the first such replay is the reference of every later
+one: a change of the training side (a learning rate 1% off) is caught at its first step, naming the key.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from skip_harness.config import BATCH_SPLIT_KEYS
+from skip_harness.store.api import ValuesStore, config_changes
+
+log = logging.getLogger("skip_harness")
+
+
+@dataclass
+class Baseline:
+    """An earlier replay of the recording at this run's K and W, with the recording's training side."""
+
+    store: Any
+    run: str
+    training_config: Dict[str, Any]
+    _values: Dict[int, Optional[Dict[str, float]]] = field(default_factory=dict)
+
+    def values(self, step: int) -> Optional[Dict[str, float]]:
+        if step not in self._values:
+            found = self.store.read_run_step(self.run, step)
+            self._values[step] = None if found is None else dict(found.values)
+        return self._values[step]
+
+
+def _same_training_side(then: Dict[str, Any], now: Dict[str, Any]) -> bool:
+    """Whether two training-side configs differ only in how the batch is split (K, the mode)."""
+    split = {k.rsplit(".", 1)[-1] for k in BATCH_SPLIT_KEYS}
+    return all(key.rsplit(".", 1)[-1] in split for key, _, _ in config_changes(then, now))
+
+
+def find_baseline(source: Any, K: int, W: int, own_run: Optional[str], started_before: Optional[float] = None) -> Optional[Baseline]:
+    """The oldest replay kept in `source`'s recording at K and W, made with the recording's training side
+    (the config recorded with its values), started before this run; None when there is none."""
+    started_before = time.time() if started_before is None else started_before
+    store = ValuesStore(source.store.backend)
+    try:
+        runs = store.list_runs()
+    except Exception:  # noqa: BLE001 - an unreadable runs directory: no reference
+        return None
+    recorded: Optional[Dict[str, Any]] = None
+    looked = False
+    for run in runs:
+        if run == own_run:
+            continue
+        doc = store.read_run(run) or {}
+        cfg = doc.get("training_config")
+        if doc.get("K") != K or doc.get("W") != W or not isinstance(cfg, dict):
+            continue
+        if not isinstance(doc.get("started"), (int, float)) or doc["started"] >= started_before:
+            continue
+        if not looked:
+            looked, recorded = True, _recording_config(source)
+        if recorded is None:
+            return None
+        if _same_training_side(recorded, cfg):
+            log.debug("replay values at K=%d, W=%d compared with replay %s's", K, W, run)
+            return Baseline(store, run, cfg)
+    return None
+
+
+def _recording_config(source: Any) -> Optional[Dict[str, Any]]:
+    """The training-side config recorded with the recording's values (its first step that has one)."""
+    reader = source.store.reader
+    for step in sorted(source.servable):
+        rec = reader.read_step_values(step)
+        if rec is not None and rec.config:
+            return reader.read_training_config(rec.config)
+    return None
+
+
+__all__ = ["Baseline", "find_baseline"]
