@@ -8,6 +8,7 @@
     skip-harness export [DUMP_DIR] -o OUT [--format parquet|jsonl] [--namespace NS ...] [--steps 1,3,5-9]
     skip-harness import-verl VERL_DUMP_DIR [DUMP_DIR] --trust [--dry-run] [--json]
     skip-harness diff A B [--json]
+    skip-harness replay PACK [--bless] [--json] -- COMMAND [ARGS...]
     skip-harness view [DUMP_DIR | NAMESPACE ...] [--host 127.0.0.1] [--port N] [--tokenizer NAME_OR_PATH] [--open]
 
 Exit codes: 0 fine; 1 a corrupt step (verify, show, export), a failed removal (clean) or a verl step that
@@ -150,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b", metavar="B", help="the same kind of thing as A")
     df.add_argument("--json", action="store_true", help="print one JSON document")
 
+    rp = sub.add_parser("replay", help="run a trainer serving every step from a recording; exit 0 reproduced, "
+                        "1 diverged, 2 could not run or generated a step")
+    rp.add_argument("pack", metavar="PACK", help="a pack file (skip-harness pack) or a namespace directory")
+    rp.add_argument("--bless", action="store_true",
+                    help="accept the run's values as the recording's expected ones (with the change that made them)")
+    rp.add_argument("--json", action="store_true", help="print the verdict as one JSON document")
+    rp.add_argument("command_args", metavar="-- COMMAND [ARGS...]", nargs="*",
+                    help="the trainer to run (any built on skip_harness), after --")
+
     vw = sub.add_parser("view", help="a read-only web viewer of the cache (extra [view])")
     vw.add_argument("targets", metavar="DUMP_DIR | NAMESPACE", nargs="*",
                     help="cache roots, group directories or namespaces (local or s3://); default: where runs write")
@@ -223,6 +233,10 @@ def _run(args: argparse.Namespace) -> int:
         from skip_harness.cli.show import cmd_show
 
         return cmd_show(where_of(args.path, "PATH"), args.step, args.inner, args.rank, args.head, args.json)  # type: ignore[arg-type]
+    if args.command == "replay":
+        from skip_harness.cli.replay import cmd_replay
+
+        return cmd_replay(args.pack, args.command_args, args.bless, args.json)
     if args.command == "view":
         from skip_harness.cli.view import cmd_view
 
@@ -283,8 +297,19 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """The arguments; `replay`'s COMMAND is everything after its first `--`, whatever options it holds."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["replay"] and "--" in words:
+        cut = words.index("--")
+        args = build_parser().parse_args(words[:cut])
+        args.command_args = words[cut + 1:]
+        return args
+    return build_parser().parse_args(words)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     saved = _setup_logging()
     log = logging.getLogger("skip_harness.cli")
     try:

@@ -39,6 +39,7 @@ from skip_harness.run.startup import StartupResult
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
+from skip_harness.run.verdict import ReplayReportWriter
 
 _DEFAULT = object()
 
@@ -225,7 +226,8 @@ class SkipHarness:
         if self._check_world_size is not None:
             self._check_world_size(dist.world_size)
         layout = self._key.with_world_size(dist.world_size).layout(self.settings.resolved_dump_dir())
-        self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *self._user_callbacks])
+        report = ReplayReportWriter.from_env(self.settings, dist.is_main, lambda: self.run_id, lambda: self._training_config)
+        self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *report, *self._user_callbacks])
         # the recording (replay_from) is checked before anything is created; a replay's own namespace waits
         run, source = start_run(layout, self.settings, self._key.with_world_size(dist.world_size), self.fingerprint,
                                 dist)
@@ -352,8 +354,7 @@ class SkipHarness:
             self._runner.settle()
 
     def summary(self) -> RunSummary:
-        """The run's counts so far (this rank's records); `.replay_line` says whether the served steps
-        reproduced their recorded values."""
+        """The run's counts so far (this rank's records); `.replay_line`: did the served steps reproduce?"""
         summary = (self._runner.stats if self._runner is not None else RunStats()).summary()
         if self._values is not None:
             summary = dataclasses.replace(summary, replay=self._values.report())
@@ -395,6 +396,7 @@ class SkipHarness:
         outcome = self.outcome(step)
         if outcome == OFF:
             return
+        self.callbacks.on_values(step=step, outcome=outcome, values=values)
         self._values.observe(step, outcome, values)
 
     def set_training_config(self, config: Any) -> None:
@@ -434,8 +436,6 @@ class SkipHarness:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
 
 
 _NOT_TRAINING_SIDE = ("skip", "skip_harness", "hydra")
