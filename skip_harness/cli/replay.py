@@ -159,9 +159,12 @@ def judge(recording: Recording, args: List[str], returncode: int, reports: List[
         verdict.code, verdict.line = code, line
         return verdict
 
+    if not reports and returncode != 0:
+        return fail(EXIT_USAGE, f"{name} exited {returncode} before any skip_harness run reported a replay "
+                                "(its own output above says why)")
     if not reports:
-        return fail(EXIT_USAGE, f"{name} exited {returncode} and no skip_harness run reported a replay (is it a "
-                                "trainer built on skip_harness, with caching on: skip.rollout_tq.enable?)")
+        return fail(EXIT_USAGE, f"{name} ran, but no skip_harness run reported a replay (is it a trainer built on "
+                                "skip_harness, with caching on: skip.rollout_tq.enable?)")
     for doc in reports:
         if not _same_place(doc.get("replay_from"), recording.path):
             return fail(EXIT_USAGE, f"the run replayed from skip.rollout_tq.replay_from={doc.get('replay_from')}, not "
