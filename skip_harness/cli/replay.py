@@ -83,11 +83,10 @@ def recording_at(text: Union[str, os.PathLike]) -> Recording:
 
 
 def _is_pack(path: Path) -> bool:
-    try:
-        from skip_harness.store.api import is_pack  # type: ignore[attr-defined]  # packs: store.pack
-    except ImportError:
-        return False
-    return bool(is_pack(path))
+    import skip_harness.store.api as store_api
+
+    is_pack = getattr(store_api, "is_pack", None)    # packs (store.pack): absent from a build without them
+    return is_pack is not None and bool(is_pack(path))
 
 
 def command_of(command: Union[str, Sequence[str]]) -> List[str]:
