@@ -271,7 +271,7 @@ def load_regrouped(source: Source, step: int, K: int, W: int, rank: int) -> Load
                 "gen_s": sum(float(metas[j].get("gen_s", 0.0) or 0.0) * share[j] for j in js),
                 "bytes": int(sum(int(metas[j].get("bytes", 0) or 0) * share[j] for j in js)),
             }
-            if len(js) == 1 and share[js[0]] == 1:   # one recorded mini-batch whole: its RNG state and inputs too
+            if (source.K, source.W) == (K, W):   # the recorded call itself: its RNG state and inputs too
                 meta.update({k: metas[js[0]][k] for k in ("rng", "call_digest") if k in metas[js[0]]})
             out_metas.append(meta)
     except (CorruptStepError, CodecError, OSError, ValueError) as exc:
