@@ -23,6 +23,10 @@ from skip_harness.store.layout import NamespaceKey
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 DUMP_DIR_ENV = "SKIP_HARNESS_DUMP_DIR"
+# `skip-harness replay PACK -- COMMAND` sets these for the run it starts (docs/cli.md#replay): they replace
+# the defaults of `skip.rollout_tq.replay_from` (null) and `replay_check` (warn); a value set otherwise wins.
+REPLAY_FROM_ENV = "SKIP_HARNESS_REPLAY_FROM"
+REPLAY_CHECK_ENV = "SKIP_HARNESS_REPLAY_CHECK"
 ROLLOUT_TQ_KEY = "skip.rollout_tq"
 
 
@@ -258,8 +262,31 @@ def check_known_keys(schema: type, cfg: Any, prefix: str = "") -> None:
 
 
 def settings_from(obj: Any) -> RolloutTQConfig:
-    """`skip.rollout_tq` settings from a plain dict, an OmegaConf node, a RolloutTQConfig or None."""
-    return _to_object(RolloutTQConfig, obj, prefix=ROLLOUT_TQ_KEY)
+    """`skip.rollout_tq` settings from a plain dict, an OmegaConf node, a RolloutTQConfig or None, with
+    $SKIP_HARNESS_REPLAY_FROM and $SKIP_HARNESS_REPLAY_CHECK in place of their keys' defaults."""
+    return with_replay_env(_to_object(RolloutTQConfig, obj, prefix=ROLLOUT_TQ_KEY))
+
+
+def with_replay_env(settings: RolloutTQConfig) -> RolloutTQConfig:
+    """`settings` with the environment `skip-harness replay` sets for its run: $SKIP_HARNESS_REPLAY_FROM
+    where `replay_from` is null, $SKIP_HARNESS_REPLAY_CHECK where `replay_check` is its default (`warn`).
+    A value the config sets otherwise wins, as an explicit `dump_dir` wins over $SKIP_HARNESS_DUMP_DIR
+    (the replay's verdict then says the run did not replay as asked). A bad value is a ConfigError
+    naming the variable."""
+    changes: dict = {}
+    text = os.environ.get(REPLAY_FROM_ENV, "").strip()
+    if text and settings.replay_from is None:
+        changes["replay_from"] = text
+    check = os.environ.get(REPLAY_CHECK_ENV, "").strip()
+    if check and settings.replay_check == RolloutTQConfig.replay_check:
+        changes["replay_check"] = check
+    if not changes:
+        return settings
+    try:
+        return dataclasses.replace(settings, **changes)
+    except ConfigError as exc:
+        name = REPLAY_FROM_ENV if exc.key.endswith(".replay_from") else REPLAY_CHECK_ENV
+        raise ConfigError(f"${name}", str(exc)[len(exc.key) + 2:]) from None
 
 
 def rollout_tq_from(cfg: Any) -> RolloutTQConfig:

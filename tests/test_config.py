@@ -188,3 +188,25 @@ def test_a_cache_whose_fingerprint_held_more_keys_still_matches_when_the_values_
     # a key this run records that the cache lacks is a difference (the cache cannot show it agreed)
     fewer = Fingerprint.from_values({k: v for k, v in now.values.items() if k != "seed"})
     assert not now.matches(fewer) and "seed: cache has no value for it" in now.describe_difference(fewer)
+
+
+def test_the_replay_environment_replaces_the_defaults_and_a_set_key_wins(monkeypatch, tmp_path):
+    """`skip-harness replay` sets $SKIP_HARNESS_REPLAY_FROM / _CHECK for its run: every trainer's settings
+    (settings_from: the demo, TRL, a plain dict, verl's plug-in) take them where the keys keep their defaults."""
+    from skip_harness.config import settings_from
+
+    monkeypatch.setenv("SKIP_HARNESS_REPLAY_FROM", str(tmp_path))
+    monkeypatch.setenv("SKIP_HARNESS_REPLAY_CHECK", "error")
+    for given in (None, {}, OmegaConf.create({"enable": True}), RolloutTQConfig()):
+        s = settings_from(given)
+        assert (s.replay_from, s.replay_check.value) == (str(tmp_path), "error")
+    s = settings_from({"replay_from": "/elsewhere", "replay_check": "off"})
+    assert (s.replay_from, s.replay_check.value) == ("/elsewhere", "off")
+    assert settings_from(demo().skip.rollout_tq).replay_check.value == "error"
+    monkeypatch.setenv("SKIP_HARNESS_REPLAY_CHECK", "loud")
+    with pytest.raises(ConfigError, match=r"^\$SKIP_HARNESS_REPLAY_CHECK: unknown value 'loud'"):
+        settings_from({})
+    monkeypatch.setenv("SKIP_HARNESS_REPLAY_CHECK", "warn")
+    monkeypatch.setenv("SKIP_HARNESS_REPLAY_FROM", "s3:/bucket")
+    with pytest.raises(ConfigError, match=r"^\$SKIP_HARNESS_REPLAY_FROM: "):
+        settings_from({})

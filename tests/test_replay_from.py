@@ -183,3 +183,34 @@ def test_merged_gives_the_steps_rows_as_this_run_was_served_them(tmp_path):
         assert harness.merged(1)["ids"].tolist() == rows_of(1, 0, 16)
     finally:
         harness.close()
+
+
+def test_a_recorded_mini_batch_served_whole_restores_its_rng_state(tmp_path):
+    """restore_rng (on for TRL): a step served from another recording at the same split restores the global
+    RNG state recorded after its generation, as a plain replay does, so what the trainer draws next is the
+    recorded run's (without it a TRL replay through `skip-harness replay` diverged at its last step)."""
+    import torch
+
+    def draws(dump: Path, replay_from=None) -> tuple:
+        settings = {"enable": True, "dump_dir": str(dump), "restore_rng": True}
+        if replay_from is not None:
+            settings["replay_from"] = replay_from
+        harness = SkipHarness.create(settings, namespace={**NS, "K": 1}, fingerprint={"seed": 0})
+        trainer = reshard_rig.Trainer(1, 1, 0)
+        harness.wrap(trainer)
+        torch.manual_seed(0)
+        out = []
+        for step in (1, 2):
+            trainer.prepare_data(step)
+            if harness.outcome(step) != "hit":
+                torch.rand(3)                    # what generating draws: a hit skips it
+            trainer.sample(step)
+            out.append((str(harness.outcome(step)), torch.rand(1).item()))
+        harness.close()
+        return tuple(out)
+
+    recorded = draws(tmp_path / "rec")
+    (ns,) = (tmp_path / "rec").glob("*/GBS*")
+    replayed = draws(tmp_path / "other", replay_from=str(ns))
+    assert [o for o, _ in replayed] == ["hit", "hit"]
+    assert [x for _, x in replayed] == [x for _, x in recorded]

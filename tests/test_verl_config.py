@@ -52,6 +52,11 @@ def test_settings_k_namespace_and_fingerprint_come_from_verls_keys(tmp_path):
     assert 7 not in skip.steps and 3 in skip.steps                        # verl's list keeps its meaning
 
 
+def test_the_plugin_takes_the_replay_check_skip_harness_replay_sets(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIP_HARNESS_REPLAY_CHECK", "error")
+    assert init(rig.compose(str(tmp_path))).plan.settings.replay_check.value == "error"
+
+
 def test_colocate_async_is_k1_and_all_steps_caches_every_step(tmp_path):
     cfg = rig.compose(str(tmp_path), extra=["trainer.v1.trainer_mode=colocate_async", "+skip_harness.all_steps=true"])
     skip = init(cfg)

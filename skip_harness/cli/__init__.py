@@ -10,6 +10,7 @@
     skip-harness diff A B [--json]
     skip-harness pack NAMESPACE [--steps A-B] -o FILE [--json]
     skip-harness unpack FILE DUMP_DIR [--json]
+    skip-harness replay PACK [--bless] [--json] -- COMMAND [ARGS...]
     skip-harness view [DUMP_DIR | NAMESPACE ...] [--host 127.0.0.1] [--port N] [--tokenizer NAME_OR_PATH] [--open]
 
 Exit codes: 0 fine; 1 a corrupt step (verify, show, export), a failed removal (clean) or a verl step that
@@ -162,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("pack", metavar="FILE", help="a pack file")
     up.add_argument("target", metavar="DUMP_DIR", help="the cache root to restore it under")
     up.add_argument("--json", action="store_true", help="print one JSON document")
+    rp = sub.add_parser("replay", help="run a trainer serving every step from a recording; exit 0 reproduced, "
+                        "1 diverged, 2 could not run or generated a step")
+    rp.add_argument("pack", metavar="PACK", help="a pack file (skip-harness pack) or a namespace directory")
+    rp.add_argument("--bless", action="store_true",
+                    help="accept the run's values as the recording's expected ones (with the change that made them)")
+    rp.add_argument("--json", action="store_true", help="print the verdict as one JSON document")
+    rp.add_argument("command_args", metavar="-- COMMAND [ARGS...]", nargs="*",
+                    help="the trainer to run (any built on skip_harness), after --")
 
     vw = sub.add_parser("view", help="a read-only web viewer of the cache (extra [view])")
     vw.add_argument("targets", metavar="DUMP_DIR | NAMESPACE", nargs="*",
@@ -244,6 +253,10 @@ def _run(args: argparse.Namespace) -> int:
         from skip_harness.cli.pack import cmd_unpack
 
         return cmd_unpack(Path(args.pack), Path(args.target), args.json)
+    if args.command == "replay":
+        from skip_harness.cli.replay import cmd_replay
+
+        return cmd_replay(args.pack, args.command_args, args.bless, args.json)
     if args.command == "view":
         from skip_harness.cli.view import cmd_view
 
@@ -304,8 +317,19 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """The arguments; `replay`'s COMMAND is everything after its first `--`, whatever options it holds."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["replay"] and "--" in words:
+        cut = words.index("--")
+        args = build_parser().parse_args(words[:cut])
+        args.command_args = words[cut + 1:]
+        return args
+    return build_parser().parse_args(words)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     saved = _setup_logging()
     log = logging.getLogger("skip_harness.cli")
     try:

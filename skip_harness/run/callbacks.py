@@ -42,6 +42,10 @@ class HarnessCallback:
     def on_fault(self, *, path: str, reason: str, **kwargs: Any) -> None:
         """A fault was handled (failed write, failed verification, short step...)."""
 
+    def on_values(self, *, step: int, outcome: str, values: Any, **kwargs: Any) -> None:
+        """The trainer reported what `step` produced (``SkipHarness.observe``; ``values`` as given, numbers or
+        not; ``outcome``: hit, miss or repeat), before the replay check compares them."""
+
     def on_replay_divergence(self, *, step: int, key: str, recorded: float, now: float, **kwargs: Any) -> None:
         """A served step's reported value differed from the recorded one: the replay's first divergence
         (``divergence`` is a :class:`skip_harness.run.replay.Divergence`; ``config_changes`` the
@@ -94,6 +98,9 @@ class CallbackDispatcher(HarnessCallback):
 
     def on_fault(self, **kwargs: Any) -> None:
         self._notify("on_fault", **kwargs)
+
+    def on_values(self, **kwargs: Any) -> None:
+        self._notify("on_values", **kwargs)
 
     def on_replay_divergence(self, **kwargs: Any) -> None:
         self._notify("on_replay_divergence", **kwargs)

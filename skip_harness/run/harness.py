@@ -38,6 +38,7 @@ from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
 from skip_harness.run.training import training_side
 from skip_harness.run.weights import weight_digests
+from skip_harness.run.verdict import ReplayReportWriter
 
 _DEFAULT = object()
 
@@ -224,7 +225,8 @@ class SkipHarness:
         if self._check_world_size is not None:
             self._check_world_size(dist.world_size)
         layout = self._key.with_world_size(dist.world_size).layout(self.settings.resolved_dump_dir())
-        self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *self._user_callbacks])
+        report = ReplayReportWriter.from_env(self.settings, dist.is_main, lambda: self.run_id, lambda: self._training_config)
+        self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *report, *self._user_callbacks])
         # the recording (replay_from) is checked before anything is created; a replay's own namespace waits
         run, source = start_run(layout, self.settings, self._key.with_world_size(dist.world_size), self.fingerprint,
                                 dist)
@@ -353,8 +355,7 @@ class SkipHarness:
             self._runner.settle()
 
     def summary(self) -> RunSummary:
-        """The run's counts so far (this rank's records); `.replay_line` says whether the served steps
-        reproduced their recorded values."""
+        """The run's counts so far (this rank's records); `.replay_line`: did the served steps reproduce?"""
         summary = (self._runner.stats if self._runner is not None else RunStats()).summary()
         if self._values is not None:
             summary = dataclasses.replace(summary, replay=self._values.report())
@@ -397,6 +398,7 @@ class SkipHarness:
         outcome = self.outcome(step)
         if outcome == OFF:
             return
+        self.callbacks.on_values(step=step, outcome=outcome, values=values)
         self._values.observe(step, outcome, values)
 
     def weight_values(self, model: Any, *, name: str = "policy") -> Dict[str, int]:

@@ -275,10 +275,13 @@ def load_regrouped(source: Source, step: int, K: int, W: int, rank: int) -> Load
             js = list(range(first, last + 1))
             batches.append(codec.take([pieces[j] for j in js], [rows] * len(js), start - first * rows, stop - first * rows))
             share = {j: (min(stop, (j + 1) * rows) - max(start, j * rows)) / rows for j in js}
-            out_metas.append({
+            meta = {
                 "gen_s": sum(float(metas[j].get("gen_s", 0.0) or 0.0) * share[j] for j in js),
                 "bytes": int(sum(int(metas[j].get("bytes", 0) or 0) * share[j] for j in js)),
-            })
+            }
+            if (source.K, source.W) == (K, W):   # the recorded call itself: its RNG state and inputs too
+                meta.update({k: metas[js[0]][k] for k in ("rng", "call_digest") if k in metas[js[0]]})
+            out_metas.append(meta)
     except (CorruptStepError, CodecError, OSError, ValueError) as exc:
         return Loaded(step, seconds=time.perf_counter() - t0, reason=str(exc))
     except SkipHarnessError as exc:      # an object store out of reach: a miss, the step is not blamed

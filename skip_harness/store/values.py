@@ -7,6 +7,7 @@ and simply unchecked, and caches written before values existed load as they did:
     {namespace}/.values/config-{digest}.json the training-side config they were recorded under (flattened)
     {namespace}/.values/runs/{run_id}/{step}.json  what one replay reported for the step (never the recording's)
     {namespace}/.values/runs/{run_id}/run.json     that run: when, where, its training-side config's digest
+    {namespace}/.values/blessed.json         when and why the recorded values were replaced (`skip-harness replay --bless`)
 
 The recording's values (`{step}.json`) are what a replay is checked against; a replay's own values go
 under its run id (`new_run_id`: UTC time, host and pid), so replays of one recording never overwrite it
@@ -43,6 +44,7 @@ _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 RUNS_DIR = f"{VALUES_DIR}/runs"
+BLESSED = f"{VALUES_DIR}/blessed.json"
 RUN_DOC = "run.json"
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -321,6 +323,21 @@ class ValuesStore:
         config = doc.get("config") if isinstance(doc.get("config"), str) else None
         recorded = doc.get("recorded") if isinstance(doc.get("recorded"), (int, float)) else 0.0
         return StepValues(int(step), values, created, config, float(recorded))
+
+    def add_blessing(self, doc: Mapping[str, Any]) -> None:
+        """Append one blessing (when, why: the training-side change, which steps) to the namespace's list."""
+        body = {"format": VALUES_FORMAT, "blessings": [*self.read_blessings(), dict(doc)]}
+        self.backend.write_small(BLESSED, (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+    def read_blessings(self) -> List[Dict[str, Any]]:
+        """Every blessing of the recorded values, oldest first; [] when none or unreadable."""
+        try:
+            data = self.backend.read_small(BLESSED)
+            doc = json.loads(data) if data is not None else None
+        except Exception:  # noqa: BLE001
+            return []
+        found = doc.get("blessings") if isinstance(doc, dict) else None
+        return [b for b in found if isinstance(b, dict)] if isinstance(found, list) else []
 
     def write_config(self, digest: str, flat: Mapping[str, Any]) -> None:
         """Store a flattened training-side config under its digest (once: it never changes)."""
