@@ -37,8 +37,8 @@ from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, Ru
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
 from skip_harness.run.training import training_side
-from skip_harness.run.weights import weight_digests
 from skip_harness.run.verdict import ReplayReportWriter
+from skip_harness.run.weights import weight_digests
 
 _DEFAULT = object()
 
@@ -228,8 +228,7 @@ class SkipHarness:
         report = ReplayReportWriter.from_env(self.settings, dist.is_main, lambda: self.run_id, lambda: self._training_config)
         self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *report, *self._user_callbacks])
         # the recording (replay_from) is checked before anything is created; a replay's own namespace waits
-        run, source = start_run(layout, self.settings, self._key.with_world_size(dist.world_size), self.fingerprint,
-                                dist)
+        run, source = start_run(layout, self.settings, self._key.with_world_size(dist.world_size), self.fingerprint, dist)
         self._startup = run.startup
         self._build(dist, layout, run.namespace, run.servable, run.read_only, run.shared_with, source, run.deferred)
         self._started = True
@@ -309,8 +308,7 @@ class SkipHarness:
     # ----------------------------------------------------------------- queries
     @property
     def run_id(self) -> Optional[str]:
-        """This run's id (rank 0, once started): a replay's values are kept under it
-        (`{namespace}/.values/runs/{run_id}/`, `skip-harness diff NS@RUN_ID`)."""
+        """This run's id (rank 0, once started): its values are kept under `.values/runs/{run_id}/`."""
         return None if self._values is None else self._values.run_id
 
     def outcome(self, step: int) -> Outcome:
@@ -408,8 +406,8 @@ class SkipHarness:
             return {}
         return weight_digests(model, name=name, gather=self._runner.dist.gather)
 
-    def observe_weights(self, step: int, model: Any, *, name: str = "policy") -> None:
-        """`observe(step, **weight_values(model))` for a step the harness decided: call it after the update."""
+    def observe_weights(self, step: int, model: Any, *, name: str = "policy") -> None:  # after the update
+        """`observe(step, **weight_values(model))` for a step the harness decided."""
         self.observe(step, **(self.weight_values(model, name=name) if self.outcome(step) != OFF else {}))
 
     def set_training_config(self, config: Any) -> None:
