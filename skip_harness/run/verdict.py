@@ -11,7 +11,7 @@ demo, TRL, verl's plug-in, a plain loop), and the command reads them all for its
                                                         whose inputs differed (regenerated)
      "replay": {"served": 3, "checked": 3, "reproduced": 3, "unchecked": 0, "line": "replay: ..."},
      "divergence": null | {"step", "key", "recorded", "now", "config_changes": [[key, recorded, now]],
-                           "config_known", "rtol", "atol", "line"},
+                           "config_known", "tolerance", "line"},
      "values": {"1": {"loss": ...}},       the numbers the trainer reported per step (what --bless keeps)
      "training_config": {...} | null}      its training-side config, flattened
 
@@ -41,10 +41,10 @@ def _json_number(x: float) -> Any:
 
 
 def divergence_doc(d: Any) -> Dict[str, Any]:
-    """A :class:`~skip_harness.run.replay.Divergence` as the report holds it."""
+    """A :class:`~skip_harness.run.divergence.Divergence` as the report holds it."""
     return {"step": d.step, "key": d.key, "recorded": _json_number(d.recorded), "now": _json_number(d.now),
             "config_changes": [[k, a, b] for k, a, b in d.config_changes], "config_known": d.config_known,
-            "rtol": d.rtol, "atol": d.atol, "line": d.describe()}
+            "tolerance": d.tolerance, "line": d.describe()}
 
 
 class ReplayReportWriter(HarnessCallback):
