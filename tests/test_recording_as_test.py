@@ -1,0 +1,68 @@
+"""A recording kept as a test (issue 39), end to end with a pack file:
+
+- tests/data/demo_tiny.pack is a pack of the demo (3 steps of the tests' tiny config), made once with
+  `skip-harness pack` on another machine and committed: the demo's training side is guarded by replaying it
+  through the pytest fixture `skip_harness_replay` (the plugin the package installs, entry point `pytest11`),
+  on whatever machine and clone the suite runs -- the pack is portable or this fails;
+- `skip-harness replay` on a copy of that pack: reproduced (exit 0), the learning rate x 1.01 caught at its
+  first diverging step naming the key and the change (exit 1), `--bless` (exit 0, the pack says when and why
+  it was blessed), then the changed run passes and the unchanged one is the divergence.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skip_harness.demo import TINY_OVERRIDES
+
+ROOT = Path(__file__).resolve().parents[1]
+PACK = ROOT / "tests" / "data" / "demo_tiny.pack"
+STEPS = 3
+
+
+def demo(tmp_path: Path, *extra: str) -> list:
+    """The demo as recorded into the pack, its run directory in tmp_path (never under the clone)."""
+    return [sys.executable, str(ROOT / "scripts" / "train.py"), *TINY_OVERRIDES, f"trainer.total_training_steps={STEPS}",
+            f"hydra.run.dir={tmp_path / 'run'}", *extra]
+
+
+@pytest.mark.slow
+def test_the_committed_pack_guards_the_demos_training_side(skip_harness_replay, tmp_path):
+    verdict = skip_harness_replay(PACK, demo(tmp_path), cwd=tmp_path)
+    assert verdict.code == 0 and f"{STEPS} of {STEPS} served steps reproduced" in verdict.line, verdict.line
+
+
+def skip_harness(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skip_harness.cli", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_replay_a_pack_pass_fail_bless_pass(tmp_path):
+    pack = tmp_path / "mine.pack"
+    shutil.copyfile(PACK, pack)
+    ok = skip_harness(tmp_path, "replay", str(pack), "--", *demo(tmp_path))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"replay: {STEPS} of {STEPS} served steps reproduced" in ok.stdout
+
+    lr = "actor_rollout_ref.actor.optim.lr=0.00303"          # the recorded 0.003, x 1.01
+    caught = skip_harness(tmp_path, "replay", str(pack), "--", *demo(tmp_path, lr))
+    assert caught.returncode == 1, caught.stdout + caught.stderr
+    assert "replay diverged at step 2 (loss" in caught.stdout, caught.stdout
+    assert "training side changed: actor_rollout_ref.actor.optim.lr 0.003 -> 0.00303" in caught.stdout
+
+    blessed = skip_harness(tmp_path, "replay", str(pack), "--bless", "--", *demo(tmp_path, lr))
+    assert blessed.returncode == 0, blessed.stdout + blessed.stderr
+    assert "blessed:" in blessed.stdout and "actor_rollout_ref.actor.optim.lr 0.003 -> 0.00303" in blessed.stdout
+    listed = skip_harness(tmp_path, "ls", str(pack))
+    assert listed.returncode == 0 and "blessed" in listed.stdout and "never blessed" not in listed.stdout, listed.stdout
+
+    now_ok = skip_harness(tmp_path, "replay", str(pack), "--", *demo(tmp_path, lr))
+    assert now_ok.returncode == 0, now_ok.stdout + now_ok.stderr
+    old = skip_harness(tmp_path, "replay", str(pack), "--", *demo(tmp_path))
+    assert old.returncode == 1 and "actor_rollout_ref.actor.optim.lr 0.00303 -> 0.003" in old.stdout, old.stdout
+    assert PACK.read_bytes() != pack.read_bytes()                # the copy was blessed, never the committed pack
