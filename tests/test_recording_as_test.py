@@ -5,7 +5,8 @@
   through the pytest fixture `skip_harness_replay` (the plugin the package installs, entry point `pytest11`),
   on whatever machine and clone the suite runs -- the pack is portable or this fails;
 - `skip-harness replay` on a copy of that pack: reproduced (exit 0), the learning rate x 1.01 caught at its
-  first diverging step naming the key and the change (exit 1), `--bless` (exit 0, the pack says when and why
+  first diverging step naming the key and the change, compared exactly (the pack is of this run's K and W)
+  (exit 1), `--bless` (exit 0, the pack says when and why
   it was blessed), then the changed run passes and the unchanged one is the divergence.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_replay_a_pack_pass_fail_bless_pass(tmp_path):
     lr = "actor_rollout_ref.actor.optim.lr=0.00303"          # the recorded 0.003, x 1.01
     caught = skip_harness(tmp_path, "replay", str(pack), "--", *demo(tmp_path, lr))
     assert caught.returncode == 1, caught.stdout + caught.stderr
-    assert "replay diverged at step 2 (loss" in caught.stdout, caught.stdout
+    assert "replay diverged at step 2: loss 0.0358026 recorded, 0.0357533 now (exact)" in caught.stdout, caught.stdout
     assert "training side changed: actor_rollout_ref.actor.optim.lr 0.003 -> 0.00303" in caught.stdout
 
     blessed = skip_harness(tmp_path, "replay", str(pack), "--bless", "--", *demo(tmp_path, lr))

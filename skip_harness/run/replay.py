@@ -317,11 +317,13 @@ class ValuesTracker:
         served = self._served.setdefault(step, _Served())
         if self.divergence is not None:
             return                         # past the first divergence nothing is compared
-        regrouped = self._source is not None and self._from_source(step)
-        reader = self._source.store.reader if regrouped else self.reader
+        from_source = self._source is not None and self._from_source(step)
+        # at another K or W (not a recording, or a pack, of this run's shape): rounding noise is no divergence
+        regrouped = from_source and (self._source.K != self._K or self._source.W != self._W)
+        reader = self._source.store.reader if from_source else self.reader
         recorded = reader.read_step_values(step)
         if recorded is None:
-            if not regrouped and self.is_main and numbers:
+            if not from_source and self.is_main and numbers:
                 self._gaps[step] = {**self._gaps.get(step, {}), **numbers}
             return
         keys = [k for k in numbers if k in recorded.values and not self._ignored(k)]   # as reported
