@@ -242,7 +242,7 @@ def test_replay_from_is_refused_before_the_disk_in_process(tmp_path, monkeypatch
 def refusal_tail(says: str) -> str:
     """What follows the reason in the callback's line."""
     if "does not exist" in says:
-        return (" (set a recording's namespace, {dump_dir}/{experiment}_{project}/GBS.._N.._in.._out..[_K.._W..], "
+        return (" (set a recording's namespace or pack file, {dump_dir}/{experiment}_{project}/GBS.._N.._in.._out..[_K.._W..], "
                 "or `auto`) (nothing was created: no run directory, nothing in the cache)")
     return " (nothing was created: no run directory, nothing in the cache)"
 

@@ -65,9 +65,9 @@ def bless_recording(verdict: Any) -> Any:
     reason = reason_of(divergence)
     training_config = doc.get("training_config")
     if verdict.recording.kind == "pack":
-        import skip_harness.store.api as store_api
+        from skip_harness.store.api import bless_pack
 
-        store_api.bless_pack(verdict.recording.path, values, training_config, reason)  # type: ignore[attr-defined]
+        bless_pack(verdict.recording.path, values, training_config, reason)
     else:
         missing = bless_namespace(verdict.recording.path, values, training_config, reason, str(doc.get("run_id")))
         if missing:

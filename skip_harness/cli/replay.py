@@ -83,10 +83,9 @@ def recording_at(text: Union[str, os.PathLike]) -> Recording:
 
 
 def _is_pack(path: Path) -> bool:
-    import skip_harness.store.api as store_api
+    from skip_harness.store.api import is_pack
 
-    is_pack = getattr(store_api, "is_pack", None)    # packs (store.pack): absent from a build without them
-    return is_pack is not None and bool(is_pack(path))
+    return bool(is_pack(path))
 
 
 def command_of(command: Union[str, Sequence[str]]) -> List[str]:
