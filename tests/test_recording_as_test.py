@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,46 @@ def test_replay_a_pack_pass_fail_bless_pass(tmp_path):
     old = skip_harness(tmp_path, "replay", str(pack), "--", *demo(tmp_path))
     assert old.returncode == 1 and "actor_rollout_ref.actor.optim.lr 0.00303 -> 0.003" in old.stdout, old.stdout
     assert PACK.read_bytes() != pack.read_bytes()                # the copy was blessed, never the committed pack
+
+
+TRAINER_THAT_DIES = '''
+import os, sys, torch
+from skip_harness import SkipHarness
+from skip_harness.errors import ReplayDivergedError
+
+class Loop:
+    def generate(self, step):
+        g = torch.Generator().manual_seed(step)
+        return {"ids": torch.randint(0, 100, (4, 8), generator=g)}
+
+loop = Loop()
+h = SkipHarness.create({"enable": True}, namespace={"experiment_name": "dies", "project_name": "t", "K": 1, "n": 4})
+h.wrap(loop, sample="generate", prepare_data=None)
+lr = float(sys.argv[1])
+try:
+    for step in (1, 2):
+        batch = loop.generate(step)
+        h.observe(step, loss=float(batch["ids"].float().mean()) * lr)
+except ReplayDivergedError:
+    os._exit(1)        # as Ray ends verl's TaskRunner: no close(), no exit handler
+h.close()
+'''
+
+
+@pytest.mark.slow
+def test_a_trainer_that_dies_of_the_divergence_is_still_judged_diverged(tmp_path):
+    """verl's TaskRunner dies of the replay check's error inside Ray, before the harness closes: the report
+    is written when the check stops the run, so `skip-harness replay` says diverged (1), not 'reported
+    nothing' (2)."""
+    script = tmp_path / "dies.py"
+    script.write_text(TRAINER_THAT_DIES)
+    env_dump = {**os.environ, "SKIP_HARNESS_DUMP_DIR": str(tmp_path / "cache")}
+    rec = subprocess.run([sys.executable, str(script), "1.0"], cwd=tmp_path, env=env_dump, capture_output=True,
+                         text=True, timeout=300)
+    assert rec.returncode == 0, rec.stderr
+    (ns,) = (tmp_path / "cache" / "dies_t").iterdir()
+    same = skip_harness(tmp_path, "replay", str(ns), "--", sys.executable, str(script), "1.0")
+    assert same.returncode == 0, same.stdout + same.stderr
+    other = skip_harness(tmp_path, "replay", str(ns), "--", sys.executable, str(script), "1.01")
+    assert other.returncode == 1, other.stdout + other.stderr
+    assert "replay diverged at step 1: loss" in other.stdout, other.stdout

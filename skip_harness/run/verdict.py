@@ -81,15 +81,19 @@ class ReplayReportWriter(HarnessCallback):
         numbers, _ = numbers_of(values)
         self.values[step] = {**self.values.get(step, {}), **numbers}
 
-    def on_replay_divergence(self, *, divergence: Any = None, **kwargs: Any) -> None:
+    def on_replay_divergence(self, *, divergence: Any = None, stopping: bool = False, **kwargs: Any) -> None:
         if divergence is not None and self.divergence is None:
             self.divergence = divergence_doc(divergence)
+            if stopping:     # written now: a trainer may die of the error before the harness closes (verl's Ray)
+                self._write(None, None)
 
     def on_end(self, *, summary: RunSummary, **kwargs: Any) -> None:
-        report = summary.replay
+        self._write(summary.replay, summary.namespace)
+
+    def _write(self, report: Any, namespace: Optional[str]) -> None:
         run_id = self._run_id() or f"pid{os.getpid()}"
         doc = {
-            "format": REPORT_FORMAT, "run_id": run_id, "pid": os.getpid(), "namespace": summary.namespace,
+            "format": REPORT_FORMAT, "run_id": run_id, "pid": os.getpid(), "namespace": namespace,
             "replay_from": self.settings.replay_from, "replay_check": str(self.settings.replay_check.value),
             "steps": {str(s): k for s, k in sorted(self.steps.items())},
             "generated": self.generated,
