@@ -111,3 +111,14 @@ def test_a_trainer_that_dies_of_the_divergence_is_still_judged_diverged(tmp_path
     other = skip_harness(tmp_path, "replay", str(ns), "--", sys.executable, str(script), "1.01")
     assert other.returncode == 1, other.stdout + other.stderr
     assert "replay diverged at step 1: loss" in other.stdout, other.stdout
+
+
+@pytest.mark.slow
+def test_replay_json_is_one_document_on_stdout(tmp_path):
+    """`--json` prints the verdict alone on stdout: the trainer's own output goes to stderr."""
+    import json
+
+    done = skip_harness(tmp_path, "replay", str(PACK), "--json", "--", *demo(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["exit"] == 0 and f"{STEPS} of {STEPS} served steps reproduced" in doc["verdict"]

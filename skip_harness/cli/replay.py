@@ -23,6 +23,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,9 +100,11 @@ def command_of(command: Union[str, Sequence[str]]) -> List[str]:
 
 
 def replay(pack: Union[str, os.PathLike], command: Union[str, Sequence[str]], *, bless: bool = False,
-           env: Optional[Mapping[str, str]] = None, cwd: Union[str, os.PathLike, None] = None) -> ReplayVerdict:
+           env: Optional[Mapping[str, str]] = None, cwd: Union[str, os.PathLike, None] = None,
+           output_to_stderr: bool = False) -> ReplayVerdict:
     """Run `command` serving every step from `pack`, and judge it (module doc). CliError for a PACK or
-    COMMAND that cannot be used."""
+    COMMAND that cannot be used. `output_to_stderr`: the command's standard output goes to this process's
+    standard error (so `--json` prints one document on stdout, nothing of the trainer's)."""
     recording = recording_at(pack)
     args = command_of(command)
     scratch = Path(tempfile.mkdtemp(prefix="skip-harness-replay-"))
@@ -111,7 +114,8 @@ def replay(pack: Union[str, os.PathLike], command: Union[str, Sequence[str]], *,
                    REPLAY_FROM_ENV: str(recording.path), REPLAY_CHECK_ENV: "warn" if bless else "error",
                    REPLAY_REPORT_ENV: str(reports_dir), DUMP_DIR_ENV: str(scratch / "cache")}
         try:
-            returncode = subprocess.run(args, env=run_env, cwd=cwd, check=False).returncode
+            returncode = subprocess.run(args, env=run_env, cwd=cwd, check=False,
+                                        stdout=sys.stderr.fileno() if output_to_stderr else None).returncode
         except OSError as exc:
             return ReplayVerdict(EXIT_USAGE, f"could not run {shlex.join(args)}: {exc.strerror or exc}", recording, args)
         reports = read_reports(reports_dir)
@@ -195,7 +199,7 @@ def judge(recording: Recording, args: List[str], returncode: int, reports: List[
 
 def cmd_replay(pack: str, command: Sequence[str], bless: bool, as_json: bool) -> int:
     """The command line's `replay`: run, print the verdict (or the JSON document), return its exit status."""
-    verdict = replay(pack, command, bless=bless)
+    verdict = replay(pack, command, bless=bless, output_to_stderr=as_json)
     if as_json:
         emit_json(verdict.as_json())
         return verdict.code
