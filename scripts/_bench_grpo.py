@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from _benchlib import PROMPT_LEN, RESPONSE_LEN, ZSTD, stored_bytes, torch_save_bytes, zipf_token_ids
+from _benchlib import PROMPT_LEN, RESPONSE_LEN, ZSTD, stored_bytes, torch_save_bytes, v1_minibatch, zipf_token_ids
 
 GRPO_N = 8                    # samples per prompt (a common GRPO setting)
 
@@ -61,20 +61,7 @@ def grpo_trajectories(prompts: int, n: int = GRPO_N, seed: int = 0, prompt_len: 
 
 def make_grpo_payload(prompts: int, n: int = GRPO_N, seed: int = 0) -> Dict[str, Any]:
     """The GRPO mini-batch as verl's V1 trainer saves it."""
-    from tensordict import NonTensorStack, TensorDict
-
-    trajectories = grpo_trajectories(prompts, n, seed)
-    try:
-        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
-        td = list_of_dict_to_tensordict(trajectories)
-    except ImportError:
-        keys = [k for k in trajectories[0] if isinstance(trajectories[0][k], torch.Tensor)]
-        data = {k: (torch.stack([t[k] for t in trajectories]) if trajectories[0][k].dim() == 0 else
-                    torch.nested.as_nested_tensor([t[k] for t in trajectories], layout=torch.jagged)) for k in keys}
-        data.update({k: NonTensorStack(*[t[k] for t in trajectories]) for k in ("messages", "uid")})
-        td = TensorDict(data, batch_size=[len(trajectories)])
-    return {"tensordict": td, "tags": [{"status": "ready"} for _ in trajectories],
-            "keys": [f"{seed}_{i}" for i in range(len(trajectories))], "global_steps": seed}
+    return v1_minibatch(grpo_trajectories(prompts, n, seed), seed)
 
 
 def unique_content(prompts: int, n: int = GRPO_N, seed: int = 0) -> Dict[str, Any]:

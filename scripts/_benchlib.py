@@ -92,8 +92,6 @@ def make_jagged_payload(rows: int, seed: int = 0, prompt_len: int = PROMPT_LEN, 
     "global_steps"}, the tensordict built by verl's own list_of_dict_to_tensordict when verl is installed
     (else the same layout by hand): jagged prompts / responses / input_ids / response_mask / log-probs,
     chat messages and uids as NonTensorStack."""
-    from tensordict import NonTensorStack, TensorDict
-
     dense = make_payload(rows, seed, prompt_len, response_len)
     P = prompt_len
     plen = dense["attention_mask"][:, :P].sum(1).tolist()
@@ -110,6 +108,14 @@ def make_jagged_payload(rows: int, seed: int = 0, prompt_len: int = PROMPT_LEN, 
             "messages": [{"role": "user", "content": f"question {i // 8} of the bench"}],
             "uid": dense["uid"][i],
         })
+    return v1_minibatch(trajectories, seed)
+
+
+def v1_minibatch(trajectories: List[Dict[str, Any]], seed: int) -> Dict[str, Any]:
+    """Trajectories (dicts of tensors, `messages` and `uid`) as verl's V1 trainer saves a mini-batch: the
+    tensordict by verl's own list_of_dict_to_tensordict when verl is installed, else the same layout by hand."""
+    from tensordict import NonTensorStack, TensorDict
+
     try:
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
         td = list_of_dict_to_tensordict(trajectories)

@@ -181,9 +181,10 @@ def test_a_format_3_file_still_loads():
     assert_identical(batch, codec.load_buffer(data, n, "v3"))
 
 
-def _damaged(edit):
+def _damaged(edit, payload=None):
+    """The file image of `payload` (the dense batch) with `edit` applied to its header's tensor entries."""
     buf = io.BytesIO()
-    n = codec.save_to(buf, dense_batch(), ZSTD)
+    n = codec.save_to(buf, dense_batch() if payload is None else payload, ZSTD)
     data = bytearray(buf.getvalue())
     hlen = struct.unpack_from("<Q", data, 16)[0]
     doc = json.loads(bytes(data[24:24 + hlen]))
@@ -252,15 +253,6 @@ def test_a_damaged_shuffle_or_xor_is_a_codec_error():
     payload = {"a": a, "b": a + 1e-4, "i": torch.arange(8192).reshape(16, 512) * 7}
     for edit in (lambda ts: _entry(ts, "b")[4].__setitem__("xor", [_entry(ts, "b")[4]["xor"][0], 2]),   # an int
                  lambda ts: _entry(ts, "i")[4].__setitem__("shuffle", True)):                          # an int
-        buf = io.BytesIO()
-        n = codec.save_to(buf, payload, ZSTD)
-        data = bytearray(buf.getvalue())
-        hlen = struct.unpack_from("<Q", data, 16)[0]
-        doc = json.loads(bytes(data[24:24 + hlen]))
-        edit(doc["tensors"])
-        header = json.dumps(doc, separators=(",", ":")).encode()
-        data_start = -(-(24 + hlen) // 64) * 64
-        data[24:data_start] = header + bytes(data_start - 24 - len(header))
-        struct.pack_into("<Q", data, 16, len(header))
+        data, n = _damaged(edit, payload)
         with pytest.raises(CodecError):
             codec.load_buffer(data, n, "bad")
