@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from skip_harness.store.layout import COMMIT_NAME, parse_step_name
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.objstore.client import ObjectClient
-from skip_harness.store.objstore.lease import Lease
+from skip_harness.store.objstore.lease import NamespaceLease
 from skip_harness.store.objstore.locker import LeaseHold, LeaseLocker
 from skip_harness.store.objstore.storage import ObjectStorage
 from skip_harness.store.storage import DIR
@@ -48,7 +48,7 @@ class ObjectNamespace(Namespace):
         return self.storage.denied is not None
 
     @property
-    def held(self) -> Optional[Lease]:
+    def held(self) -> Optional[NamespaceLease]:
         return self.locker.held
 
     @staticmethod
@@ -60,10 +60,10 @@ class ObjectNamespace(Namespace):
 
     # ---- the lease, held by hand (the harness holds it through `lock`)
 
-    def lease(self, **kw: Any) -> Lease:
+    def lease(self, **kw: Any) -> NamespaceLease:
         return self.locker.lease(**kw)
 
-    def acquire(self, timeout: float = 0.0, **kw: Any) -> Optional[Lease]:
+    def acquire(self, timeout: float = 0.0, **kw: Any) -> Optional[NamespaceLease]:
         """Hold the namespace (`LeaseLocker.acquire`): the lease, or None for a read-only credential."""
         return self.locker.acquire(timeout, **kw)
 

@@ -111,10 +111,11 @@ def test_the_verl_plug_in_imports():
 # ---------------------------------------------------------------------------- who opens files
 
 _FILE_CALLS = {"open", "fdopen", "scandir", "listdir", "walk", "iterdir", "read_bytes", "read_text",
-               "write_bytes", "write_text", "mmap", "lstat", "load"}
+               "write_bytes", "write_text", "mmap", "lstat", "stat", "load"}
 # Files outside the cache, opened by the code that owns them: (module, call) -> what the file is.
 _NOT_THE_CACHE = {
     ("skip_harness/cli/export.py", "open"): "the export's own output file",
+    ("skip_harness/cli/export.py", "stat"): "the export's own output file (its size, reported)",
     ("skip_harness/demo/run.py", "open"): "the demo's metrics.jsonl",
     ("skip_harness/integrations/hydra.py", "write_text"): "a sweep job's failure record",
     ("skip_harness/integrations/hydra.py", "read_text"): "a sweep job's failure record",
@@ -338,3 +339,34 @@ def test_no_script_reaches_for_sys_path():
     modules beside it, never by editing sys.path."""
     found = _sys_path_uses(ROOT)
     assert not found, "sys.path in scripts/:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------------- one name per thing
+
+def _class_homes(root: Path):
+    """{class name: [module, ...]} over the package."""
+    import ast
+
+    homes: dict = {}
+    for path in sorted((root / "skip_harness").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                homes.setdefault(node.name, []).append(path.relative_to(root).as_posix())
+    return homes
+
+
+def test_no_two_classes_share_a_name():
+    """Issue 41: the viewer's namespace (cli/view/data.py `ViewedNamespace`) is not the store's `Namespace`, and
+    the object store's lease (`NamespaceLease`) is not the buffer pool's `Lease`: one name, one thing."""
+    shared = {name: where for name, where in _class_homes(ROOT).items() if len(where) > 1}
+    assert not shared, shared
+    assert "Namespace" in _class_homes(ROOT)          # the check sees what it looks for
+
+
+def test_ruffs_per_file_ignores_name_files_that_exist():
+    """Issue 41: a per-file ignore of a deleted module silences nothing and misleads the reader."""
+    import tomllib
+
+    ruff = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
+    missing = [p for p in ruff.get("per-file-ignores", {}) if not any(ROOT.glob(p))]
+    assert not missing, missing

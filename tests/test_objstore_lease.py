@@ -15,7 +15,7 @@ from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
 from skip_harness.errors import LockHeldError
 from objstore_namespace import ObjectNamespace
 from skip_harness.store.objstore.client import ObjectClient
-from skip_harness.store.objstore.lease import LEASE_KEY, Lease, LeaseLost
+from skip_harness.store.objstore.lease import LEASE_KEY, NamespaceLease, LeaseLost
 
 TESTS = os.path.dirname(os.path.abspath(__file__))     # where objstore_namespace.py is, for the subprocesses
 
@@ -26,7 +26,7 @@ def client(s3_bucket):
 
 
 def lease(client, holder, ttl_s=30.0):
-    return Lease(client, ttl_s=ttl_s, skew_s=0.0, holder=holder)
+    return NamespaceLease(client, ttl_s=ttl_s, skew_s=0.0, holder=holder)
 
 
 def test_held_lease_refuses_naming_holder_host_pid_since(client):
@@ -146,7 +146,7 @@ def test_a_lease_still_held_at_exit_is_released(s3_server, s3_bucket, tmp_path):
     env = subprocess_env()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "held" in proc.stdout, proc.stderr
-    rec, _ = Lease(ObjectClient(url), holder="probe").read()
+    rec, _ = NamespaceLease(ObjectClient(url), holder="probe").read()
     assert rec.holder == "run-exit" and rec.expires_at == 0.0
 
 

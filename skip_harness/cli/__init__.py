@@ -267,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
     else:   # an object store is a UrlPath, opened through the store, never a Path
         dump_dir = where_of(args.dump_dir, "DUMP_DIR")  # type: ignore[assignment]
     if args.command == "import-verl":
-        from skip_harness.cli.transfer import cmd_import_verl
+        from skip_harness.cli.import_verl import cmd_import_verl
 
         require_dir(Path(args.verl_dump_dir))
         return cmd_import_verl(Path(args.verl_dump_dir), dump_dir, args.trust, args.dry_run, args.json)
@@ -299,7 +299,7 @@ def _run(args: argparse.Namespace) -> int:
                                frozenset(s for group in args.pin for s in group))
         return cmd_clean(layouts, dump_dir, dry_run=args.dry_run, quarantine=args.quarantine, as_json=as_json,
                          rules=rules)
-    from skip_harness.cli.transfer import cmd_export
+    from skip_harness.cli.export import cmd_export
 
     if not layouts:
         raise CliError(f"{dump_dir}: no skip_harness namespaces to export")

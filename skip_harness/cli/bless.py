@@ -84,11 +84,11 @@ def bless_namespace(root: Path, values: Mapping[int, Mapping[str, float]], train
                     reason: str, run_id: str) -> List[int]:
     """Replace the recorded values of namespace `root`'s steps; the steps without a commit record (nothing
     is written then)."""
-    from skip_harness.store.api import Layout, StepStore, ValuesStore, config_digest, namespaces_at, open_namespace
+    from skip_harness.store.api import Layout, ValuesStore, config_digest, namespaces_at, open_store
 
     layout: Layout = namespaces_at(root)[0]
-    namespace = open_namespace(layout)
-    reader = StepStore(layout, namespace).reader
+    store = open_store(layout)
+    namespace, reader = store.backend, store.reader
     records = {step: reader.read_commit(step) for step in values}
     missing = [step for step, record in records.items() if record is None]
     if missing:

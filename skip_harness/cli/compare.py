@@ -26,8 +26,8 @@ from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, k
                                       run_steps, side_of, split_keys, split_run, values_rule)
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store.api import (Layout, PAYLOAD_NAME, StepReport, StepStore, UrlPath, config_changes, is_pack,
-                                    namespaces_at, open_namespace, parse_namespace_leaf, scan_namespace)
+from skip_harness.store.api import (Layout, PAYLOAD_NAME, StepReport, UrlPath, config_changes, is_pack,
+                                    namespaces_at, open_store, parse_namespace_leaf, scan_namespace)
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit(".", 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
 _REWARD_NAMES = ("reward", "score")
@@ -229,7 +229,7 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     """One pair of namespaces, step by step. `read_payloads=False` (the viewer's compare page, which pairs
     one step's trajectories itself): steps whose checksums differ are not read (`rollouts: "not read"`).
     `run_a`, `run_b`: compare that replay's values (its run id, or 'latest') instead of the recording's."""
-    sa, sb = StepStore(la, open_namespace(la)), StepStore(lb, open_namespace(lb))
+    sa, sb = open_store(la), open_store(lb)
     va_of, vb_of = RunValues(sa, run_of(sa, run_a, "A")), RunValues(sb, run_of(sb, run_b, "B"))
     side_a, side_b = side_of(sa, va_of.run), side_of(sb, vb_of.run)
     seen: Tuple[Dict[str, None], Dict[str, None]] = ({}, {})

@@ -13,6 +13,7 @@ steps after their sizes and checksums verify, every payload through the codec's 
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import re
@@ -23,9 +24,11 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from skip_harness.store.api import Layout, StepReader, StepReport, StepStatus, StepStore, open_namespace, scan_namespace
+from skip_harness.store.api import Layout, StepReader, StepReport, StepStatus, StepStore, open_store, scan_namespace
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.cli.clean import step_ranges
+from skip_harness.cli._common import (EXIT_CORRUPT, EXIT_OK, CliError, emit_json, human_bytes, progress, short_path,
+                                      stdout_console)
+from skip_harness.cli.clean import n_steps, step_ranges
 from skip_harness.cli.export_rows import (  # noqa: F401  (ExportError, the columns: part of this command's API)
     FORMATS, INDEX_COLUMNS, NAMESPACE_COLUMN, ExportError, _ParquetSink, _table, _jsonl_rows, columns_of,
 )
@@ -117,7 +120,7 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     result = ExportResult(out, fmt)
-    stores = [(name, StepStore(layout, open_namespace(layout))) for name, layout in layouts]   # each opened once
+    stores = [(name, open_store(layout)) for name, layout in layouts]   # each opened once
     sink = _ParquetSink(tmp, _union_schema(stores, steps) if len(stores) > 1 else None) if fmt == "parquet" else None
     jf = open(tmp, "w", encoding="utf-8") if fmt == "jsonl" else None
     held: Set[int] = set()   # the servable steps the namespaces hold
@@ -194,3 +197,63 @@ def _export_step(reader: StepReader, s: StepReport, name: str, sink: Optional[_P
         result.mini_batches += 1
     del batches
     result.steps.append((name, s.step))
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+
+
+def select_namespaces(layouts: List[Layout], base: Path, patterns: Sequence[str]) -> List[Layout]:
+    """Namespaces matching any pattern: their path relative to DUMP_DIR, their group or leaf name,
+    or a shell-style pattern (`sync_*`) over any of those."""
+    if not patterns:
+        return layouts
+    out = []
+    for lay in layouts:
+        names = {short_path(lay, base), lay.root.name, lay.root.parent.name, str(lay.root)}
+        if any(fnmatch.fnmatchcase(n, p) or n == p.rstrip("/") for p in patterns for n in names):
+            out.append(lay)
+    if not out:
+        raise CliError(f"--namespace {' '.join(patterns)}: matches none of the {len(layouts)} namespaces under {base}")
+    return out
+
+
+def cmd_export(layouts: List[Layout], base: Path, out: Path, fmt: Optional[str], patterns: Sequence[str],
+               steps_text: Optional[str], as_json: bool) -> int:
+    try:
+        steps: Optional[Set[int]] = parse_step_set(steps_text) if steps_text else None
+    except ValueError as exc:
+        raise CliError(f"--steps: {exc}") from None
+    chosen = select_namespaces(layouts, base, patterns)
+    fmt = format_for(out, fmt)
+    with progress() as bar:
+        state = {"open": False}
+
+        def on_namespace(name: str, n: int) -> None:
+            if state["open"]:
+                bar.finish()
+            bar.start(f"exporting {name}", n)
+            state["open"] = True
+
+        try:
+            result = export_cache([(short_path(lay, base), lay) for lay in chosen], out, fmt, steps,
+                                          on_namespace=on_namespace, on_step=bar.advance)
+        except NoStepsError as exc:   # `--steps 50-60` on 20 steps: a usage error, no empty file
+            raise CliError(f"--steps {steps_text}: {exc}") from None
+        except ExportError as exc:
+            raise CliError(str(exc), EXIT_CORRUPT) from None
+        if state["open"]:
+            bar.finish()
+    for name, step, reason in result.skipped:
+        logger.warning("%s step %d not exported: %s", name, step, reason)
+    size = out.stat().st_size
+    if as_json:
+        emit_json({"path": str(out), "format": fmt, "rows": result.rows, "mini_batches": result.mini_batches,
+                   "bytes": size, "steps": [{"namespace": n, "step": s} for n, s in result.steps],
+                   "skipped": [{"namespace": n, "step": s, "reason": r} for n, s, r in result.skipped]})
+    else:
+        stdout_console().print(
+            f"wrote {out} ({fmt}, {human_bytes(size)}): {result.rows} rows from {n_steps(len(result.steps))} "
+            f"({result.mini_batches} mini-batches) of {len(chosen)} namespace{'s' if len(chosen) != 1 else ''}"
+            + (f"; {n_steps(len(result.skipped))} skipped (see the warnings)" if result.skipped else ""))
+    return EXIT_OK

@@ -26,10 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from rich.markup import escape
+from rich.table import Table
+
 from skip_harness.store.api import (Layout, StepReport, StepStore, UrlPath, VerlNamespace, VerlStep,
                                     find_verl_namespaces, load_trusted, open_namespace, read_verl_meta,
                                     scan_namespace, scan_verl_namespaces)
 from skip_harness.errors import LockHeldError, SkipHarnessError
+from skip_harness.cli._common import (EXIT_CORRUPT, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CliError, emit_json, progress,
+                                      short_path, stdout_console)
 
 logger = logging.getLogger("skip_harness.cli.import_verl")
 
@@ -197,3 +202,66 @@ def _trajectories(obj: Any) -> int:
         return len(obj)   # a DataProto: its batch size
     except TypeError:
         return 0
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+
+
+def cmd_import_verl(source: Path, dump_dir: Path, trust: bool, dry_run: bool, as_json: bool) -> int:
+    if not trust and not dry_run:
+        raise CliError(UNTRUSTED_MESSAGE.format(path=source), EXIT_USAGE)
+    with progress() as bar:
+        state = {"open": False}
+
+        def on_namespace(name: str, n: int) -> None:
+            if state["open"]:
+                bar.finish()
+            bar.start(f"converting {name}", n)
+            state["open"] = True
+
+        try:
+            result = import_verl(source, dump_dir, trust=trust, dry_run=dry_run, on_namespace=on_namespace,
+                                       on_step=bar.advance)
+        except VerlImportError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+        if state["open"]:
+            bar.finish()
+    for target, why in result.refused:
+        logger.error("refusing to import into %s: %s", target, why)
+    for path, step, reason in result.failed:
+        logger.error("step %d (%s) was not converted: %s", step, path, reason)
+    verb = "would convert" if dry_run else "converted"
+    if as_json:
+        emit_json({"dry_run": dry_run,
+                   "converted": [{"namespace": str(t), "step": s, "trajectories": n} for t, s, n in result.converted],
+                   "failed": [{"path": str(p), "step": s, "reason": r} for p, s, r in result.failed],
+                   "kept": [{"path": str(p), "step": s, "reason": r} for p, s, r in result.kept],
+                   "refused": [{"namespace": str(t), "reason": r} for t, r in result.refused]})
+    else:
+        console = stdout_console()
+        t = Table(title=f"import-verl {source} -> {dump_dir}", title_justify="left")
+        t.add_column("namespace", overflow="fold")
+        t.add_column("steps " + verb, justify="right")
+        t.add_column("trajectories", justify="right")
+        by_ns: Dict[Any, Any] = {}
+        for target, _step, n in result.converted:
+            steps, traj = by_ns.get(target, (0, 0))
+            by_ns[target] = (steps + 1, traj + n)
+        for target, (steps, traj) in by_ns.items():
+            t.add_row(short_path(Layout(target), dump_dir), str(steps), str(traj))
+        console.print(t)
+        for title, rows in (("not converted", result.failed), ("kept (already in DUMP_DIR)", result.kept)):
+            if rows:
+                s = Table(title=title, title_justify="left")
+                s.add_column("step", justify="right")
+                s.add_column("verl step", overflow="fold")
+                s.add_column("reason", overflow="fold")
+                for path, step, reason in rows:
+                    s.add_row(str(step), escape(str(path)), escape(reason))
+                console.print(s)
+        console.print(f"{verb} {len(result.converted)} steps, kept {len(result.kept)}, failed {len(result.failed)}"
+                      + (f", refused {len(result.refused)} namespaces" if result.refused else ""))
+    if result.refused:
+        return EXIT_LOCKED
+    return EXIT_CORRUPT if result.failed else EXIT_OK

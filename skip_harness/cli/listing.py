@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-from skip_harness.store.api import (Layout, STATUSES, StepReport, StepStatus, StepStore, ValuesStore, open_namespace,
+from skip_harness.store.api import (Layout, STATUSES, StepReport, StepStatus, StepStore, ValuesStore, open_store,
                                     scan_namespace)
 
 from skip_harness.cli._common import (
@@ -241,7 +241,7 @@ def _print_views(views: Sequence[NamespaceView], base: Path, title: str, steps: 
 def cmd_ls(layouts: List[Layout], base: Path, as_json: bool, steps: bool, sort: str = "name",
            where: str = "") -> int:
     """`where`: how the directory was chosen, when the user did not name it (said in the title)."""
-    stores = [StepStore(lay, open_namespace(lay)) for lay in layouts]
+    stores = [open_store(lay) for lay in layouts]
     views = sort_views([view(st, scan_namespace(st.layout, st.backend).steps) for st in stores], sort, base)
     if as_json:
         emit_json({"dump_dir": str(base), "namespaces": [namespace_json(v) for v in views],
@@ -255,7 +255,7 @@ def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) ->
     views = []
     with progress() as bar:
         for lay in layouts:
-            store = StepStore(lay, open_namespace(lay))
+            store = open_store(lay)
             report = scan_namespace(lay, store.backend)
             bar.start(f"verifying {lay.root}", len(report.steps))
             checked, failed = verified_steps(store.reader, report, bar.advance)

@@ -21,8 +21,8 @@ from skip_harness.config import WEIGHTS_PREFIX
 from skip_harness.errors import SkipHarnessError
 from skip_harness.run.replay import depends_on_rollouts
 from skip_harness.run.tolerance import EPS32, NOISE_ULPS, NOISE_WORDS, ToleranceModel
-from skip_harness.store.api import (StepStore, UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
-                                    open_namespace)
+from skip_harness.store.api import (UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
+                                    open_store)
 
 
 def resolve_name(text: str) -> str:
@@ -168,7 +168,7 @@ def rollouts_store(store: Any, side: Side) -> Any:
         layouts = []
     if len(layouts) != 1:
         return store          # the recording is gone: its rollouts cannot be shown, the namespace's are
-    return StepStore(layouts[0], open_namespace(layouts[0]))
+    return open_store(layouts[0])
 
 
 def split_run(text: str) -> Tuple[str, Optional[str]]:

@@ -16,9 +16,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from skip_harness.store.api import (Layout, StepReport, StepStore, UrlPath, classify_step, load_payload_file,
-                                    is_pack, open_namespace, parse_namespace_leaf, parse_step_name, payload_file_fields,
-                                    payload_file_meta, payload_rel_at, scan_namespace)
-from skip_harness.errors import CodecError, CorruptStepError
+                                    is_pack, open_store, parse_namespace_leaf, parse_step_name, payload_file_fields,
+                                    payload_file_meta, payload_file_size, payload_rel_at, scan_namespace)
+from skip_harness.errors import CodecError, CorruptStepError, SkipHarnessError
 
 from skip_harness.cli._common import EXIT_CORRUPT, EXIT_OK, CliError, fmt_time, human_bytes, namespaces_under, stdout_console
 from skip_harness.cli._verify import VERL_HINT, _plain_reason
@@ -69,7 +69,7 @@ def resolve(path: Path, step: Optional[int], inner: Optional[int], rank: int) ->
         if found is None:
             return Target(path)
         layout, s, i, r = found
-        return Target(path, layout, s, i, r, StepStore(layout, open_namespace(layout)))
+        return Target(path, layout, s, i, r, open_store(layout))
     if not path.is_dir():
         raise CliError(f"{path} does not exist" if not path.exists() else f"{path} is not a file or directory")
     if step is None and parse_step_name(path.name) is not None and parse_namespace_leaf(path.parent.name):
@@ -88,7 +88,7 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
         names = ", ".join(str(lay.root) for lay in layouts[:3]) + (" ..." if len(layouts) > 3 else "")
         raise CliError(f"{path} holds {len(layouts)} namespaces ({names}); name one of them")
     layout = layouts[0]
-    store = StepStore(layout, open_namespace(layout))
+    store = open_store(layout)
     report = scan_namespace(layout, store.backend)
     if step is None:
         servable = [s.step for s in report.steps if s.servable]
@@ -126,23 +126,32 @@ def _ranges(steps: List[int]) -> str:
 # the command
 
 
+def _payload_size(target: Target, record) -> Optional[int]:
+    """The payload's stored size, through the store: as the commit record lists it, else as the namespace's
+    listing of the step has it (a step without a commit record); a loose file's, from the file."""
+    if target.store is None or target.layout is None or target.step is None:
+        return payload_file_size(target.payload)
+    rel = str(target.payload.relative_to(target.layout.step_dir(target.step)))
+    sizes = {e.rel: e.bytes for e in record.files} if record is not None else {}
+    if rel in sizes:
+        return sizes[rel]
+    try:
+        listing = target.store.backend.list_step(target.step)
+    except (OSError, SkipHarnessError):
+        return None
+    found = listing.files.get(rel) if listing is not None else None
+    return found.size if found is not None else None
+
+
 def _header(target: Target, meta: Dict[str, Any], status: Optional[StepReport],
             record) -> Table:
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column(overflow="fold")
     t.add_row("file", escape(str(target.payload)))
-    if isinstance(target.payload, UrlPath) or (target.layout is not None and target.layout.packed):
-        # an object, a pack's member: its size as the commit record lists it
-        rel = str(target.payload.relative_to(target.layout.step_dir(target.step))) if target.layout else ""
-        sizes = {e.rel: e.bytes for e in record.files} if record is not None else {}
-        if rel in sizes:
-            t.add_row("size", human_bytes(sizes[rel]))
-    else:
-        try:
-            t.add_row("size", human_bytes(target.payload.stat().st_size))
-        except OSError:
-            pass
+    size = _payload_size(target, record)
+    if size is not None:
+        t.add_row("size", human_bytes(size))
     if target.layout is not None:
         t.add_row("namespace", f"{target.layout.root}  (K={target.layout.K} W={target.layout.W})")
         t.add_row("step", f"{target.step}   inner index {target.inner}   rank {target.rank}")

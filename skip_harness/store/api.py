@@ -15,7 +15,8 @@ it uses anyway.
 Every name is imported from the module that defines it (nothing here is new code), grouped by what it is for:
 
 - **open a namespace**: `open_namespace` (a command's or a run's namespace: its lock file, or its lease on an
-  object store), `open_dump_dir` (the root a run writes under), `namespaces_at` (the namespaces under a
+  object store), `open_store` (a command's: the namespace opened and its `StepStore` on it, in one call),
+  `open_dump_dir` (the root a run writes under), `namespaces_at` (the namespaces under a
   directory or URL), `Namespace` (the opened one, handed down: its storage and its commit protocol).
 - **layout and URLs**: `Layout` (where a namespace's steps, payloads and records live), `NamespaceKey`,
   `namespace_leaf_values`, `parse_namespace_leaf`, `parse_step_name`, `payload_rel_at`, `PAYLOAD_NAME`,
@@ -23,7 +24,7 @@ Every name is imported from the module that defines it (nothing here is new code
 - **read and write steps**: `StepStore` (a namespace's reader and writer), `StepReader`, `StepWriter`,
   `BufferPool` (reused read buffers), `Fingerprint` (what a step was generated from).
 - **a loose payload file** (`show FILE`, outside any namespace): `load_payload_file`, `payload_file_fields`,
-  `payload_file_meta`.
+  `payload_file_meta`, `payload_file_size`.
 - **status and scan**: `StepStatus`, `STATUSES`, `StepReport`, `classify_step`, `scan_namespace`, `stale_temporaries`,
   `NamespaceReport`.
 - **logged values and the second tier**: `ValuesStore`, `config_changes`, `config_digest`, `flatten_config`,
@@ -43,7 +44,7 @@ from __future__ import annotations
 # open a namespace
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.namespaces import namespaces_at
-from skip_harness.store.open import open_dump_dir, open_namespace
+from skip_harness.store.open import open_dump_dir, open_namespace, open_store
 
 # layout and URLs
 from skip_harness.store.layout import (PAYLOAD_NAME, Layout, NamespaceKey, namespace_leaf_values, parse_namespace_leaf,
@@ -61,6 +62,7 @@ from skip_harness.store.writer import StepWriter
 # a loose payload file
 from skip_harness.store.payload_file import load as load_payload_file
 from skip_harness.store.payload_file import sibling_meta as payload_file_meta
+from skip_harness.store.payload_file import size as payload_file_size
 from skip_harness.store.payload_file import stored_fields as payload_file_fields
 
 # status and scan
@@ -90,14 +92,14 @@ from skip_harness.store.verl_dump import read_meta as read_verl_meta
 
 __all__ = [
     # open a namespace
-    "Namespace", "namespaces_at", "open_dump_dir", "open_namespace",
+    "Namespace", "namespaces_at", "open_dump_dir", "open_namespace", "open_store",
     # layout and URLs
     "PAYLOAD_NAME", "Layout", "NamespaceKey", "UrlPath", "dump_dir_problem", "is_url", "local_path",
     "namespace_leaf_values", "parse_namespace_leaf", "parse_step_name", "payload_rel_at",
     # read and write steps
     "BufferPool", "Fingerprint", "StepReader", "StepStore", "StepWriter",
     # a loose payload file
-    "load_payload_file", "payload_file_fields", "payload_file_meta",
+    "load_payload_file", "payload_file_fields", "payload_file_meta", "payload_file_size",
     # status and scan
     "STATUSES", "NamespaceReport", "StepReport", "StepStatus", "classify_step", "scan_namespace", "stale_temporaries",
     # logged values and the second tier

@@ -11,7 +11,7 @@ import json
 import mmap
 import os
 import stat
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from skip_harness import codec
 from skip_harness.errors import CodecError
@@ -75,6 +75,14 @@ def stored_fields(path: PathLike) -> List[codec.StoredField]:
     spath = os.fspath(path)
     buf, size = _image(spath, True)
     return codec.stored_fields(buf, size, spath)
+
+
+def size(path: PathLike) -> Optional[int]:
+    """The size of the file at `path` (never through a link: the link's own), None when it cannot be stat'ed."""
+    try:
+        return os.lstat(os.fspath(path)).st_size
+    except OSError:
+        return None
 
 
 def sibling_meta(path: PathLike) -> Dict[str, Any]:

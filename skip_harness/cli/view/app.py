@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.concurrency import run_in_threadpool
 
 from skip_harness.cli.view import pages
-from skip_harness.cli.view.data import Cache, Namespace
+from skip_harness.cli.view.data import Cache, ViewedNamespace
 from skip_harness.cli.view.decode import Decoder
 from skip_harness.cli.view.live import REFRESH_S, REFRESH_STEP_S, live
 from skip_harness.cli.view.templates import environment
@@ -85,7 +85,7 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
             return _Json({"error": message}, status_code=status, headers=_HEADERS)
         return html("error", {"title": title, "message": message}, status)
 
-    def ns_of(request: Request) -> Namespace:
+    def ns_of(request: Request) -> ViewedNamespace:
         key = request.path_params["key"]
         ns = cache.namespace(key)
         if ns is None:

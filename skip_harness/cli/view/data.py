@@ -29,8 +29,8 @@ import torch
 from skip_harness.cli._common import mode_and_seed, step_gen_s, step_written
 from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store.api import (BufferPool, ValuesStore, Layout, NamespaceReport, StepReader, StepReport, UrlPath, namespaces_at,
-                                    open_namespace, read_step_tier, scan_namespace)
+from skip_harness.store.api import (ValuesStore, Layout, NamespaceReport, StepReader, StepReport, UrlPath, namespaces_at,
+                                    open_store, read_step_tier, scan_namespace)
 from skip_harness.run.tier import REWARD as REWARD_PHASE
 from skip_harness.cli.view.samples import StepTable, StoredRewards, group_size_of, step_table
 
@@ -89,7 +89,7 @@ _COSTLY_KEYS = ("accessed", "logical_bytes", "total_logical_bytes")
 
 
 @dataclass(frozen=True)
-class Namespace:
+class ViewedNamespace:
     """One namespace the viewer serves: `key` is its URL segment (`{root}/{group}/{leaf}`)."""
 
     key: str
@@ -113,7 +113,7 @@ class Namespace:
 class StepRead:
     """One step as the verified read found it: the mini-batches of every rank, or why there are none."""
 
-    namespace: Namespace
+    namespace: ViewedNamespace
     step: int
     status: str                        # complete | unverified | incomplete | corrupt | missing
     reason: Optional[str]              # None when the step was read
@@ -136,7 +136,7 @@ def fingerprint_values(s: Optional[StepReport]) -> Optional[Dict[str, Any]]:
 
 def _reader(layout: Layout) -> StepReader:
     """A reader of the namespace (no writer is built: the viewer never writes)."""
-    return StepReader(layout, open_namespace(layout), BufferPool())
+    return open_store(layout).reader
 
 
 class Cache:
@@ -154,7 +154,7 @@ class Cache:
 
     # ---- namespaces
 
-    def namespaces(self) -> List[Namespace]:
+    def namespaces(self) -> List[ViewedNamespace]:
         out = []
         for i, root in enumerate(self.roots):
             try:
@@ -163,28 +163,28 @@ class Cache:
                 logger.warning("%s: cannot list its namespaces: %s", root, exc)
                 continue
             for lay in layouts:
-                out.append(Namespace(f"{i}/{lay.group}/{lay.leaf}", i, lay))     # a pack: the name it holds
+                out.append(ViewedNamespace(f"{i}/{lay.group}/{lay.leaf}", i, lay))     # a pack: the name it holds
         return out
 
-    def namespace(self, key: str) -> Optional[Namespace]:
+    def namespace(self, key: str) -> Optional[ViewedNamespace]:
         """The namespace named by `key`, found by listing (a key never becomes a path by itself)."""
         for ns in self.namespaces():
             if ns.key == key:
                 return ns
         return None
 
-    def reader(self, ns: Namespace) -> StepReader:
+    def reader(self, ns: ViewedNamespace) -> StepReader:
         with self._lock:
             reader = self._readers.get(ns.key)
             if reader is None or reader.layout != ns.layout:
                 reader = self._readers[ns.key] = _reader(ns.layout)
             return reader
 
-    def scan(self, ns: Namespace) -> NamespaceReport:
+    def scan(self, ns: ViewedNamespace) -> NamespaceReport:
         """The namespace's steps from its index where it vouches for them; the index is never written."""
         return scan_namespace(ns.layout, self.reader(ns).backend, rewrite_index=False)
 
-    def namespace_view(self, ns: Namespace, report: Optional[NamespaceReport] = None, *,
+    def namespace_view(self, ns: ViewedNamespace, report: Optional[NamespaceReport] = None, *,
                        read_metas: bool = True) -> NamespaceView:
         """`ls`'s view of the namespace from its scan: when each step was written and its generation
         seconds come from the commit records the index holds; a step whose record does not say its
@@ -195,7 +195,7 @@ class Cache:
         return NamespaceView(ns.layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s) if read_metas
                                                  else s.gen_s) for s in report.steps])
 
-    def namespace_doc(self, ns: Namespace, view: Optional[NamespaceView] = None) -> Dict[str, Any]:
+    def namespace_doc(self, ns: ViewedNamespace, view: Optional[NamespaceView] = None) -> Dict[str, Any]:
         """`ls --json`'s document of one namespace (without the keys that cost a read per step), plus
         the viewer's `key`."""
         view = self.namespace_view(ns) if view is None else view
@@ -214,7 +214,7 @@ class Cache:
 
     # ---- one step
 
-    def read_step(self, ns: Namespace, step: int) -> StepRead:
+    def read_step(self, ns: ViewedNamespace, step: int) -> StepRead:
         """Every mini-batch of `step` (all K inner indices of every rank) by the verified read."""
         reader = self.reader(ns)
         batches: List[Tuple[int, int, Any]] = []
@@ -233,7 +233,7 @@ class Cache:
             metas += [(i, rank, m) for i, m in enumerate(got_metas)]
         return StepRead(ns, step, status, None, batches, metas)
 
-    def table(self, ns: Namespace, s: StepReport) -> Tuple[StepRead, Optional[StepTable]]:
+    def table(self, ns: ViewedNamespace, s: StepReport) -> Tuple[StepRead, Optional[StepTable]]:
         """`s`'s verified read and its trajectories (None when it cannot be read), with the rewards its
         second tier holds; kept while its commit record (time, size, status) stays the same."""
         def compute() -> Tuple[StepRead, Optional[StepTable]]:
@@ -244,7 +244,7 @@ class Cache:
                                     self.stored_rewards(ns, s.step, s.created))
         return self._tables.get((ns.key, s.step), step_stamp(s), compute)
 
-    def stored_rewards(self, ns: Namespace, step: int, created: Optional[float]
+    def stored_rewards(self, ns: ViewedNamespace, step: int, created: Optional[float]
                        ) -> Dict[Tuple[int, int], StoredRewards]:
         """The rewards the second tier holds for `step` ({(inner, rank): rewards per reward function}),
         verified and bound to the step's commit record (`created`, its creation time); {} when it holds
@@ -266,7 +266,7 @@ class Cache:
 
     # ---- what the replay check recorded
 
-    def values(self, ns: Namespace, step: int) -> Optional[Dict[str, float]]:
+    def values(self, ns: ViewedNamespace, step: int) -> Optional[Dict[str, float]]:
         """The values the trainer reported for `step` (its metrics), None when none were recorded; with the
         newest `action=compare` run's figures for the step beside them (`compare/...`: run.drift)."""
         try:
@@ -277,7 +277,7 @@ class Cache:
             return None
         return {**(recorded or {}), **drift} if drift else recorded
 
-    def _drift(self, ns: Namespace, step: int) -> Dict[str, float]:
+    def _drift(self, ns: ViewedNamespace, step: int) -> Dict[str, float]:
         """The newest `action=compare` run's `compare/...` figures for `step` (its run found once a few seconds)."""
         store = ValuesStore(self.reader(ns).backend)
         now = time.monotonic()
@@ -293,7 +293,7 @@ class Cache:
         kept = store.read_run_step(found[0], step)
         return {} if kept is None else {k: v for k, v in kept.values.items() if k.startswith(COMPARE_PREFIX)}
 
-    def diff(self, a: Namespace, b: Namespace,
+    def diff(self, a: ViewedNamespace, b: ViewedNamespace,
              scans: Optional[Sequence[NamespaceReport]] = None) -> Dict[str, Any]:
         """`skip-harness diff --json`'s document for two namespaces, rollouts by their commit records only
         (the compare page pairs one step's trajectories itself; reading every differing step of two runs

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from skip_harness.cli.view.data import Cache, Namespace
+from skip_harness.cli.view.data import Cache, ViewedNamespace
 from skip_harness.store.api import ValuesStore, process_runs_since, read_lock_holder
 
 RUNS_READ = 20            # replay records read per namespace (the newest)
@@ -72,7 +72,7 @@ def _alive(pid: int, host: str, since: Optional[float]) -> Optional[bool]:
     return process_runs_since(pid, since) if host == socket.gethostname() else None
 
 
-def _recording(cache: Cache, ns: Namespace) -> Optional[Holder]:
+def _recording(cache: Cache, ns: ViewedNamespace) -> Optional[Holder]:
     layout = ns.layout
     if layout.packed:                              # a pack file: nobody records it
         return None
@@ -89,7 +89,7 @@ def _recording(cache: Cache, ns: Namespace) -> Optional[Holder]:
     return None if text is None else Holder(None, "", None, True, text=text)
 
 
-def _replays(cache: Cache, ns: Namespace) -> Live:
+def _replays(cache: Cache, ns: ViewedNamespace) -> Live:
     values = ValuesStore(cache.reader(ns).backend)
     here, others = [], 0
     for run_id in values.list_runs()[-RUNS_READ:]:
@@ -106,7 +106,7 @@ def _replays(cache: Cache, ns: Namespace) -> Live:
     return Live(None, here, others)
 
 
-def live(cache: Cache, ns: Namespace) -> Live:
+def live(cache: Cache, ns: ViewedNamespace) -> Live:
     """Who records `ns` now and which replays read it (see the module's docstring)."""
     replays = _replays(cache, ns)
     return Live(_recording(cache, ns), replays.replays, replays.elsewhere)

@@ -134,7 +134,7 @@ class LeaseRecord:
         return f"{self.holder} (pid {self.pid} on host {self.host} since {when})"
 
 
-_held: "set[Lease]" = set()
+_held: "set[NamespaceLease]" = set()
 _held_mutex = threading.Lock()
 
 
@@ -162,7 +162,7 @@ class LeaseExpired(ObjectStoreUnavailable):
     reach): nothing is written until a renewal succeeds."""
 
 
-class Lease:
+class NamespaceLease:
     """One run's hold on a namespace URL. `acquire(timeout)`, then `release()` (or a `with`)."""
 
     def __init__(self, client: ObjectClient, *, key: str = LEASE_KEY, ttl_s: float = DEFAULT_TTL_S,
@@ -249,7 +249,7 @@ class Lease:
             logger.warning("%s: took over the expired lease of %s", self.url, current.describe())
         return None
 
-    def acquire(self, timeout: float = 0.0) -> "Lease":
+    def acquire(self, timeout: float = 0.0) -> "NamespaceLease":
         """Hold the lease, waiting up to `timeout` seconds (negative: forever) for another run's to
         end or expire; then LockHeldError naming the holder."""
         deadline = None if timeout < 0 else time.monotonic() + timeout
@@ -375,7 +375,7 @@ class Lease:
     def __eq__(self, other: object) -> bool:
         return self is other
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> "NamespaceLease":
         if self.etag is None:
             self.acquire()
         return self

@@ -1,4 +1,4 @@
-"""Who may write an object-store namespace: its lease (`lease.Lease`) as a `locking.Locker`.
+"""Who may write an object-store namespace: its lease (`lease.NamespaceLease`) as a `locking.Locker`.
 
 - `lock` takes the lease (LockHeldError naming its holder after the timeout); a credential that may not
   write gives a read-only hold: serve, write nothing.
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from skip_harness.store.locking import Hold, Locker
 from skip_harness.store.objstore.errors import ObjectAccessDenied, ObjectStoreError
-from skip_harness.store.objstore.lease import LEASE_KEY, Lease, LeaseExpired, LeaseLost, ttl_from_env
+from skip_harness.store.objstore.lease import LEASE_KEY, NamespaceLease, LeaseExpired, LeaseLost, ttl_from_env
 from skip_harness.store.objstore.storage import ObjectStorage
 
 logger = logging.getLogger("skip_harness.store.objstore")
@@ -28,7 +28,7 @@ logger = logging.getLogger("skip_harness.store.objstore")
 class LeaseHold(Hold):
     """The namespace lock as a lease (or, for a credential that may only read, none: `why` set)."""
 
-    def __init__(self, locker: "LeaseLocker", lease: Optional[Lease], why: str = ""):
+    def __init__(self, locker: "LeaseLocker", lease: Optional[NamespaceLease], why: str = ""):
         self._locker, self._lease, self.why = locker, lease, why
 
     @property
@@ -46,7 +46,7 @@ class LeaseLocker(Locker):
 
     def __init__(self, storage: ObjectStorage):
         self.storage = storage
-        self.held: Optional[Lease] = None      # the lease this process took, if any
+        self.held: Optional[NamespaceLease] = None      # the lease this process took, if any
         self._follow: Optional[str] = None     # W > 1, a rank other than 0: the holder of the lease it writes under
         self._follow_until = 0.0
         self._guard = threading.Lock()
@@ -56,12 +56,12 @@ class LeaseLocker(Locker):
     def url(self) -> str:
         return self.storage.url
 
-    def lease(self, *, ttl_s: Optional[float] = None, holder: Optional[str] = None, **kw: Any) -> Lease:
+    def lease(self, *, ttl_s: Optional[float] = None, holder: Optional[str] = None, **kw: Any) -> NamespaceLease:
         """A lease on this namespace (not taken yet); ttl `SKIP_HARNESS_LEASE_TTL_S`, else 30 s."""
-        return Lease(self.storage.client, key=LEASE_KEY, ttl_s=ttl_from_env() if ttl_s is None else ttl_s,
+        return NamespaceLease(self.storage.client, key=LEASE_KEY, ttl_s=ttl_from_env() if ttl_s is None else ttl_s,
                      holder=holder, **kw)
 
-    def acquire(self, timeout: float = 0.0, **kw: Any) -> Optional[Lease]:
+    def acquire(self, timeout: float = 0.0, **kw: Any) -> Optional[NamespaceLease]:
         """Hold the namespace (LockHeldError names the holder). A credential that may not write makes
         the namespace read-only and returns None: serve, write nothing."""
         lease = self.lease(**kw)
@@ -78,7 +78,7 @@ class LeaseLocker(Locker):
         lease = self.acquire(timeout)
         return LeaseHold(self, lease, why="" if lease is not None else self.writable() or "read-only")
 
-    def give_back(self, lease: Lease) -> None:
+    def give_back(self, lease: NamespaceLease) -> None:
         lease.release()
         if self.held is lease:
             self.held = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from skip_harness.cli.view.data import Cache, Namespace, fingerprint_values as _fp_values
+from skip_harness.cli.view.data import Cache, ViewedNamespace, fingerprint_values as _fp_values
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow
 from skip_harness.cli.view.samples import MASK, _last
 from skip_harness.store.api import NamespaceReport, StepReport
@@ -52,11 +52,11 @@ def colour_keys(shown: Sequence[Shown]) -> List[str]:
     return plain + [n for n in names if n not in plain]
 
 
-def _decoder(ns: Namespace, s: Optional[StepReport], decoder: Decoder) -> Decoder:
+def _decoder(ns: ViewedNamespace, s: Optional[StepReport], decoder: Decoder) -> Decoder:
     return decoder.for_namespace(ns.group, _fp_values(s))
 
 
-def _no_step(ns: Namespace, step: int, report: NamespaceReport) -> NotFound:
+def _no_step(ns: ViewedNamespace, step: int, report: NamespaceReport) -> NotFound:
     steps = [r.step for r in report.steps]
     held = f"it holds steps {steps[0]} .. {steps[-1]}" if steps else "it holds no step"
     return NotFound(f"{ns.layout.root}: no step {step} ({held})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from skip_harness.cli.view.data import Cache, Kept, Namespace, StepRead, step_stamp
+from skip_harness.cli.view.data import Cache, Kept, ViewedNamespace, StepRead, step_stamp
 from skip_harness.cli.view.decode import Decoder, show
 from skip_harness.cli.view.pages.common import TOKENS_ON_STEP_PAGE, BadQuery, _decoder, compare_choices
 from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
@@ -31,7 +31,7 @@ class Pairings:
     def __init__(self) -> None:
         self._kept: Kept[Tuple[str, str, int], Dict[str, Any]] = Kept(size=1)
 
-    def get(self, cache: Cache, a: Namespace, b: Namespace, step: int,
+    def get(self, cache: Cache, a: ViewedNamespace, b: ViewedNamespace, step: int,
             scans: Optional[Sequence[NamespaceReport]] = None) -> Dict[str, Any]:
         """`scans`: both namespaces' scans when the caller has just made them."""
         reports = [sc.get(step) for sc in (scans or [cache.scan(ns) for ns in (a, b)])]
@@ -51,7 +51,7 @@ class Pairings:
                               compute)
 
 
-def shape_notes(a: Namespace, b: Namespace, pairing: Optional[Pairing]) -> List[str]:
+def shape_notes(a: ViewedNamespace, b: ViewedNamespace, pairing: Optional[Pairing]) -> List[str]:
     """What differs in the two runs' shapes, said on top, and how the page handles it."""
     notes = []
     for name, x, y in (("K", a.layout.K, b.layout.K), ("W", a.layout.W, b.layout.W)):
@@ -63,7 +63,7 @@ def shape_notes(a: Namespace, b: Namespace, pairing: Optional[Pairing]) -> List[
     return notes
 
 
-def compare(cache: Cache, a: Namespace, b: Namespace, step: int, decoder: Decoder, pairings: Pairings,
+def compare(cache: Cache, a: ViewedNamespace, b: ViewedNamespace, step: int, decoder: Decoder, pairings: Pairings,
             page: int = 1, only: str = "") -> Dict[str, Any]:
     """Two namespaces at one step: each side's summary, and their trajectories paired by identity (one page
     of pairs; `only=differ` shows the pairs that differ and the one-sided ones)."""

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from skip_harness.cli._common import fmt_ago, fmt_seconds, fmt_value, human_bytes
 from skip_harness.cli.listing import grand_total
 from skip_harness.cli.view import charts
-from skip_harness.cli.view.data import Cache, Kept, Namespace, step_stamp
+from skip_harness.cli.view.data import Cache, Kept, ViewedNamespace, step_stamp
 from skip_harness.cli.view.live import live
 from skip_harness.cli.view.pages.common import BadQuery, _other, chart_steps, compare_choices
 from skip_harness.cli.view.values import by_prefix, default_order, pick
@@ -62,7 +62,7 @@ class ChartQuery:
                          + [("with", r) for r in self.runs])
 
 
-def namespace(cache: Cache, ns: Namespace, summaries: "Summaries", query: Optional[ChartQuery] = None) -> Dict[str, Any]:
+def namespace(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", query: Optional[ChartQuery] = None) -> Dict[str, Any]:
     query = query or ChartQuery([], "", [])
     report = cache.scan(ns)
     view = cache.namespace_view(ns, report)
@@ -92,7 +92,7 @@ def namespace(cache: Cache, ns: Namespace, summaries: "Summaries", query: Option
             "key_count": len(keys)}
 
 
-def dead_counts(cache: Cache, ns: Namespace, summaries: "Summaries", report: NamespaceReport
+def dead_counts(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", report: NamespaceReport
                 ) -> Dict[int, Tuple[int, Optional[float]]]:
     """{step: (dead groups, their share)} for the charted steps whose summary is kept, or can be made within
     DEAD_BUDGET_S (a step's dead groups need its verified read: the charts read the same steps and keep their
@@ -110,7 +110,7 @@ def dead_counts(cache: Cache, ns: Namespace, summaries: "Summaries", report: Nam
     return out
 
 
-def value_series(cache: Cache, ns: Namespace, summaries: "Summaries", report: NamespaceReport
+def value_series(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", report: NamespaceReport
                  ) -> Dict[str, List[charts.Point]]:
     """Every recorded numeric value over the charted steps: {key: points}."""
     servable = [s for s in report.steps if s.servable]
@@ -134,23 +134,23 @@ class Summaries:
         self._kept: Kept[Tuple[str, int], Optional[Dict[str, Any]]] = Kept()
         self._values: Kept[Tuple[str, int], Optional[Dict[str, float]]] = Kept()
 
-    def get(self, cache: Cache, ns: Namespace, s: StepReport) -> Optional[Dict[str, Any]]:
+    def get(self, cache: Cache, ns: ViewedNamespace, s: StepReport) -> Optional[Dict[str, Any]]:
         def compute() -> Optional[Dict[str, Any]]:
             table = cache.table(ns, s)[1]
             return None if table is None else table.summary()
         return self._kept.get((ns.key, s.step), step_stamp(s), compute)
 
-    def peek(self, ns: Namespace, s: StepReport) -> Optional[Dict[str, Any]]:
+    def peek(self, ns: ViewedNamespace, s: StepReport) -> Optional[Dict[str, Any]]:
         """The step's summary if it is kept (and still the step's), never reading it."""
         return self._kept.peek((ns.key, s.step), step_stamp(s))
 
-    def values(self, cache: Cache, ns: Namespace, s: StepReport) -> Optional[Dict[str, float]]:
+    def values(self, cache: Cache, ns: ViewedNamespace, s: StepReport) -> Optional[Dict[str, float]]:
         """The step's recorded values, kept while its commit record stays the same."""
         return self._values.get((ns.key, s.step), step_stamp(s), lambda: cache.values(ns, s.step))
 
 
 
-def _rollout_series(cache: Cache, ns: Namespace, summaries: Summaries, report: NamespaceReport
+def _rollout_series(cache: Cache, ns: ViewedNamespace, summaries: Summaries, report: NamespaceReport
                     ) -> Tuple[List[charts.Point], List[charts.Point], List[charts.Point]]:
     """Reward, length and the share of dead groups over the charted steps."""
     servable = [s for s in report.steps if s.servable]
@@ -174,7 +174,7 @@ def _rollout_series(cache: Cache, ns: Namespace, summaries: Summaries, report: N
     return reward, length, dead
 
 
-def namespace_charts(cache: Cache, ns: Namespace, summaries: Summaries, query: Optional[ChartQuery] = None
+def namespace_charts(cache: Cache, ns: ViewedNamespace, summaries: Summaries, query: Optional[ChartQuery] = None
                      ) -> Dict[str, Any]:
     """The rollouts' reward and length over steps, then the recorded values picked (by default: loss,
     reward, KL, grad norm, lengths... timings last), each overlaid with the runs `with` names; every step's

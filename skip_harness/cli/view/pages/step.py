@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from skip_harness.cli._common import fmt_seconds, fmt_value
 from skip_harness.cli.show import describe
-from skip_harness.cli.view.data import Cache, Namespace
+from skip_harness.cli.view.data import Cache, ViewedNamespace
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, fill_rests, show
 from skip_harness.cli.view.live import live
 from skip_harness.cli.view.pages.common import (ROWS_PER_PAGE, SORT_KEYS, TOKENS_ON_STEP_PAGE, BadQuery, _decoder,
@@ -93,7 +93,7 @@ def select(table: StepTable, query: StepQuery, decoder: Decoder) -> List[Traject
 
 
 
-def step_page(cache: Cache, ns: Namespace, step: int, query: StepQuery, decoder: Decoder) -> Dict[str, Any]:
+def step_page(cache: Cache, ns: ViewedNamespace, step: int, query: StepQuery, decoder: Decoder) -> Dict[str, Any]:
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
@@ -166,7 +166,7 @@ def ids_only(decoder: Decoder, shown: Sequence[Shown]) -> bool:
                                       or (s.response_tokens and s.response_text is None) for s in shown)
 
 
-def _filter_url(ns: Namespace, step: int, query: StepQuery, groups: str) -> str:
+def _filter_url(ns: ViewedNamespace, step: int, query: StepQuery, groups: str) -> str:
     """This view with the group filter set to `groups` (from its first page)."""
     from urllib.parse import urlencode
 
@@ -199,7 +199,7 @@ def _reward_note(table: StepTable) -> Optional[str]:
             "or before it existed, recomputes rewards each step: its logged reward is among the recorded values below)")
 
 
-def step_json(cache: Cache, ns: Namespace, step: int) -> Dict[str, Any]:
+def step_json(cache: Cache, ns: ViewedNamespace, step: int) -> Dict[str, Any]:
     """The step: each mini-batch's `meta` and `structure` (as `show --json` gives them) and every trajectory's
     group, reward, advantage and length; an unreadable step's `status` and `reason` only."""
     report = cache.scan(ns)

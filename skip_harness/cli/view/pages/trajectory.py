@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from skip_harness.cli.view.data import Cache, Namespace
+from skip_harness.cli.view.data import Cache, ViewedNamespace
 from skip_harness.cli.view.decode import Decoder, show
 from skip_harness.cli.view.pages.step import ids_only
 from skip_harness.cli.view.pages.common import BadQuery, NotFound, _decoder, _no_step, colour_keys, token_row
 
 
-def trajectory(cache: Cache, ns: Namespace, step: int, ref: str, decoder: Decoder, color: str = "") -> Dict[str, Any]:
+def trajectory(cache: Cache, ns: ViewedNamespace, step: int, ref: str, decoder: Decoder, color: str = "") -> Dict[str, Any]:
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
