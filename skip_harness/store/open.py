@@ -1,9 +1,12 @@
-"""Opening a cache: a dump_dir or a namespace's layout -> its `Namespace` on the right storage.
+"""Opening a cache: a dump_dir or a namespace's layout -> its `Namespace` on the backend its URL's scheme names.
 
-The only module that imports a backend (an import-linter contract holds it): a local path opens the
-POSIX storage with its flock locker, a pack file (told by its first bytes) the read-only pack storage
-(`store.packfile`, whose format names `store.pack` takes from here), an object-store URL the object
-store's (`store.objstore`, which needs the [s3] extra; imported only when a URL is used).
+The backends are looked up by scheme in `store.registry` (where a package registers its own: an entry
+point of the group `skip_harness.backends`). skip_harness's own are defined and registered here, the
+only module that imports them (an import-linter contract holds it): a local path (`file`) opens the POSIX
+storage with its flock locker, a local pack file (`pack`, told by its first bytes) the read-only pack
+storage (`store.packfile`, whose format names `store.pack` takes from here), an object-store URL (`s3`,
+`gs`, `az`, ..., `memory`) the object store's (`store.objstore`, which needs the [s3] extra; imported only
+when a URL is used).
 
 A namespace is opened once -- by a run's startup (`run.startup`), by a command -- and handed down to
 everything that reads or writes it (the scan, the cleanup, the step store): an object store's namespace
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from skip_harness.codec import StoredForm
 from skip_harness.errors import ConfigError, SkipHarnessError
 from skip_harness.store.bufferpool import BufferPool
 from skip_harness.store.layout import Layout, parse_namespace_leaf
+from skip_harness.store.locking import Locker
 from skip_harness.store.memory import MemoryLocker, MemoryStorage
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.packfile import (MANIFEST_NAME, PACK_FORMAT, PACK_VERSION, PackError, PackLocker, PackMember,
@@ -29,9 +33,14 @@ from skip_harness.store.posix.holder import LockHolder, read_holder
 from skip_harness.store.posix.lock import FlockLocker
 from skip_harness.store.posix.processes import process_runs_since  # noqa: F401  (the store's face re-exports it)
 from skip_harness.store.posix.storage import PosixStorage
+from skip_harness.store.registry import Backend, BackendLoadError, NoBackendError, backend_for, register_backend
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.storage import DIR, Storage
-from skip_harness.store.urls import DUMP_DIR_KEY, dump_dir_problem, is_url, join_url, local_path
+from skip_harness.store.urls import (DUMP_DIR_KEY, URL_SCHEMES, UrlPath, dump_dir_problem, is_url, join_url, local_path,
+                                     url_scheme)
+
+LOCAL_SCHEME = "file"       # a local path (or a file:// URL)
+PACK_SCHEME = "pack"        # a local path whose first bytes are a pack file's
 
 
 class DumpDir:
@@ -75,52 +84,119 @@ def memory_namespace(name: str = "namespace") -> Namespace:
     return Namespace(MemoryStorage(url), MemoryLocker(url))
 
 
-def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
-    """The DumpDir of a dump_dir: a local path -> POSIX; a URL with a scheme -> the object store
-    (`skip_harness.store.objstore`, which needs the [s3] extra). ConfigError naming
-    `skip.rollout_tq.dump_dir` when the URL cannot be served here."""
-    why = dump_dir_problem(dump_dir)
-    if why is not None:
-        raise ConfigError(DUMP_DIR_KEY, why)
-    if isinstance(dump_dir, os.PathLike) or not is_url(dump_dir):
-        root = local_path(dump_dir)
-
-        def posix(rel: str) -> Namespace:
-            kw = parse_namespace_leaf(rel.rstrip("/").rsplit("/", 1)[-1])
-            assert kw is not None
-            return posix_namespace(Layout(root / rel, K=kw[0], W=kw[1]))
-
-        return DumpDir(PosixStorage(root), posix)
-    url = str(dump_dir)
-    try:
-        objstore = importlib.import_module("skip_harness.store.objstore")
-        open_storage, open_locker = objstore.open_storage, objstore.open_locker
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(
-            DUMP_DIR_KEY,
-            f"{url}: object storage needs the [s3] extra (pip install 'skip_harness[s3]'): {exc}",
-        ) from None
-    try:
-        storage = open_storage(url, dump_dir=True)
-
-        def on_object_store(rel: str) -> Namespace:
-            ns_storage = open_storage(join_url(storage.url, rel))
-            return Namespace(ns_storage, open_locker(ns_storage))      # its client, and the lease's locker
-
-        return DumpDir(storage, on_object_store)
-    except ConfigError:
-        raise
-    except SkipHarnessError as exc:
-        raise ConfigError(DUMP_DIR_KEY, str(exc) if str(exc).startswith(url) else f"{url}: {exc}") from None
-    except ValueError as exc:
-        raise ConfigError(DUMP_DIR_KEY, f"{url}: not an object-store URL this build can open: {exc}") from None
-
-
 def pack_namespace(path: Union[str, os.PathLike]) -> Namespace:
     """The read-only namespace a pack file holds (`store.packfile`): PackError naming the path when it is
     no pack, or a damaged one."""
     storage = PackStorage(path)
     return Namespace(storage, PackLocker(storage.url))
+
+
+# ---- skip_harness's own backends, registered as a package's would be (store.registry)
+
+
+class PosixBackend(Backend):
+    """A directory on a local or shared file system (`store.posix`), locked by flock."""
+
+    schemes = (LOCAL_SCHEME,)
+
+    def dump_dir(self, url: str) -> Storage:
+        return PosixStorage(local_path(url))
+
+    def namespace(self, layout: Layout) -> Tuple[Storage, Locker]:
+        return PosixStorage(layout.root), FlockLocker(layout)
+
+
+class PackBackend(Backend):
+    """A pack file (`store.packfile`): one namespace, read in place, never written."""
+
+    schemes = (PACK_SCHEME,)
+
+    def dump_dir(self, url: str) -> Storage:
+        raise PackError(url, "a pack file holds one namespace, read in place: name the file itself, not a "
+                        "dump_dir in it")
+
+    def namespace(self, layout: Layout) -> Tuple[Storage, Locker]:
+        storage = PackStorage(layout.root)
+        return storage, PackLocker(storage.url)
+
+
+class ObjectStoreBackend(Backend):
+    """An S3-compatible bucket, GCS, Azure or obstore's in-process `memory://` (`store.objstore`, on obstore:
+    the [s3] extra, imported the first time a URL is opened); its locker is a lease object."""
+
+    schemes = URL_SCHEMES
+
+    def _objstore(self, url: str) -> Any:
+        try:
+            objstore = importlib.import_module("skip_harness.store.objstore")
+            return objstore.open_storage, objstore.open_locker
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(
+                DUMP_DIR_KEY,
+                f"{url}: object storage needs the [s3] extra (pip install 'skip_harness[s3]'): {exc}",
+            ) from None
+
+    def dump_dir(self, url: str) -> Storage:
+        open_storage, _ = self._objstore(url)
+        return open_storage(url, dump_dir=True)
+
+    def namespace(self, layout: Layout) -> Tuple[Storage, Locker]:
+        open_storage, open_locker = self._objstore(str(layout.root))
+        storage = open_storage(str(layout.root))
+        return storage, open_locker(storage)      # its client, and the lease's locker
+
+
+for _builtin in (PosixBackend(), PackBackend(), ObjectStoreBackend()):
+    register_backend(_builtin)
+del _builtin
+
+
+# ---- opening
+
+
+def _on(url: str, opening: Callable[[], Any]) -> Any:
+    """`opening()` for the URL `url`, its failures a ConfigError naming the dump_dir's key and `url`."""
+    try:
+        return opening()
+    except ConfigError:
+        raise
+    except (NoBackendError, BackendLoadError) as exc:
+        raise ConfigError(DUMP_DIR_KEY, f"{url}: {exc}") from None
+    except SkipHarnessError as exc:
+        raise ConfigError(DUMP_DIR_KEY, str(exc) if str(exc).startswith(url) else f"{url}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(DUMP_DIR_KEY, f"{url}: not a URL the {url_scheme(url)}:// backend can open: {exc}") from None
+
+
+def open_dump_dir(dump_dir: Union[str, os.PathLike]) -> DumpDir:
+    """The DumpDir of a dump_dir, on the backend its scheme names (`store.registry`): a local path -> POSIX;
+    `s3://`, `gs://`, ... -> the object store (`skip_harness.store.objstore`, which needs the [s3] extra);
+    a registered backend's scheme -> that backend. ConfigError naming `skip.rollout_tq.dump_dir` when the
+    URL cannot be served here."""
+    why = dump_dir_problem(dump_dir)
+    if why is not None:
+        raise ConfigError(DUMP_DIR_KEY, why)
+    if isinstance(dump_dir, os.PathLike) or not is_url(dump_dir):
+        root = local_path(dump_dir)
+        local = backend_for(LOCAL_SCHEME)
+
+        def on_disk(rel: str) -> Namespace:
+            kw = parse_namespace_leaf(rel.rstrip("/").rsplit("/", 1)[-1])
+            assert kw is not None
+            return Namespace(*local.namespace(Layout(root / rel, K=kw[0], W=kw[1])))
+
+        return DumpDir(local.dump_dir(str(root)), on_disk)
+    url = str(dump_dir)
+    backend: Backend = _on(url, lambda: backend_for(url_scheme(url) or ""))
+    storage: Storage = _on(url, lambda: backend.dump_dir(url))
+
+    def at_url(rel: str) -> Namespace:
+        kw = parse_namespace_leaf(rel.rstrip("/").rsplit("/", 1)[-1])
+        assert kw is not None
+        layout = Layout(UrlPath(join_url(storage.url, rel)), K=kw[0], W=kw[1])  # type: ignore[arg-type]
+        return Namespace(*backend.namespace(layout))
+
+    return DumpDir(storage, at_url)
 
 
 def pack_layout(path: Union[str, os.PathLike]) -> Optional[Layout]:
@@ -137,14 +213,14 @@ def pack_layout(path: Union[str, os.PathLike]) -> Optional[Layout]:
 
 
 def open_namespace(layout: Layout) -> Namespace:
-    """The namespace of a Layout: the POSIX one for a directory, the object store's for a URL layout
-    (`layout.is_url`), the read-only one of a pack file (`layout.packed`, or a path that is a pack file).
-    Opened once by each run (`run.startup`) and each command, and handed down: an object store's
-    namespace holds its client and the lease the run takes, which its writes check."""
+    """The namespace of a Layout, on its backend: the POSIX one for a directory, the read-only pack one for
+    a pack file (`layout.packed`, or a path that is a pack file), the backend of its URL's scheme for a URL
+    layout (`layout.is_url`: the object store's, or a registered one's). Opened once by each run
+    (`run.startup`) and each command, and handed down: an object store's namespace holds its client and
+    the lease the run takes, which its writes check."""
     if not layout.is_url:
-        if layout.packed or is_pack(layout.root):
-            return pack_namespace(layout.root)
-        return posix_namespace(layout)
+        scheme = PACK_SCHEME if layout.packed or is_pack(layout.root) else LOCAL_SCHEME
+        return Namespace(*backend_for(scheme).namespace(layout))
     root = layout.root
     return open_dump_dir(str(root.parent.parent)).namespace(f"{root.parent.name}/{root.name}")
 
@@ -163,6 +239,7 @@ def open_store(layout: Layout, *, pool: Optional[BufferPool] = None, form: Optio
     return StepStore(layout, open_namespace(layout), pool=pool, form=form)
 
 
-__all__ = ["MANIFEST_NAME", "PACK_FORMAT", "PACK_VERSION", "DumpDir", "PackError", "PackMember", "PackReadOnly",
+__all__ = ["LOCAL_SCHEME", "MANIFEST_NAME", "PACK_FORMAT", "PACK_SCHEME", "PACK_VERSION", "DumpDir", "ObjectStoreBackend",
+           "PackBackend", "PackError", "PosixBackend", "PackMember", "PackReadOnly",
            "const_bytes", "is_pack", "pack_file_size", "read_manifest", "safe_member", "write_pack_file", "memory_namespace", "open_dump_dir", "open_namespace", "open_store", "pack_layout",
            "pack_namespace", "posix_namespace"]

@@ -74,6 +74,14 @@ def is_url(where: object) -> bool:
     return bool(m) and m.group(1).lower() != "file"
 
 
+def url_scheme(where: object) -> Optional[str]:
+    """The scheme of a URL (`s3` of `s3://bucket/prefix`), lower case; None for a local path."""
+    if isinstance(where, UrlPath):
+        where = where.url
+    m = _SCHEME.match(where) if isinstance(where, str) else None
+    return m.group(1).lower() if m else None
+
+
 def dump_dir_problem(dump_dir: Union[str, os.PathLike, None]) -> Optional[str]:
     """Why a dump_dir cannot be used, from its text alone; None when it may be. An object store's
     scheme without its `//` (`s3:/x`, `s3:x`, `gs:/x`) is refused rather than taken for a local folder
@@ -111,4 +119,4 @@ def join_url(url: str, *parts: str) -> str:
     return out
 
 
-__all__ = ["DUMP_DIR_KEY", "URL_SCHEMES", "UrlPath", "dump_dir_problem", "is_url", "join_url", "local_path"]
+__all__ = ["DUMP_DIR_KEY", "URL_SCHEMES", "UrlPath", "dump_dir_problem", "is_url", "join_url", "local_path", "url_scheme"]
