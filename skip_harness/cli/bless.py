@@ -87,8 +87,8 @@ def bless_namespace(root: Path, values: Mapping[int, Mapping[str, float]], train
     from skip_harness.store.api import Layout, ValuesStore, config_digest, namespaces_at, open_store
 
     layout: Layout = namespaces_at(root)[0]
-    store = open_store(layout)
-    namespace, reader = store.backend, store.reader
+    steps = open_store(layout)
+    namespace, reader = steps.backend, steps.reader
     records = {step: reader.read_commit(step) for step in values}
     missing = [step for step, record in records.items() if record is None]
     if missing:
