@@ -18,7 +18,7 @@ subclass, an instance of one, or a callable returning one, loaded the first time
 
 or at run time with `register_backend(MyDbBackend())`. Then `dump_dir: mydb://where/prefix` opens it.
 `skip_harness.testing.store_tests.StoreTests` holds the protocol's tests a backend inherits
-(docs/design.md#storage-backends).
+(docs/store.md#adding-a-backend).
 """
 from __future__ import annotations
 

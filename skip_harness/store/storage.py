@@ -35,8 +35,9 @@ Threads
     prefetch thread reads another); never from a forked child.
 
 Writing a new backend: subclass `Storage`, set `caps` and `url`, implement the abstract methods (their
-docstrings are the contract), and pass the backend tests (`tests/test_backend.py` is parametrized over
-every backend: add yours to its fixture).
+docstrings are the contract), give it a `store.registry.Backend` registered by URL scheme, and subclass
+the protocol's tests that ship in the package (`skip_harness.testing.store_tests.StoreTests`), as our
+backends do in tests/test_backend.py (docs/store.md#adding-a-backend).
 """
 from __future__ import annotations
 
