@@ -24,7 +24,7 @@ _WRITER_KEYS = ("writer", "step", "inner_index", "rank", "K", "W", "payload", "f
 
 def serve_other_rollouts(layout: Layout, src: int, dst: int) -> None:
     store = open_store(layout)
-    values = ValuesStore(store.backend)
+    values = ValuesStore(store.namespace)
     recorded = values.read_step(dst)
     record = store.reader.read_commit(dst)
     assert record is not None, f"step {dst} of {layout.root} is not committed"

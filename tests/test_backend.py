@@ -196,7 +196,7 @@ def test_the_step_store_scan_index_and_cleanup_run_on_the_memory_backend(tmp_pat
 
     ns = memory_namespace("whole")
     layout = NamespaceKey("exp", "proj", 8, 2, 4, 4, K=2).layout(tmp_path / "never")
-    store = StepStore(layout, backend=ns)
+    store = StepStore(layout, namespace=ns)
     for step in (1, 2, 3):
         write_step(store, step)
     write_step(store, 4, commit=False)                       # interrupted before its commit

@@ -37,9 +37,9 @@ def age(st, seconds=30.0):
     for d, dirs, files in os.walk(st.layout.root):
         for name in dirs + files:
             os.utime(os.path.join(d, name), (then, then), follow_symlinks=False)
-    index.remove(st.backend)
-    scan_namespace(st.layout, st.backend)
-    assert all(not e.racy for e in index.read(st.layout, st.backend).values())
+    index.remove(st.namespace)
+    scan_namespace(st.layout, st.namespace)
+    assert all(not e.racy for e in index.read(st.layout, st.namespace).values())
 
 
 def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
@@ -52,7 +52,7 @@ def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
     assert [e["fp"] for e in entries if isinstance(e, dict)] == [FP.digest]   # one line per fingerprint
     assert [e[0] for e in entries if isinstance(e, list)] == [1, 2, 3]       # one line per commit
     age(st)
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert report.index_used and report.index_note is None
     assert report.steps == scan_namespace(st.layout, open_namespace(st.layout), use_index=False).steps
     assert [s.fingerprint for s in report.steps] == [FP] * 3
@@ -68,7 +68,7 @@ def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
     listed = []
     real = PosixStorage.list
     monkeypatch.setattr(PosixStorage, "list", lambda self, p="": listed.append(p) or real(self, p))
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert report.counts()["complete"] == 5 and listed == []   # stamps only: no step directory listed
 
 
@@ -91,12 +91,12 @@ def test_missing_or_corrupt_index_is_rebuilt_with_a_note(tmp_path, damage):
     else:
         lines = index_lines(st)
         path.write_text("\n".join(lines[:1] + ['["1",2]'] + lines[2:]) + "\n")
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert report.steps == full.steps
     word = "missing" if damage == "missing" else "corrupt"
     assert report.index_note.startswith(f"index {word}") and "rebuilt" in report.index_note
-    assert sorted(index.read(st.layout, st.backend)) == [1, 2]
-    again = scan_namespace(st.layout, st.backend)
+    assert sorted(index.read(st.layout, st.namespace)) == [1, 2]
+    again = scan_namespace(st.layout, st.namespace)
     assert again.index_note is None and again.steps == full.steps
 
 
@@ -110,20 +110,20 @@ def test_stale_index_says_what_changed_and_is_rebuilt(tmp_path):
     doc = json.loads(st.layout.commit_path(9).read_text())
     doc["step"] = 9
     st.layout.commit_path(9).write_text(json.dumps(doc))
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert [(s.step, s.status) for s in report.steps] == [(1, "complete"), (3, "complete"), (9, "complete")]
     assert "1 removed" in report.index_note and "1 unindexed" in report.index_note
     assert "rebuilt" in report.index_note
-    assert sorted(index.read(st.layout, st.backend)) == [1, 3, 9]
-    assert scan_namespace(st.layout, st.backend).index_note is None
+    assert sorted(index.read(st.layout, st.namespace)) == [1, 3, 9]
+    assert scan_namespace(st.layout, st.namespace).index_note is None
 
 
 def test_an_unwritable_index_is_reported_and_the_scan_still_right(tmp_path, monkeypatch):
     st = make(tmp_path)
     write_step(st, 1)
-    index.remove(st.backend)
+    index.remove(st.namespace)
     monkeypatch.setattr(index, "rewrite", lambda layout, ns, entries: "Read-only file system")
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert report.counts()["complete"] == 1
     assert "could not be rebuilt: Read-only file system" in report.index_note
 
@@ -175,7 +175,7 @@ def test_index_backed_scan_agrees_with_the_full_scan_on_every_status(tmp_path, a
     _every_status_behind_the_index(st, tmp_path)
     if aged:
         age(st)
-    before = scan_namespace(st.layout, st.backend)
+    before = scan_namespace(st.layout, st.namespace)
     assert before.steps == scan_namespace(st.layout, open_namespace(st.layout), use_index=False).steps
     _hand_edits(st, tmp_path)
     full = scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
@@ -184,7 +184,7 @@ def test_index_backed_scan_agrees_with_the_full_scan_on_every_status(tmp_path, a
     assert statuses[2] == statuses[4] == statuses[30] == "corrupt" and statuses[32] == "complete"
     assert 1 not in statuses and statuses[31] == "unverified"
     for attempt in range(2):            # the first reconciles (and rewrites) the index, the next reads it
-        report = scan_namespace(st.layout, st.backend)
+        report = scan_namespace(st.layout, st.namespace)
         assert report.steps == full.steps, attempt
     assert report.index_note is None
     assert report.index_used or not aged   # just written, every entry may still be racy (rechecked in full)
@@ -218,8 +218,8 @@ def test_a_change_in_the_same_clock_tick_as_the_commit_is_still_seen(tmp_path):
     before = os.stat(step_dir)
     (step_dir / "meta.json").unlink()      # removed ...
     os.utime(step_dir, ns=(before.st_atime_ns, before.st_mtime_ns))   # ... within the same mtime tick
-    assert index.read(st.layout, st.backend)[1].racy
-    report = scan_namespace(st.layout, st.backend)
+    assert index.read(st.layout, st.namespace)[1].racy
+    report = scan_namespace(st.layout, st.namespace)
     assert report.get(1).status == "corrupt"
     assert report.steps == scan_namespace(st.layout, open_namespace(st.layout), use_index=False).steps
 
@@ -232,8 +232,8 @@ def test_cleanup_forgets_the_steps_it_removes(tmp_path):
         write_step(st, step)
     p = st.layout.payload_path(2, 0, 0)
     p.write_bytes(p.read_bytes()[:-1] + b"\x00")
-    report = scan_namespace(st.layout, st.backend)
-    plan_cleanup(report, "quarantine", extra=[(2, st.reader.verify(2)[1])]).execute(st.backend)
-    assert sorted(index.read(st.layout, st.backend)) == [1, 3]
-    after = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
+    plan_cleanup(report, "quarantine", extra=[(2, st.reader.verify(2)[1])]).execute(st.namespace)
+    assert sorted(index.read(st.layout, st.namespace)) == [1, 3]
+    after = scan_namespace(st.layout, st.namespace)
     assert after.index_note is None and [s.step for s in after.steps] == [1, 3]

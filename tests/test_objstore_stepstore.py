@@ -20,7 +20,7 @@ LEAF = "exp_proj/GBS8_N2_in16_out32_K2_W1"
 def store(s3_bucket, tmp_path):
     ns = open_dump_dir(f"s3://{s3_bucket}/dump").namespace(LEAF)
     # the Layout only names paths in messages here: nothing may appear under it
-    return StepStore(Layout(tmp_path / "never-written", K=2, W=1), backend=ns)
+    return StepStore(Layout(tmp_path / "never-written", K=2, W=1), namespace=ns)
 
 
 def test_written_committed_and_served_from_the_bucket(store, s3_server, s3_bucket, tmp_path):
@@ -62,7 +62,7 @@ def test_a_rewrite_uncommits_first_and_clear_removes_the_record_first(store, s3_
     assert store.status(5).status == "complete"
     assert_batch_equal(store.reader.read_served(5, 0)[2][1], batch(50, 1))
     assert store.writer.clear_step(5) > 0 and s3_server.keys(s3_bucket, f"dump/{LEAF}/5/") == []
-    record = json.loads(store.backend.read_small("5/commit.json") or b"null")
+    record = json.loads(store.namespace.read_small("5/commit.json") or b"null")
     assert record is None
 
 

@@ -27,7 +27,7 @@ def make(tmp_path, K=1, W=1) -> StepStore:
 
 
 def status(st, step):
-    return classify_step(st.layout, step, backend=st.backend)
+    return classify_step(st.layout, step, namespace=st.namespace)
 
 
 def du(path) -> int:
@@ -223,7 +223,7 @@ def test_scan_namespace_sorts_steps_and_ignores_other_entries(tmp_path):
     (root / ".lock").write_text("")
     (root / ".trash-4-1-abc").mkdir()
     (root / ".trash-4-1-abc" / "junk").write_bytes(b"12345")
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert [s.step for s in report.steps] == [1, 2, 10]
     assert report.complete_steps == frozenset({1, 2, 10})
     assert report.bytes == sum(s.bytes for s in report.steps)
@@ -239,7 +239,7 @@ def test_scan_namespace_reports_every_status(tmp_path):
     write_step(st, 3, inners=[0], commit=False)
     write_step(st, 4)
     st.layout.commit_path(4).write_text("garbage")
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert {s.step: s.status for s in report.steps} == {1: "complete", 2: "unverified", 3: "incomplete",
                                                          4: "corrupt"}
     assert report.complete_steps == frozenset({1, 2})
@@ -299,7 +299,7 @@ def _mixed_namespace(tmp_path):
 def test_plan_does_nothing_until_executed(tmp_path):
     st = _mixed_namespace(tmp_path)
     before = sorted(p for p in st.layout.root.rglob("*"))
-    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "delete")
+    plan = plan_cleanup(scan_namespace(st.layout, st.namespace), "delete")
     assert isinstance(plan, CleanupPlan)
     assert [(i.step, i.status, i.action) for i in plan.items] == [(3, "incomplete", "delete"), (4, "corrupt", "delete")]
     expected = du(st.layout.step_dir(3)) + du(st.layout.step_dir(4))
@@ -309,35 +309,35 @@ def test_plan_does_nothing_until_executed(tmp_path):
 
 def test_delete_removes_incomplete_and_corrupt_steps_only(tmp_path, caplog):
     st = _mixed_namespace(tmp_path)
-    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "delete")
+    plan = plan_cleanup(scan_namespace(st.layout, st.namespace), "delete")
     with caplog.at_level("INFO", logger="skip_harness"):
-        result = plan.execute(st.backend)
+        result = plan.execute(st.namespace)
     assert result.errors == () and result.freed_bytes == plan.expected_freed_bytes
     assert [(i.step, i.status) for i in result.items] == [(3, "incomplete"), (4, "corrupt")]
-    assert {s.step: s.status for s in scan_namespace(st.layout, st.backend).steps} == {1: "complete", 2: "unverified"}
+    assert {s.step: s.status for s in scan_namespace(st.layout, st.namespace).steps} == {1: "complete", 2: "unverified"}
     assert caplog.text == ""  # scan and cleanup never log: the caller reports the result
     assert not [p for p in st.layout.root.iterdir() if p.name.startswith(".trash-")]
 
 
 def test_quarantine_moves_steps_under_the_namespace(tmp_path):
     st = _mixed_namespace(tmp_path)
-    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "quarantine")
+    plan = plan_cleanup(scan_namespace(st.layout, st.namespace), "quarantine")
     assert plan.expected_freed_bytes == 0 and plan.bytes > 0
-    result = plan.execute(st.backend)
+    result = plan.execute(st.namespace)
     assert result.errors == () and result.freed_bytes == 0 and result.moved_bytes == plan.bytes
     moved = sorted(p.name for p in st.layout.quarantine_dir.iterdir())
     assert len(moved) == 2 and moved[0].startswith("3-") and moved[1].startswith("4-")
     assert all(p.parent == st.layout.quarantine_dir for p in result.quarantined)
     assert (st.layout.quarantine_dir / moved[1] / "commit.json").read_text() == "garbage"
-    assert {s.step for s in scan_namespace(st.layout, st.backend).steps} == {1, 2}
+    assert {s.step for s in scan_namespace(st.layout, st.namespace).steps} == {1, 2}
 
 
 def test_off_plans_nothing(tmp_path):
     st = _mixed_namespace(tmp_path)
-    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "off")
+    plan = plan_cleanup(scan_namespace(st.layout, st.namespace), "off")
     assert plan.items == () and plan.expected_freed_bytes == 0
-    assert plan.execute(st.backend).freed_bytes == 0
-    assert len(scan_namespace(st.layout, st.backend).steps) == 4
+    assert plan.execute(st.namespace).freed_bytes == 0
+    assert len(scan_namespace(st.layout, st.namespace).steps) == 4
 
 
 def test_unknown_action_names_the_config_key(tmp_path):
@@ -352,9 +352,9 @@ def test_leftover_trash_is_removed_by_cleanup(tmp_path):
     trash = st.layout.root / ".trash-7-1-abcdef"
     (trash / "0").mkdir(parents=True)
     (trash / "0" / "tq_batch.pt").write_bytes(b"x" * 100)
-    plan = plan_cleanup(scan_namespace(st.layout, st.backend), "delete")
+    plan = plan_cleanup(scan_namespace(st.layout, st.namespace), "delete")
     assert plan.expected_freed_bytes == plan.bytes + 100
-    result = plan.execute(st.backend)
+    result = plan.execute(st.namespace)
     assert not trash.exists() and result.freed_bytes == plan.expected_freed_bytes
 
 
@@ -369,9 +369,9 @@ def test_a_values_write_killed_midway_leaves_no_temporary_after_cleanup(tmp_path
     (values / "1.json").write_text("{}")
     tmp = values / ".tmp-2.json.14803.c2858d4f"
     tmp.write_bytes(b"x" * 7)
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert [(x.path, x.bytes) for x in report.leftovers] == [(tmp, 7)]
-    result = plan_cleanup(report, action).execute(st.backend)
+    result = plan_cleanup(report, action).execute(st.namespace)
     assert not tmp.exists() and (values / "1.json").exists() and result.errors == ()
 
 
@@ -384,22 +384,22 @@ def test_cleanup_of_symlinked_steps_never_leaves_the_namespace(tmp_path, outside
     shutil.rmtree(st.layout.inner_dir(3, 1))
     os.symlink(outside, st.layout.inner_dir(3, 1))             # inner dir -> outside
     before = sorted(os.listdir(outside))
-    plan = plan_cleanup(scan_namespace(st.layout, st.backend), action)
+    plan = plan_cleanup(scan_namespace(st.layout, st.namespace), action)
     assert [i.step for i in plan.items] == [2, 3]
-    result = plan.execute(st.backend)
+    result = plan.execute(st.namespace)
     assert result.errors == ()
     assert sorted(os.listdir(outside)) == before and (outside / "sentinel").read_text() == "keep me"
     assert not os.path.lexists(st.layout.step_dir(2)) and not os.path.lexists(st.layout.step_dir(3))
     if action == "quarantine":
         moved = {p.name.split("-")[0]: p for p in st.layout.quarantine_dir.iterdir()}
         assert moved["2"].is_symlink()                         # the link itself was moved
-    assert [s.step for s in scan_namespace(st.layout, st.backend).steps] == [1]
+    assert [s.step for s in scan_namespace(st.layout, st.namespace).steps] == [1]
 
 
 def test_quarantine_refuses_a_symlinked_quarantine_dir(tmp_path, outside):
     st = _mixed_namespace(tmp_path)
     os.symlink(outside, st.layout.quarantine_dir)
-    result = plan_cleanup(scan_namespace(st.layout, st.backend), "quarantine").execute(st.backend)
+    result = plan_cleanup(scan_namespace(st.layout, st.namespace), "quarantine").execute(st.namespace)
     assert len(result.errors) == 2 and result.items == ()
     assert sorted(os.listdir(outside)) == ["meta.json", "sentinel", "tq_batch.pt"]
 
@@ -416,14 +416,14 @@ def test_extra_steps_found_corrupt_by_verify_are_handled_like_corrupt_ones(tmp_p
     data = bytearray(p.read_bytes())
     data[-1] ^= 1
     p.write_bytes(bytes(data))
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert report.counts()["complete"] == 2          # sizes match: only the checksum tells
     reason = st.reader.verify(2)[1]
     plan = plan_cleanup(report, Cleanup(action), extra=[(2, reason), (99, "not a step here")])
     assert [(i.step, i.status, i.reason, i.action) for i in plan.items] == [(2, "corrupt", reason, action)]
-    result = plan.execute(st.backend)
+    result = plan.execute(st.namespace)
     assert result.errors == () and [i.step for i in result.items] == [2]
-    assert {s.step for s in scan_namespace(st.layout, st.backend).steps} == {1}
+    assert {s.step for s in scan_namespace(st.layout, st.namespace).steps} == {1}
     if action == "quarantine":
         (moved,) = result.quarantined
         assert moved.parent == st.layout.quarantine_dir and (moved / "1" / "tq_batch.pt").exists()

@@ -213,7 +213,7 @@ def test_clear_step_unlinks_the_commit_record_first(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert st.writer.clear_step(2) > 0 and not st.layout.step_dir(2).exists()
     assert st.writer.clear_step(2) == 0 and st.writer.clear_step(99) == 0
-    report = scan_namespace(st.layout, st.backend)
+    report = scan_namespace(st.layout, st.namespace)
     assert report.steps == () and len(report.leftovers) == 1   # the interrupted removal's trash
 
 
@@ -337,7 +337,7 @@ def test_write_interrupted_at_every_point(tmp_path, monkeypatch, K):
             with pytest.raises(Boom):
                 _protocol(st, 1)
             failed_op = counter["ops"][-1]
-        report = classify_step(st.layout, 1, backend=st.backend)
+        report = classify_step(st.layout, 1, namespace=st.namespace)
         committed = st.layout.commit_path(1).exists()
         assert report.status in ("complete", "incomplete"), (fail_at, failed_op, report)
         assert (report.status == "complete") == committed, (fail_at, failed_op, report)
@@ -542,7 +542,7 @@ def test_step_store_is_split_by_job(tmp_path):
 
     st = make(tmp_path)
     assert isinstance(st.writer, StepWriter) and isinstance(st.reader, StepReader)
-    assert st.writer.backend is st.backend is st.reader.backend and st.writer.pool is st.pool is st.reader.pool
+    assert st.writer.namespace is st.namespace is st.reader.namespace and st.writer.pool is st.pool is st.reader.pool
     for name in ("write_inner", "stage_inner", "commit", "clear_step", "read_commit", "read_served", "read_inner",
                  "read_step", "read_meta", "logical_bytes", "verify", "verify_status", "verify_checksums",
                  "verify_step"):
@@ -554,13 +554,13 @@ def test_read_meta_reads_through_the_backend_on_posix_too(tmp_path, monkeypatch)
     st = make(tmp_path, K=2)
     write_step(st, 1)
     keys = []
-    real = type(st.backend).read_small
+    real = type(st.namespace).read_small
 
     def read_small(self, key):
         keys.append(key)
         return real(self, key)
 
-    monkeypatch.setattr(type(st.backend), "read_small", read_small)
+    monkeypatch.setattr(type(st.namespace), "read_small", read_small)
     assert st.reader.read_meta(1, 1, 0)["note"] == "test"
     assert keys == ["1/1/meta.json"]
     path = st.layout.meta_path(1, 0, 0)
@@ -604,7 +604,7 @@ def test_commit_records_generation_seconds_and_time_for_the_scan(tmp_path):
     t0 = time.time()
     record = st.writer.commit(1, entries, None, gen_s=1.25)
     assert record.gen_s == 1.25 and st.reader.read_commit(1).gen_s == 1.25
-    rep = classify_step(st.layout, 1, backend=st.backend)
+    rep = classify_step(st.layout, 1, namespace=st.namespace)
     assert rep.gen_s == 1.25 and abs(rep.created - t0) < 60
     meta = st.reader.read_meta(1, 0, 0)
     assert meta["format"] == codec.FORMAT_VERSION

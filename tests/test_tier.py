@@ -265,30 +265,6 @@ def test_the_tier_bench_reports_both_ratios(tmp_path):
     assert not list(tmp_path.iterdir())                   # its work dir removed
 
 
-# --------------------------------------------------------------------------- every backend
-from s3server import s3_server  # noqa: E402,F401  (fixture)
-from test_backend import make_ns  # noqa: E402,F401  (fixture: posix, memory, s3 on a moto server)
-
-
-def test_the_tier_on_every_backend(make_ns):  # noqa: F811  (the fixture imported above)
-    """Create-only, checksummed, bound to the commit record, listed per key, removed with its step: on POSIX,
-    in memory and on S3 alike."""
-    ns = make_ns()
-    store = TierStore(ns)
-    data = store.encode({"r": torch.arange(4.0), "names": ["a", "b"]})
-    assert store.write(3, "reward", 0, 0, REWARD_KEY, data, commit_created=1.5, seconds=0.2)
-    assert not store.write(3, "reward", 0, 0, REWARD_KEY, store.encode(torch.zeros(1)), commit_created=1.5, seconds=0.1)
-    other = {"reward function length_reward": "v2"}
-    assert store.write(3, "reward", 0, 0, other, data, commit_created=1.5, seconds=0.3)
-    got = store.read(3, "reward", REWARD_KEY, 0, 0, commit_created=1.5)
-    assert torch.equal(got.values["r"], torch.arange(4.0)) and got.values["names"] == ["a", "b"]
-    assert got.record.seconds == 0.2 and got.record.key == REWARD_KEY
-    assert store.read(3, "reward", REWARD_KEY, 0, 0, commit_created=2.0) is None      # another write of the step
-    assert {r.digest for r in store.keys(3, "reward")} == {key_digest(REWARD_KEY), key_digest(other)}
-    assert ns.remove_step(3) > 0
-    assert store.read(3, "reward", REWARD_KEY, 0, 0, commit_created=1.5) is None and not store.step_records(3)
-
-
 # --------------------------------------------------------------------------- the demo
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -248,7 +248,7 @@ def test_recorded_values_are_charted_and_compare_shows_the_diff(demo):
         store = open_store(lay)
         for s in (1, 2, 3):
             created = store.reader.read_commit(s).created
-            ValuesStore(store.backend).write_step(s, {"loss": lr * s, "reward_mean": 0.5 + s}, commit_created=created)
+            ValuesStore(store.namespace).write_step(s, {"loss": lr * s, "reward_mean": 0.5 + s}, commit_created=created)
     c = client(dump)
     svg = c.get(f"/ns/{key(a)}/charts").text
     assert "recorded: loss" in svg and "recorded: reward_mean" in svg

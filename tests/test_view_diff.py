@@ -29,7 +29,7 @@ def record(layout, values, config=None):
         store.writer.write_training_config("cfg0", config)
     for s, v in values.items():
         created = store.reader.read_commit(s).created
-        ValuesStore(store.backend).write_step(s, v, commit_created=created, config="cfg0" if config else None)
+        ValuesStore(store.namespace).write_step(s, v, commit_created=created, config="cfg0" if config else None)
 
 
 def test_a_key_on_one_side_only_is_not_a_divergence(tmp_path):

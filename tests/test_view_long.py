@@ -45,7 +45,7 @@ def llm(tmp_path_factory):
 def record(layout, values):
     store = open_store(layout)
     for s, v in values.items():
-        ValuesStore(store.backend).write_step(s, v, commit_created=store.reader.read_commit(s).created)
+        ValuesStore(store.namespace).write_step(s, v, commit_created=store.reader.read_commit(s).created)
 
 
 # -------------------------------------------------------------------------------------- item 1

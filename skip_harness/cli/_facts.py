@@ -26,7 +26,7 @@ def step_written(reader: StepReader, report: StepReport) -> Optional[float]:
             record = None
         if record is not None and record.created:
             return record.created
-    return reader.backend.modified(str(report.step)) if report.exists else None
+    return reader.namespace.modified(str(report.step)) if report.exists else None
 
 
 def step_accessed(reader: StepReader, report: StepReport) -> Optional[float]:
@@ -35,7 +35,7 @@ def step_accessed(reader: StepReader, report: StepReport) -> Optional[float]:
     `Namespace.last_read`). None when no payload was read since it was written."""
     if not report.exists:
         return None
-    return reader.backend.last_read(report.step, [prel for _i, _r, prel, _m in reader.layout.expected_rels()])
+    return reader.namespace.last_read(report.step, [prel for _i, _r, prel, _m in reader.layout.expected_rels()])
 
 
 def step_metas(reader: StepReader, step: int) -> List[Dict[str, Any]]:

@@ -88,7 +88,7 @@ def bless_namespace(root: Path, values: Mapping[int, Mapping[str, float]], train
 
     layout: Layout = namespaces_at(root)[0]
     steps = open_store(layout)
-    namespace, reader = steps.backend, steps.reader
+    namespace, reader = steps.namespace, steps.reader
     records = {step: reader.read_commit(step) for step in values}
     missing = [step for step, record in records.items() if record is None]
     if missing:

@@ -34,9 +34,9 @@ RETENTION_STATUS = "retention"   # what a step removed by a retention rule is li
 
 
 @dataclass
-class _Namespace:
+class _HeldNamespace:
     layout: Layout
-    backend: Namespace                   # opened once by this command (its lock file, or its lease)
+    namespace: Namespace                   # opened once by this command (its lock file, or its lease)
     lock: Optional[Hold] = None
     refused: Optional[str] = None        # locked by a running job
     read_only: Optional[str] = None      # the namespace cannot be written
@@ -45,18 +45,18 @@ class _Namespace:
     verified: Sequence[StepReport] = ()
 
 
-def _take(layout: Layout, dry_run: bool) -> _Namespace:
+def _take(layout: Layout, dry_run: bool) -> _HeldNamespace:
     """The namespace held for cleaning, through its backend (its lock file, or its lease on an object
     store); a dry run takes nothing and only asks who holds it."""
-    backend = open_namespace(layout)
-    ns = _Namespace(layout, backend)
+    namespace = open_namespace(layout)
+    ns = _HeldNamespace(layout, namespace)
     if dry_run:
-        holder = backend.holder()      # touches nothing
+        holder = namespace.holder()      # touches nothing
         if holder is not None:
             ns.refused = f"namespace {layout.root} is in use by {holder}"
         return ns
     try:
-        hold = backend.lock(0)
+        hold = namespace.lock(0)
     except LockHeldError as exc:
         ns.refused = str(exc)
         return ns
@@ -67,7 +67,7 @@ def _take(layout: Layout, dry_run: bool) -> _Namespace:
     return ns
 
 
-def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> CleanupPlan:
+def _plan(ns: _HeldNamespace, action: str, removals: List[Tuple[int, str]]) -> CleanupPlan:
     """The scan's cleanup plan with the steps that failed verification added as corrupt (the store's
     `plan_cleanup(..., extra=...)`), plus the retention removals."""
     report = ns.report
@@ -81,7 +81,7 @@ def _plan(ns: _Namespace, action: str, removals: List[Tuple[int, str]]) -> Clean
     return dataclasses.replace(plan, items=plan.items + extra) if extra else plan
 
 
-def _plan_table(ns: _Namespace, plan: CleanupPlan, base: Path, verb: str) -> Table:
+def _plan_table(ns: _HeldNamespace, plan: CleanupPlan, base: Path, verb: str) -> Table:
     """One row per reason: the steps it takes (as ranges), how many, their size."""
     title = f"{short_path(ns.layout, base)}  (K={ns.layout.K} W={ns.layout.W}): {verb}"
     t = Table(title=escape(title), title_justify="left", min_width=len(title))   # the title on one line
@@ -135,15 +135,15 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
             for ns in spaces:
                 if ns.refused is not None or ns.read_only is not None:
                     continue
-                ns.report = scan_namespace(ns.layout, ns.backend)
+                ns.report = scan_namespace(ns.layout, ns.namespace)
                 bar.start(f"verifying {ns.layout.root}", len(ns.report.steps))
-                ns.verified, ns.failed = verified_steps(StepStore(ns.layout, ns.backend).reader, ns.report, bar.advance)
+                ns.verified, ns.failed = verified_steps(StepStore(ns.layout, ns.namespace).reader, ns.report, bar.advance)
                 bar.finish(f"{len(ns.failed)} corrupt" if ns.failed else "")
         ages = []
         for ns in spaces:
             if ns.report is None:
                 continue
-            reader = StepStore(ns.layout, ns.backend).reader
+            reader = StepStore(ns.layout, ns.namespace).reader
             for s in ns.verified:
                 written = step_written(reader, s)
                 ages.append(StepAge(str(ns.layout.root), s.step, s.bytes,
@@ -178,7 +178,7 @@ def cmd_clean(layouts: List[Layout], base: Path, *, dry_run: bool, quarantine: b
                     console.print(f"  would {verb} {n_steps(len(plan.items))}, {human_bytes(plan.bytes)}; "
                                   f"frees {human_bytes(plan.expected_freed_bytes)}")
                 continue
-            result = plan.execute(ns.backend)
+            result = plan.execute(ns.namespace)
             doc["freed_bytes"] = result.freed_bytes
             doc["moved_bytes"] = result.moved_bytes
             doc["errors"] = list(result.errors)

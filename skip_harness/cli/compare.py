@@ -239,8 +239,8 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     la, lb = sa.layout, sb.layout
     other = batch_difference(la, lb)
     rule = values_rule(side_a, side_b, other)
-    ra = {s.step: s for s in scan_namespace(la, sa.backend, use_index=False).steps}
-    rb = ra if la.root == lb.root else {s.step: s for s in scan_namespace(lb, sb.backend, use_index=False).steps}
+    ra = {s.step: s for s in scan_namespace(la, sa.namespace, use_index=False).steps}
+    rb = ra if la.root == lb.root else {s.step: s for s in scan_namespace(lb, sb.namespace, use_index=False).steps}
     steps_out: List[Dict[str, Any]] = []
     first_values = None
     max_diff: Dict[str, float] = {}

@@ -77,7 +77,7 @@ def _union_schema(layouts: Sequence[Tuple[str, StepStore]], steps: Optional[Set[
     schemas: List[pa.Schema] = []
     for name, store in layouts:
         layout, reader = store.layout, store.reader
-        for s in scan_namespace(layout, store.backend).steps:
+        for s in scan_namespace(layout, store.namespace).steps:
             if not s.servable or (steps is not None and s.step not in steps):
                 continue
             try:
@@ -128,7 +128,7 @@ def export_cache(layouts: Sequence[Tuple[str, Layout]], out: Path, fmt: str = "p
     try:
         for name, store in stores:
             layout, reader = store.layout, store.reader
-            report = scan_namespace(layout, store.backend)
+            report = scan_namespace(layout, store.namespace)
             chosen = [s for s in report.steps if steps is None or s.step in steps]
             held.update(s.step for s in report.steps)
             matched += len(chosen)

@@ -116,15 +116,15 @@ def _same_dir(a: Path, b: Path) -> bool:
 def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result: ImportResult,
                       on_step: Callable[[], None]) -> None:
     ns_lock = None
-    backend = open_namespace(layout)        # its lock file, or its lease on an object store
+    namespace = open_namespace(layout)        # its lock file, or its lease on an object store
     if dry_run:
-        holder = backend.holder()           # touches nothing
+        holder = namespace.holder()           # touches nothing
         if holder is not None:
             result.refused.append((layout.root, f"namespace {layout.root} is in use by {holder}"))
             return
     else:
         try:
-            ns_lock = backend.lock(0)
+            ns_lock = namespace.lock(0)
         except LockHeldError as exc:
             result.refused.append((layout.root, str(exc)))
             return
@@ -133,8 +133,8 @@ def _import_namespace(vns: VerlNamespace, layout: Layout, dry_run: bool, result:
         if ns_lock.read_only:
             raise VerlImportError(f"DUMP_DIR cannot be written: {layout.root}: {ns_lock.why or 'this process may only read it'}")
     try:
-        existing = {s.step: s for s in scan_namespace(layout, backend).steps}
-        store = StepStore(layout, backend)
+        existing = {s.step: s for s in scan_namespace(layout, namespace).steps}
+        store = StepStore(layout, namespace)
         for vstep in vns.steps:
             try:
                 have = existing.get(vstep.step)

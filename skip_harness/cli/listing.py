@@ -86,7 +86,7 @@ def view(store: StepStore, steps: Sequence[StepReport]) -> NamespaceView:
     layout, reader = store.layout, store.reader
     return NamespaceView(layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s), step_accessed(reader, s),
                                           reader.logical_bytes(s.step, s.bytes) if s.servable else None)
-                                  for s in steps], tuple(ValuesStore(reader.backend).list_runs()))
+                                  for s in steps], tuple(ValuesStore(reader.namespace).list_runs()))
 
 
 def sort_views(views: Sequence[NamespaceView], key: str, base: Path) -> List[NamespaceView]:
@@ -242,7 +242,7 @@ def cmd_ls(layouts: List[Layout], base: Path, as_json: bool, steps: bool, sort: 
            where: str = "") -> int:
     """`where`: how the directory was chosen, when the user did not name it (said in the title)."""
     stores = [open_store(lay) for lay in layouts]
-    views = sort_views([view(st, scan_namespace(st.layout, st.backend).steps) for st in stores], sort, base)
+    views = sort_views([view(st, scan_namespace(st.layout, st.namespace).steps) for st in stores], sort, base)
     if as_json:
         emit_json({"dump_dir": str(base), "namespaces": [namespace_json(v) for v in views],
                    "total_bytes": sum(v.bytes for v in views)})
@@ -256,7 +256,7 @@ def cmd_verify(layouts: List[Layout], base: Path, as_json: bool, steps: bool) ->
     with progress() as bar:
         for lay in layouts:
             store = open_store(lay)
-            report = scan_namespace(lay, store.backend)
+            report = scan_namespace(lay, store.namespace)
             bar.start(f"verifying {lay.root}", len(report.steps))
             checked, failed = verified_steps(store.reader, report, bar.advance)
             bar.finish(f"{len(failed)} corrupt" if failed else "")

@@ -54,7 +54,7 @@ def side_of(store: Any, run: Optional[str]) -> Side:
     layout = store.layout
     if run is None:
         return Side(layout.K, layout.W, str(layout.root))
-    doc = ValuesStore(store.backend).read_run(run) or {}
+    doc = ValuesStore(store.namespace).read_run(run) or {}
     K, W = doc.get("K"), doc.get("W")
     source = doc.get("replay_from")
     return Side(K if isinstance(K, int) else layout.K, W if isinstance(W, int) else layout.W,
@@ -132,12 +132,12 @@ def split_keys(keys: List[str], rule: ValuesRule) -> Tuple[List[str], List[str]]
 
 def kept_runs(store: Any) -> int:
     """How many replays kept their values in the namespace (`ls`'s replays)."""
-    return len(ValuesStore(store.backend).list_runs())
+    return len(ValuesStore(store.namespace).list_runs())
 
 
 def run_steps(store: Any, run: Optional[str]) -> List[int]:
     """The steps a replay kept values for ([] for the recording's side: its steps are its namespace's)."""
-    return [] if run is None else ValuesStore(store.backend).run_steps(run)
+    return [] if run is None else ValuesStore(store.namespace).run_steps(run)
 
 
 def rule_json(rule: ValuesRule, left_out: Dict[str, None], compared: Dict[str, None]) -> Dict[str, Any]:
@@ -184,7 +184,7 @@ def split_run(text: str) -> Tuple[str, Optional[str]]:
 def run_of(store: Any, run: Optional[str], arg: str) -> Optional[str]:
     if run is None:
         return None
-    runs = ValuesStore(store.backend).list_runs()
+    runs = ValuesStore(store.namespace).list_runs()
     if run == "latest":
         if not runs:
             raise CliError(f"{arg}: {store.layout.root} has no replay with values kept (no .values/runs/)")
@@ -204,13 +204,13 @@ class RunValues:
     def read_values(self, step: int) -> Optional[Dict[str, float]]:
         if self.run is None:
             return self.store.reader.read_values(step)
-        found = ValuesStore(self.store.backend).read_run_step(self.run, step)
+        found = ValuesStore(self.store.namespace).read_run_step(self.run, step)
         return None if found is None else dict(found.values)
 
     def config(self, steps: Sequence[int]) -> Optional[Dict[str, Any]]:
         if self.run is None:
             return first_config(self.store.reader, steps)
-        doc = ValuesStore(self.store.backend).read_run(self.run) or {}
+        doc = ValuesStore(self.store.namespace).read_run(self.run) or {}
         if isinstance(doc.get("training_config"), dict):
             return doc["training_config"]
         digest = doc.get("config")

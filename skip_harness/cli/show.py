@@ -89,7 +89,7 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
         raise CliError(f"{path} holds {len(layouts)} namespaces ({names}); name one of them")
     layout = layouts[0]
     store = open_store(layout)
-    report = scan_namespace(layout, store.backend)
+    report = scan_namespace(layout, store.namespace)
     if step is None:
         servable = [s.step for s in report.steps if s.servable]
         if not servable:
@@ -103,7 +103,7 @@ def _resolve_in_namespace(path: Path, step: Optional[int], inner: Optional[int],
         raise CliError(f"INNER {inner} is outside 0..{layout.K - 1} (K={layout.K} in {layout.root})")
     if not 0 <= rank < layout.W:
         raise CliError(f"--rank {rank} is outside 0..{layout.W - 1} (W={layout.W} in {layout.root})")
-    return Target(layout.step_dir(step) / payload_rel_at(layout, step, inner, rank, store.backend), layout, step, inner,
+    return Target(layout.step_dir(step) / payload_rel_at(layout, step, inner, rank, store.namespace), layout, step, inner,
                   rank, store)
 
 
@@ -136,7 +136,7 @@ def _payload_size(target: Target, record) -> Optional[int]:
     if rel in sizes:
         return sizes[rel]
     try:
-        listing = target.store.backend.list_step(target.step)
+        listing = target.store.namespace.list_step(target.step)
     except (OSError, SkipHarnessError):
         return None
     found = listing.files.get(rel) if listing is not None else None
@@ -178,7 +178,7 @@ def cmd_show(path: Path, step: Optional[int], inner: Optional[int], rank: int, h
     status = record = None
     if target.layout is not None and target.store is not None:
         reader = target.store.reader
-        status = classify_step(target.layout, target.step, backend=target.store.backend)
+        status = classify_step(target.layout, target.step, namespace=target.store.namespace)
         try:
             meta = reader.read_meta(target.step, target.inner, target.rank)
         except CorruptStepError:

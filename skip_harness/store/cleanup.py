@@ -75,16 +75,15 @@ class CleanupPlan:
         errors: List[str] = []
         quarantined: List[Path] = []
         freed = moved = 0
-        ns = namespace
         for item in self.items:
             if item.path.parent != root or item.path != layout.step_dir(item.step):
                 errors.append(f"{item.path}: not a step of namespace {root}; left alone")
                 continue
             try:
                 if item.action == Cleanup.delete.value:
-                    freed += ns.remove_step(item.step)
+                    freed += namespace.remove_step(item.step)
                 elif item.action == Cleanup.quarantine.value:
-                    dst = _quarantine(layout, ns, item.step)
+                    dst = _quarantine(layout, namespace, item.step)
                     moved += item.bytes
                     quarantined.append(dst)
                 else:
@@ -93,12 +92,12 @@ class CleanupPlan:
                 done.append(item)
             except (OSError, SkipHarnessError) as exc:
                 errors.append(f"{item.path}: {item.action} failed: {exc}")
-        _index.drop(layout, ns, (i.step for i in done))
+        _index.drop(layout, namespace, (i.step for i in done))
         removed: List[Path] = []
         removed_bytes = 0
         for lo in self.leftovers:    # the namespace's own debris, and the recorded values' and tier's
             try:
-                n = ns.remove(str(lo.path.relative_to(root)))
+                n = namespace.remove(str(lo.path.relative_to(root)))
             except (OSError, SkipHarnessError, ValueError) as exc:
                 errors.append(f"{lo.path}: removal failed: {exc}")
                 continue
@@ -109,9 +108,9 @@ class CleanupPlan:
                              removed_bytes)
 
 
-def _quarantine(layout: Layout, ns: Namespace, step: int) -> Path:
+def _quarantine(layout: Layout, namespace: Namespace, step: int) -> Path:
     """Move a step entry (directory, file or link: never followed) under {namespace}/.quarantine/."""
-    where = ns.set_aside(step, "")
+    where = namespace.set_aside(step, "")
     return UrlPath(where) if layout.is_url else Path(where)  # type: ignore[return-value]  # a UrlPath on a bucket
 
 

@@ -89,9 +89,9 @@ class IndexUnusable(Exception):
     """The index file is missing or cannot be trusted at all; the message says which and why."""
 
 
-def _header(layout: Layout, ns: Namespace) -> str:
+def _header(layout: Layout, namespace: Namespace) -> str:
     doc: Dict[str, Any] = {"skip_harness_index": INDEX_FORMAT, "K": layout.K, "W": layout.W}
-    if not ns.caps.directories:
+    if not namespace.caps.directories:
         doc["stamp"] = URL_STAMP      # a POSIX index (inode stamps) copied into a bucket is not this one
     return json.dumps(doc, separators=(",", ":")) + "\n"
 
@@ -114,12 +114,12 @@ def _fp_line(key: str, fp: Dict[str, Any]) -> str:
 # stamps
 
 
-def read_stamp(ns: Namespace, name: str, K: int) -> Optional[Tuple[Stamp, int]]:
+def read_stamp(namespace: Namespace, name: str, K: int) -> Optional[Tuple[Stamp, int]]:
     """(stamp, newest mtime) of step directory `name`, from the change stamps of its directory, its commit
     record and its inner directories (`Storage.stamps`); None if any part of it is missing or not what a
     committed step has (a link, a file where a directory belongs)."""
     keys, kinds = _stamp_keys(name, K)
-    return ns.storage.stamps(keys, kinds)
+    return namespace.storage.stamps(keys, kinds)
 
 
 def _stamp_keys(name: str, K: int) -> Tuple[List[str], Tuple[str, ...]]:
@@ -142,14 +142,14 @@ def _inner_suffixes(K: int) -> Tuple[str, ...]:
     return tuple(f"/{i}" for i in range(K))
 
 
-def make_entry(ns: Namespace, layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]],
+def make_entry(namespace: Namespace, layout: Layout, step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]],
                created: float, gen_s: Optional[float]) -> Optional[IndexEntry]:
     """An entry for a step as it is stored now (None if its stamp cannot be read): directory stamps
     where the storage has directories, else the stamp of its listing."""
-    if not ns.caps.directories:
-        listing = ns.list_step(step)
+    if not namespace.caps.directories:
+        listing = namespace.list_step(step)
         return None if listing is None else url_entry(step, nbytes, fingerprint, created, gen_s, listing_stamp(listing))
-    stamp = read_stamp(ns, str(step), layout.K)
+    stamp = read_stamp(namespace, str(step), layout.K)
     if stamp is None:
         return None
     return IndexEntry(step, nbytes, fingerprint, created, gen_s, stamp[0], time.time_ns(), stamp[1])
@@ -159,22 +159,22 @@ def make_entry(ns: Namespace, layout: Layout, step: int, nbytes: int, fingerprin
 # reading and writing
 
 
-def read(layout: Layout, ns: Namespace) -> Dict[int, IndexEntry]:
+def read(layout: Layout, namespace: Namespace) -> Dict[int, IndexEntry]:
     """{step: its latest entry}, read through the namespace. IndexUnusable if it is missing, cannot be
     read, is for another K/W or stamp kind, or any line of it does not parse (a torn append included:
     the index is then rebuilt)."""
     try:
-        data = ns.read_small(INDEX_KEY)
+        data = namespace.read_small(INDEX_KEY)
     except Exception as exc:  # OSError, a symlink (CorruptStepError), ObjectStoreError: only a hint
         raise IndexUnusable(f"cannot be read: {exc}") from None
     if data is None:
         raise IndexUnusable("missing")
-    return parse(layout, ns, bytes(data))
+    return parse(layout, namespace, bytes(data))
 
 
-def parse(layout: Layout, ns: Namespace, data: bytes) -> Dict[int, IndexEntry]:
+def parse(layout: Layout, namespace: Namespace, data: bytes) -> Dict[int, IndexEntry]:
     """{step: its latest entry} from the index's bytes; IndexUnusable when they cannot be trusted."""
-    header = _header(layout, ns).encode()
+    header = _header(layout, namespace).encode()
     if not data.startswith(header):
         raise IndexUnusable("corrupt: unexpected header (another format, K or W)")
     if not data.endswith(b"\n"):
@@ -210,8 +210,8 @@ class IndexWriter:
     writes through the namespace (fenced like every write), never a file. Safe to call from several
     threads."""
 
-    def __init__(self, layout: Layout, ns: Namespace):
-        self.layout, self.ns = layout, ns
+    def __init__(self, layout: Layout, namespace: Namespace):
+        self.layout, self.namespace = layout, namespace
         self._guard = threading.Lock()
         self._committed: Dict[int, Tuple[bytes, str]] = {}   # a storage without append: step -> (record, stamp)
         self._appended: Optional[Tuple[Optional[str], Optional[str]]] = None   # (the index's stamp after our append, fp key)
@@ -219,16 +219,16 @@ class IndexWriter:
     def committed(self, step: int, record: Any, record_bytes: bytes, stamp: str) -> None:
         """What a commit adds to the index (`StepWriter.commit`, after the commit record is durable): a line
         appended now where the storage appends, else the step remembered for `flush`. Never raises: a hint."""
-        ns, layout = self.ns, self.layout
-        if not ns.caps.append:
+        namespace, layout = self.namespace, self.layout
+        if not namespace.caps.append:
             with self._guard:
                 self._committed[int(step)] = (bytes(record_bytes), stamp)
-            ns.on_release(f"index-{id(self)}", self._flush_quietly)
+            namespace.on_release(f"index-{id(self)}", self._flush_quietly)
             return
         fp = None if record.fingerprint is None else record.fingerprint.to_json()
         nbytes = sum(e.bytes for e in record.files) + len(record_bytes)
         try:
-            entry = make_entry(ns, layout, step, nbytes, fp, record.created, record.gen_s)
+            entry = make_entry(namespace, layout, step, nbytes, fp, record.created, record.gen_s)
         except (OSError, CorruptStepError):
             return
         self.append(entry)
@@ -237,18 +237,18 @@ class IndexWriter:
         """Append one entry durably (creating the index with its header if there is none, and writing the
         entry's fingerprint line unless our previous append to it did). Returns False if it could not be
         written: the index is a hint, and the next scan finds the step anyway."""
-        ns, layout = self.ns, self.layout
-        if entry is None or not ns.caps.append:
+        namespace, layout = self.namespace, self.layout
+        if entry is None or not namespace.caps.append:
             return False
         key = entry.fingerprint_key()
         with self._guard:
             try:
-                found = ns.stat(INDEX_KEY)
-                prefix = "" if found is not None else _header(layout, ns)
+                found = namespace.stat(INDEX_KEY)
+                prefix = "" if found is not None else _header(layout, namespace)
                 if key is not None and (found is None or self._appended != (found.stamp, key)):
                     prefix += _fp_line(key, entry.fingerprint)
-                ns.append_small(INDEX_KEY, (prefix + _entry_line(entry)).encode())
-                after = ns.stat(INDEX_KEY)
+                namespace.append_small(INDEX_KEY, (prefix + _entry_line(entry)).encode())
+                after = namespace.stat(INDEX_KEY)
                 self._appended = (None if after is None else after.stamp, key)
             except (OSError, CorruptStepError):
                 self._appended = None
@@ -262,41 +262,41 @@ class IndexWriter:
         listed. Returns None when written (or nothing to do), else why not. Never raises: a hint."""
         with self._guard:
             committed_steps, self._committed = self._committed, {}
-        return _flush(self.ns, self.layout, committed_steps)
+        return _flush(self.namespace, self.layout, committed_steps)
 
     def _flush_quietly(self) -> None:
         why = self.flush()
         if why is not None:
             logger.info(
                 "%s: the namespace index was not updated (%s): the next startup reads the commit records of this "
-                "run's steps", self.ns.url, why)
+                "run's steps", self.namespace.url, why)
 
 
-def rewrite(layout: Layout, ns: Namespace, entries: Iterable[IndexEntry]) -> Optional[str]:
+def rewrite(layout: Layout, namespace: Namespace, entries: Iterable[IndexEntry]) -> Optional[str]:
     """Replace the index atomically with `entries`. None on success, else why it could not be written."""
     try:
-        ns.write_small(INDEX_KEY, render(layout, ns, entries))   # temp + fsync + rename + dir fsync; one PUT
+        namespace.write_small(INDEX_KEY, render(layout, namespace, entries))   # temp + fsync + rename + dir fsync; one PUT
     except Exception as exc:  # noqa: BLE001 - OSError, an object store's error: only a hint
         return getattr(exc, "strerror", None) or str(exc)
     return None
 
 
-def drop(layout: Layout, ns: Namespace, steps: Iterable[int]) -> None:
+def drop(layout: Layout, namespace: Namespace, steps: Iterable[int]) -> None:
     """Forget `steps` (removed by cleanup), so the next scan does not find the index stale. Best effort."""
     gone = set(steps)
-    if not gone or not ns.caps.directories:
+    if not gone or not namespace.caps.directories:
         return
     try:
-        entries = read(layout, ns)
+        entries = read(layout, namespace)
     except IndexUnusable:
         return
     if gone & set(entries):
-        rewrite(layout, ns, [e for s, e in entries.items() if s not in gone])
+        rewrite(layout, namespace, [e for s, e in entries.items() if s not in gone])
 
 
-def remove(ns: Namespace) -> None:
+def remove(namespace: Namespace) -> None:
     """Delete the index (tests and benchmarks that want the next scan to be a full one)."""
-    ns.remove(INDEX_KEY)
+    namespace.remove(INDEX_KEY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,9 +322,9 @@ def url_entry(step: int, nbytes: int, fingerprint: Optional[Dict[str, Any]], cre
     return IndexEntry(step, nbytes, fingerprint, created, gen_s, stamp, time.time_ns(), 0)
 
 
-def render(layout: Layout, ns: Namespace, entries: Iterable[IndexEntry]) -> bytes:
+def render(layout: Layout, namespace: Namespace, entries: Iterable[IndexEntry]) -> bytes:
     """The whole index (header, fingerprint lines, one line per entry in step order) as bytes."""
-    parts = [_header(layout, ns)]
+    parts = [_header(layout, namespace)]
     seen = set()
     for e in sorted(entries, key=lambda e: e.step):
         key = e.fingerprint_key()
@@ -335,7 +335,7 @@ def render(layout: Layout, ns: Namespace, entries: Iterable[IndexEntry]) -> byte
     return "".join(parts).encode()
 
 
-def check_entries(ns: Namespace, names: Sequence[Tuple[int, str]], entries: Dict[int, IndexEntry],
+def check_entries(namespace: Namespace, names: Sequence[Tuple[int, str]], entries: Dict[int, IndexEntry],
                   K: int) -> Tuple[Dict[int, IndexEntry], List[int]]:
     """Split the steps found: ({step: entry} whose stamps match and are not racy, [steps with an entry
     that no longer matches or is racy]). Steps without an entry are in neither."""
@@ -345,7 +345,7 @@ def check_entries(ns: Namespace, names: Sequence[Tuple[int, str]], entries: Dict
         entry = entries.get(step)
         if entry is None:
             continue
-        stamp = read_stamp(ns, name, K)
+        stamp = read_stamp(namespace, name, K)
         if stamp is None or stamp[0] != entry.stamp or entry.racy or stamp[1] != entry.newest_mtime_ns:
             changed.append(step)
         else:
@@ -357,16 +357,16 @@ def check_entries(ns: Namespace, names: Sequence[Tuple[int, str]], entries: Dict
 # the rewrite at release (a storage without append)
 
 
-def _flush(ns: Namespace, layout: Layout, committed_steps: Dict[int, Tuple[bytes, str]]) -> Optional[str]:
+def _flush(namespace: Namespace, layout: Layout, committed_steps: Dict[int, Tuple[bytes, str]]) -> Optional[str]:
     if not committed_steps:
         return None
     try:
-        data = ns.read_small(INDEX_KEY)           # an outage ends the flush here, not after more timeouts
+        data = namespace.read_small(INDEX_KEY)           # an outage ends the flush here, not after more timeouts
         try:
-            entries = {} if data is None else parse(layout, ns, bytes(data))
+            entries = {} if data is None else parse(layout, namespace, bytes(data))
         except IndexUnusable:
             entries = {}
-        listed = {s.step: s for s in ns.list_steps().steps}
+        listed = {s.step: s for s in namespace.list_steps().steps}
         for step, (record, stamp) in committed_steps.items():
             entries.pop(step, None)
             s = listed.get(step)
@@ -374,7 +374,7 @@ def _flush(ns: Namespace, layout: Layout, committed_steps: Dict[int, Tuple[bytes
             if stored is None or not stamp or stored.stamp != stamp:
                 continue                    # rewritten or removed since: the next scan reads it
             try:
-                rec = parse_commit(record, layout, step, ns.where(f"{step}/{COMMIT_NAME}"))
+                rec = parse_commit(record, layout, step, namespace.where(f"{step}/{COMMIT_NAME}"))
             except CorruptStepError:
                 continue
             if any(s.files.get(f.rel) is None or s.files[f.rel].size != f.bytes for f in rec.files):
@@ -384,4 +384,4 @@ def _flush(ns: Namespace, layout: Layout, committed_steps: Dict[int, Tuple[bytes
         entries = {k: e for k, e in entries.items() if k in listed}
     except Exception as exc:  # noqa: BLE001 - an object store's error, a bad index: only a hint
         return str(exc)
-    return rewrite(layout, ns, entries.values())
+    return rewrite(layout, namespace, entries.values())

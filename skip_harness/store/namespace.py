@@ -106,8 +106,8 @@ def _grouped(step: int, entries: Iterable[Entry], cut: int) -> StepListing:
 class _NamespaceHold(Hold):
     """The locker's hold, with the namespace's release hooks run first (while the hold is still ours)."""
 
-    def __init__(self, ns: "Namespace", inner: Hold):
-        self._ns, self._inner = ns, inner
+    def __init__(self, namespace: "Namespace", inner: Hold):
+        self._namespace, self._inner = namespace, inner
         self.why = inner.why
 
     @property
@@ -115,9 +115,9 @@ class _NamespaceHold(Hold):
         return self._inner.lost
 
     def release(self) -> None:
-        ns, self._ns = self._ns, None
-        if ns is not None and not self._inner.lost and not self._inner.read_only:
-            ns.run_release_hooks()
+        namespace, self._namespace = self._namespace, None
+        if namespace is not None and not self._inner.lost and not self._inner.read_only:
+            namespace.run_release_hooks()
         self._inner.release()
 
     def note_recording(self) -> None:

@@ -35,15 +35,15 @@ def _what(e: Entry, table: dict) -> str:
     return table.get(e.kind, "is not a regular file or directory")
 
 
-def real_file(layout: Layout, step: int, rel: str, ns: Namespace) -> Path:
+def real_file(layout: Layout, step: int, rel: str, namespace: Namespace) -> Path:
     """The path of step/rel after checking that no component is a symlink and it is a regular file
     (one `stat` per component: a storage without directories has only the file to check)."""
     step_dir = layout.step_dir(step)
     path = step_dir
     parts = PurePosixPath(rel).parts
     key = str(int(step))
-    if ns.caps.directories:
-        e = ns.stat(key)
+    if namespace.caps.directories:
+        e = namespace.stat(key)
         if e is None:
             raise CorruptStepError(path, "missing")
         if e.kind != DIR:
@@ -52,9 +52,9 @@ def real_file(layout: Layout, step: int, rel: str, ns: Namespace) -> Path:
         path = path / part
         key = f"{key}/{part}"
         last = i == len(parts) - 1
-        if not last and not ns.caps.directories:
+        if not last and not namespace.caps.directories:
             continue
-        e = ns.stat(key)
+        e = namespace.stat(key)
         if e is None:
             raise CorruptStepError(path, "missing")
         if not last and e.kind != DIR:
@@ -64,17 +64,17 @@ def real_file(layout: Layout, step: int, rel: str, ns: Namespace) -> Path:
     return path
 
 
-def stored_rels_at(layout: Layout, step: int, inner_index: int, rank: int, ns: Namespace) -> Tuple[str, str]:
+def stored_rels_at(layout: Layout, step: int, inner_index: int, rank: int, namespace: Namespace) -> Tuple[str, str]:
     """(payload rel, meta rel) of (inner_index, rank) as step `step` holds them (`Layout.stored_rels`)."""
-    return layout.stored_rels(inner_index, rank, lambda rel: ns.stat(f"{int(step)}/{rel}") is not None)
+    return layout.stored_rels(inner_index, rank, lambda rel: namespace.stat(f"{int(step)}/{rel}") is not None)
 
 
-def payload_rel_at(layout: Layout, step: int, inner_index: int, rank: int, ns: Namespace) -> str:
-    return stored_rels_at(layout, step, inner_index, rank, ns)[0]
+def payload_rel_at(layout: Layout, step: int, inner_index: int, rank: int, namespace: Namespace) -> str:
+    return stored_rels_at(layout, step, inner_index, rank, namespace)[0]
 
 
-def meta_rel_at(layout: Layout, step: int, inner_index: int, rank: int, ns: Namespace) -> str:
-    return stored_rels_at(layout, step, inner_index, rank, ns)[1]
+def meta_rel_at(layout: Layout, step: int, inner_index: int, rank: int, namespace: Namespace) -> str:
+    return stored_rels_at(layout, step, inner_index, rank, namespace)[1]
 
 
 def without_path(message: str, path: Path) -> str:

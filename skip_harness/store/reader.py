@@ -38,27 +38,27 @@ Served = Tuple[str, Optional[str], List[Any], List[Dict[str, Any]]]
 class StepReader:
     """Verified reads of the steps of one namespace, through its backend, and the one verify."""
 
-    def __init__(self, layout: Layout, backend: Namespace, pool: BufferPool):
+    def __init__(self, layout: Layout, namespace: Namespace, pool: BufferPool):
         """`pool`: the buffers payloads are read into (the tensors served keep theirs until gone)."""
         self.layout = layout
-        self.backend = backend
+        self.namespace = namespace
         self.pool = pool
 
     def _classify(self, step: int) -> StepReport:
-        return classify_step(self.layout, step, backend=self.backend)
+        return classify_step(self.layout, step, namespace=self.namespace)
 
     # ---- the commit record and meta files
 
     def read_commit(self, step: int) -> Optional[CommitRecord]:
         """The step's commit record, None if it has none; CorruptStepError if it does not validate."""
-        data = self.backend.read_small(f"{int(step)}/{COMMIT_NAME}")
+        data = self.namespace.read_small(f"{int(step)}/{COMMIT_NAME}")
         return None if data is None else parse_commit(data, self.layout, step, self.layout.commit_path(step))
 
     def read_meta(self, step: int, inner_index: int, rank: int) -> Dict[str, Any]:
         """The meta.json of (step, inner_index, rank) as a dict (not checked against a commit record);
         CorruptStepError naming the file if it is missing, unreadable or not a JSON object."""
         check_position(self.layout, step, inner_index, rank)
-        rel = meta_rel_at(self.layout, step, inner_index, rank, self.backend)
+        rel = meta_rel_at(self.layout, step, inner_index, rank, self.namespace)
         path, data = self._read_small(step, rel, "meta file cannot be read")
         return _parse_meta(path, data)
 
@@ -67,7 +67,7 @@ class StepReader:
         naming the path when it is missing or cannot be read."""
         path = self.layout.step_dir(step) / rel
         try:
-            data = self.backend.read_small(f"{int(step)}/{rel}")
+            data = self.namespace.read_small(f"{int(step)}/{rel}")
         except OSError as exc:
             raise CorruptStepError(path, f"{cannot}: {exc.strerror or exc}") from None
         if data is None:
@@ -100,7 +100,7 @@ class StepReader:
 
     def read_step_values(self, step: int) -> Optional[StepValues]:
         """`read_values` with what else was recorded: the training-side config's digest and when."""
-        recorded = ValuesStore(self.backend).read_step(step)
+        recorded = ValuesStore(self.namespace).read_step(step)
         if recorded is None:
             return None
         try:
@@ -113,7 +113,7 @@ class StepReader:
 
     def read_training_config(self, digest: Optional[str]) -> Optional[Dict[str, Any]]:
         """The flattened training-side config recorded under `digest` (None when absent)."""
-        return None if not digest else ValuesStore(self.backend).read_config(digest)
+        return None if not digest else ValuesStore(self.namespace).read_config(digest)
 
     # ---- payloads
 
@@ -166,21 +166,21 @@ class StepReader:
         check_position(self.layout, step, inner_index, rank)
         entry = self._committed_entry(step, inner_index, rank)
         if entry is not None:
-            mapped = self.backend.map_verified(step, entry.rel, entry.bytes, entry.checksum)
+            mapped = self.namespace.map_verified(step, entry.rel, entry.bytes, entry.checksum)
             if mapped is None:
                 return self._read_payload_checked(step, entry)
             path = self.layout.step_dir(step) / entry.rel
             with _corrupt_on_codec_error(path):     # either format, from the verified mapping
                 return codec.load_buffer(mapped, entry.bytes, path)   # tensors: views of the mapping
-        path, image, size = self._unchecked(step, payload_rel_at(self.layout, step, inner_index, rank, self.backend))
+        path, image, size = self._unchecked(step, payload_rel_at(self.layout, step, inner_index, rank, self.namespace))
         with _corrupt_on_codec_error(path):
             return codec.load_buffer(image, size, path)
 
     def _unchecked(self, step: int, rel: str) -> Tuple[Path, Any, int]:
         """(path, buffer, size) of file `rel` of a step with nothing to check it against (no commit
         record), through the namespace, once `real_file` checked no component of it is a link."""
-        path = real_file(self.layout, step, rel, self.backend)
-        buf, size = self.backend.read_unchecked(step, rel)
+        path = real_file(self.layout, step, rel, self.namespace)
+        buf, size = self.namespace.read_unchecked(step, rel)
         return path, buf, size
 
     def read_step(self, step: int, rank: int) -> List[Any]:
@@ -243,10 +243,10 @@ class StepReader:
             if wanted is not None and r not in wanted:
                 continue
             try:
-                if not self.backend.caps.mmap:     # no local file to check in place: the verified read and a decode
+                if not self.namespace.caps.mmap:     # no local file to check in place: the verified read and a decode
                     self.read_inner(step, i, r)
                     continue
-                path, image, size = self._unchecked(step, payload_rel_at(layout, step, i, r, self.backend))
+                path, image, size = self._unchecked(step, payload_rel_at(layout, step, i, r, self.namespace))
                 codec.check_buffer(image, size, str(path))
             except (CorruptStepError, codec.CodecError) as exc:
                 return str(exc)
@@ -276,7 +276,7 @@ class StepReader:
     def _read_verified(self, step: int, entry: FileEntry) -> Lease:
         """The one verified read of a payload: the file of `entry` in a pool buffer (O_DIRECT on POSIX),
         its size and checksum checked against the commit record in the pass that reads it."""
-        return self.backend.read_verified(step, entry.rel, entry.bytes, entry.checksum, self.pool)[0]
+        return self.namespace.read_verified(step, entry.rel, entry.bytes, entry.checksum, self.pool)[0]
 
     def _read_small_verified(self, step: int, entry: FileEntry) -> bytes:
         """A meta file (or an extra one) read whole and checked against its commit-record entry."""

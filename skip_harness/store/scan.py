@@ -82,10 +82,10 @@ class NamespaceReport:
 # scanning
 
 
-def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, backend: Namespace,
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, namespace: Namespace,
                   listing: Optional[StepListing] = None) -> StepReport:
-    """`status.classify_step` of a step of `backend`, the layout's namespace."""
-    return _status.classify_step(layout, step, path, backend=backend, listing=listing)
+    """`status.classify_step` of a step of `namespace`, the layout's."""
+    return _status.classify_step(layout, step, path, namespace=namespace, listing=listing)
 
 
 def scan_namespace(layout: Layout, namespace: Namespace, *, use_index: bool = True,
@@ -119,10 +119,10 @@ def _gc_paused():
             gc.enable()
 
 
-def _values_debris(ns: Namespace, root: Path) -> List[LeftoverEntry]:
+def _values_debris(namespace: Namespace, root: Path) -> List[LeftoverEntry]:
     """'.tmp-' files a run killed while it wrote a step's recorded values left in '.values/'."""
     try:
-        return [LeftoverEntry(root / VALUES_DIR / e.name, e.size) for e in ns.list_dir(VALUES_DIR)
+        return [LeftoverEntry(root / VALUES_DIR / e.name, e.size) for e in namespace.list_dir(VALUES_DIR)
                 if e.name.startswith(TMP_PREFIX)]
     except OSError:
         return []
@@ -146,7 +146,7 @@ def _writer_alive(name: str) -> bool:
     return True
 
 
-def stale_temporaries(layout: Layout, ns: Namespace, *, older_than_s: float = DEBRIS_AGE_S,
+def stale_temporaries(layout: Layout, namespace: Namespace, *, older_than_s: float = DEBRIS_AGE_S,
                       now: Optional[float] = None) -> Tuple[LeftoverEntry, ...]:
     """Temporary files that writers of the records beside the steps left when they were killed: under
     `.values/runs/` (a replay's values, which readers write beside the holder) and `.tier/` (second-tier
@@ -155,13 +155,13 @@ def stale_temporaries(layout: Layout, ns: Namespace, *, older_than_s: float = DE
     the file's mtime moves while it is written) and its writer's pid is not a live process of this host
     (on a shared filesystem another host's pid cannot be checked: the age decides). Only where the
     storage has temporaries (POSIX); the holder's startup removes them (`plan_cleanup`'s leftovers)."""
-    if not ns.caps.directories:
+    if not namespace.caps.directories:
         return ()
     cutoff = (time.time() if now is None else now) - older_than_s
     out: List[LeftoverEntry] = []
     for top in (f"{VALUES_DIR}/runs", TIER_DIR):
         try:
-            entries = list(ns.storage.list(top + "/"))
+            entries = list(namespace.storage.list(top + "/"))
         except OSError:
             continue
         for e in entries:
@@ -174,41 +174,41 @@ def stale_temporaries(layout: Layout, ns: Namespace, *, older_than_s: float = DE
     return tuple(sorted(out, key=lambda x: str(x.path)))
 
 
-def _scan_namespace(layout: Layout, ns: Namespace, use_index: bool, rewrite_index: bool = True) -> NamespaceReport:
-    if not ns.caps.directories:
-        return _scan_listed(layout, ns, use_index, rewrite_index)
+def _scan_namespace(layout: Layout, namespace: Namespace, use_index: bool, rewrite_index: bool = True) -> NamespaceReport:
+    if not namespace.caps.directories:
+        return _scan_listed(layout, namespace, use_index, rewrite_index)
     root = layout.root
     leftovers: List[LeftoverEntry] = []
-    if ns.stat("") is None:         # no namespace yet: nothing to report, nothing written
+    if namespace.stat("") is None:         # no namespace yet: nothing to report, nothing written
         return NamespaceReport(layout, ())
-    entries = ns.list_dir("")
+    entries = namespace.list_dir("")
     found: List[Tuple[int, str]] = []
     for e in entries:
         step = parse_step_name(e.name)
         if step is not None:
             found.append((step, e.name))
         elif e.name.startswith(TRASH_PREFIX) or e.name.startswith(TMP_PREFIX):
-            leftovers.append(LeftoverEntry(root / e.name, ns.tree_bytes(e.name)))
+            leftovers.append(LeftoverEntry(root / e.name, namespace.tree_bytes(e.name)))
         elif e.name == VALUES_DIR and e.kind == DIR:
-            leftovers.extend(_values_debris(ns, root))
+            leftovers.extend(_values_debris(namespace, root))
     leftovers.sort(key=lambda x: x.path.name)
 
     if not use_index:
-        steps = _classify_all(layout, ns, found)
+        steps = _classify_all(layout, namespace, found)
         return NamespaceReport(layout, tuple(sorted(steps, key=lambda s: s.step)), tuple(leftovers))
 
     note: Optional[str] = None
     try:
-        indexed = _index.read(layout, ns)
+        indexed = _index.read(layout, namespace)
     except _index.IndexUnusable as exc:
         indexed, note = {}, f"index {exc}"
     trusted: Dict[int, _index.IndexEntry] = {}
     changed: List[int] = []
     if indexed:
-        trusted, changed = _index.check_entries(ns, found, indexed, layout.K)
+        trusted, changed = _index.check_entries(namespace, found, indexed, layout.K)
     rest = [(step, name) for step, name in found if step not in trusted]
     fingerprints: Dict[int, Optional[Fingerprint]] = {}
-    steps = [_from_entry(layout, e, fingerprints) for e in trusted.values()] + _classify_all(layout, ns, rest)
+    steps = [_from_entry(layout, e, fingerprints) for e in trusted.values()] + _classify_all(layout, namespace, rest)
     steps.sort(key=lambda s: s.step)
 
     by_step = {s.step: s for s in steps}
@@ -222,31 +222,31 @@ def _scan_namespace(layout: Layout, ns: Namespace, use_index: bool, rewrite_inde
         for s in steps:
             if s.status == StepStatus.COMPLETE and s.step not in trusted:
                 fp = None if s.fingerprint is None else s.fingerprint.to_json()
-                made = _index.make_entry(ns, layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
+                made = _index.make_entry(namespace, layout, s.step, s.bytes, fp, s.created or 0.0, s.gen_s)
                 if made is not None:
                     fresh.append(made)
-        failed = _index.rewrite(layout, ns, fresh)
+        failed = _index.rewrite(layout, namespace, fresh)
         if note is not None:
             note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
     return NamespaceReport(layout, tuple(steps), tuple(leftovers), note, bool(trusted))
 
 
-def _scan_listed(layout: Layout, ns: Namespace, use_index: bool = True, rewrite_index: bool = True) -> NamespaceReport:
+def _scan_listed(layout: Layout, namespace: Namespace, use_index: bool = True, rewrite_index: bool = True) -> NamespaceReport:
     """A namespace without directories (an object store): one listing of every step; a committed step
     whose index entry's stamp (its objects' rel, size and ETag) matches that listing is taken from the
     entry, every other step is classified from the listing and its commit record. The index is rewritten
     once, at the end, when it was missing, damaged or stale."""
-    listing = ns.list_steps()
+    listing = namespace.list_steps()
     listed: Dict[int, StepListing] = {s.step: s for s in listing.steps}
 
     def classify(s: StepListing) -> StepReport:
-        return classify_step(layout, s.step, layout.step_dir(s.step), backend=ns, listing=s)
+        return classify_step(layout, s.step, layout.step_dir(s.step), namespace=namespace, listing=s)
 
     if not use_index:
         return NamespaceReport(layout, tuple(classify(s) for s in listing.steps))
     note: Optional[str] = None
     try:
-        indexed = _index.read(layout, ns)
+        indexed = _index.read(layout, namespace)
     except _index.IndexUnusable as exc:
         indexed, note = {}, f"index {exc}"
     fingerprints: Dict[int, Optional[Fingerprint]] = {}
@@ -289,7 +289,7 @@ def _scan_listed(layout: Layout, ns: Namespace, use_index: bool = True, rewrite_
     if note == "index missing" and not fresh:
         note = None              # nothing to index yet: no object is written into the namespace
     if note is not None and rewrite_index:
-        failed = _index.rewrite(layout, ns, fresh)
+        failed = _index.rewrite(layout, namespace, fresh)
         note += "; rebuilt from a full scan" if failed is None else f"; could not be rebuilt: {failed}"
     return NamespaceReport(layout, tuple(steps), (), note, bool(trusted))
 
@@ -322,11 +322,11 @@ def _child(root: Path, name: str) -> Path:
     return make(name) if make is not None else root / name
 
 
-def _classify_all(layout: Layout, ns: Namespace, found: List[Tuple[int, str]]) -> List[StepReport]:
+def _classify_all(layout: Layout, namespace: Namespace, found: List[Tuple[int, str]]) -> List[StepReport]:
     root = layout.root
 
     def classify(item: Tuple[int, str]) -> StepReport:
-        return classify_step(layout, item[0], root / item[1], backend=ns)  # one Path per step, none per file
+        return classify_step(layout, item[0], root / item[1], namespace=namespace)  # one Path per step, none per file
 
     if len(found) >= _PARALLEL_FROM:
         # Listing and lstat release the GIL: a few threads hide the disk's latency on a cold cache.

@@ -78,10 +78,10 @@ def _first(items: List[str]) -> str:
     return items[0] + more
 
 
-def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, backend: Namespace,
+def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, namespace: Namespace,
                   listing: Optional[StepListing] = None) -> StepReport:
     """The status of one step, from one listing of it (plus its small commit record), through the
-    namespace `backend` (the layout's, as its run or command opened it). `path` is only what the report
+    namespace `namespace` (the layout's, as its run or command opened it). `path` is only what the report
     names; `listing` the step's listing when the caller has it already (a scan that listed every step)."""
     path = layout.step_dir(step) if path is None else path
 
@@ -96,7 +96,7 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, bac
 
     if listing is None:
         try:
-            listing = backend.list_step(step)
+            listing = namespace.list_step(step)
         except OSError as exc:
             return report(StepStatus.INCOMPLETE, 0, f"cannot list the step directory: {exc}")
     if listing is None:
@@ -116,7 +116,7 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, bac
             return report(StepStatus.CORRUPT, nbytes, "commit record is not a regular file", has_commit=True)
         commit_path = os.path.join(str(path), COMMIT_NAME)
         try:
-            data, stamp[0] = backend.read_small_tagged(f"{step}/{COMMIT_NAME}")
+            data, stamp[0] = namespace.read_small_tagged(f"{step}/{COMMIT_NAME}")
             if data is None:
                 raise FileNotFoundError(commit_path)
             record = parse_commit(data, layout, step, commit_path)
@@ -153,15 +153,15 @@ def classify_step(layout: Layout, step: int, path: Optional[Path] = None, *, bac
         return report(StepStatus.INCOMPLETE, nbytes, f"missing {_first(missing)}")
     if empty:
         return report(StepStatus.INCOMPLETE, nbytes, f"{_first(empty)} is empty")
-    if _written_by_us(backend, step, metas[0]):
+    if _written_by_us(namespace, step, metas[0]):
         return report(StepStatus.INCOMPLETE, nbytes,
                       "no commit record: written by skip_harness, interrupted before the step was committed")
     return report(StepStatus.UNVERIFIED, nbytes, "no commit record (an older cache); served without checksums")
 
 
-def _written_by_us(backend: Namespace, step: int, meta_rel: str) -> bool:
+def _written_by_us(namespace: Namespace, step: int, meta_rel: str) -> bool:
     try:
-        data = backend.read_small(f"{step}/{meta_rel}")
+        data = namespace.read_small(f"{step}/{meta_rel}")
         doc = json.loads(data[: 1 << 20]) if data is not None else None
     except (OSError, CorruptStepError, ValueError, UnicodeDecodeError):
         return False

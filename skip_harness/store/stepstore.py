@@ -1,4 +1,4 @@
-"""A namespace's steps, opened: its layout, its backend, the buffer pool and stored form its payloads
+"""A namespace's steps, opened: its layout, its namespace, the buffer pool and stored form its payloads
 use, and the two jobs done on them -- `writer` (a `writer.StepWriter`: payloads, meta files and the
 commit record last) and `reader` (a `reader.StepReader`: the one verified read path, and the one
 `verify`). `status(step)` classifies a step from its listing (`status.classify_step`).
@@ -26,19 +26,24 @@ from skip_harness.store.writer import StepWriter
 class StepStore:
     """One namespace's steps, opened: `writer` writes them, `reader` reads and verifies them."""
 
-    def __init__(self, layout: Layout, backend: Namespace, *, pool: Optional[BufferPool] = None,
+    def __init__(self, layout: Layout, namespace: Namespace, *, pool: Optional[BufferPool] = None,
                  form: Optional[StoredForm] = None):
-        """`backend`: the layout's namespace, as its run or command opened it (`store.open.open_namespace`).
+        """`namespace`: the layout's namespace, as its run or command opened it (`store.open.open_namespace`).
         `pool`: the buffers payloads are staged in and read into (the harness sizes one for its K; by
         default a small one). `form`: how payloads are written (`codec.stored_form(compression, level)`;
         by default raw, at full width); files of every form are read."""
         self.layout = layout
-        self.backend = backend
+        self.namespace = namespace
         self.pool = pool if pool is not None else BufferPool()
         self.form = form if form is not None else StoredForm(narrow=False)
-        self.writer = StepWriter(layout, self.backend, self.pool, self.form)
-        self.reader = StepReader(layout, self.backend, self.pool)
+        self.writer = StepWriter(layout, self.namespace, self.pool, self.form)
+        self.reader = StepReader(layout, self.namespace, self.pool)
+
+    @property
+    def backend(self) -> Namespace:
+        """`namespace` under its former name, read by run/ until it is renamed there (issue 41)."""
+        return self.namespace
 
     def status(self, step: int) -> StepReport:
         """The step's StepReport (directory listings and lstat only; see `classify_step`)."""
-        return classify_step(self.layout, step, backend=self.backend)
+        return classify_step(self.layout, step, namespace=self.namespace)

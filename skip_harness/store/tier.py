@@ -116,8 +116,8 @@ def _parse_record(data: bytes) -> Optional[TierRecord]:
 class TierStore:
     """The tier of one namespace, through its backend (safe from any thread)."""
 
-    def __init__(self, backend: Namespace):
-        self.backend = backend
+    def __init__(self, namespace: Namespace):
+        self.namespace = namespace
 
     # ---- writing
     @staticmethod
@@ -136,7 +136,7 @@ class TierStore:
         values left without their record, are removed first. Raises the storage's errors."""
         digest = key_digest(key)
         stem = entry_stem(step, phase, digest, inner, rank)
-        storage = self.backend.storage
+        storage = self.namespace.storage
         there = self.record_at(stem + RECORD_SUFFIX)
         if there is not None and there.commit_created == commit_created:
             return False                    # this write of the step has its entry: kept, never replaced
@@ -145,9 +145,9 @@ class TierStore:
             # an entry of an earlier write of the step (removed and generated again since), an unreadable
             # record, or values whose record never landed (an interrupted write): gone first, record first
             for suffix in (RECORD_SUFFIX, VALUES_SUFFIX):
-                self.backend.locker.fence(key=stem + suffix)
+                self.namespace.locker.fence(key=stem + suffix)
                 storage.delete(stem + suffix)
-        self.backend.locker.fence(key=stem + VALUES_SUFFIX)
+        self.namespace.locker.fence(key=stem + VALUES_SUFFIX)
         if storage.put_if_absent(stem + VALUES_SUFFIX, data) is None:
             return False                    # another writer got there first
         doc = {
@@ -156,14 +156,14 @@ class TierStore:
             "checksum": checksum_bytes(data), "seconds": float(seconds), "commit_created": commit_created,
             "recorded": time.time(),
         }
-        self.backend.locker.fence(key=stem + RECORD_SUFFIX)
+        self.namespace.locker.fence(key=stem + RECORD_SUFFIX)
         return storage.put_if_absent(stem + RECORD_SUFFIX, (json.dumps(doc, indent=1) + "\n").encode()) is not None
 
     # ---- reading
     def record(self, step: int, phase: str, digest: str, inner: int, rank: int) -> Optional[TierRecord]:
         """The record of one entry; None when absent or unreadable (a tier entry is never a fault of its step)."""
         try:
-            data = self.backend.read_small(entry_stem(step, phase, digest, inner, rank) + RECORD_SUFFIX)
+            data = self.namespace.read_small(entry_stem(step, phase, digest, inner, rank) + RECORD_SUFFIX)
         except CorruptStepError:
             return None
         return None if data is None else _parse_record(data)
@@ -179,8 +179,8 @@ class TierStore:
         if rec is None or rec.commit_created is None or rec.commit_created != commit_created:
             return None
         path = entry_stem(step, phase, digest, inner, rank) + VALUES_SUFFIX
-        data = self.backend.read_small(path)
-        where = self.backend.where(path)
+        data = self.namespace.read_small(path)
+        where = self.namespace.where(path)
         if data is None:
             raise CorruptStepError(where, "the tier record names values that are not there")
         if len(data) != rec.size:
@@ -200,7 +200,7 @@ class TierStore:
         prefix = f"{TIER_DIR}/{int(step)}/{_check_phase(phase)}/"
         first: Dict[str, str] = {}           # digest -> the key of one of its records
         try:
-            for e in self.backend.storage.list(prefix):
+            for e in self.namespace.storage.list(prefix):
                 digest, _, name = e.key[len(prefix):].partition("/")
                 if name.endswith(RECORD_SUFFIX) and (digest not in first or e.key < first[digest]):
                     first[digest] = e.key
@@ -215,7 +215,7 @@ class TierStore:
 
     def record_at(self, key: str) -> Optional[TierRecord]:
         try:
-            data = self.backend.read_small(key)
+            data = self.namespace.read_small(key)
         except CorruptStepError:
             return None
         return None if data is None else _parse_record(data)
@@ -224,7 +224,7 @@ class TierStore:
         """Every record stored for `step` (any phase, key, inner index, rank), in that order."""
         out: List[TierRecord] = []
         try:
-            entries = list(self.backend.storage.list(step_prefix(step)))
+            entries = list(self.namespace.storage.list(step_prefix(step)))
         except (OSError, CorruptStepError):
             return out
         for e in entries:
@@ -235,12 +235,12 @@ class TierStore:
         return sorted(out, key=lambda r: (r.phase, r.recorded, r.inner, r.rank))
 
 
-def read_step_tier(backend: Namespace, step: int, *, commit_created: Optional[float]) -> Dict[str, Dict[Tuple[int, int], TierEntry]]:
+def read_step_tier(namespace: Namespace, step: int, *, commit_created: Optional[float]) -> Dict[str, Dict[Tuple[int, int], TierEntry]]:
     """What the tier holds for `step` (the viewer's read): {phase: {(inner, rank): entry}}, each entry
     verified and bound to the step's commit record (`commit_created`, the record's creation time);
     where a phase holds several keys, the newest recorded one. Entries that fail verification are
     left out. Read-only: nothing is written."""
-    store = TierStore(backend)
+    store = TierStore(namespace)
     out: Dict[str, Dict[Tuple[int, int], TierEntry]] = {}
     newest: Dict[str, str] = {}
     records = [r for r in store.step_records(step) if r.commit_created == commit_created]

@@ -215,8 +215,8 @@ def config_changes(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> List[
 class ValuesStore:
     """The values files of one namespace, through its backend (safe from any thread)."""
 
-    def __init__(self, backend: Namespace):
-        self.backend = backend
+    def __init__(self, namespace: Namespace):
+        self.namespace = namespace
 
     def write_step(self, step: int, values: Mapping[str, float], *, commit_created: Optional[float],
                    config: Optional[str] = None, create_only: bool = False) -> bool:
@@ -232,9 +232,9 @@ class ValuesStore:
         }
         data = (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
         if create_only:
-            self.backend.locker.fence(key=values_key(step))
-            return self.backend.storage.put_if_absent(values_key(step), data) is not None
-        self.backend.write_small(values_key(step), data)
+            self.namespace.locker.fence(key=values_key(step))
+            return self.namespace.storage.put_if_absent(values_key(step), data) is not None
+        self.namespace.write_small(values_key(step), data)
         return True
 
     def write_run_step(self, run_id: str, step: int, values: Mapping[str, float], *, config: Optional[str] = None,
@@ -249,18 +249,18 @@ class ValuesStore:
             "recorded": time.time(),
             "values": {str(k): _encode(float(v)) for k, v in values.items()},
         }
-        self.backend.write_small(run_values_key(run_id, step), (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
+        self.namespace.write_small(run_values_key(run_id, step), (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
 
     def write_run(self, run_id: str, doc: Mapping[str, Any]) -> None:
         """Store run `run_id`'s own document (when, where, its config digest, what it served)."""
         body = {"format": VALUES_FORMAT, "run": run_id, **dict(doc)}
-        self.backend.write_small(run_doc_key(run_id), (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
+        self.namespace.write_small(run_doc_key(run_id), (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
 
     def list_runs(self) -> List[str]:
         """The run ids that recorded values beside the recording (replays), oldest first (ids start
         with their UTC start time); [] when none or unreadable."""
         try:
-            entries = self.backend.list_dir(RUNS_DIR)
+            entries = self.namespace.list_dir(RUNS_DIR)
         except Exception:  # noqa: BLE001 - no runs directory (a POSIX ENOENT), or out of reach
             return []
         names = {e.name.rstrip("/") for e in entries}
@@ -269,7 +269,7 @@ class ValuesStore:
     def read_run(self, run_id: str) -> Optional[Dict[str, Any]]:
         """Run `run_id`'s document; None when absent or unreadable."""
         try:
-            data = self.backend.read_small(run_doc_key(run_id))
+            data = self.namespace.read_small(run_doc_key(run_id))
             doc = json.loads(data) if data is not None else None
         except Exception:  # noqa: BLE001
             return None
@@ -282,7 +282,7 @@ class ValuesStore:
     def run_steps(self, run_id: str) -> List[int]:
         """The steps run `run_id` recorded values for, in order."""
         try:
-            entries = self.backend.list_dir(f"{RUNS_DIR}/{check_run_id(run_id)}")
+            entries = self.namespace.list_dir(f"{RUNS_DIR}/{check_run_id(run_id)}")
         except Exception:  # noqa: BLE001
             return []
         out = []
@@ -299,7 +299,7 @@ class ValuesStore:
 
     def _read(self, key: str, step: int) -> Optional[StepValues]:
         try:
-            data = self.backend.read_small(key)
+            data = self.namespace.read_small(key)
         except Exception:  # noqa: BLE001 - unreadable values: the step is simply unchecked
             return None
         if data is None:
@@ -327,12 +327,12 @@ class ValuesStore:
     def add_blessing(self, doc: Mapping[str, Any]) -> None:
         """Append one blessing (when, why: the training-side change, which steps) to the namespace's list."""
         body = {"format": VALUES_FORMAT, "blessings": [*self.read_blessings(), dict(doc)]}
-        self.backend.write_small(BLESSED, (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
+        self.namespace.write_small(BLESSED, (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
 
     def read_blessings(self) -> List[Dict[str, Any]]:
         """Every blessing of the recorded values, oldest first; [] when none or unreadable."""
         try:
-            data = self.backend.read_small(BLESSED)
+            data = self.namespace.read_small(BLESSED)
             doc = json.loads(data) if data is not None else None
         except Exception:  # noqa: BLE001
             return []
@@ -342,13 +342,13 @@ class ValuesStore:
     def write_config(self, digest: str, flat: Mapping[str, Any]) -> None:
         """Store a flattened training-side config under its digest (once: it never changes)."""
         doc = {"format": VALUES_FORMAT, "digest": digest, "config": dict(flat)}
-        self.backend.write_small(config_key(digest),
+        self.namespace.write_small(config_key(digest),
                                  (json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n").encode())
 
     def read_config(self, digest: str) -> Optional[Dict[str, Any]]:
         """The flattened config stored under `digest`; None when absent or unreadable."""
         try:
-            data = self.backend.read_small(config_key(digest))
+            data = self.namespace.read_small(config_key(digest))
             doc = json.loads(data) if data is not None else None
         except Exception:  # noqa: BLE001
             return None

@@ -35,10 +35,10 @@ class StagedInner:
     buffer and hashes that -- stores it through the namespace's backend (O_DIRECT on POSIX) and then its
     meta.json, returning the two FileEntry. Once, from any thread."""
 
-    def __init__(self, backend: Namespace, step: int, lease: Lease, nbytes: int, checksum: Optional[str],
+    def __init__(self, namespace: Namespace, step: int, lease: Lease, nbytes: int, checksum: Optional[str],
                  payload_rel: str, meta_rel: str, meta: Dict[str, Any],
                  transform: Optional[Tuple[tensorfile.FileImage, tensorfile.StoredForm, BufferPool]] = None):
-        self._backend = backend
+        self._namespace = namespace
         self._step = step
         self._lease: Optional[Lease] = lease
         self.checksum = checksum
@@ -69,11 +69,11 @@ class StagedInner:
         try:
             if self._transform is not None:
                 lease = self._stored(lease)
-            self._backend.write_payload(self._step, self.payload_rel, lease, self.bytes)
+            self._namespace.write_payload(self._step, self.payload_rel, lease, self.bytes)
             lease.release()                  # the buffer may go round again while meta.json is written
             meta_doc = dict(self._meta, bytes=self.bytes, checksum=self.checksum, created=time.time())
             meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
-            self._backend.write_small(f"{self._step}/{self.meta_rel}", meta_bytes)
+            self._namespace.write_small(f"{self._step}/{self.meta_rel}", meta_bytes)
         finally:
             lease.release()
         return (FileEntry(self.payload_rel, self.bytes, self.checksum),
@@ -92,14 +92,14 @@ class StepWriter:
     namespace index (`index.IndexWriter`, thread-safe): stage on the trainer's thread, complete and commit
     on the writer thread."""
 
-    def __init__(self, layout: Layout, backend: Namespace, pool: BufferPool, form: tensorfile.StoredForm):
+    def __init__(self, layout: Layout, namespace: Namespace, pool: BufferPool, form: tensorfile.StoredForm):
         """`pool`: the buffers payloads are staged in; `form`: how payloads are written
         (`codec.stored_form(compression, level)`)."""
         self.layout = layout
-        self.backend = backend
+        self.namespace = namespace
         self.pool = pool
         self.form = form
-        self.index = index.IndexWriter(layout, backend)
+        self.index = index.IndexWriter(layout, namespace)
 
     def write_inner(self, step: int, inner_index: int, rank: int, payload: Any,
                     meta: Mapping[str, Any]) -> Tuple[FileEntry, FileEntry]:
@@ -129,7 +129,7 @@ class StepWriter:
             # same hash slowed a training step on every core by twice its own time (measured). A
             # compressed form is hashed on the writer thread, after compressing (the stored bytes).
             checksum = None if transform else checksum_bytes(lease.view(image.nbytes))
-            self.backend.uncommit(step)      # the step is being rewritten: never "complete" meanwhile
+            self.namespace.uncommit(step)      # the step is being rewritten: never "complete" meanwhile
         except BaseException:
             lease.release()
             raise
@@ -138,7 +138,7 @@ class StepWriter:
                         W=layout.W, payload=payload_rel, format=codec.FORMAT_VERSION,
                         compression="zstd" if self.form.zstd_level is not None else "none",
                         logical_bytes=image.nbytes)
-        return StagedInner(self.backend, step, lease, image.nbytes, checksum, payload_rel,
+        return StagedInner(self.namespace, step, lease, image.nbytes, checksum, payload_rel,
                            layout.meta_rel(inner_index, rank), meta_doc, transform)
 
     def commit(self, step: int, entries: Sequence[FileEntry], fingerprint: Optional[Fingerprint],
@@ -163,7 +163,7 @@ class StepWriter:
                 f"commit of step {step}: no entry for {', '.join(missing[:4])}"
                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             )
-        listing = self.backend.list_step(step)
+        listing = self.namespace.list_step(step)
         if listing is None:
             raise CorruptStepError(layout.step_dir(step), "step directory does not exist")
         for e in by_rel.values():
@@ -177,8 +177,8 @@ class StepWriter:
                               tuple(sorted(by_rel.values(), key=lambda e: e.rel)), time.time(),
                               None if gen_s is None else float(gen_s))
         data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
-        self.backend.uncommit(step)          # a commit of a step committed already replaces its record
-        stamp = self.backend.commit(step, data)
+        self.namespace.uncommit(step)          # a commit of a step committed already replaces its record
+        stamp = self.namespace.commit(step, data)
         self.index.committed(step, record, data, stamp)
         return record
 
@@ -188,23 +188,23 @@ class StepWriter:
         record (`commit_created`: the record's creation time); outside the record, so the step stays
         complete whether or not this lands. `create_only`: only where the step has no values (False
         when it has)."""
-        return ValuesStore(self.backend).write_step(step, values, commit_created=commit_created, config=config,
+        return ValuesStore(self.namespace).write_step(step, values, commit_created=commit_created, config=config,
                                                     create_only=create_only)
 
     def write_run_values(self, run_id: str, step: int, values: Mapping[str, float], config: Optional[str] = None) -> None:
         """Record what a replay (run `run_id`) reported for `step`, under its run id: never over the
         recording's values (`store.values`)."""
-        ValuesStore(self.backend).write_run_step(run_id, step, values, config=config)
+        ValuesStore(self.namespace).write_run_step(run_id, step, values, config=config)
 
     def write_run(self, run_id: str, doc: Mapping[str, Any]) -> None:
         """Record a replay's own document (`.values/runs/{run_id}/run.json`)."""
-        ValuesStore(self.backend).write_run(run_id, doc)
+        ValuesStore(self.namespace).write_run(run_id, doc)
 
     def write_training_config(self, digest: str, flat: Mapping[str, Any]) -> None:
         """Record the run's flattened training-side config under its digest."""
-        ValuesStore(self.backend).write_config(digest, flat)
+        ValuesStore(self.namespace).write_config(digest, flat)
 
     def clear_step(self, step: int) -> int:
         """Remove a step so it can be rewritten: commit record first, then everything else; a step
         entry that is a symlink is unlinked, never entered. Returns the bytes freed (0 if absent)."""
-        return self.backend.remove_step(step)
+        return self.namespace.remove_step(step)

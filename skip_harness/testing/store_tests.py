@@ -3,8 +3,9 @@
 A backend (`skip_harness.store.registry.Backend`: a `Storage` and a `Locker`) passes them when the commit
 protocol written once above it (`store.namespace.Namespace`) works on it: a step's files written, listed
 with their sizes and stamps, committed once (create-only), read back verified against size and checksum,
-uncommitted, removed commit record first, set aside; its recorded values removed with it; the lock held
-by one opener at a time, released once, with its run markers; and the storage's own primitives.
+uncommitted, removed commit record first, set aside; its recorded values and second-tier entries removed
+with it; the lock held by one opener at a time, released once, with its run markers; and the storage's own
+primitives.
 
 Subclass in a test module and give one fixture -- a fresh place each test::
 
@@ -34,6 +35,7 @@ from skip_harness.store.namespace import Namespace
 from skip_harness.store.open import open_dump_dir
 from skip_harness.store.status import StepStatus
 from skip_harness.store.storage import DIR, FILE
+from skip_harness.store.tier import TierStore, key_digest
 from skip_harness.store.values import ValuesStore, values_key
 
 LEAF = "exp_proj/GBS8_N1_in16_out16_K2_W1"      # the namespace every test opens under the dump_dir
@@ -191,6 +193,25 @@ class StoreTests:
         assert not ns.sees_run_marker("abc")
         with pytest.raises(ValueError):
             ns.put_run_marker("../x")
+
+    def test_second_tier_entries_are_create_only_bound_to_the_commit_and_removed_with_their_step(self, make_namespace):
+        """The second tier's entries (`store.tier`, `.tier/{step}/...`): create-only, checksummed, bound to the
+        commit record, listed per key, removed with their step."""
+        import torch
+
+        ns = make_namespace()
+        store, key, other = TierStore(ns), {"reward function r": "v1"}, {"reward function r": "v2"}
+        data = store.encode({"r": torch.arange(4.0), "names": ["a", "b"]})
+        assert store.write(3, "reward", 0, 0, key, data, commit_created=1.5, seconds=0.2)
+        assert not store.write(3, "reward", 0, 0, key, store.encode(torch.zeros(1)), commit_created=1.5, seconds=0.1)
+        assert store.write(3, "reward", 0, 0, other, data, commit_created=1.5, seconds=0.3)
+        got = store.read(3, "reward", key, 0, 0, commit_created=1.5)
+        assert torch.equal(got.values["r"], torch.arange(4.0)) and got.values["names"] == ["a", "b"]
+        assert got.record.seconds == 0.2 and got.record.key == key
+        assert store.read(3, "reward", key, 0, 0, commit_created=2.0) is None      # another write of the step
+        assert {r.digest for r in store.keys(3, "reward")} == {key_digest(key), key_digest(other)}
+        assert ns.remove_step(3) > 0
+        assert store.read(3, "reward", key, 0, 0, commit_created=1.5) is None and not store.step_records(3)
 
     # ---- the storage's own operations
 

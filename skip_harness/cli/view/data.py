@@ -182,7 +182,7 @@ class Cache:
 
     def scan(self, ns: ViewedNamespace) -> NamespaceReport:
         """The namespace's steps from its index where it vouches for them; the index is never written."""
-        return scan_namespace(ns.layout, self.reader(ns).backend, rewrite_index=False)
+        return scan_namespace(ns.layout, self.reader(ns).namespace, rewrite_index=False)
 
     def namespace_view(self, ns: ViewedNamespace, report: Optional[NamespaceReport] = None, *,
                        read_metas: bool = True) -> NamespaceView:
@@ -252,7 +252,7 @@ class Cache:
         if created is None:
             return {}
         try:
-            tier = read_step_tier(self.reader(ns).backend, step, commit_created=created)
+            tier = read_step_tier(self.reader(ns).namespace, step, commit_created=created)
         except (SkipHarnessError, OSError) as exc:
             logger.warning("%s: the second tier of step %d cannot be read: %s", ns.layout.root, step, exc)
             return {}
@@ -279,7 +279,7 @@ class Cache:
 
     def _drift(self, ns: ViewedNamespace, step: int) -> Dict[str, float]:
         """The newest `action=compare` run's `compare/...` figures for `step` (its run found once a few seconds)."""
-        store = ValuesStore(self.reader(ns).backend)
+        store = ValuesStore(self.reader(ns).namespace)
         now = time.monotonic()
         with self._lock:
             found = self._compare_runs.get(ns.key)

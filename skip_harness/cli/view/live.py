@@ -83,14 +83,14 @@ def _recording(cache: Cache, ns: ViewedNamespace) -> Optional[Holder]:
         alive = _alive(record.pid, record.host, record.since)
         return None if alive is False else Holder(record.pid, record.host, record.since, alive)
     try:
-        text = cache.reader(ns).backend.holder()      # the lease, read without writing
+        text = cache.reader(ns).namespace.holder()      # the lease, read without writing
     except Exception:  # noqa: BLE001 - a store out of reach: nothing to say about its holder
         return None
     return None if text is None else Holder(None, "", None, True, text=text)
 
 
 def _replays(cache: Cache, ns: ViewedNamespace) -> Live:
-    values = ValuesStore(cache.reader(ns).backend)
+    values = ValuesStore(cache.reader(ns).namespace)
     here, others = [], 0
     for run_id in values.list_runs()[-RUNS_READ:]:
         doc = values.read_run(run_id) or {}
