@@ -264,7 +264,8 @@ def test_colocate_async_with_warmup_and_dapo_records_replays_and_resumes_as_it_t
     assert summary and "1 hit," in summary[-1] and "reproduced" in summary[-1] and "diverged" not in summary[-1], \
         summary
     _dapo_counted(record, runs["resumed"])
-    _discards_recorded(_namespace(workdir[0] / "cache", "colocate"), record)
+    [ns] = [p for p in (workdir[0] / "cache" / "colocate_verl_cpu").iterdir() if p.is_dir()]   # GBS: gen_batch_size
+    _discards_recorded(ns, record)
 
 
 def _discards_recorded(ns: Path, record) -> None:
