@@ -14,7 +14,8 @@ import torch
 
 from skip_harness import SkipHarness
 from skip_harness.errors import HarnessUsageError
-from skip_harness.store.api import discards_key, unpack, write_pack
+from skip_harness.store.api import unpack, write_pack
+from skip_harness.store.discards import discards_key
 
 pytest.importorskip("starlette")
 from starlette.testclient import TestClient  # noqa: E402
@@ -88,7 +89,7 @@ def test_reported_discards_are_stored_and_shown_on_their_page(tmp_path):
     listing = c.get(f"/ns/{view_key(root)}/step/2/discarded").text
     assert re.findall(r'<tr class="discarded-group" data-group="([^"]+)">', listing) == \
         ["g2-1", "&lt;script&gt;window.__xss = 1&lt;/script&gt;", "g2-9"]
-    assert XSS not in listing and "every sample 0.5" in listing and "not reported" in listing
+    assert XSS not in listing and "0.5, 0.5 <span class=\"dead-badge\"" in listing and "not reported" in listing
     assert "<td>" + TIED.replace("'", "&#39;") + "</td><td class=\"num\">2</td>" in listing   # the reasons, counted
     assert c.get(f"/ns/{view_key(root)}/step/7/discarded").status_code == 404
 

@@ -351,7 +351,7 @@ def test_discarded_groups_listed_with_their_reasons(page, tmp_path):
     """Issue 43: what a filter dropped from a step (recorded through the store beside it, as a trainer's
     harness.discard does) is linked from the step page with its count and listed on its own page: every
     group, its reason, its samples' rewards; untrusted ids never run; the page fits 1,400 px."""
-    from skip_harness.store.api import Discarded, DiscardStore
+    from skip_harness.store.discards import Discarded, DiscardStore
 
     dump = tmp_path / "cache"
     lay = write_namespace(dump, "dapo", {1: demo_batch(1), 2: demo_batch(2)})
@@ -372,7 +372,7 @@ def test_discarded_groups_listed_with_their_reasons(page, tmp_path):
         page.wait_for_url("**/step/2/discarded")
         rows = page.locator("tr.discarded-group")
         assert [rows.nth(i).get_attribute("data-group") for i in range(rows.count())] == ["u7", XSS[0], "u9"]
-        assert "every sample 0.5" in rows.nth(0).inner_text() and "not reported" in rows.nth(2).inner_text()
+        assert "0.5, 0.5 tied" in rows.nth(0).inner_text() and "not reported" in rows.nth(2).inner_text()
         assert page.locator("#reasons tr").count() == 3                # a header and the two reasons
         assert page.evaluate("window.__xss") is None and page.dialogs == []
         assert page.evaluate("document.documentElement.scrollWidth") <= 1400

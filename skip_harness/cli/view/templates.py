@@ -203,9 +203,9 @@ DISCARDED = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step 
 {% else %}<p id="discarded-summary" class="facts">{{ rows|length }} group{{ "s" if rows|length != 1 }} discarded{% if samples %} ({{ samples }} samples with rewards){% endif %} before training: generated, then dropped; the step's <a href="/ns/{{ ns.key }}/step/{{ step }}">rollouts</a> are the groups kept.</p>
 <table id="reasons" class="grid-table small"><thead><tr><th>reason</th><th>groups</th></tr></thead><tbody>
 {% for reason, n in reasons %}<tr><td>{{ reason }}</td><td class="num">{{ n }}</td></tr>{% endfor %}</tbody></table>
-<table id="discarded" class="grid-table samples"><thead><tr><th>group</th><th>reason</th><th>samples</th><th>rewards</th></tr></thead><tbody>
+<table id="discarded" class="grid-table"><thead><tr><th>group</th><th>reason</th><th>samples</th><th>rewards</th></tr></thead><tbody>
 {% for r in rows %}<tr class="discarded-group" data-group="{{ r.group }}"><td class="mono uid">{{ r.group }}</td><td>{{ r.reason }}</td>
-<td class="num">{{ r.n if r.n is not none else "-" }}</td><td class="num">{% if r.rewards is none %}<span class="facts small">not reported</span>{% elif r.same is not none and r.n > 1 %}every sample {{ fmt(r.same) }} <span class="facts small">({{ r.n }} × {{ fmt(r.same) }}: no spread, no GRPO signal)</span>{% else %}{% for x in r.rewards %}{{ fmt(x) }}{{ ", " if not loop.last }}{% endfor %}{% endif %}</td></tr>{% endfor %}
+<td class="num">{{ r.n if r.n is not none else "-" }}</td><td class="num">{% if r.rewards is none %}<span class="facts small">not reported</span>{% else %}{% for x in r.rewards %}{{ fmt(x) }}{{ ", " if not loop.last }}{% endfor %}{% if r.same is not none and r.n > 1 %} <span class="dead-badge" title="every sample of this group got the same reward: GRPO's advantages would all be zero">tied</span>{% endif %}{% endif %}</td></tr>{% endfor %}
 </tbody></table>{% endif %}
 {% endblock %}"""
 
