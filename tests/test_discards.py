@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from s3server import s3_bucket, s3_env, s3_server  # noqa: F401  (fixtures)
 from skip_harness import SkipHarness
 from skip_harness.errors import HarnessUsageError
 from skip_harness.store.api import unpack, write_pack
@@ -39,7 +40,7 @@ class Loop:
                 "uid": torch.arange(4).repeat_interleave(2) + 10 * step}
 
 
-def run(dump: Path, steps=(1, 2, 3), report=True, **settings):
+def run(dump, steps=(1, 2, 3), report=True, **settings):
     loop = Loop()
     harness = SkipHarness.create({"enable": True, "dump_dir": str(dump), **settings},
                                  namespace={"experiment_name": "dapo", "project_name": "demo", "K": 1, "n": 2},
@@ -146,3 +147,16 @@ def test_a_step_without_discards_says_so_and_bad_reports_are_refused(tmp_path):
                 harness.discard(1, groups, reason)
     finally:
         harness.close()
+
+
+def test_discards_on_an_object_store(s3_bucket, s3_env):
+    """Recorded through the object-store backend (a real S3 server: create-only puts), read by the viewer."""
+    url = f"s3://{s3_bucket}/dump"
+    run(url)
+    c = client(url)
+    [ns] = c.get("/api/namespaces").json()["namespaces"]
+    doc = c.get(f"/api/ns/{ns['key']}/step/2").json()
+    assert [(d["group"], d["rewards"]) for d in doc["discarded"]] == [("g2-1", [0.5, 0.5]), (XSS, [0.5, 0.5]),
+                                                                      ("g2-9", None)]
+    _h, _ = run(url)                     # the replay: served, the recording's discards kept
+    assert c.get(f"/api/ns/{ns['key']}/step/2").json()["discarded"] == doc["discarded"]
