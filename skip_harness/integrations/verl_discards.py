@@ -92,9 +92,13 @@ def install(plugin: Callable[[], Any], buffer_cls: type, step_of: Callable[[], A
         skip = plugin()
         if skip is None or not groups:
             return
-        step = step_of()
-        for reason, uids in groups:
-            skip.harness.discard(int(step), uids, reason)
+        try:
+            step = int(step_of())
+            for reason, uids in groups:
+                skip.harness.discard(step, uids, reason)
+        except Exception as exc:  # noqa: BLE001 - what was dropped is a record: it never stops the training
+            log.warning("skip_harness: the groups verl's sampler dropped could not be recorded: %s: %s",
+                        type(exc).__name__, exc)
 
     def wrap(name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         if (buffer_cls, name) in _installed:
@@ -105,7 +109,11 @@ def install(plugin: Callable[[], Any], buffer_cls: type, step_of: Callable[[], A
 
     def evict(original: Callable[..., Any]) -> Callable[..., Any]:
         def _evict_terminal_groups(self: Any, global_steps: Any, partition_id: str, eviction_reasons: Any) -> Any:
-            groups = evicted(self, partition_id, eviction_reasons) if partition_id == PARTITION and plugin() else []
+            try:
+                groups = evicted(self, partition_id, eviction_reasons) if partition_id == PARTITION and plugin() else []
+            except Exception as exc:  # noqa: BLE001 - verl's metadata not as checked: nothing recorded, verl runs on
+                log.warning("skip_harness: cannot read which groups verl's sampler drops: %s: %s", type(exc).__name__, exc)
+                groups = []
             _state.evicting = True
             try:
                 result = original(self, global_steps, partition_id, eviction_reasons)
