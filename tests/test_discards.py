@@ -160,3 +160,24 @@ def test_discards_on_an_object_store(s3_bucket, s3_env):
                                                                       ("g2-9", None)]
     _h, _ = run(url)                     # the replay: served, the recording's discards kept
     assert c.get(f"/api/ns/{ns['key']}/step/2").json()["discarded"] == doc["discarded"]
+
+
+def test_discards_reported_after_the_commit_are_recorded_and_merged(tmp_path):
+    """A trainer may report what it dropped after the step trained (its commit landed): written then, and a
+    later report of the same step merged into it."""
+    loop = Loop()
+    harness = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path)},
+                                 namespace={"experiment_name": "dapo", "project_name": "demo", "K": 1, "n": 2})
+    harness.wrap(loop, sample="generate", prepare_data=None)
+    try:
+        loop.generate(1)
+        harness.commit_finished()                 # step 1 committed before anything is reported
+        harness.discard(1, ["a"], "late")
+        harness.flush()
+        loop.generate(2)
+        harness.discard(1, {"b": [1.0, 1.0]}, "later")
+    finally:
+        harness.close()
+    doc = json.loads((namespace_of(tmp_path) / discards_key(1)).read_text())
+    assert doc["discarded"] == [{"group": "a", "reason": "late", "rewards": None},
+                                {"group": "b", "reason": "later", "rewards": [1.0, 1.0]}]

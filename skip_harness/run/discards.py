@@ -101,8 +101,8 @@ class Discards:
         self.coordinator = coordinator
         self.records = records                           # rank 0 of a run that writes its misses
         self._pending: Dict[int, List[Discarded]] = {}   # reported before the step's commit
-        self._written: Dict[int, Tuple[float, List[Discarded]]] = {}   # committed: (its record's time, written)
-        self.reported = 0                                # groups reported for recorded steps
+        self._committed: Dict[int, float] = {}           # a committed step: its record's creation time
+        self._written: Dict[int, List[Discarded]] = {}   # what was written for it
 
     def report(self, step: int, outcome: str, groups: Any, reason: Any) -> None:
         found = discarded_of(groups, reason)              # checked on every rank, whatever the step
@@ -111,10 +111,9 @@ class Discards:
             return
         if not self.records or not found:
             return
-        self.reported += len(found)
-        if step in self._written:
-            created, before = self._written[step]
-            self._write(step, created, _merged(before, found), create_only=False)
+        if step in self._committed:                       # reported after the commit: written now
+            before = self._written.get(step)
+            self._write(step, _merged(before or [], found), create_only=before is None)
         else:
             self._pending[step] = _merged(self._pending.get(step, []), found)
 
@@ -122,13 +121,14 @@ class Discards:
         """A miss step's commit record landed (rank 0 knows `created`): record what was discarded from it."""
         if created is None or not self.records:
             return
+        self._committed[step] = created
         pending = self._pending.pop(step, None)
         if pending:
-            self._write(step, created, pending, create_only=True)
+            self._write(step, pending, create_only=True)
 
-    def _write(self, step: int, created: float, discarded: List[Discarded], create_only: bool) -> None:
-        self._written[step] = (created, discarded)
-        self.coordinator.record_discards(step, tuple(discarded), created, create_only)
+    def _write(self, step: int, discarded: List[Discarded], create_only: bool) -> None:
+        self._written[step] = discarded
+        self.coordinator.record_discards(step, tuple(discarded), self._committed[step], create_only)
 
 
 def _merged(before: List[Discarded], new: List[Discarded]) -> List[Discarded]:
