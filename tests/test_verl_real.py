@@ -264,6 +264,21 @@ def test_colocate_async_with_warmup_and_dapo_records_replays_and_resumes_as_it_t
     assert summary and "1 hit," in summary[-1] and "reproduced" in summary[-1] and "diverged" not in summary[-1], \
         summary
     _dapo_counted(record, runs["resumed"])
+    [ns] = [p for p in (workdir[0] / "cache" / "colocate_verl_cpu").iterdir() if p.is_dir()]   # GBS: gen_batch_size
+    _discards_recorded(ns, record)
+
+
+def _discards_recorded(ns: Path, record) -> None:
+    """Issue 43: every group DAPO evicted at a step is recorded beside it with its reason and its samples'
+    tied reward (integrations.verl_discards); the resumed replay that served step 2 left them as they were."""
+    import json
+
+    for step, values in record.metrics.items():
+        path = ns / ".values" / f"discarded-{step}.json"
+        doc = json.loads(path.read_text()) if path.exists() else {"discarded": []}
+        tied = [d for d in doc["discarded"] if d["reason"].startswith("filter_groups: every sample's reward was")]
+        assert len(tied) == values.get("training/filter_groups/evicted_samples", 0), (step, doc)
+        assert all(d["rewards"] and len(set(d["rewards"])) == 1 for d in tied), doc
 
 
 @ASYNC_LANE

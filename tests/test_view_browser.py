@@ -345,3 +345,34 @@ def test_long_rollouts_fit_the_screen(page, tmp_path):
         assert page.evaluate("document.documentElement.scrollWidth") <= 1400
         response = page.goto(f"{v.url}favicon.ico")
         assert response is not None and response.status == 200
+
+
+def test_discarded_groups_listed_with_their_reasons(page, tmp_path):
+    """Issue 43: what a filter dropped from a step (recorded through the store beside it, as a trainer's
+    harness.discard does) is linked from the step page with its count and listed on its own page: every
+    group, its reason, its samples' rewards; untrusted ids never run; the page fits 1,400 px."""
+    from skip_harness.store.discards import Discarded, DiscardStore
+
+    dump = tmp_path / "cache"
+    lay = write_namespace(dump, "dapo", {1: demo_batch(1), 2: demo_batch(2)})
+    store = open_store(lay)
+    created = store.reader.read_commit(2).created
+    tied = "filter_groups: every sample's reward was 0.5 (no spread, no GRPO signal)"
+    DiscardStore(store.backend).write_step(2, [Discarded("u7", tied, (0.5, 0.5)), Discarded(XSS[0], tied, (0.5, 0.5)),
+                                               Discarded("u9", "rollout failed")], commit_created=created)
+    ns = "0/dapo/GBS6_N2_in4_out5"
+    page.set_viewport_size({"width": 1400, "height": 900})
+    with viewer(tmp_path, str(dump)) as v:
+        page.goto(f"{v.url}ns/{ns}/step/1")
+        assert page.locator("#discarded-link").count() == 0          # step 1: nothing dropped
+        page.goto(f"{v.url}ns/{ns}/step/2")
+        link = page.locator("#discarded-link a")
+        assert link.inner_text() == "3 groups discarded"
+        link.click()
+        page.wait_for_url("**/step/2/discarded")
+        rows = page.locator("tr.discarded-group")
+        assert [rows.nth(i).get_attribute("data-group") for i in range(rows.count())] == ["u7", XSS[0], "u9"]
+        assert "0.5, 0.5 tied" in rows.nth(0).inner_text() and "not reported" in rows.nth(2).inner_text()
+        assert page.locator("#reasons tr").count() == 3                # a header and the two reasons
+        assert page.evaluate("window.__xss") is None and page.dialogs == []
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1400

@@ -163,7 +163,7 @@ if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY
 
 from skip_harness.errors import HarnessUsageError  # noqa: E402 - after the verl version check above
 from skip_harness.run.stats import HIT, MISS, REPEAT  # noqa: E402
-from skip_harness.integrations import verl_config, verl_hooks, verl_live, verl_tier, verl_tq  # noqa: E402
+from skip_harness.integrations import verl_config, verl_discards, verl_hooks, verl_live, verl_tier, verl_tq  # noqa: E402
 
 log = logging.getLogger("skip_harness")
 
@@ -492,4 +492,6 @@ def install_hooks() -> None:
     classes = _verl_classes()
     verl_hooks.check_shapes(classes, _verl_version)
     verl_hooks.install(_active, classes)
+    verl_discards.check_shapes(classes["ReplayBuffer"], _verl_version)          # what the sampler dropped, and why
+    verl_discards.install(_active, classes["ReplayBuffer"], lambda: _SkipManager.step)
 from skip_harness.integrations import verl_values  # noqa: E402,F401 - verl's logged metrics reach the replay check

@@ -291,6 +291,14 @@ class CommitCoordinator:
         self._recordings.append((step, fut))
         return fut
 
+    def record_discards(self, step: int, discarded: Any, commit_created: float, create_only: bool = True) -> Future:
+        """Write what a filter discarded from a committed step (store.discards) on the writer thread,
+        queued behind its commit, as its values are."""
+        self._check_recordings()
+        fut = self.writer.submit(self.store.write_discards, step, discarded, commit_created, create_only)
+        self._recordings.append((("discarded", step), fut))
+        return fut
+
     def record_run_values(self, run_id: str, step: int, values: Dict[str, float], config: Optional[str],
                           into: Any = None) -> None:
         """Write a replay's values for `step` under its run id, on the writer thread (`into`: the StepWriter of
@@ -326,8 +334,9 @@ class CommitCoordinator:
                     self._fault(step.split(":", 1)[1], f"this replay's values could not be kept beside the "
                                 f"recording's: {type(exc).__name__}: {exc}; they are not kept")
             elif exc is not None and not isinstance(exc, CacheWritesStopped):   # a lost lock is said once
+                kind, step = ("discarded groups", step[1]) if isinstance(step, tuple) else ("values", step)
                 where = self.store.layout.root if step is None else self.store.layout.step_dir(step)
-                what = "the training-side config" if step is None else f"step {step}'s values"
+                what = "the training-side config" if step is None else f"step {step}'s {kind}"
                 self._fault(str(where), f"could not record {what}: {type(exc).__name__}: {exc}; "
                             "the step stays complete, a replay leaves it unchecked")
         self._recordings = keep

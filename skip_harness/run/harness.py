@@ -28,7 +28,7 @@ from skip_harness.store.api import (BufferPool, Fingerprint, Layout, Namespace, 
                                     flatten_config, new_run_id)
 from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
 from skip_harness.run.prefetch import Prefetcher
-from skip_harness.run.replay import ValuesTracker
+from skip_harness.run.replay import DiscardReporting, ValuesTracker
 from skip_harness.run.sharing import Follower
 from skip_harness.run.deferred import Deferred, start_run
 from skip_harness.run.source import Source, check_replay_from, load_regrouped
@@ -43,7 +43,7 @@ from skip_harness.run.weights import weight_digests
 _DEFAULT = object()
 
 
-class SkipHarness:
+class SkipHarness(DiscardReporting):   # discard(): run.discards
     """Caches the mini-batches a trainer's `sample` returns, by (step, inner index, rank).
 
     Typical use::

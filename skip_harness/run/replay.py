@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 from skip_harness.config import ROLLOUT_VALUES, WEIGHTS_PREFIX, Action, ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
 from skip_harness.run.baseline import Baseline, find_baseline
+from skip_harness.run.discards import DiscardReporting, Discards   # a step's discards go with its values
 from skip_harness.run.divergence import Divergence, cfg_value
 from skip_harness.run.stats import HIT, MISS
 from skip_harness.run.tolerance import NOISE_WORDS, ToleranceModel
@@ -139,6 +140,7 @@ class ValuesTracker:
         self.coordinator = coordinator
         self.callbacks = callbacks
         self.is_main = is_main
+        self.discards = Discards(coordinator, is_main)     # what a filter dropped from a step (run.discards)
         self._ignore = [p.lower() for p in settings.replay_ignore]
         self.set_training_config(training_config)
         self._config_written = False
@@ -224,6 +226,7 @@ class ValuesTracker:
         """A miss step's commit record landed (rank 0 knows `created`): record what it produced."""
         if created is None or not self.is_main:
             return
+        self.discards.committed(step, created)
         self._committed[step] = created
         pending = self._pending.pop(step, None)
         if pending is not None:
@@ -426,4 +429,4 @@ class ValuesTracker:
                             (min(counts), max(counts)), div, before, self._regrouped_note())
 
 
-__all__ = ["Divergence", "ReplayReport", "ValuesTracker", "depends_on_rollouts"]
+__all__ = ["DiscardReporting", "Divergence", "ReplayReport", "ValuesTracker", "depends_on_rollouts"]

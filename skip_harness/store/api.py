@@ -28,7 +28,8 @@ Every name is imported from the module that defines it (nothing here is new code
 - **status and scan**: `StepStatus`, `STATUSES`, `StepReport`, `classify_step`, `scan_namespace`, `stale_temporaries`,
   `NamespaceReport`.
 - **logged values and the second tier**: `ValuesStore`, `config_changes`, `config_digest`, `flatten_config`,
-  `numbers_of`, `new_run_id`; `TierStore`, `TierRecord`, `key_digest`, `read_step_tier`.
+  `numbers_of`, `new_run_id`; what a filter discarded (`Discarded`, read by
+  `StepReader.read_discarded`); `TierStore`, `TierRecord`, `key_digest`, `read_step_tier`.
 - **locking**: `Hold`, `HeldByThisProcess`, `new_run_token`; who holds a local namespace, read without trying
   its lock (`read_lock_holder`), and whether a process of this host still runs (`process_runs_since`).
 - **cleanup and retention**: `plan_cleanup`, `CleanupPlan`, `CleanupItem`, `CleanupResult`; `RetentionRules`,
@@ -71,7 +72,8 @@ from skip_harness.store.status import STATUSES, StepReport, StepStatus
 
 # logged values and the second tier
 from skip_harness.store.tier import TierRecord, TierStore, key_digest, read_step_tier
-from skip_harness.store.values import (ValuesStore, config_changes, config_digest, flatten_config, new_run_id,
+from skip_harness.store.discards import Discarded
+from skip_harness.store.values import (ValuesStore, as_number, config_changes, config_digest, flatten_config, new_run_id,
                                        numbers_of)
 
 # locking
@@ -103,6 +105,7 @@ __all__ = [
     # status and scan
     "STATUSES", "NamespaceReport", "StepReport", "StepStatus", "classify_step", "scan_namespace", "stale_temporaries",
     # logged values and the second tier
+    "Discarded", "as_number",
     "TierRecord", "TierStore", "ValuesStore", "config_changes", "config_digest", "flatten_config", "key_digest",
     "new_run_id", "numbers_of", "read_step_tier",
     # locking

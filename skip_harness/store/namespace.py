@@ -221,9 +221,10 @@ class Namespace:
     def _drop_values(self, step: int) -> int:
         """The values recorded for a step that is removed or set aside (`store.values`: outside the step,
         bound to its commit record) go with it: no orphan is left behind in `.values/`."""
-        key = f"{VALUES_DIR}/{int(step)}.json"
-        self.locker.fence(key=key)
-        freed = self.storage.delete(key)
+        freed = 0
+        for key in (f"{VALUES_DIR}/{int(step)}.json", f"{VALUES_DIR}/discarded-{int(step)}.json"):   # its discards too
+            self.locker.fence(key=key)
+            freed += self.storage.delete(key)
         tier = f"{TIER_DIR}/{int(step)}"       # its second tier (store.tier) too
         self.locker.fence(key=tier)
         return freed + self.storage.delete_prefix(tier + "/")

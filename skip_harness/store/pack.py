@@ -1,10 +1,11 @@
 """Packs: one recording (or a range of its steps) as one portable, read-only file (`skip-harness pack`).
 
 `write_pack(namespace, out, steps)` copies a namespace's committed steps -- each step's files and commit
-record, its second tier (`.tier/{step}/`), its recorded values (`.values/{step}.json`) and the
-training-side config they name (`.values/config-{digest}.json`) -- into a ZIP of stored members led by a
-manifest (`store.packfile` has the format and reads it in place: `replay_from`, `ls`, `verify`, `show`,
-`diff` and `view` open a pack as a namespace). Every byte copied is checked: a step file against its
+record, its second tier (`.tier/{step}/`), its recorded values (`.values/{step}.json`), what a filter
+discarded from it (`.values/discarded-{step}.json`) and the training-side config they name
+(`.values/config-{digest}.json`) -- into a ZIP of stored members led by a manifest (`store.packfile` has
+the format and reads it in place: `replay_from`, `ls`, `verify`, `show`, `diff` and `view` open a pack as
+a namespace). Every byte copied is checked: a step file against its
 commit record, every member against the manifest when it is read back. `unpack(pack, dump_dir)` restores
 the namespace under `{dump_dir}/{experiment}_{project}/{leaf}`, each step as the store writes one (files,
 then the commit record, under the namespace's lock). `bless_pack` replaces the recorded values of some
@@ -26,6 +27,7 @@ from skip_harness.codec import MAGIC
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.checksum import checksum_bytes
 from skip_harness.store.commit import COMMIT_FORMAT, parse_commit
+from skip_harness.store.discards import discards_key
 from skip_harness.store.layout import COMMIT_NAME, TIER_DIR, VALUES_DIR, Layout
 from skip_harness.store.namespaces import namespaces_at
 from skip_harness.store.open import (PACK_FORMAT, PACK_VERSION, PackError, PackMember, const_bytes, memory_namespace,
@@ -153,6 +155,8 @@ def write_pack(namespace: Any, out_path: PathLike, steps: Optional[Iterable[int]
             recorded = ValuesStore(ns).read_step(s)
             if recorded is not None and recorded.config and recorded.config not in digests:
                 digests.append(recorded.config)
+        if storage.get(discards_key(s)) is not None:     # what a filter discarded from it (store.discards)
+            extra.append(discards_key(s))
         for key in extra:
             data = small(key)
             members.append(PackMember(key, len(data), checksum_bytes(data), const_bytes(data)))
@@ -224,7 +228,8 @@ def unpack(pack_path: PathLike, dump_dir: PathLike) -> Path:
                 data = src.storage.get(name)
                 assert data is not None
                 dst.write_payload(step, name.split("/", 1)[1], data, len(data))
-            for name in tier + [values_key(step)] * (values_key(step) in manifest["members"]):
+            beside = [k for k in (values_key(step), discards_key(step)) if k in manifest["members"]]
+            for name in tier + beside:
                 data = src.storage.get(name)
                 assert data is not None
                 dst.write_small(name, data)

@@ -22,6 +22,7 @@ from skip_harness import codec
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.bufferpool import BufferPool, Lease
 from skip_harness.store.checksum import checksum_bytes
+from skip_harness.store.discards import DiscardStore, StepDiscards
 from skip_harness.store.commit import CommitRecord, FileEntry, expected_rels, parse_commit
 from skip_harness.store.layout import COMMIT_NAME, PAYLOAD_NAME, Layout
 from skip_harness.store.namespace import Namespace
@@ -110,6 +111,18 @@ class StepReader:
         if record is None or recorded.commit_created != record.created:
             return None
         return recorded
+
+    def read_discarded(self, step: int) -> Optional[StepDiscards]:
+        """What a filter discarded from `step` when it was recorded (`store.discards`); None when nothing
+        was recorded, or it belongs to another write of the step, or the step has no valid commit record."""
+        found = DiscardStore(self.backend).read_step(step)
+        if found is None:
+            return None
+        try:
+            record = self.read_commit(step)
+        except (CorruptStepError, OSError):
+            return None
+        return found if record is not None and found.commit_created == record.created else None
 
     def read_training_config(self, digest: Optional[str]) -> Optional[Dict[str, Any]]:
         """The flattened training-side config recorded under `digest` (None when absent)."""

@@ -26,6 +26,7 @@ from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
 from skip_harness.store.namespace import Namespace
 from skip_harness.store.paths import check_position, check_step
+from skip_harness.store.discards import Discarded, DiscardStore
 from skip_harness.store.values import ValuesStore
 
 
@@ -190,6 +191,13 @@ class StepWriter:
         when it has)."""
         return ValuesStore(self.namespace).write_step(step, values, commit_created=commit_created, config=config,
                                                     create_only=create_only)
+
+    def write_discards(self, step: int, discarded: Sequence[Discarded], commit_created: Optional[float],
+                       create_only: bool = True) -> bool:
+        """Record what a filter discarded from a committed step and why (`store.discards`), bound to its
+        commit record, outside it; `create_only`: only where the step has none (False when it has)."""
+        return DiscardStore(self.backend).write_step(step, discarded, commit_created=commit_created,
+                                                     create_only=create_only)
 
     def write_run_values(self, run_id: str, step: int, values: Mapping[str, float], config: Optional[str] = None) -> None:
         """Record what a replay (run `run_id`) reported for `step`, under its run id: never over the

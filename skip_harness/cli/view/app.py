@@ -6,6 +6,7 @@
     /ns/{key}/step/{n}                  a step (?q= &min_reward= &max_reward= &sort= &order= &color= &page=)
                                                                                 /api/ns/{key}/step/{n}
     /ns/{key}/step/{n}/t/{i.r.j}        one trajectory                          /api/ns/{key}/step/{n}/t/{i.r.j}
+    /ns/{key}/step/{n}/discarded        what a filter dropped from the step     (the step's JSON: `discarded`)
     /compare?a={key}&b={key}&step={n}   two namespaces at one step, with the diff
 
 `key` is `{root}/{group}/{leaf}`: the root's number on the command line, then the namespace's two names.
@@ -135,6 +136,10 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
                                                    request.path_params["ref"], decoder,
                                                    request.query_params.get("color", "")))
 
+    def discarded_page(request: Request) -> Response:
+        ctx = pages.discarded_page(cache, ns_of(request), step_of(request))
+        return html("discarded", ctx, refresh=REFRESH_STEP_S if ctx["live"].refreshing else 0)
+
     def bad_step(request: Request) -> Response:
         raise pages.BadQuery(f"step {request.path_params['step']!r} is not a step number")
 
@@ -215,6 +220,7 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         Route("/favicon.ico", favicon),
         Route("/compare", handler(compare_page)),
         Route("/ns/{key:path}/step/{step:int}/t/{ref}", handler(trajectory_page)),
+        Route("/ns/{key:path}/step/{step:int}/discarded", handler(discarded_page)),
         Route("/ns/{key:path}/step/{step:int}", handler(step_page)),
         Route("/ns/{key:path}/step/{step}/t/{ref}", handler(bad_step)),
         Route("/ns/{key:path}/step/{step}", handler(bad_step)),

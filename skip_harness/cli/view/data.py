@@ -29,8 +29,8 @@ import torch
 from skip_harness.cli._common import mode_and_seed, step_gen_s, step_written
 from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
 from skip_harness.errors import CorruptStepError, SkipHarnessError
-from skip_harness.store.api import (ValuesStore, Layout, NamespaceReport, StepReader, StepReport, UrlPath, namespaces_at,
-                                    open_store, read_step_tier, scan_namespace)
+from skip_harness.store.api import (Discarded, ValuesStore, Layout, NamespaceReport, StepReader, StepReport,
+                                    UrlPath, namespaces_at, open_store, read_step_tier, scan_namespace)
 from skip_harness.run.tier import REWARD as REWARD_PHASE
 from skip_harness.cli.view.samples import StepTable, StoredRewards, group_size_of, step_table
 
@@ -276,6 +276,16 @@ class Cache:
             logger.warning("%s: recorded values of step %d cannot be read: %s", ns.layout.root, step, exc)
             return None
         return {**(recorded or {}), **drift} if drift else recorded
+
+    def discarded(self, ns: ViewedNamespace, step: int) -> Tuple[Discarded, ...]:
+        """What a filter discarded from `step` when it was recorded (store.discards: group, reason, rewards),
+        bound to the step's commit record; () when nothing was (or it cannot be read)."""
+        try:
+            found = self.reader(ns).read_discarded(step)
+        except (CorruptStepError, SkipHarnessError, OSError) as exc:
+            logger.warning("%s: the discarded groups of step %d cannot be read: %s", ns.layout.root, step, exc)
+            return ()
+        return () if found is None else found.discarded
 
     def _drift(self, ns: ViewedNamespace, step: int) -> Dict[str, float]:
         """The newest `action=compare` run's `compare/...` figures for `step` (its run found once a few seconds)."""

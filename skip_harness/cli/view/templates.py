@@ -81,6 +81,7 @@ STEP = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }}{% 
 <h1>step {{ step }}</h1>{% if next is not none %}<a id="next" href="/ns/{{ ns.key }}/step/{{ next }}">step {{ next }} →</a>{% endif %}
 <a href="/api/ns/{{ ns.key }}/step/{{ step }}">JSON</a></nav>
 {% include "live" %}
+{% if discarded %}<p class="facts" id="discarded-link"><a class="discarded-some" href="/ns/{{ ns.key }}/step/{{ step }}/discarded">{{ discarded }} group{{ "s" if discarded != 1 }} discarded</a> by a filter before training (not in this step's rollouts): which, and why</p>{% endif %}
 {% if read.reason %}<div id="refused" class="refused status-{{ read.status }}"><b>{{ read.status }}</b>: {{ read.reason }}
 <p>The viewer shows only steps that pass the verified read; nothing of this step's payload is shown.</p></div>
 {% else %}
@@ -191,6 +192,23 @@ IDS_HINT = """<p class="note" id="tokenizer-hint">token ids shown: no tokenizer 
 text. Start the viewer with <code>--tokenizer NAME_OR_PATH</code> (a local tokenizer directory, a tokenizer.json, or a
 name in the local Hugging Face cache) to read them as text.</p>"""
 
+DISCARDED = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step }} discarded{% endblock %}
+{% block crumbs %}/ <a href="/ns/{{ ns.key }}">{{ ns.label }}</a> / <a href="/ns/{{ ns.key }}/step/{{ step }}">step {{ step }}</a> / discarded{% endblock %}
+{% block main %}
+<nav class="stepnav">{% if prev is not none %}<a id="prev" href="/ns/{{ ns.key }}/step/{{ prev }}/discarded">← step {{ prev }}</a>{% endif %}
+<h1>step {{ step }}: discarded groups</h1>{% if next is not none %}<a id="next" href="/ns/{{ ns.key }}/step/{{ next }}/discarded">step {{ next }} →</a>{% endif %}
+<a href="/api/ns/{{ ns.key }}/step/{{ step }}">JSON</a></nav>
+{% include "live" %}
+{% if not rows %}<p class="empty" id="none-discarded">Nothing was recorded as discarded from this step (no filter dropped a group, or the trainer does not report it).</p>
+{% else %}<p id="discarded-summary" class="facts">{{ rows|length }} group{{ "s" if rows|length != 1 }} discarded{% if samples %} ({{ samples }} samples with rewards){% endif %} before training: generated, then dropped; the step's <a href="/ns/{{ ns.key }}/step/{{ step }}">rollouts</a> are the groups kept.</p>
+<table id="reasons" class="grid-table small"><thead><tr><th>reason</th><th>groups</th></tr></thead><tbody>
+{% for reason, n in reasons %}<tr><td>{{ reason }}</td><td class="num">{{ n }}</td></tr>{% endfor %}</tbody></table>
+<table id="discarded" class="grid-table"><thead><tr><th>group</th><th>reason</th><th>samples</th><th>rewards</th></tr></thead><tbody>
+{% for r in rows %}<tr class="discarded-group" data-group="{{ r.group }}"><td class="mono uid">{{ r.group }}</td><td>{{ r.reason }}</td>
+<td class="num">{{ r.n if r.n is not none else "-" }}</td><td class="num">{% if r.rewards is none %}<span class="facts small">not reported</span>{% else %}{% for x in r.rewards %}{{ fmt(x) }}{{ ", " if not loop.last }}{% endfor %}{% if r.same is not none and r.n > 1 %} <span class="dead-badge" title="every sample of this group got the same reward: GRPO's advantages would all be zero">tied</span>{% endif %}{% endif %}</td></tr>{% endfor %}
+</tbody></table>{% endif %}
+{% endblock %}"""
+
 ERROR = """{% extends "base" %}{% block title %}{{ title }}{% endblock %}
 {% block main %}<h1>{{ title }}</h1><p class="refused">{{ message }}</p><p><a href="/">back to the cache</a></p>{% endblock %}"""
 
@@ -199,7 +217,8 @@ def environment() -> Environment:
     env = Environment(loader=DictLoader({"base": BASE, "overview": OVERVIEW, "compare_form": COMPARE_FORM,
                                          "namespace": NAMESPACE, "charts": CHARTS, "step": STEP,
                                          "trajectory": TRAJECTORY, "compare": COMPARE, "error": ERROR,
-                                         "ids_hint": IDS_HINT, "live": LIVE}),
+                                         "ids_hint": IDS_HINT, "live": LIVE,
+                                         "discarded": DISCARDED}),
                       autoescape=select_autoescape(default=True, default_for_string=True))
     env.globals.update(css=Markup(CSS), colour=colour, adv_colour=adv_colour, fmt=fmt,
                        tokens_html=tokens_html, legend_html=legend_html, histogram_svg=histogram_svg,

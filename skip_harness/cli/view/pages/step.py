@@ -11,6 +11,7 @@ from skip_harness.cli.show import describe
 from skip_harness.cli.view.data import Cache, ViewedNamespace
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, fill_rests, show
 from skip_harness.cli.view.live import live
+from skip_harness.cli.view.pages.discarded import discarded_json
 from skip_harness.cli.view.pages.common import (ROWS_PER_PAGE, SORT_KEYS, TOKENS_ON_STEP_PAGE, BadQuery, _decoder,
                                                 _no_step, colour_keys, token_row)
 from skip_harness.cli.view.samples import StepTable, Trajectory
@@ -103,7 +104,8 @@ def step_page(cache: Cache, ns: ViewedNamespace, step: int, query: StepQuery, de
     at = steps.index(step)
     read, table = cache.table(ns, s)
     ctx: Dict[str, Any] = {"ns": ns, "step": step, "read": read, "live": live(cache, ns), "prev": steps[at - 1] if at > 0 else None,
-                           "next": steps[at + 1] if at + 1 < len(steps) else None}
+                           "next": steps[at + 1] if at + 1 < len(steps) else None,
+                           "discarded": len(cache.discarded(ns, step))}    # what a filter dropped (pages.discarded)
     if table is None:
         return ctx
     rows = select(table, query, decoder)
@@ -200,15 +202,17 @@ def _reward_note(table: StepTable) -> Optional[str]:
 
 
 def step_json(cache: Cache, ns: ViewedNamespace, step: int) -> Dict[str, Any]:
-    """The step: each mini-batch's `meta` and `structure` (as `show --json` gives them) and every trajectory's
-    group, reward, advantage and length; an unreadable step's `status` and `reason` only."""
+    """The step: each mini-batch's `meta` and `structure` (as `show --json` gives them), every trajectory's
+    group, reward, advantage and length, and what a filter discarded (`discarded`); an unreadable step's
+    `status`, `reason` and `discarded` only."""
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
         raise _no_step(ns, step, report)
     read, table = cache.table(ns, s)
     doc: Dict[str, Any] = {"namespace": str(ns.layout.root), "key": ns.key, "step": step, "K": ns.layout.K,
-                           "W": ns.layout.W, "status": read.status, "reason": read.reason}
+                           "W": ns.layout.W, "status": read.status, "reason": read.reason,
+                           "discarded": discarded_json(cache.discarded(ns, step))}
     if table is None:
         return doc
     metas = {(i, r): m for i, r, m in read.metas}
