@@ -68,7 +68,7 @@ class Drift:
         return out
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
     """The first position where two token rows differ (a shorter row differs where it ends); None if equal."""
     m = min(a.numel(), b.numel())
     neq = (a[:m].to(torch.int64) != b[:m].to(torch.int64)).nonzero()
@@ -100,7 +100,7 @@ def compare_batches(generated: Any, recorded: Any) -> Drift:
     identical, firsts, lps = 0, [], []
     both_lp = now.logprobs is not None and then.logprobs is not None
     for j, (a, b) in enumerate(zip(now.responses, then.responses)):
-        first = _first_difference(a, b)
+        first = first_difference(a, b)
         if first is None:
             identical += 1
         else:
@@ -153,4 +153,4 @@ class DriftTotals:
         return line
 
 
-__all__ = ["Drift", "DriftTotals", "VALUE_KEYS", "combined", "compare_batches"]
+__all__ = ["Drift", "DriftTotals", "VALUE_KEYS", "combined", "compare_batches", "first_difference"]

@@ -206,7 +206,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
                        only_in_b=pairing.only_b,
                        trajectories=[{"identity": p.identity, "ref_a": p.a.ref if p.a else None,
                                       "ref_b": p.b.ref if p.b else None, "reward_a": p.a.reward if p.a else None,
-                                      "reward_b": p.b.reward if p.b else None, "same": p.same}
+                                      "reward_b": p.b.reward if p.b else None, "same": p.same,
+                                      "first_difference": p.first}
                                      for p in pairing.pairs])
         return _Json(doc, headers=_HEADERS)
 

@@ -25,6 +25,7 @@ tr.status-corrupt,.nonzero.status-corrupt{color:#b00020}tr.status-incomplete,.no
 .prompt{margin:0 0 6px}.label{font-size:11px;text-transform:uppercase;color:#6b7487;margin-right:6px}
 .tokens{display:block;line-height:1.9;overflow-wrap:anywhere;max-width:100%}
 .tok{padding:1px 2px;margin:0 1px;border-radius:3px;white-space:pre-wrap;font-size:12px;overflow-wrap:anywhere}
+mark.first-diff{background:#ffd54a;color:#1d2330;outline:2px solid #b00020;border-radius:3px;padding:0 2px;font-weight:700}
 .tok.masked{color:#8a93a6;background:none;border:1px dashed #c9ced8}
 .legend{font-size:12px;color:#4a5366;margin:4px 0;display:flex;gap:6px;align-items:center;flex-wrap:wrap}
 .legend .scale{display:inline-block;width:160px;height:10px;border:1px solid #c9ced8;
