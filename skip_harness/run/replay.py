@@ -33,6 +33,7 @@ from skip_harness.config import ROLLOUT_VALUES, WEIGHTS_PREFIX, Action, ReplayCh
 from skip_harness.errors import ReplayDivergedError
 from skip_harness.run.baseline import Baseline, find_baseline
 from skip_harness.run.divergence import Divergence, cfg_value
+from skip_harness.run.drift import trajectory_firsts
 from skip_harness.run.stats import HIT, MISS
 from skip_harness.run.tolerance import NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import config_changes, config_digest, numbers_of
@@ -217,8 +218,15 @@ class ValuesTracker:
         self._keep(step, outcome, numbers)
 
     def compared(self, step: int, figures: Mapping[str, float]) -> None:
-        """action=compare: a step's drift figures (run.drift), kept with the run's values under its run id."""
+        """action=compare: a step's drift figures (run.drift), kept with the run's values under its run id;
+        each trajectory's first differing token beside them (`Figures.batches`)."""
         self._keep(step, MISS, dict(figures))
+        batches = getattr(figures, "batches", ())
+        if batches and self._replaying and self._keep_runs and self.is_main and self.run_id is not None:
+            K, W = (self._K, self._W) if self._source is not None else (self.reader.layout.K, self.reader.layout.W)
+            firsts = trajectory_firsts(batches, K, W)
+            if firsts:
+                self.coordinator.record_run_drift(self.run_id, step, K, W, firsts, self._runs_into)
 
     def committed(self, step: int, created: Optional[float]) -> None:
         """A miss step's commit record landed (rank 0 knows `created`): record what it produced."""

@@ -196,6 +196,10 @@ class StepWriter:
         recording's values (`store.values`)."""
         ValuesStore(self.backend).write_run_step(run_id, step, values, config=config)
 
+    def write_run_drift(self, run_id: str, step: int, K: int, W: int, firsts: Mapping[str, Optional[int]]) -> None:
+        """Record an `action=compare` run's per-trajectory drift at `step` under its run id (`store.values`)."""
+        ValuesStore(self.backend).write_run_drift(run_id, step, K, W, firsts)
+
     def write_run(self, run_id: str, doc: Mapping[str, Any]) -> None:
         """Record a replay's own document (`.values/runs/{run_id}/run.json`)."""
         ValuesStore(self.backend).write_run(run_id, doc)
