@@ -179,7 +179,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         return _Json(dict(cache.namespace_doc(ns), live=live(cache, ns).to_json()), headers=_HEADERS)
 
     def api_step(request: Request) -> Response:
-        return _Json(pages.step_json(cache, ns_of(request), step_of(request)), headers=_HEADERS)
+        return _Json(pages.step_json(cache, ns_of(request), step_of(request),
+                                     request.query_params.get("compare_run", "")[:200]), headers=_HEADERS)
 
     def api_trajectory(request: Request) -> Response:
         ctx = pages.trajectory(cache, ns_of(request), step_of(request), request.path_params["ref"], decoder)

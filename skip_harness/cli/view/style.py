@@ -25,6 +25,8 @@ tr.status-corrupt,.nonzero.status-corrupt{color:#b00020}tr.status-incomplete,.no
 .prompt{margin:0 0 6px}.label{font-size:11px;text-transform:uppercase;color:#6b7487;margin-right:6px}
 .tokens{display:block;line-height:1.9;overflow-wrap:anywhere;max-width:100%}
 .tok{padding:1px 2px;margin:0 1px;border-radius:3px;white-space:pre-wrap;font-size:12px;overflow-wrap:anywhere}
+.drift-badge{font-size:11px;border-radius:3px;padding:0 4px;white-space:nowrap}.drift-badge.same{background:#e6f4ea;color:#1e6b34}
+.drift-badge.differs{background:#fff3cd;color:#8a5a00;border:1px solid #e0b84a}
 mark.first-diff{background:#ffd54a;color:#1d2330;outline:2px solid #b00020;border-radius:3px;padding:0 2px;font-weight:700}
 .tok.masked{color:#8a93a6;background:none;border:1px dashed #c9ced8}
 .legend{font-size:12px;color:#4a5366;margin:4px 0;display:flex;gap:6px;align-items:center;flex-wrap:wrap}
