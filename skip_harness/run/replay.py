@@ -125,6 +125,14 @@ class _Served:
     diverged: bool = False
 
 
+def check_settings(settings: RolloutTQConfig) -> Dict[str, Any]:
+    """The tolerances a run's replay check compares values within, as its `run.json` keeps them (`diff` reads
+    them back: `cli.pairing.recorded_tolerances`)."""
+    return {"rtol": float(settings.replay_rtol), "atol": float(settings.replay_atol),
+            "tolerances": {str(p): {"rtol": float(t.rtol), "atol": float(t.atol)}
+                           for p, t in (settings.replay_tolerances or {}).items()}}
+
+
 class ValuesTracker:
     """Records a miss step's values once it is committed; checks a hit step's against the recorded ones.
     Trainer's thread only (writes go to the coordinator's writer thread)."""
@@ -264,6 +272,7 @@ class ValuesTracker:
                 doc["replay_from"] = str(self._source.layout.url)
             if self.comparing:
                 doc["action"] = Action.compare.value
+            doc["replay_check"] = check_settings(self.settings)        # `diff` compares as this run did
             self.coordinator.record_run(self.run_id, doc, into)
             for s in sorted(self._observed):
                 self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest, into)
