@@ -47,13 +47,13 @@ def tolerances_of(rtol: Optional[float], atol: Optional[float], tolerances: Opti
         try:
             per_key = json.loads(tolerances)
         except ValueError as exc:
-            raise CliError(f"--tolerances: not JSON ({exc}); give {{\"KEY PATTERN\": {{\"rtol\": R, \"atol\": A}}}}")
+            raise CliError(f"--tolerances: not JSON ({exc}); give {{\"KEY PATTERN\": {{\"rtol\": R, \"atol\": A}}}}") from None
     try:
         settings = RolloutTQConfig(replay_rtol=0.0 if rtol is None else rtol, replay_atol=0.0 if atol is None else atol,
                                    replay_tolerances=per_key)
     except ConfigError as exc:
         raise CliError(str(exc).replace(f"{ROLLOUT_TQ_KEY}.replay_tolerances", "--tolerances")
-                       .replace(f"{ROLLOUT_TQ_KEY}.replay_rtol", "--rtol").replace(f"{ROLLOUT_TQ_KEY}.replay_atol", "--atol"))
+                       .replace(f"{ROLLOUT_TQ_KEY}.replay_rtol", "--rtol").replace(f"{ROLLOUT_TQ_KEY}.replay_atol", "--atol")) from None
     return ToleranceModel.of(settings)
 
 
