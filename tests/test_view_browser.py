@@ -345,3 +345,29 @@ def test_long_rollouts_fit_the_screen(page, tmp_path):
         assert page.evaluate("document.documentElement.scrollWidth") <= 1400
         response = page.goto(f"{v.url}favicon.ico")
         assert response is not None and response.status == 200
+
+
+def test_a_compare_pairs_first_difference_is_marked_in_view_on_both_sides(page, tmp_path):
+    """Issue 43 item 3: each differing pair's first differing token is marked on both sides, and one past the
+    fold (token 150 of 200) is shown in its cell, inside a 1,400 px viewport."""
+    dump = tmp_path / "cache"
+    a = demo_batch(1, length=200)
+    a["response_mask"][:] = 1
+    b = {k: v.clone() for k, v in a.items()}
+    b["responses"][1, 150] = (a["responses"][1, 150] + 1) % 13
+    write_namespace(dump, "run_a", {1: a})
+    write_namespace(dump, "run_b", {1: b})
+    page.set_viewport_size({"width": 1400, "height": 900})
+    with viewer(tmp_path, str(dump)) as v:
+        page.goto(f"{v.url}compare?a=0/run_a/GBS6_N2_in4_out5&b=0/run_b/GBS6_N2_in4_out5&step=1&only=differ")
+        marks = page.locator("mark.first-diff")
+        assert marks.count() == 2
+        assert marks.nth(0).inner_text() == str(int(a["responses"][1, 150]))
+        assert marks.nth(1).inner_text() == str(int(b["responses"][1, 150]))
+        for k in range(2):
+            marks.nth(k).scroll_into_view_if_needed()
+            assert marks.nth(k).is_visible()
+            box = marks.nth(k).bounding_box()
+            assert box is not None and box["x"] + box["width"] <= 1400
+        assert page.locator("td.first-diff-at").first.inner_text() == "150"
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1400

@@ -45,6 +45,7 @@ def test_every_compare_run_is_listed_and_the_newest_is_shown_per_step_and_trajec
     assert f"{int(kept['compare/identical'])} of 4 trajectories identical" in page
     assert page.count("generated again: differs from token") == len(differing)
     assert page.count("identical when generated again") == 4 - len(differing)
+    assert page.count('<mark class="first-diff"') == len(differing)       # the token marked in the response
     assert f"?compare_run={same.run_id}" in page                     # the other run, one click away
 
 
