@@ -184,3 +184,26 @@ def test_view_charts_the_newest_compare_runs_figures_beside_the_recorded_values(
     svg = c.get(f"/ns/0/{ns.parent.name}/{ns.name}/charts").text
     assert "recorded: loss" in svg and "recorded: compare/identical_share" in svg
     assert "compare/max_logprob_diff" in c.get(f"/ns/0/{ns.parent.name}/{ns.name}/step/2").text
+
+
+def test_each_trajectorys_first_differing_token_is_kept_beside_the_figures(tmp_path):
+    """The viewer marks drift per trajectory: the run keeps each trajectory's first differing token by its ref
+    (None: identical), agreeing with the step's figures; the recording is not written."""
+    from skip_harness.store.api import ValuesStore, open_namespace
+
+    rec, _ = _run(tmp_path, 1.0)
+    same, _ = _run(tmp_path, 1.0, action="compare")
+    hot, _ = _run(tmp_path, 0.5, action="compare")
+    store = ValuesStore(open_namespace(rec.layout))
+    for step in (1, 2, 3):
+        doc = store.read_run_drift(same.run_id, step)
+        assert doc is not None and (doc["K"], doc["W"]) == (1, 1)
+        assert doc["first_difference"] == {f"0.0.{j}": None for j in range(4)}
+        doc = store.read_run_drift(hot.run_id, step)
+        values = store.read_run_step(hot.run_id, step).values
+        firsts = doc["first_difference"]
+        assert sorted(firsts) == [f"0.0.{j}" for j in range(4)]
+        assert sum(v is None for v in firsts.values()) == values["compare/identical"]
+        differing = [v for v in firsts.values() if v is not None]
+        assert min(differing, default=None) == values.get("compare/first_diff_token")
+    assert store.read_run_drift(rec.run_id, 1) is None

@@ -324,3 +324,26 @@ def test_unpack_refuses_another_recording_of_a_step(recording, tmp_path, capsys)
     assert "holds another recording of this step" in capsys.readouterr().err
     assert main(["unpack", str(pack), str(tmp_path / "fresh")]) == 0
     assert "steps 1-4 of rig_pack/GBS8_N2_K2_W1 restored and verified" in capsys.readouterr().out
+
+
+def test_ls_of_a_directory_lists_the_packs_in_it(recording, tmp_path, capsys):
+    """`skip-harness ls DIR` lists the pack files directly in DIR (told by their first bytes, whatever their
+    names) after its namespaces; a file that starts like a pack but cannot be read is named, not listed."""
+    dump = tmp_path / "rec"
+    write_pack(recording, dump / "kept.pack")
+    write_pack(recording, dump / "no_suffix", steps=(1, 2))
+    (dump / "notes.txt").write_text("not a pack")
+    assert main(["ls", str(dump), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {n["path"]: n["counts"]["complete"] for n in doc["namespaces"]} == \
+        {str(recording): 4, str(dump / "kept.pack"): 4, str(dump / "no_suffix"): 2}
+    assert main(["ls", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "kept.pack" in out and "no_suffix" in out and "a pack of rig_pack" in out
+    data = bytearray((dump / "kept.pack").read_bytes())
+    data[70] ^= 0xFF                             # inside its manifest: its CRC-32 fails
+    (dump / "kept.pack").write_bytes(bytes(data))
+    assert main(["ls", str(dump), "--json"]) == 0
+    got = capsys.readouterr()
+    assert sorted(n["path"] for n in json.loads(got.out)["namespaces"]) == sorted([str(recording), str(dump / "no_suffix")])
+    assert f"{dump / 'kept.pack'}: a damaged pack" in got.err and "not listed" in got.err

@@ -55,3 +55,33 @@ def test_replay_tolerances_apply_per_key_on_a_same_shape_replay(tmp_path):
     tol = {"loss": {"rtol": 1e-3}, "w_*": {"atol": 1e-3}}
     _, summary = plain_run(tmp_path, lr=0.5000001, replay_tolerances=tol)
     assert summary.replay_line == "replay: 5 of 5 served steps reproduced (3 values each)", summary.replay_line
+
+
+def test_diff_compares_a_replays_values_within_its_replay_tolerances(tmp_path, capsys):
+    """`skip-harness diff NS NS@RUN` gives the replay check's verdict: within the tolerances the replay ran
+    with (its run.json), unless the command line gives others (`--rtol`, `--atol`, `--tolerances`)."""
+    import json
+
+    from skip_harness.cli import main
+
+    plain_run(tmp_path)
+    tol = {"loss": {"rtol": 1e-3}, "w_*": {"atol": 1e-3}}
+    replay, summary = plain_run(tmp_path, lr=0.5000001, replay_tolerances=tol)
+    assert summary.replay_line == "replay: 5 of 5 served steps reproduced (3 values each)", summary.replay_line
+    ns = str(replay.layout.root)
+    # the two differ in lr (a training-side key: listed, exit 1), but their values agree as the replay check said
+    assert main(["diff", ns, f"{ns}@{replay.run_id}"]) == 1
+    out = capsys.readouterr().out
+    assert "values first differ" not in out and "optim.lr" in out
+    assert f"loss: rtol 0.001, atol 0, w_*: rtol 0, atol 0.001; other keys exact (the replay check's of run " \
+           f"{replay.run_id})" in out
+    assert main(["diff", ns, f"{ns}@latest", "--tolerances", '{"loss": {"rtol": 1e-3}}']) == 1   # given: w_norm exact
+    assert "values first differ at step 2: w_norm" in capsys.readouterr().out
+    assert main(["diff", ns, f"{ns}@latest", "--rtol", "1e-3", "--json"]) == 1
+    values = json.loads(capsys.readouterr().out)["namespaces"][0]["values"]
+    assert values["tolerances"] == "rtol 0.001, atol 0 (given on the command line)" and values["first_divergence"] is None
+    assert main(["diff", ns, f"{ns}@latest", "--tolerances", '{"loss": {"rtol": -1}}']) == 2
+    assert "--tolerances.loss.rtol: must be a number >= 0" in capsys.readouterr().err
+    exact, _ = plain_run(tmp_path, lr=0.5000001)                             # a replay with exact settings
+    assert main(["diff", ns, f"{ns}@{exact.run_id}", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["namespaces"][0]["values"]["first_divergence"]["key"] == "loss"

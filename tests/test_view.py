@@ -282,3 +282,26 @@ def test_a_step_is_read_once_for_its_pages_while_its_commit_record_stays(demo):
     again = cache.table(ns, s1)[1]
     cache.table(ns, s2)
     assert cache.table(ns, s1)[1] is not again                   # one step kept: another read replaced it
+
+
+def test_compare_marks_each_pairs_first_differing_token_on_both_sides(tmp_path):
+    """The compare JSON's `first_difference` per pair (a token index, or null), and the page marks that token
+    on both sides -- in view when it lies past the fold (the tokens before it folded)."""
+    dump = tmp_path / "cache"
+    a = demo_batch(1, length=100)
+    a["response_mask"][:] = 1
+    b = {k: v.clone() for k, v in a.items()}
+    b["responses"][1, 3] = (a["responses"][1, 3] + 1) % 13          # pair 1: differs at token 3
+    b["responses"][2, 90] = (a["responses"][2, 90] + 1) % 13        # pair 2: at token 90, past the fold
+    b["response_mask"][4, 50:] = 0                                  # pair 4: B's response ends at 50
+    la, lb = write_namespace(dump, "run_a", {1: a}), write_namespace(dump, "run_b", {1: b})
+    c = client(dump)
+    doc = c.get(f"/api/compare?a={key(la)}&b={key(lb)}&step=1").json()
+    assert [r["first_difference"] for r in doc["trajectories"]] == [None, 3, 90, None, 50, None]
+    page = c.get(f"/compare?a={key(la)}&b={key(lb)}&step=1").text
+    marks = page.split('<mark class="first-diff"')
+    assert len(marks) == 1 + 2 * 3                                  # both sides of the three differing pairs
+    tok = lambda x, j, i: str(int(x["responses"][j, i]))            # noqa: E731 - the demo's tokens are ids here
+    got = [m.split(">", 1)[1].split("</mark>", 1)[0] for m in marks[1:]]
+    assert got == [tok(a, 1, 3), tok(b, 1, 3), tok(a, 2, 90), tok(b, 2, 90), tok(a, 4, 50), "⟨ends⟩"]
+    assert "… 82 tokens …" in page                                 # token 90 shown from 8 tokens before it

@@ -358,7 +358,7 @@ def test_discarded_groups_listed_with_their_reasons(page, tmp_path):
     store = open_store(lay)
     created = store.reader.read_commit(2).created
     tied = "filter_groups: every sample's reward was 0.5 (no spread, no GRPO signal)"
-    DiscardStore(store.backend).write_step(2, [Discarded("u7", tied, (0.5, 0.5)), Discarded(XSS[0], tied, (0.5, 0.5)),
+    DiscardStore(store.namespace).write_step(2, [Discarded("u7", tied, (0.5, 0.5)), Discarded(XSS[0], tied, (0.5, 0.5)),
                                                Discarded("u9", "rollout failed")], commit_created=created)
     ns = "0/dapo/GBS6_N2_in4_out5"
     page.set_viewport_size({"width": 1400, "height": 900})
@@ -375,4 +375,29 @@ def test_discarded_groups_listed_with_their_reasons(page, tmp_path):
         assert "0.5, 0.5 tied" in rows.nth(0).inner_text() and "not reported" in rows.nth(2).inner_text()
         assert page.locator("#reasons tr").count() == 3                # a header and the two reasons
         assert page.evaluate("window.__xss") is None and page.dialogs == []
+
+
+def test_a_compare_pairs_first_difference_is_marked_in_view_on_both_sides(page, tmp_path):
+    """Issue 43 item 3: each differing pair's first differing token is marked on both sides, and one past the
+    fold (token 150 of 200) is shown in its cell, inside a 1,400 px viewport."""
+    dump = tmp_path / "cache"
+    a = demo_batch(1, length=200)
+    a["response_mask"][:] = 1
+    b = {k: v.clone() for k, v in a.items()}
+    b["responses"][1, 150] = (a["responses"][1, 150] + 1) % 13
+    write_namespace(dump, "run_a", {1: a})
+    write_namespace(dump, "run_b", {1: b})
+    page.set_viewport_size({"width": 1400, "height": 900})
+    with viewer(tmp_path, str(dump)) as v:
+        page.goto(f"{v.url}compare?a=0/run_a/GBS6_N2_in4_out5&b=0/run_b/GBS6_N2_in4_out5&step=1&only=differ")
+        marks = page.locator("mark.first-diff")
+        assert marks.count() == 2
+        assert marks.nth(0).inner_text() == str(int(a["responses"][1, 150]))
+        assert marks.nth(1).inner_text() == str(int(b["responses"][1, 150]))
+        for k in range(2):
+            marks.nth(k).scroll_into_view_if_needed()
+            assert marks.nth(k).is_visible()
+            box = marks.nth(k).bounding_box()
+            assert box is not None and box["x"] + box["width"] <= 1400
+        assert page.locator("td.first-diff-at").first.inner_text() == "150"
         assert page.evaluate("document.documentElement.scrollWidth") <= 1400

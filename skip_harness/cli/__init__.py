@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("a", metavar="A", help="a namespace or a cache root (a path or an object-store URL)")
     df.add_argument("b", metavar="B", help="the same kind of thing as A")
     df.add_argument("--json", action="store_true", help="print one JSON document")
+    df.add_argument("--rtol", type=float, metavar="R", help="compare values within this relative tolerance "
+                    "(as skip.rollout_tq.replay_rtol; default: the replay side's replay check's, else exact)")
+    df.add_argument("--atol", type=float, metavar="A", help="... and this absolute one (as replay_atol)")
+    df.add_argument("--tolerances", metavar="JSON", help='per-key tolerances, as replay_tolerances: '
+                    '\'{"loss": {"rtol": 1e-6, "atol": 0}}\' (fnmatch patterns, the first that matches wins)')
 
     pk = sub.add_parser("pack", help="one namespace's committed steps as one portable, checksummed file")
     pk.add_argument("namespace", metavar="NAMESPACE", help="the namespace to pack (its directory)")
@@ -238,9 +243,9 @@ def _run(args: argparse.Namespace) -> int:
         for text in ([] if value is None else value if isinstance(value, list) else [value]):
             where_of(text, metavar)
     if args.command == "diff":
-        from skip_harness.cli.diff import cmd_diff
+        from skip_harness.cli.diff import cmd_diff, tolerances_of
 
-        return cmd_diff(args.a, args.b, args.json)
+        return cmd_diff(args.a, args.b, args.json, tolerances_of(args.rtol, args.atol, args.tolerances))
     if args.command == "show":
         from skip_harness.cli.show import cmd_show
 

@@ -22,10 +22,11 @@ import torch
 
 from skip_harness.cli._common import CliError, where_of
 from skip_harness.cli.pair_rows import rows_of, unpaired
-from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, kept_runs, resolve_name, rollouts_store, rule_json, run_of,
-                                      run_steps, side_of, split_keys, split_run, values_rule)
+from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, kept_runs, recorded_tolerances, resolve_name,
+                                      rollouts_store, rule_json, run_of, run_steps, side_of, split_keys, split_run, values_rule)
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
+from skip_harness.run.tolerance import ToleranceModel
 from skip_harness.store.api import (Layout, PAYLOAD_NAME, StepReport, UrlPath, config_changes, is_pack,
                                     namespaces_at, open_store, parse_namespace_leaf, scan_namespace)
 
@@ -225,10 +226,11 @@ def config_diff(ca: Optional[Dict[str, Any]], cb: Optional[Dict[str, Any]]) -> L
 
 
 def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a: Optional[str] = None,
-                       run_b: Optional[str] = None) -> Dict[str, Any]:
+                       run_b: Optional[str] = None, tolerances: Optional[ToleranceModel] = None) -> Dict[str, Any]:
     """One pair of namespaces, step by step. `read_payloads=False` (the viewer's compare page, which pairs
     one step's trajectories itself): steps whose checksums differ are not read (`rollouts: "not read"`).
-    `run_a`, `run_b`: compare that replay's values (its run id, or 'latest') instead of the recording's."""
+    `run_a`, `run_b`: compare that replay's values (its run id, or 'latest') instead of the recording's.
+    `tolerances`: what values are compared within (else the replay side's replay check's: cli.pairing)."""
     sa, sb = open_store(la), open_store(lb)
     va_of, vb_of = RunValues(sa, run_of(sa, run_a, "A")), RunValues(sb, run_of(sb, run_b, "B"))
     side_a, side_b = side_of(sa, va_of.run), side_of(sb, vb_of.run)
@@ -238,7 +240,7 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     sa, sb = rollouts_store(sa, side_a), rollouts_store(sb, side_b)   # a replay_from run's: its recording's
     la, lb = sa.layout, sb.layout
     other = batch_difference(la, lb)
-    rule = values_rule(side_a, side_b, other)
+    rule = values_rule(side_a, side_b, other, recorded_tolerances(side_a, side_b, tolerances))
     ra = {s.step: s for s in scan_namespace(la, sa.namespace, use_index=False).steps}
     rb = ra if la.root == lb.root else {s.step: s for s in scan_namespace(lb, sb.namespace, use_index=False).steps}
     steps_out: List[Dict[str, Any]] = []
@@ -325,11 +327,12 @@ def _one_side(a: Optional[StepReport], b: Optional[StepReport]) -> Optional[str]
     return "a" if in_a else "b" if in_b else "neither"
 
 
-def compare(a: str, b: str, read_payloads: bool = True) -> Dict[str, Any]:
+def compare(a: str, b: str, read_payloads: bool = True, tolerances: Optional[ToleranceModel] = None) -> Dict[str, Any]:
     """`skip-harness diff A B --json`'s document: A and B are two namespaces, or two cache roots (local
     paths or object-store URLs; namespaces paired by name). A namespace may name one of its replays,
     `NS@RUN_ID` or `NS@latest`: its values are then that run's. CliError (exit 2) on bad input.
-    `read_payloads=False`: rollouts compared by their commit records only (see compare_namespaces)."""
+    `read_payloads=False`: rollouts compared by their commit records only (see compare_namespaces);
+    `tolerances`: what values are compared within (`diff --rtol/--atol/--tolerances`)."""
     a, run_a = split_run(str(a))
     b, run_b = split_run(str(b))
     a, b = resolve_name(a), resolve_name(b)       # a name as `ls` prints it: under the cache root
@@ -343,7 +346,7 @@ def compare(a: str, b: str, read_payloads: bool = True) -> Dict[str, Any]:
             raise CliError(f"diff compares two namespaces or two cache roots; {a if single_a else b} is a "
                            f"namespace and {b if single_a else a} is not")
         pairs.append(dict(name=next(iter(nsa)), **compare_namespaces(next(iter(nsa.values())), next(iter(nsb.values())),
-                                                                     read_payloads, run_a, run_b)))
+                                                                     read_payloads, run_a, run_b, tolerances)))
     else:
         for name in sorted(set(nsa) | set(nsb)):
             if name not in nsb or name not in nsa:
@@ -351,7 +354,8 @@ def compare(a: str, b: str, read_payloads: bool = True) -> Dict[str, Any]:
                               "a": str(nsa[name].root) if name in nsa else None,
                               "b": str(nsb[name].root) if name in nsb else None})
                 continue
-            pairs.append(dict(name=name, **compare_namespaces(nsa[name], nsb[name], read_payloads)))
+            pairs.append(dict(name=name, **compare_namespaces(nsa[name], nsb[name], read_payloads,
+                                                              tolerances=tolerances)))
     config = []
     for p in pairs:
         for c in p.get("config", []):

@@ -2,9 +2,13 @@
 its document as JSON); exit 0 when the two are the same, 1 when they differ, 2 on bad input."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import json
+from typing import Any, Dict, List, Optional, Tuple
 
-from skip_harness.cli._common import EXIT_OK, EXIT_USAGE, emit_json, fmt_value, stdout_console
+from skip_harness.cli._common import EXIT_OK, EXIT_USAGE, CliError, emit_json, fmt_value, stdout_console
+from skip_harness.config import ROLLOUT_TQ_KEY, RolloutTQConfig
+from skip_harness.errors import ConfigError
+from skip_harness.run.tolerance import ToleranceModel
 from skip_harness.cli.compare import compare, compare_namespaces  # noqa: F401  (importable from here as before)
 
 EXIT_DIFFER = 1
@@ -33,8 +37,28 @@ def _delta(x: Any) -> str:
     return "-" if x is None else f"{x:+.4g}"
 
 
-def cmd_diff(a: str, b: str, as_json: bool) -> int:
-    doc = compare(a, b)
+def tolerances_of(rtol: Optional[float], atol: Optional[float], tolerances: Optional[str]) -> Optional[ToleranceModel]:
+    """`--rtol`, `--atol`, `--tolerances` as the tolerance model `diff` compares values within (checked as
+    `skip.rollout_tq.replay_rtol`, `replay_atol` and `replay_tolerances` are); None when none is given."""
+    if rtol is None and atol is None and tolerances is None:
+        return None
+    per_key: Any = {}
+    if tolerances is not None:
+        try:
+            per_key = json.loads(tolerances)
+        except ValueError as exc:
+            raise CliError(f"--tolerances: not JSON ({exc}); give {{\"KEY PATTERN\": {{\"rtol\": R, \"atol\": A}}}}") from None
+    try:
+        settings = RolloutTQConfig(replay_rtol=0.0 if rtol is None else rtol, replay_atol=0.0 if atol is None else atol,
+                                   replay_tolerances=per_key)
+    except ConfigError as exc:
+        raise CliError(str(exc).replace(f"{ROLLOUT_TQ_KEY}.replay_tolerances", "--tolerances")
+                       .replace(f"{ROLLOUT_TQ_KEY}.replay_rtol", "--rtol").replace(f"{ROLLOUT_TQ_KEY}.replay_atol", "--atol")) from None
+    return ToleranceModel.of(settings)
+
+
+def cmd_diff(a: str, b: str, as_json: bool, tolerances: Optional[ToleranceModel] = None) -> int:
+    doc = compare(a, b, tolerances=tolerances)
     if as_json:
         emit_json(doc)
         return EXIT_OK if doc["identical"] else EXIT_DIFFER
@@ -125,6 +149,8 @@ def _print_summary(console: Any, p: Dict[str, Any]) -> None:
                   + f"; values compared on {v['steps_compared']} {_steps(v['steps_compared'])} (timings left out)")
     if v.get("describe") and v["steps_compared"]:     # at another K or W: as the replay check compares them
         console.print(f"values compared as the replay check compares them: {v['describe']}")
+    if v.get("tolerances") and v["steps_compared"]:
+        console.print(f"values compared within {v['tolerances']}")
 
 
 def verdict(doc: Dict[str, Any]) -> str:
@@ -158,7 +184,8 @@ def verdict(doc: Dict[str, Any]) -> str:
     if any(p.get("payloads_read") is False for p in doc["namespaces"] if not p.get("only_in")):
         return ("identical: same commit records (payloads not read; `skip-harness verify` checks each payload "
                 "against its record)")
-    return "identical"
+    within = [p["values"]["tolerances"] for p in pairs if p["values"].get("tolerances")]
+    return "identical" + (f" (values within {within[0]})" if within else "")
 
 
-__all__ = ["compare", "compare_namespaces", "cmd_diff", "EXIT_DIFFER", "EXIT_USAGE"]
+__all__ = ["compare", "compare_namespaces", "cmd_diff", "tolerances_of", "EXIT_DIFFER", "EXIT_USAGE"]

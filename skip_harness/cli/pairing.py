@@ -7,6 +7,10 @@
   rounding noise (`run.tolerance`, the replay check's one comparison); at the same K and W, exactly. A replay's K and W are its `run.json`'s (a
   `replay_from` run's values are kept in the recording it replayed, at its own K and W); the recording's
   are its namespace's.
+- **Tolerances**: those given on the command line (`--rtol`, `--atol`, `--tolerances`), else those the
+  replay side's replay check compared within (its `run.json`'s `replay_check`: `replay_rtol`,
+  `replay_atol`, `replay_tolerances`; B's when both sides are replays), else exact -- the rounding noise of
+  another K or W added as the replay check adds it.
 - **A replay's rollouts** are those it was served: the recording named by its `run.json`'s `replay_from`,
   else its namespace's.
 """
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from skip_harness.cli._common import CliError
-from skip_harness.config import WEIGHTS_PREFIX
+from skip_harness.config import WEIGHTS_PREFIX, KeyTolerance
 from skip_harness.errors import SkipHarnessError
 from skip_harness.run.replay import depends_on_rollouts
 from skip_harness.run.tolerance import EPS32, NOISE_ULPS, NOISE_WORDS, ToleranceModel
@@ -47,6 +51,8 @@ class Side:
     W: int
     rollouts_from: str        # the namespace whose rollouts the side trained on (its root, as text)
     replay_from: bool = False  # a replay_from run's values, kept in the recording it replayed
+    run: Optional[str] = None  # the replay whose values these are (None: the recording's)
+    check: Optional[Dict[str, Any]] = None   # the tolerances its replay check compared within (run.json)
 
 
 def side_of(store: Any, run: Optional[str]) -> Side:
@@ -57,8 +63,46 @@ def side_of(store: Any, run: Optional[str]) -> Side:
     doc = ValuesStore(store.namespace).read_run(run) or {}
     K, W = doc.get("K"), doc.get("W")
     source = doc.get("replay_from")
+    check = doc.get("replay_check")
     return Side(K if isinstance(K, int) else layout.K, W if isinstance(W, int) else layout.W,
-                source if isinstance(source, str) else str(layout.root), isinstance(source, str))
+                source if isinstance(source, str) else str(layout.root), isinstance(source, str), run,
+                check if isinstance(check, dict) else None)
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """What values are compared within before the noise of another K or W: `model` and where it came from."""
+
+    model: ToleranceModel
+    source: str               # '' exact; `given` (the command line); `the replay's (run ID)`
+
+    def describe(self) -> str:
+        """`loss: rtol 0.01, atol 0; other keys exact (the replay check's of run ID)`; '' when exact."""
+        if not self.source:
+            return ""
+        m = self.model
+        rest = "exact" if not m.rtol and not m.atol else f"rtol {m.rtol:g}, atol {m.atol:g}"
+        keys = ", ".join(f"{p}: rtol {t.rtol:g}, atol {t.atol:g}" for p, t in m.per_key)
+        return (f"{keys}; other keys {rest}" if keys else rest) + f" ({self.source})"
+
+
+def recorded_tolerances(a: Side, b: Side, given: Optional[ToleranceModel] = None) -> Tolerances:
+    """The tolerances `diff` compares values within: `given` (the command line), else the replay side's
+    replay check's (B's when both are replays), else exact."""
+    if given is not None:
+        return Tolerances(given, "given on the command line")
+    for side in (b, a):
+        if side.check is not None:
+            try:
+                model = ToleranceModel(float(side.check.get("rtol", 0.0)), float(side.check.get("atol", 0.0)),
+                                       tuple((str(p).lower(), KeyTolerance(float(t.get("rtol", 0.0)),
+                                                                           float(t.get("atol", 0.0))))
+                                             for p, t in dict(side.check.get("tolerances") or {}).items()))
+            except (TypeError, ValueError, AttributeError):
+                continue          # a run.json not written by this version: its tolerances are not used
+            if model.rtol or model.atol or model.per_key:
+                return Tolerances(model, f"the replay check's of run {side.run}")
+    return Tolerances(ToleranceModel(), "")
 
 
 @dataclass(frozen=True)
@@ -68,6 +112,7 @@ class ValuesRule:
     compared: Callable[[str], bool]
     tolerances: ToleranceModel
     regrouped: str            # '' at the same K and W, else what differs: `K=4 vs K=1`, `W=2 vs W=1`
+    within: str = ""          # the tolerances used when not exact, and where from (`Tolerances.describe`)
 
     @property
     def rtol(self) -> float:
@@ -111,18 +156,21 @@ def batch_difference(la: Any, lb: Any) -> str:
             "their trajectories are not paired")
 
 
-def values_rule(a: Side, b: Side, other_batch: str = "") -> ValuesRule:
+def values_rule(a: Side, b: Side, other_batch: str = "", tolerances: Optional[Tolerances] = None) -> ValuesRule:
     """How the two sides' values are compared: as the replay check compares a replay at another K or W with
-    its recording; exactly when the two are different runs (`other_batch`) or at one K and W."""
+    its recording; within `tolerances` alone when the two are different runs (`other_batch`) or at one K
+    and W (exact unless the command line or the replay's check gave tolerances)."""
+    tol = tolerances or Tolerances(ToleranceModel(), "")
+    base, within = tol.model, tol.describe()
     if other_batch:
-        return ValuesRule(lambda key: True, ToleranceModel(), "")
+        return ValuesRule(lambda key: True, base.at(False), "", within)
     if a.K != b.K:
         how = f"re-chunked: K={a.K} (A) vs K={b.K} (B)" + (f", W={a.W} vs W={b.W}" if a.W != b.W else "")
-        return ValuesRule(depends_on_rollouts, ToleranceModel(regrouped=True), how)
+        return ValuesRule(depends_on_rollouts, base.at(True), how, within)
     if a.W != b.W:
-        return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), ToleranceModel(regrouped=True),
-                          f"re-sharded: W={a.W} (A) vs W={b.W} (B)")
-    return ValuesRule(lambda key: True, ToleranceModel(), "")
+        return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), base.at(True),
+                          f"re-sharded: W={a.W} (A) vs W={b.W} (B)", within)
+    return ValuesRule(lambda key: True, base.at(False), "", within)
 
 
 def split_keys(keys: List[str], rule: ValuesRule) -> Tuple[List[str], List[str]]:
@@ -141,7 +189,8 @@ def run_steps(store: Any, run: Optional[str]) -> List[int]:
 
 
 def rule_json(rule: ValuesRule, left_out: Dict[str, None], compared: Dict[str, None]) -> Dict[str, Any]:
-    return {"regrouped": rule.regrouped, "rtol": rule.rtol, "not_compared": sorted(left_out),
+    return {"regrouped": rule.regrouped, "rtol": rule.rtol, "tolerances": rule.within or None,
+            "not_compared": sorted(left_out),
             "compared_within_rtol": sorted(compared) if rule.regrouped else [],
             "describe": rule.describe(sorted(left_out), sorted(compared))}
 
@@ -219,4 +268,4 @@ class RunValues:
 
 
 __all__ = ["RunValues", "Side", "ValuesRule", "batch_difference", "batch_of", "first_config", "kept_runs", "resolve_name", "rollouts_store", "rule_json", "run_of",
-           "run_steps", "side_of", "split_keys", "split_run", "values_rule"]
+           "recorded_tolerances", "run_steps", "side_of", "Tolerances", "split_keys", "split_run", "values_rule"]

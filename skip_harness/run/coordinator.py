@@ -308,6 +308,13 @@ class CommitCoordinator:
         mark = step if into is None else f"replay:{into.layout.root}"    # kept in another namespace: said once
         self._recordings.append((mark, self.writer.submit(store.write_run_values, run_id, step, values, config)))
 
+    def record_run_drift(self, run_id: str, step: int, K: int, W: int, firsts: Dict[str, Optional[int]],
+                         into: Any = None) -> None:
+        """Write an `action=compare` run's per-trajectory drift for `step` under its run id, on the writer thread."""
+        store = self.store if into is None else into
+        mark = step if into is None else f"replay:{into.layout.root}"
+        self._recordings.append((mark, self.writer.submit(store.write_run_drift, run_id, step, K, W, firsts)))
+
     def record_run(self, run_id: str, doc: Dict[str, Any], into: Any = None) -> None:
         """Write a replay's own document (when, where, its config digest), on the writer thread."""
         store = self.store if into is None else into

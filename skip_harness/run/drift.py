@@ -9,12 +9,13 @@ how many trajectories are identical (the same response tokens), the first differ
 (the earliest over the step's trajectories), and the largest log-prob difference on the shared prefix
 (the positions before a trajectory's first differing token; where the batch holds log-probs). Rank 0
 sums every rank's figures. Nothing is written to the recording: the figures are the run's values, kept
-under its run id (`VALUE_KEYS`).
+under its run id (`VALUE_KEYS`), and each trajectory's first differing token beside them (`Figures.batches`:
+the viewer marks it per trajectory).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,6 +29,26 @@ MAX_LOGPROB_DIFF = "compare/max_logprob_diff"
 VALUE_KEYS = (IDENTICAL_SHARE, IDENTICAL, TRAJECTORIES, FIRST_DIFF, MAX_LOGPROB_DIFF)
 
 
+Firsts = Tuple[Optional[int], ...]      # one mini-batch's trajectories: each one's first differing token (None: identical)
+
+
+class Figures(Dict[str, float]):
+    """A step's figures as the run's values (`compare/...`), and `batches`: every mini-batch's per-trajectory
+    first differing tokens, rank by rank and in inner order within a rank (what `trajectory_firsts` names)."""
+
+    def __init__(self, values: Optional[Dict[str, float]] = None, batches: Tuple[Firsts, ...] = ()):
+        super().__init__(values or {})
+        self.batches = batches
+
+
+def trajectory_firsts(batches: Sequence[Firsts], K: int, W: int) -> Dict[str, Optional[int]]:
+    """`Figures.batches` by trajectory ref `{inner}.{rank}.{index}` (a step's K x W mini-batches, rank-major);
+    {} when they are not K x W mini-batches."""
+    if len(batches) != K * W:
+        return {}
+    return {f"{m % K}.{m // K}.{j}": first for m, firsts in enumerate(batches) for j, first in enumerate(firsts)}
+
+
 @dataclass(frozen=True)
 class Drift:
     """One step's (or one mini-batch's) comparison with the recording."""
@@ -37,12 +58,14 @@ class Drift:
     first_diff: Optional[int] = None        # the earliest differing token position; None: none differs
     max_logprob_diff: Optional[float] = None  # None: no log-probs to compare
     unpaired: str = ""                       # why the trajectories could not be paired ('' when they were)
+    batches: Tuple[Firsts, ...] = ()         # each mini-batch's trajectories' first differing tokens
 
     def plus(self, other: "Drift") -> "Drift":
         firsts = [x for x in (self.first_diff, other.first_diff) if x is not None]
         lps = [x for x in (self.max_logprob_diff, other.max_logprob_diff) if x is not None]
         return Drift(self.identical + other.identical, self.trajectories + other.trajectories,
-                     min(firsts) if firsts else None, max(lps) if lps else None, self.unpaired or other.unpaired)
+                     min(firsts) if firsts else None, max(lps) if lps else None, self.unpaired or other.unpaired,
+                     self.batches + other.batches)
 
     def describe(self) -> str:
         """`compared: 5 of 8 trajectories identical, first differing token 2, largest log-prob difference
@@ -55,20 +78,21 @@ class Drift:
             line += f", largest log-prob difference {self.max_logprob_diff:.6g} on the shared prefix"
         return line
 
-    def values(self) -> dict:
-        """The figures as the run's values (`compare/...`); none when the trajectories were not paired."""
+    def values(self) -> Figures:
+        """The figures as the run's values (`compare/...`), each trajectory's first differing token beside
+        them; none when the trajectories were not paired."""
         if self.unpaired or not self.trajectories:
-            return {}
+            return Figures()
         out = {IDENTICAL_SHARE: self.identical / self.trajectories, IDENTICAL: self.identical,
                TRAJECTORIES: self.trajectories}
         if self.first_diff is not None:
             out[FIRST_DIFF] = self.first_diff
         if self.max_logprob_diff is not None:
             out[MAX_LOGPROB_DIFF] = self.max_logprob_diff
-        return out
+        return Figures(out, self.batches)
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
     """The first position where two token rows differ (a shorter row differs where it ends); None if equal."""
     m = min(a.numel(), b.numel())
     neq = (a[:m].to(torch.int64) != b[:m].to(torch.int64)).nonzero()
@@ -97,10 +121,11 @@ def compare_batches(generated: Any, recorded: Any) -> Drift:
     if why:
         return Drift(unpaired=why)
     assert now.responses is not None and then.responses is not None
-    identical, firsts, lps = 0, [], []
+    identical, firsts, lps, rows = 0, [], [], []
     both_lp = now.logprobs is not None and then.logprobs is not None
     for j, (a, b) in enumerate(zip(now.responses, then.responses)):
-        first = _first_difference(a, b)
+        first = first_difference(a, b)
+        rows.append(first)
         if first is None:
             identical += 1
         else:
@@ -111,7 +136,8 @@ def compare_batches(generated: Any, recorded: Any) -> Drift:
             lps.append(float((la.double() - lb.double()).abs().max()))
         elif both_lp:
             lps.append(0.0)
-    return Drift(identical, now.n, min(firsts) if firsts else None, (max(lps) if lps else 0.0) if both_lp else None)
+    return Drift(identical, now.n, min(firsts) if firsts else None, (max(lps) if lps else 0.0) if both_lp else None,
+                 batches=(tuple(rows),))
 
 
 def combined(drifts: Sequence[Optional[Drift]]) -> Drift:
@@ -153,4 +179,5 @@ class DriftTotals:
         return line
 
 
-__all__ = ["Drift", "DriftTotals", "VALUE_KEYS", "combined", "compare_batches"]
+__all__ = ["Drift", "DriftTotals", "Figures", "VALUE_KEYS", "combined", "compare_batches", "first_difference",
+           "trajectory_firsts"]

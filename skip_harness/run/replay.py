@@ -34,6 +34,7 @@ from skip_harness.errors import ReplayDivergedError
 from skip_harness.run.baseline import Baseline, find_baseline
 from skip_harness.run.discards import DiscardReporting, Discards   # a step's discards go with its values
 from skip_harness.run.divergence import Divergence, cfg_value
+from skip_harness.run.drift import trajectory_firsts
 from skip_harness.run.stats import HIT, MISS
 from skip_harness.run.tolerance import NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import config_changes, config_digest, numbers_of
@@ -123,6 +124,14 @@ def depends_on_rollouts(key: str) -> bool:
 class _Served:
     compared: int = 0
     diverged: bool = False
+
+
+def check_settings(settings: RolloutTQConfig) -> Dict[str, Any]:
+    """The tolerances a run's replay check compares values within, as its `run.json` keeps them (`diff` reads
+    them back: `cli.pairing.recorded_tolerances`)."""
+    return {"rtol": float(settings.replay_rtol), "atol": float(settings.replay_atol),
+            "tolerances": {str(p): {"rtol": float(t.rtol), "atol": float(t.atol)}
+                           for p, t in (settings.replay_tolerances or {}).items()}}
 
 
 class ValuesTracker:
@@ -219,8 +228,15 @@ class ValuesTracker:
         self._keep(step, outcome, numbers)
 
     def compared(self, step: int, figures: Mapping[str, float]) -> None:
-        """action=compare: a step's drift figures (run.drift), kept with the run's values under its run id."""
+        """action=compare: a step's drift figures (run.drift), kept with the run's values under its run id;
+        each trajectory's first differing token beside them (`Figures.batches`)."""
         self._keep(step, MISS, dict(figures))
+        batches = getattr(figures, "batches", ())
+        if batches and self._replaying and self._keep_runs and self.is_main and self.run_id is not None:
+            K, W = (self._K, self._W) if self._source is not None else (self.reader.layout.K, self.reader.layout.W)
+            firsts = trajectory_firsts(batches, K, W)
+            if firsts:
+                self.coordinator.record_run_drift(self.run_id, step, K, W, firsts, self._runs_into)
 
     def committed(self, step: int, created: Optional[float]) -> None:
         """A miss step's commit record landed (rank 0 knows `created`): record what it produced."""
@@ -259,6 +275,7 @@ class ValuesTracker:
                 doc["replay_from"] = str(self._source.layout.url)
             if self.comparing:
                 doc["action"] = Action.compare.value
+            doc["replay_check"] = check_settings(self.settings)        # `diff` compares as this run did
             self.coordinator.record_run(self.run_id, doc, into)
             for s in sorted(self._observed):
                 self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest, into)

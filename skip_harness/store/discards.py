@@ -78,8 +78,8 @@ def _decode(x: Any) -> Optional[float]:
 class DiscardStore:
     """The discard files of one namespace, through its backend (safe from any thread)."""
 
-    def __init__(self, backend: Namespace):
-        self.backend = backend
+    def __init__(self, namespace: Namespace):
+        self.namespace = namespace
 
     def write_step(self, step: int, discarded: Sequence[Discarded], *, commit_created: Optional[float],
                    create_only: bool = True) -> bool:
@@ -91,16 +91,16 @@ class DiscardStore:
         data = (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
         key = discards_key(step)
         if create_only:
-            self.backend.locker.fence(key=key)
-            return self.backend.storage.put_if_absent(key, data) is not None
-        self.backend.write_small(key, data)
+            self.namespace.locker.fence(key=key)
+            return self.namespace.storage.put_if_absent(key, data) is not None
+        self.namespace.write_small(key, data)
         return True
 
     def read_step(self, step: int) -> Optional[StepDiscards]:
         """The step's discards as stored (not checked against its commit record); None when there are
         none, or the file does not parse (a discard file is never a fault of the step)."""
         try:
-            data = self.backend.read_small(discards_key(step))
+            data = self.namespace.read_small(discards_key(step))
         except Exception:  # noqa: BLE001 - unreadable: the step simply shows none
             return None
         if data is None:

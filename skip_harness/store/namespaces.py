@@ -4,21 +4,27 @@ storage (`store.open.open_dump_dir`), never a directory by itself."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 from typing import List, Union
 
 from skip_harness.store.layout import Layout, UrlPath, is_url_text, parse_namespace_leaf
 from skip_harness.store.open import open_dump_dir, pack_layout
-from skip_harness.store.storage import DIR
+from skip_harness.store.packfile import PackError
+from skip_harness.store.storage import DIR, FILE
+
+logger = logging.getLogger("skip_harness.store")
 
 __all__ = ["namespaces_at", "find_namespaces"]
 
 
 def namespaces_at(path: Union[Path, UrlPath]) -> List[Layout]:
-    """Namespaces at `path`: the path itself if it is a namespace, those in it if it is an
-    `{experiment}_{project}` directory, else those two levels down (a dump dir). Links are never
-    followed."""
+    """Namespaces at `path`: the path itself if it is a namespace (a directory or a pack file), those in it if
+    it is an `{experiment}_{project}` directory, else those two levels down (a dump dir); and the pack files
+    directly in it (`skip-harness pack`'s, told by their first bytes, whatever their names), after the
+    directories. A file that starts like a pack but whose manifest cannot be read is left out with a warning
+    naming it. Links are never followed."""
     if is_url_text(path):
         return _namespaces_at_url(UrlPath(str(path)))
     path = Path(str(path))
@@ -32,12 +38,20 @@ def namespaces_at(path: Union[Path, UrlPath]) -> List[Layout]:
     children = storage.list_dir("")
     if not children and storage.stat("") is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-    direct = []
+    direct, packs = [], []
     for child in sorted(children, key=lambda e: e.name):
         kw = parse_namespace_leaf(child.name)
         if kw is not None and child.kind == DIR:
             direct.append(Layout(path / child.name, K=kw[0], W=kw[1]))
-    return direct + find_namespaces(path)
+        elif child.kind == FILE:
+            try:
+                packed = pack_layout(path / child.name)
+            except PackError as exc:
+                logger.warning("%s; not listed", exc)        # the error names the file
+                continue
+            if packed is not None:
+                packs.append(packed)
+    return direct + find_namespaces(path) + packs
 
 
 def _namespaces_at_url(url: UrlPath) -> List[Layout]:

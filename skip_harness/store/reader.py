@@ -115,7 +115,7 @@ class StepReader:
     def read_discarded(self, step: int) -> Optional[StepDiscards]:
         """What a filter discarded from `step` when it was recorded (`store.discards`); None when nothing
         was recorded, or it belongs to another write of the step, or the step has no valid commit record."""
-        found = DiscardStore(self.backend).read_step(step)
+        found = DiscardStore(self.namespace).read_step(step)
         if found is None:
             return None
         try:

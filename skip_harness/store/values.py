@@ -72,6 +72,11 @@ def run_values_key(run_id: str, step: int) -> str:
     return f"{RUNS_DIR}/{check_run_id(run_id)}/{int(step)}.json"
 
 
+def run_drift_key(run_id: str, step: int) -> str:
+    """An `action=compare` run's per-trajectory drift at `step` (beside its values)."""
+    return f"{RUNS_DIR}/{check_run_id(run_id)}/{int(step)}.drift.json"
+
+
 def run_doc_key(run_id: str) -> str:
     return f"{RUNS_DIR}/{check_run_id(run_id)}/{RUN_DOC}"
 
@@ -255,6 +260,30 @@ class ValuesStore:
         """Store run `run_id`'s own document (when, where, its config digest, what it served)."""
         body = {"format": VALUES_FORMAT, "run": run_id, **dict(doc)}
         self.namespace.write_small(run_doc_key(run_id), (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+    def write_run_drift(self, run_id: str, step: int, K: int, W: int, firsts: Mapping[str, Optional[int]]) -> None:
+        """Store an `action=compare` run's per-trajectory drift at `step`: each trajectory's first differing
+        response token by its ref `{inner}.{rank}.{index}` at the run's K and W (None: identical)."""
+        doc = {"format": VALUES_FORMAT, "step": int(step), "run": run_id, "K": int(K), "W": int(W),
+               "first_difference": {str(k): (None if v is None else int(v)) for k, v in firsts.items()}}
+        self.namespace.write_small(run_drift_key(run_id, step), (json.dumps(doc, indent=1) + "\n").encode())
+
+    def read_run_drift(self, run_id: str, step: int) -> Optional[Dict[str, Any]]:
+        """What `write_run_drift` stored for `step` ({"K", "W", "first_difference"}); None when nothing (or
+        nothing readable)."""
+        try:
+            data = self.namespace.read_small(run_drift_key(run_id, step))
+            doc = json.loads(data) if data is not None else None
+        except Exception:  # noqa: BLE001 - unreadable: the step simply shows no per-trajectory drift
+            return None
+        if (not isinstance(doc, dict) or doc.get("format") != VALUES_FORMAT or doc.get("step") != int(step)
+                or not isinstance(doc.get("first_difference"), dict)):
+            return None
+        firsts = {str(k): v for k, v in doc["first_difference"].items()
+                  if v is None or (isinstance(v, int) and not isinstance(v, bool))}
+        K, W = doc.get("K"), doc.get("W")
+        return {"K": K if isinstance(K, int) else None, "W": W if isinstance(W, int) else None,
+                "first_difference": firsts}
 
     def list_runs(self) -> List[str]:
         """The run ids that recorded values beside the recording (replays), oldest first (ids start

@@ -196,13 +196,17 @@ class StepWriter:
                        create_only: bool = True) -> bool:
         """Record what a filter discarded from a committed step and why (`store.discards`), bound to its
         commit record, outside it; `create_only`: only where the step has none (False when it has)."""
-        return DiscardStore(self.backend).write_step(step, discarded, commit_created=commit_created,
+        return DiscardStore(self.namespace).write_step(step, discarded, commit_created=commit_created,
                                                      create_only=create_only)
 
     def write_run_values(self, run_id: str, step: int, values: Mapping[str, float], config: Optional[str] = None) -> None:
         """Record what a replay (run `run_id`) reported for `step`, under its run id: never over the
         recording's values (`store.values`)."""
         ValuesStore(self.namespace).write_run_step(run_id, step, values, config=config)
+
+    def write_run_drift(self, run_id: str, step: int, K: int, W: int, firsts: Mapping[str, Optional[int]]) -> None:
+        """Record an `action=compare` run's per-trajectory drift at `step` under its run id (`store.values`)."""
+        ValuesStore(self.namespace).write_run_drift(run_id, step, K, W, firsts)
 
     def write_run(self, run_id: str, doc: Mapping[str, Any]) -> None:
         """Record a replay's own document (`.values/runs/{run_id}/run.json`)."""

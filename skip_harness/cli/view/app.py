@@ -184,7 +184,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
         return _Json(dict(cache.namespace_doc(ns), live=live(cache, ns).to_json()), headers=_HEADERS)
 
     def api_step(request: Request) -> Response:
-        return _Json(pages.step_json(cache, ns_of(request), step_of(request)), headers=_HEADERS)
+        return _Json(pages.step_json(cache, ns_of(request), step_of(request),
+                                     request.query_params.get("compare_run", "")[:200]), headers=_HEADERS)
 
     def api_trajectory(request: Request) -> Response:
         ctx = pages.trajectory(cache, ns_of(request), step_of(request), request.path_params["ref"], decoder)
@@ -211,7 +212,8 @@ def build_app(cache: Cache, decoder: Decoder, allowed_hosts: Sequence[str] = ("1
                        only_in_b=pairing.only_b,
                        trajectories=[{"identity": p.identity, "ref_a": p.a.ref if p.a else None,
                                       "ref_b": p.b.ref if p.b else None, "reward_a": p.a.reward if p.a else None,
-                                      "reward_b": p.b.reward if p.b else None, "same": p.same}
+                                      "reward_b": p.b.reward if p.b else None, "same": p.same,
+                                      "first_difference": p.first}
                                      for p in pairing.pairs])
         return _Json(doc, headers=_HEADERS)
 

@@ -39,10 +39,9 @@ from skip_harness.cli.compare import compare as _diff_compare   # the same dict 
 logger = logging.getLogger("skip_harness.cli.view")
 
 Where = Union[Path, UrlPath]
-# `action=compare` runs' figures (run.drift) shown beside the recorded values: the newest such run among the
-# newest COMPARE_RUNS_READ runs of a namespace, looked for again after COMPARE_RUN_TTL_S seconds
+# `action=compare` runs' figures (run.drift) shown beside the recorded values: the chosen run's (the newest by
+# default) among every such run of a namespace, looked for again after COMPARE_RUN_TTL_S seconds
 COMPARE_PREFIX = "compare/"
-COMPARE_RUNS_READ = 20
 COMPARE_RUN_TTL_S = 5.0
 
 K = TypeVar("K", bound=Hashable)
@@ -146,7 +145,8 @@ class Cache:
         self.roots = list(roots)
         self._lock = threading.Lock()
         self._readers: Dict[str, StepReader] = {}
-        self._compare_runs: Dict[str, Tuple[Optional[str], float]] = {}   # the newest action=compare run, found when
+        self._compare_runs: Dict[str, Tuple[List[Dict[str, Any]], float]] = {}   # action=compare runs, found when
+        self._run_docs: Dict[Tuple[str, str], Dict[str, Any]] = {}         # each run's run.json, read once
         self._diffs: Kept[Tuple[str, str], Dict[str, Any]] = Kept()
         # the last step read and turned into trajectories: a step page's links to its trajectories (and
         # back) read it once; one kept, so a step's buffers go back to the pool before the next is read
@@ -266,15 +266,18 @@ class Cache:
 
     # ---- what the replay check recorded
 
-    def values(self, ns: ViewedNamespace, step: int) -> Optional[Dict[str, float]]:
-        """The values the trainer reported for `step` (its metrics), None when none were recorded; with the
-        newest `action=compare` run's figures for the step beside them (`compare/...`: run.drift)."""
+    def values(self, ns: ViewedNamespace, step: int, compare_run: Optional[str] = None) -> Optional[Dict[str, float]]:
+        """The values the trainer reported for `step` (its metrics), None when none were recorded; with an
+        `action=compare` run's figures for the step beside them (`compare/...`: run.drift): `compare_run`'s,
+        else the newest such run's."""
         try:
             recorded = self.reader(ns).read_values(step)
-            drift = self._drift(ns, step)
+            run = compare_run or self.newest_compare_run(ns)
+            kept = None if run is None else ValuesStore(self.reader(ns).namespace).read_run_step(run, step)
         except (CorruptStepError, SkipHarnessError, OSError, ValueError) as exc:
             logger.warning("%s: recorded values of step %d cannot be read: %s", ns.layout.root, step, exc)
             return None
+        drift = {} if kept is None else {k: v for k, v in kept.values.items() if k.startswith(COMPARE_PREFIX)}
         return {**(recorded or {}), **drift} if drift else recorded
 
     def discarded(self, ns: ViewedNamespace, step: int) -> Tuple[Discarded, ...]:
@@ -287,21 +290,51 @@ class Cache:
             return ()
         return () if found is None else found.discarded
 
-    def _drift(self, ns: ViewedNamespace, step: int) -> Dict[str, float]:
-        """The newest `action=compare` run's `compare/...` figures for `step` (its run found once a few seconds)."""
-        store = ValuesStore(self.reader(ns).namespace)
+    def compare_runs(self, ns: ViewedNamespace) -> List[Dict[str, Any]]:
+        """Every `action=compare` run that kept its figures in the namespace, oldest first: {"run", "started",
+        "K", "W", "replay_from", "host"} (the runs looked for again after COMPARE_RUN_TTL_S seconds; a run's
+        document is read once)."""
         now = time.monotonic()
         with self._lock:
             found = self._compare_runs.get(ns.key)
-        if found is None or now - found[1] > COMPARE_RUN_TTL_S:
-            run = next((r for r in reversed(store.list_runs()[-COMPARE_RUNS_READ:])
-                        if (store.read_run(r) or {}).get("action") == "compare"), None)
+        if found is not None and now - found[1] <= COMPARE_RUN_TTL_S:
+            return found[0]
+        store = ValuesStore(self.reader(ns).namespace)
+        out = []
+        for run in store.list_runs():
             with self._lock:
-                self._compare_runs[ns.key] = found = (run, now)
-        if found[0] is None:
-            return {}
-        kept = store.read_run_step(found[0], step)
-        return {} if kept is None else {k: v for k, v in kept.values.items() if k.startswith(COMPARE_PREFIX)}
+                doc = self._run_docs.get((ns.key, run))
+            if doc is None:
+                doc = store.read_run(run) or {}
+                with self._lock:
+                    self._run_docs[(ns.key, run)] = doc
+            if doc.get("action") == "compare":
+                out.append({"run": run, "started": doc.get("started"), "K": doc.get("K"), "W": doc.get("W"),
+                            "replay_from": doc.get("replay_from"), "host": doc.get("host")})
+        with self._lock:
+            self._compare_runs[ns.key] = (out, now)
+        return out
+
+    def newest_compare_run(self, ns: ViewedNamespace) -> Optional[str]:
+        runs = self.compare_runs(ns)
+        return runs[-1]["run"] if runs else None
+
+    def drift(self, ns: ViewedNamespace, step: int, run: str) -> Dict[str, Any]:
+        """`action=compare` run `run`'s drift at `step`: its figures (`compare/...`) and each trajectory's first
+        differing token by ref (`first_difference`; None when the run kept none, or kept them at another K or
+        W than the namespace's: `note` says so)."""
+        store = ValuesStore(self.reader(ns).namespace)
+        kept = store.read_run_step(run, step)
+        figures = {} if kept is None else {k[len(COMPARE_PREFIX):]: v for k, v in kept.values.items()
+                                          if k.startswith(COMPARE_PREFIX)}
+        rows = store.read_run_drift(run, step)
+        note = None
+        firsts = None if rows is None else rows["first_difference"]
+        if rows is not None and (rows["K"], rows["W"]) != (ns.layout.K, ns.layout.W):
+            note = (f"run {run} generated at K={rows['K']} W={rows['W']}, this namespace holds K={ns.layout.K} "
+                    f"W={ns.layout.W}: its trajectories are not this step's, only the step's figures are shown")
+            firsts = None
+        return {"run": run, "figures": figures, "first_difference": firsts, "note": note}
 
     def diff(self, a: ViewedNamespace, b: ViewedNamespace,
              scans: Optional[Sequence[NamespaceReport]] = None) -> Dict[str, Any]:

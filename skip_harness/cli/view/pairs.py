@@ -4,7 +4,8 @@ K = 1 pairs with one of K = 2 (or another W) sample by sample.
 
 One definition of "differs", the one the compare page states: a pair differs when its real response
 tokens (padding dropped) or its reward differ; a trajectory whose identity one side lacks is counted
-apart (`only_a`, `only_b`), never as a difference.
+apart (`only_a`, `only_b`), never as a difference. A pair whose tokens differ has its first differing
+token (`Pair.first`: the first position whose real tokens differ, or where the shorter response ends).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from skip_harness.cli.view.decode import _length, first_true, mask_ends, prompt_start, response_span
 from skip_harness.cli.view.samples import ATTENTION_MASK, GROUP, KEYS, PROMPT_IDS, RESPONSE_IDS, Batch, StepTable, Trajectory
+from skip_harness.run.drift import first_difference
 
 DIFFERS = ("a pair differs when its real response tokens (padding dropped) or its reward differ; trajectories "
            "are paired by prompt and sample index, never by position")
@@ -27,6 +29,7 @@ class Pair:
     a: Optional[Trajectory]
     b: Optional[Trajectory]
     same: bool
+    first: Optional[int] = None    # the first differing real response token; None: the tokens are the same
 
 
 @dataclass
@@ -122,7 +125,7 @@ def identities(table: StepTable) -> Tuple[List[Tuple[str, Trajectory]], str]:
     return out, by
 
 
-def _real_response(t: Trajectory) -> Optional[torch.Tensor]:
+def real_response(t: Trajectory) -> Optional[torch.Tensor]:
     b, j = t.batch, t.index
     name = b.find(RESPONSE_IDS)
     if name is None:
@@ -150,10 +153,10 @@ def _padded(b: Batch) -> Optional[torch.Tensor]:
     return None
 
 
-def _same_tokens(matched: List[Tuple[Trajectory, Trajectory]]) -> List[bool]:
-    """Whether each pair's real response tokens are equal: padded mini-batches compared a mini-batch pair at
-    a time with tensor operations (every token, exactly), jagged ones row by row."""
-    out = [False] * len(matched)
+def _first_tokens(matched: List[Tuple[Trajectory, Trajectory]]) -> List[Optional[int]]:
+    """Each pair's first differing real response token (None: the same tokens): padded mini-batches compared
+    a mini-batch pair at a time with tensor operations (every token, exactly), jagged ones row by row."""
+    out: List[Optional[int]] = [None] * len(matched)
     groups: Dict[Tuple[int, int], List[int]] = {}
     for n, (ta, tb) in enumerate(matched):
         groups.setdefault((id(ta.batch), id(tb.batch)), []).append(n)
@@ -162,30 +165,36 @@ def _same_tokens(matched: List[Tuple[Trajectory, Trajectory]]) -> List[bool]:
         ra, rb = _padded(ba), _padded(bb)
         if ra is None or rb is None:
             for n in members:
-                out[n] = _same_row(*matched[n])
+                out[n] = _first_in_rows(*matched[n])
             continue
         ja = [matched[n][0].index for n in members]
         jb = [matched[n][1].index for n in members]
         ia, ib = torch.tensor(ja), torch.tensor(jb)
         ea = torch.tensor(ba.derived["ends"])[ia]
         eb = torch.tensor(bb.derived["ends"])[ib]
-        # only the positions before the longest real end matter (a pair whose ends differ differs anyway)
+        # only the positions before the longest real end matter: every position before the shorter of a
+        # pair's two ends is within `width` (an end is at most its batch's width)
         width = min(int(ra.shape[1]), int(rb.shape[1]), int(ea.max()) if len(ja) else 0)
         in_order = ja == list(range(ba.n)) and jb == list(range(bb.n))      # no gather: compare the batches
         xa = ra[:, :width] if in_order else ra[ia, :width]
         xb = rb[:, :width] if in_order else rb[ib, :width]
         first = torch.from_numpy(first_true((xa != xb).numpy(), width))     # the first differing position (width: none)
-        differ = (first < ea) | (ea != eb) | (ea > width)
-        for n, d in zip(members, differ.tolist()):
-            out[n] = not d
+        shorter = torch.minimum(ea, eb)
+        at = torch.where(first < shorter, first, torch.where(ea != eb, shorter, torch.full_like(first, -1)))
+        for n, d in zip(members, at.tolist()):
+            out[n] = None if d < 0 else int(d)
     return out
 
 
+def _first_in_rows(a: Trajectory, b: Trajectory) -> Optional[int]:
+    ra, rb = real_response(a), real_response(b)
+    if ra is None or rb is None:
+        return None if (ra is None) == (rb is None) else 0
+    return first_difference(ra, rb)
+
+
 def _same_row(a: Trajectory, b: Trajectory) -> bool:
-    ra, rb = _real_response(a), _real_response(b)
-    if (ra is None) != (rb is None):
-        return False
-    return ra is None or rb is None or (ra.shape == rb.shape and torch.equal(ra, rb))
+    return _first_in_rows(a, b) is None
 
 
 def _same_reward(a: Trajectory, b: Trajectory) -> bool:
@@ -214,9 +223,10 @@ def pair(table_a: StepTable, table_b: StepTable) -> Pairing:
         slots.append(len(pairs))
         matched.append((ta, tb))
         pairs.append(Pair(ident, ta, tb, False))
-    for slot, (ta, tb), tokens in zip(slots, matched, _same_tokens(matched)):
-        equal = tokens and _same_reward(ta, tb)
+    for slot, (ta, tb), first in zip(slots, matched, _first_tokens(matched)):
+        equal = first is None and _same_reward(ta, tb)
         pairs[slot].same = equal
+        pairs[slot].first = first
         same += equal
         differ += not equal
     for ident, tb in ids_b:

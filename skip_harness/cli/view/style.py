@@ -25,6 +25,10 @@ tr.status-corrupt,.nonzero.status-corrupt{color:#b00020}tr.status-incomplete,.no
 .prompt{margin:0 0 6px}.label{font-size:11px;text-transform:uppercase;color:#6b7487;margin-right:6px}
 .tokens{display:block;line-height:1.9;overflow-wrap:anywhere;max-width:100%}
 .tok{padding:1px 2px;margin:0 1px;border-radius:3px;white-space:pre-wrap;font-size:12px;overflow-wrap:anywhere}
+.drift-badge{font-size:11px;border-radius:3px;padding:0 4px;white-space:nowrap}.drift-badge.same{background:#e6f4ea;color:#1e6b34}
+.drift-badge.differs{background:#fff3cd;color:#8a5a00;border:1px solid #e0b84a}
+th.first-diff-at{width:5.5em}
+mark.first-diff{background:#ffd54a;color:#1d2330;outline:2px solid #b00020;border-radius:3px;padding:0 2px;font-weight:700}
 .tok.masked{color:#8a93a6;background:none;border:1px dashed #c9ced8}
 .legend{font-size:12px;color:#4a5366;margin:4px 0;display:flex;gap:6px;align-items:center;flex-wrap:wrap}
 .legend .scale{display:inline-block;width:160px;height:10px;border:1px solid #c9ced8;
@@ -86,9 +90,9 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def tokens_html(tokens: Sequence[str], row: Any = None, masked: Sequence[bool] = ()) -> Markup:
+def tokens_html(tokens: Sequence[str], row: Any = None, masked: Sequence[bool] = (), mark: Any = None) -> Markup:
     """Token spans, each escaped, coloured by `row`'s value; a masked token (`masked[k]`) is neutral: never
-    coloured. Built here in one pass (a template loop costs ten times as much on a page of thousands of
+    coloured; token `mark` (an index: the first that differs when generated again) marked. Built here in one pass (a template loop costs ten times as much on a page of thousands of
     tokens); the colours' hue and lightness computed for the whole row at once (numpy rounds half to even,
     as `round` does)."""
     parts: List[str] = ['<div class="tokens">']
@@ -118,6 +122,8 @@ def tokens_html(tokens: Sequence[str], row: Any = None, masked: Sequence[bool] =
         else:
             bg = "hsl(120,55%,88%)" if v else "hsl(0,0%,88%)"
             add(f'<span class="tok" style="background:{bg}" title="{name} = {v:.4g}">{text}</span>')
+    if isinstance(mark, int) and 0 <= mark < len(tokens):
+        parts[1 + mark] = f'<mark class="first-diff" title="first token that differs when generated again">{parts[1 + mark]}</mark>'
     add("</div>")
     return Markup(" ".join(parts))       # a space between tokens: lines break there, never inside a token
 

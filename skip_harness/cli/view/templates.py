@@ -52,6 +52,7 @@ NAMESPACE = """{% extends "base" %}{% block title %}{{ ns.label }}{% endblock %}
 <form id="chart-picker" class="controls" method="get" action="/ns/{{ ns.key }}">
 <label>search the recorded values <input name="q" value="{{ query.q }}" placeholder="loss, reward, kl ..."></label>
 {% if ns_rows|length >= 2 %}<label>overlay runs <select name="with" multiple size="2">{% for r in ns_rows %}{% if r.key != ns.key %}<option value="{{ r.key }}"{% if r.key in runs %} selected{% endif %}>{% if roots|length > 1 %}[{{ r.root_index }}] {% endif %}{{ r.label }}</option>{% endif %}{% endfor %}</select></label>{% endif %}
+{% if compare_runs %}<label>action=compare run <select name="compare_run" id="compare-run">{% for r in compare_runs|reverse %}<option value="{{ r.run }}"{% if r.run == compare_run %} selected{% endif %}>{{ r.run }}{% if loop.first %} (newest){% endif %}</option>{% endfor %}</select></label>{% endif %}
 <button type="submit">chart</button> <a href="/ns/{{ ns.key }}">defaults</a>
 <details id="value-keys"><summary>every recorded value ({{ key_count }}): pick any to chart (charted ones ticked)</summary>
 {% for prefix, keys in value_groups %}<fieldset class="key-group"><legend class="mono">{{ prefix }}</legend>{% for k in keys %}<label class="mono key"><input type="checkbox" name="k" value="{{ k }}"{% if k in charted %} checked{% endif %}> {{ k }}</label> {% endfor %}</fieldset>{% endfor %}
@@ -96,6 +97,7 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 {% if table.reward_functions %}<p class="facts" id="reward-source">rewards from the step's second tier: {{ table.reward_functions|join(", ") }}{% if table.reward_functions|length > 1 %} (reward: their sum, unweighted){% endif %}</p>{% endif %}
 {% if recorded %}<details id="recorded" class="fold"{% if reward_note %} open{% endif %}><summary>the step's recorded values ({{ recorded|length }})</summary>
 <div class="values-grid">{% for k, v in recorded %}<div class="value"><span class="mono key">{{ k }}</span> <span class="num">{{ v }}</span></div>{% endfor %}</div></details>{% endif %}
+{% include "drift" %}
 <table id="minibatches" class="grid-table small"><thead><tr><th>inner index</th><th>rank</th><th>trajectories</th><th>generation</th><th>fields</th></tr></thead><tbody>
 {% for mb in minibatches %}<tr><td class="num">{{ mb.inner }}</td><td class="num">{{ mb.rank }}</td><td class="num">{{ mb.n }}</td><td class="num">{{ mb.gen }}</td><td class="mono">{{ mb.fields }}</td></tr>{% endfor %}
 </tbody></table>
@@ -117,10 +119,10 @@ length mean {{ fmt(summary.length_mean) }}, max {{ fmt(summary.length_max) }}{% 
 {% if first.shown.prompt_folded %}<details class="fold"><summary>… {{ first.shown.prompt_folded }} more prompt tokens ({{ first.shown.prompt_tokens|length + first.shown.prompt_folded }} in all{% if first.shown.prompt_padding %}, {{ first.shown.prompt_padding }} padding dropped{% endif %})</summary><div class="rest">{{ first.shown.prompt_rest }}</div></details>
 {% elif first.shown.prompt_tokens is not none %}<span class="facts small">{{ first.shown.prompt_tokens|length }} tokens{% if first.shown.prompt_padding %} ({{ first.shown.prompt_padding }} padding dropped){% endif %}</span>{% endif %}</div>
 {% set funcs = table.reward_functions if table.reward_functions|length > 1 else [] %}<table class="samples grid-table"><thead><tr><th>trajectory</th><th>reward</th>{% for f in funcs %}<th class="mono small">{{ f }}</th>{% endfor %}<th>advantage</th><th>length</th><th>response</th></tr></thead><tbody>
-{% for t in members %}<tr class="sample" data-ref="{{ t.traj.ref }}"><td><a class="traj-link" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">{{ t.traj.ref }}</a></td>
+{% for t in members %}<tr class="sample" data-ref="{{ t.traj.ref }}"><td><a class="traj-link" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">{{ t.traj.ref }}</a>{% if drift and drift.first_difference and t.traj.ref in drift.first_difference %}{% set fd = drift.first_difference[t.traj.ref] %}<br><span class="drift-badge {{ 'same' if fd is none else 'differs' }}" title="generated again by action=compare run {{ drift.run }}">{% if fd is none %}identical when generated again{% else %}generated again: differs from token {{ fd }}{% endif %}</span>{% endif %}</td>
 <td class="num reward">{{ fmt(t.traj.reward) }}</td>{% for f in funcs %}<td class="num">{{ fmt((t.traj.rewards_by or {}).get(f)) }}</td>{% endfor %}{% set a = 0.0 if t.traj.advantage_zero else t.traj.advantage %}<td class="num advantage" style="color:{{ adv_colour(a) }}">{{ fmt(a) }}</td><td class="num">{{ t.traj.length if t.traj.length is not none else "-" }}</td>
 <td class="response">{% if t.shown.response_text is not none %}<pre class="text">{{ t.shown.response_text }}</pre>{% endif %}
-{% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.shown.masked) }}{% endif %}
+{% if t.shown.response_tokens is not none %}{{ tokens_html(t.shown.response_tokens, t.colour_row, t.shown.masked, drift.first_difference.get(t.traj.ref) if drift and drift.first_difference else none) }}{% endif %}
 {% if t.shown.truncated %}<details class="fold"><summary>… {{ t.shown.truncated }} more tokens ({{ t.shown.response_real }} in all{% if t.shown.response_padding %}, padding dropped{% endif %})</summary><div class="rest">{{ t.shown.rest }}</div>
 <a class="more" href="/ns/{{ ns.key }}/step/{{ step }}/t/{{ t.traj.ref }}">coloured, with every per-token value</a></details>{% endif %}</td></tr>{% endfor %}
 </tbody></table></section>{% endfor %}
@@ -169,10 +171,11 @@ COMPARE = """{% extends "base" %}{% block title %}compare step {{ step }}{% endb
 <p id="differs-means" class="facts small">{{ differs }}.</p>
 <p class="facts">{% if only == "differ" %}<a href="{{ page_url(1)|replace('&only=differ', '') }}">show every pair</a>{% else %}<a id="only-differ" href="/compare?a={{ pick_a|urlencode }}&amp;b={{ pick_b|urlencode }}&amp;step={{ step }}&amp;only=differ">show only the pairs that differ</a>{% endif %}
 {% if pages > 1 %} · page {{ page }} of {{ pages }} {% if page > 1 %}<a id="prev-page" href="{{ page_url(page - 1) }}">previous page</a>{% endif %} {% if page < pages %}<a id="next-page" href="{{ page_url(page + 1) }}">next page</a>{% endif %}{% endif %}</p>
-<table id="diff" class="grid-table samples"><thead><tr><th>pair</th><th>reward A</th><th>reward B</th><th>state</th><th>response A</th><th>response B</th></tr></thead><tbody>
+<table id="diff" class="grid-table samples"><thead><tr><th>pair</th><th>reward A</th><th>reward B</th><th>state</th><th class="first-diff-at">first differing token</th><th>response A</th><th>response B</th></tr></thead><tbody>
 {% for r in rows %}<tr class="{{ 'same' if r.same else 'differs' }}"><td class="mono">{{ r.identity }}<br>{% if r.ref_a %}<a href="/ns/{{ sides[0].ns.key }}/step/{{ step }}/t/{{ r.ref_a }}">A {{ r.ref_a }}</a>{% endif %} {% if r.ref_b %}<a href="/ns/{{ sides[1].ns.key }}/step/{{ step }}/t/{{ r.ref_b }}">B {{ r.ref_b }}</a>{% endif %}</td>
 <td class="num">{{ fmt(r.reward_a) }}</td><td class="num">{{ fmt(r.reward_b) }}</td><td>{{ r.state }}</td>
-<td class="response mono">{{ r.text_a }}</td><td class="response mono">{{ r.text_b }}</td></tr>{% endfor %}</tbody></table>{% endif %}
+<td class="num first-diff-at">{{ "-" if r.first_difference is none else r.first_difference }}</td>
+{% for side, m, text in (("a", r.mark_a, r.text_a), ("b", r.mark_b, r.text_b)) %}<td class="response mono">{% if m %}{% if m.skipped %}<span class="folded">… {{ m.skipped }} tokens …</span> {% endif %}{{ m.before }} <mark class="first-diff" id="diff-{{ side }}-{{ r.identity }}" title="first differing token: {{ r.first_difference }}">{{ m.mark if m.mark is not none else "⟨ends⟩" }}</mark> {{ m.after }}{% if m.more > 0 %} … {{ m.more }} more tokens ({{ m.real }} in all){% endif %}{% else %}{{ text }}{% endif %}</td>{% endfor %}</tr>{% endfor %}</tbody></table>{% endif %}
 {% if diff is not none %}<h2>recorded values and config (skip-harness diff)</h2>
 <p id="diff-verdict" class="facts">{% if diff_pair.first_divergence %}recorded values first diverge at step {{ diff_pair.first_divergence.step }}: {{ diff_pair.first_divergence.key }} {{ fmt(diff_pair.first_divergence.a) }} vs {{ fmt(diff_pair.first_divergence.b) }}{% else %}recorded values the same on the {{ diff_pair.steps_compared }} steps both recorded{% endif %}
 {% if diff_pair.steps_only_in_a %} · steps only in A: {{ diff_pair.steps_only_in_a }}{% endif %}{% if diff_pair.steps_only_in_b %} · steps only in B: {{ diff_pair.steps_only_in_b }}{% endif %}
@@ -187,6 +190,12 @@ LIVE = """{% if live.recording or live.replays or live.elsewhere %}<div class="l
 {% for r in live.replays %}<p class="replaying"><b>replaying</b>: run <span class="mono">{{ r.run_id }}</span>, {{ r.describe() }}</p>{% endfor %}
 {% if live.elsewhere %}<p class="facts small" id="replays-elsewhere">{{ live.elsewhere }} replay{{ "s" if live.elsewhere != 1 }} recorded here from other hosts (whether they still run cannot be told from this host)</p>{% endif %}
 </div>{% endif %}"""
+
+DRIFT = """{% if compare_runs %}<section id="drift" class="drift"><h2>generated again (action=compare)</h2>
+{% if drift %}{% set f = drift.figures %}<p class="facts" id="drift-step">run <span class="mono">{{ drift.run }}</span>{% if f.trajectories %}: {{ f.identical|int }} of {{ f.trajectories|int }} trajectories identical ({{ fmt(100 * f.identical_share) }}%){% if f.first_diff_token is defined %}, first differing token {{ f.first_diff_token|int }}{% else %}, no differing token{% endif %}{% if f.max_logprob_diff is defined %}, largest log-prob difference {{ fmt(f.max_logprob_diff) }} on the shared prefix{% endif %}{% else %}: no figures for this step{% endif %}</p>
+{% if drift.note %}<p class="note">{{ drift.note }}</p>{% endif %}{% else %}<p class="facts" id="drift-step">run <span class="mono">{{ compare_run }}</span> compared no trajectories at this step (the recording's step, or the run's, was missing, or they could not be paired)</p>{% endif %}
+{% if compare_runs|length > 1 %}<p class="facts small" id="compare-runs">{{ compare_runs|length }} compare runs: {% for r in compare_runs %}{% if r.run == compare_run %}<b class="mono">{{ r.run }}</b>{% else %}<a class="mono" href="/ns/{{ ns.key }}/step/{{ step }}?compare_run={{ r.run|urlencode }}">{{ r.run }}</a>{% endif %}{{ " · " if not loop.last }}{% endfor %}</p>{% endif %}
+</section>{% endif %}"""
 
 IDS_HINT = """<p class="note" id="tokenizer-hint">token ids shown: no tokenizer was given and these rollouts store no
 text. Start the viewer with <code>--tokenizer NAME_OR_PATH</code> (a local tokenizer directory, a tokenizer.json, or a
@@ -217,7 +226,7 @@ def environment() -> Environment:
     env = Environment(loader=DictLoader({"base": BASE, "overview": OVERVIEW, "compare_form": COMPARE_FORM,
                                          "namespace": NAMESPACE, "charts": CHARTS, "step": STEP,
                                          "trajectory": TRAJECTORY, "compare": COMPARE, "error": ERROR,
-                                         "ids_hint": IDS_HINT, "live": LIVE,
+                                         "ids_hint": IDS_HINT, "drift": DRIFT, "live": LIVE,
                                          "discarded": DISCARDED}),
                       autoescape=select_autoescape(default=True, default_for_string=True))
     env.globals.update(css=Markup(CSS), colour=colour, adv_colour=adv_colour, fmt=fmt,

@@ -8,12 +8,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from skip_harness.cli.view.data import Cache, Kept, ViewedNamespace, StepRead, step_stamp
 from skip_harness.cli.view.decode import Decoder, show
 from skip_harness.cli.view.pages.common import TOKENS_ON_STEP_PAGE, BadQuery, _decoder, compare_choices
-from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair
+from skip_harness.cli.view.pairs import DIFFERS, Pair, Pairing, pair, real_response
 from skip_harness.cli.view.samples import Trajectory
 from skip_harness.store.api import NamespaceReport
 
 
 COMPARE_ROWS = 50          # pairs on one page of compare
+BEFORE_MARK = 8            # tokens shown before a first difference that lies past the fold
 
 
 def _brief(t: Optional[Trajectory], decoder: Decoder) -> str:
@@ -22,6 +23,22 @@ def _brief(t: Optional[Trajectory], decoder: Decoder) -> str:
     sh = show(t, decoder, TOKENS_ON_STEP_PAGE, fold=False, prompt=False, rows=False)
     text = " ".join(sh.response_tokens or []) if sh.response_text is None else sh.response_text
     return text + (f" … {sh.truncated} more tokens ({sh.response_real} in all)" if sh.truncated else "")
+
+
+def _marked(t: Optional[Trajectory], decoder: Decoder, first: int) -> Optional[Dict[str, Any]]:
+    """One side of a pair whose tokens differ, its first differing token marked: the response's first
+    tokens when the difference is among them, else the tokens from BEFORE_MARK before it (those before
+    folded: the difference is in view whatever its position). None when the side has no token ids."""
+    ids = real_response(t) if t is not None else None
+    if ids is None:
+        return None
+    real = int(ids.numel())
+    start = 0 if first < TOKENS_ON_STEP_PAGE else first - BEFORE_MARK
+    shown = ids[start:start + TOKENS_ON_STEP_PAGE].tolist()
+    tokens = decoder.tokens(shown)
+    at = first - start
+    return {"skipped": start, "before": " ".join(tokens[:at]), "mark": tokens[at] if at < len(tokens) else None,
+            "after": " ".join(tokens[at + 1:]), "more": real - start - len(shown), "real": real}
 
 
 class Pairings:
@@ -83,6 +100,9 @@ def compare(cache: Cache, a: ViewedNamespace, b: ViewedNamespace, step: int, dec
         rows.append({"identity": p.identity, "ref_a": p.a.ref if p.a else None, "ref_b": p.b.ref if p.b else None,
                      "reward_a": p.a.reward if p.a else None, "reward_b": p.b.reward if p.b else None,
                      "text_a": _brief(p.a, dec_a), "text_b": _brief(p.b, dec_b), "same": p.same,
+                     "first_difference": p.first,
+                     "mark_a": None if p.first is None else _marked(p.a, dec_a, p.first),
+                     "mark_b": None if p.first is None else _marked(p.b, dec_b, p.first),
                      "state": "same" if p.same else "only in A" if p.b is None else "only in B" if p.a is None
                      else "differs"})
 

@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import quote
 
 from skip_harness.cli._common import fmt_ago, fmt_seconds, fmt_value, human_bytes
 from skip_harness.cli.listing import grand_total
@@ -13,6 +14,7 @@ from skip_harness.cli.view import charts
 from skip_harness.cli.view.data import Cache, Kept, ViewedNamespace, step_stamp
 from skip_harness.cli.view.live import live
 from skip_harness.cli.view.pages.common import BadQuery, _other, chart_steps, compare_choices
+from skip_harness.cli.view.pages.drift import chosen_run
 from skip_harness.cli.view.values import by_prefix, default_order, pick
 from skip_harness.store.api import NamespaceReport, STATUSES, StepReport
 
@@ -44,22 +46,25 @@ def overview_json(cache: Cache) -> Dict[str, Any]:
 @dataclass
 class ChartQuery:
     """What the charts show: picked keys (`k`, repeatable), a search over the keys (`q`), other runs to
-    overlay (`with`, namespace keys, repeatable)."""
+    overlay (`with`, namespace keys, repeatable), the `action=compare` run whose figures are charted
+    (`compare_run`; the newest by default: pages.drift)."""
 
     keys: List[str]
     q: str
     runs: List[str]
+    compare_run: str = ""
 
     @classmethod
     def from_params(cls, params: Any) -> "ChartQuery":
         return cls([k for k in params.getlist("k") if k][:200], params.get("q", "")[:200],
-                   [r for r in params.getlist("with") if r][:8])
+                   [r for r in params.getlist("with") if r][:8], params.get("compare_run", "")[:200])
 
     def query_string(self) -> str:
         from urllib.parse import urlencode
 
         return urlencode([("k", k) for k in self.keys] + ([("q", self.q)] if self.q else [])
-                         + [("with", r) for r in self.runs])
+                         + [("with", r) for r in self.runs]
+                         + ([("compare_run", self.compare_run)] if self.compare_run else []))
 
 
 def namespace(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", query: Optional[ChartQuery] = None) -> Dict[str, Any]:
@@ -74,7 +79,8 @@ def namespace(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", query: 
               "fingerprint": None if r.report.fingerprint is None else r.report.fingerprint.digest,
               "dead": dead.get(r.report.step)} for r in view.rows]
     servable = [s.step for s in report.steps if s.servable]
-    series = value_series(cache, ns, summaries, report)
+    compare_run = chosen_run(cache, ns, query.compare_run)
+    series = value_series(cache, ns, summaries, report, compare_run)
     keys = default_order(list(series))
     shown = pick(keys, query.keys, query.q)
     missing = [k for k in query.keys if k not in series]
@@ -89,7 +95,7 @@ def namespace(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", query: 
             "chart_rows": math.ceil((ROLLOUT_CHARTS + len(shown)) / 2), "dead_budget_s": DEAD_BUDGET_S, "chart_extra": 14 * len(runs),
             "value_groups": by_prefix(keys), "charted": set(shown), "query": query, "runs": runs,
             "charts_src": f"/ns/{ns.key}/charts" + (f"?{query.query_string()}" if query.query_string() else ""),
-            "key_count": len(keys)}
+            "key_count": len(keys), "compare_runs": cache.compare_runs(ns), "compare_run": compare_run}
 
 
 def dead_counts(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", report: NamespaceReport
@@ -110,16 +116,17 @@ def dead_counts(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", repor
     return out
 
 
-def value_series(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", report: NamespaceReport
-                 ) -> Dict[str, List[charts.Point]]:
-    """Every recorded numeric value over the charted steps: {key: points}."""
+def value_series(cache: Cache, ns: ViewedNamespace, summaries: "Summaries", report: NamespaceReport,
+                 compare_run: Optional[str] = None) -> Dict[str, List[charts.Point]]:
+    """Every recorded numeric value over the charted steps, and `compare_run`'s figures (the newest
+    `action=compare` run's when None): {key: points}."""
     servable = [s for s in report.steps if s.servable]
     picked = set(chart_steps([s.step for s in servable]))
     values: Dict[str, List[charts.Point]] = {}
     for s in servable:
         if s.step not in picked:
             continue
-        for k, v in (summaries.values(cache, ns, s) or {}).items():
+        for k, v in (summaries.values(cache, ns, s, compare_run) or {}).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 values.setdefault(k, []).append(charts.Point(s.step, float(v)))
     return values
@@ -132,7 +139,7 @@ class Summaries:
 
     def __init__(self) -> None:
         self._kept: Kept[Tuple[str, int], Optional[Dict[str, Any]]] = Kept()
-        self._values: Kept[Tuple[str, int], Optional[Dict[str, float]]] = Kept()
+        self._values: Kept[Tuple[str, int, Optional[str]], Optional[Dict[str, float]]] = Kept()
 
     def get(self, cache: Cache, ns: ViewedNamespace, s: StepReport) -> Optional[Dict[str, Any]]:
         def compute() -> Optional[Dict[str, Any]]:
@@ -144,9 +151,12 @@ class Summaries:
         """The step's summary if it is kept (and still the step's), never reading it."""
         return self._kept.peek((ns.key, s.step), step_stamp(s))
 
-    def values(self, cache: Cache, ns: ViewedNamespace, s: StepReport) -> Optional[Dict[str, float]]:
-        """The step's recorded values, kept while its commit record stays the same."""
-        return self._values.get((ns.key, s.step), step_stamp(s), lambda: cache.values(ns, s.step))
+    def values(self, cache: Cache, ns: ViewedNamespace, s: StepReport, compare_run: Optional[str] = None
+               ) -> Optional[Dict[str, float]]:
+        """The step's recorded values (with `compare_run`'s figures), kept while its commit record stays the
+        same."""
+        return self._values.get((ns.key, s.step, compare_run), step_stamp(s),
+                                lambda: cache.values(ns, s.step, compare_run))
 
 
 
@@ -195,7 +205,7 @@ def namespace_charts(cache: Cache, ns: ViewedNamespace, summaries: Summaries, qu
     marks = [(s.step, s.status) for s in report.steps]
 
     def href(step: int) -> str:
-        return f"/ns/{ns.key}/step/{step}"
+        return f"/ns/{ns.key}/step/{step}" + (f"?compare_run={quote(query.compare_run)}" if query.compare_run else "")
 
     svgs = [charts.line_chart("reward: mean ± std per step", reward, href, css_id="chart-reward", marks=marks,
                               overlays=[(label, rl[0]) for label, rl, _v in others]),
@@ -203,7 +213,7 @@ def namespace_charts(cache: Cache, ns: ViewedNamespace, summaries: Summaries, qu
                               overlays=[(label, rl[1]) for label, rl, _v in others]),
             charts.line_chart("dead groups: share of the step's groups (every sample the same reward)", dead, href,
                               css_id="chart-dead", marks=marks, overlays=[(label, rl[2]) for label, rl, _v in others])]
-    values = value_series(cache, ns, summaries, report)
+    values = value_series(cache, ns, summaries, report, chosen_run(cache, ns, query.compare_run))
     keys = default_order(list(values))
     shown = pick(keys, query.keys, query.q)
     for n, k in enumerate(shown):

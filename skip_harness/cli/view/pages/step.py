@@ -12,6 +12,7 @@ from skip_harness.cli.view.data import Cache, ViewedNamespace
 from skip_harness.cli.view.decode import Decoder, Shown, TokenRow, fill_rests, show
 from skip_harness.cli.view.live import live
 from skip_harness.cli.view.pages.discarded import discarded_json
+from skip_harness.cli.view.pages.drift import drift_json, step_drift
 from skip_harness.cli.view.pages.common import (ROWS_PER_PAGE, SORT_KEYS, TOKENS_ON_STEP_PAGE, BadQuery, _decoder,
                                                 _no_step, colour_keys, token_row)
 from skip_harness.cli.view.samples import StepTable, Trajectory
@@ -28,6 +29,7 @@ class StepQuery:
     color: str = ""
     page: int = 1
     groups: str = ""          # "" every group, "dead" the dead groups only, "live" the others
+    compare_run: str = ""     # the action=compare run whose drift is shown ("" the newest: pages.drift)
 
 
     @classmethod
@@ -49,7 +51,7 @@ class StepQuery:
                            f"groups=live the others")
         return cls(params.get("q", "")[:200], params.get("min_reward", ""), params.get("max_reward", ""),
                    sort, "desc" if params.get("order") == "desc" else "asc", params.get("color", ""), int(page),
-                   groups)
+                   groups, params.get("compare_run", "")[:200])
 
 
 GROUP_FILTERS = ("", "dead", "live")
@@ -106,6 +108,8 @@ def step_page(cache: Cache, ns: ViewedNamespace, step: int, query: StepQuery, de
     ctx: Dict[str, Any] = {"ns": ns, "step": step, "read": read, "live": live(cache, ns), "prev": steps[at - 1] if at > 0 else None,
                            "next": steps[at + 1] if at + 1 < len(steps) else None,
                            "discarded": len(cache.discarded(ns, step))}    # what a filter dropped (pages.discarded)
+    drift = step_drift(cache, ns, step, query.compare_run)
+    ctx.update(drift)
     if table is None:
         return ctx
     rows = select(table, query, decoder)
@@ -155,9 +159,9 @@ def step_page(cache: Cache, ns: ViewedNamespace, step: int, query: StepQuery, de
                pages=pages, page_url=page_url, sort_keys=SORT_KEYS, colour_keys=keys, color=color,
                minibatches=minibatches, decoder_name=decoder.name, legend=legend,
                rewards=[t.reward for t in table.trajectories if t.reward is not None],
-               recorded=_recorded(cache.values(ns, step)), reward_note=_reward_note(table),
+               recorded=_recorded(cache.values(ns, step, drift["compare_run"])), reward_note=_reward_note(table),
                group_filter=query.groups, dead=set(table.dead), ids_only=ids_only(decoder, all_shown),
-               filter_url=lambda groups: _filter_url(ns, step, query, groups))
+               filter_url=lambda groups: _filter_url(ns, step, query, groups), **drift)
     return ctx
 
 
@@ -201,10 +205,10 @@ def _reward_note(table: StepTable) -> Optional[str]:
             "or before it existed, recomputes rewards each step: its logged reward is among the recorded values below)")
 
 
-def step_json(cache: Cache, ns: ViewedNamespace, step: int) -> Dict[str, Any]:
-    """The step: each mini-batch's `meta` and `structure` (as `show --json` gives them), every trajectory's
-    group, reward, advantage and length, and what a filter discarded (`discarded`); an unreadable step's
-    `status`, `reason` and `discarded` only."""
+def step_json(cache: Cache, ns: ViewedNamespace, step: int, compare_run: str = "") -> Dict[str, Any]:
+    """The step: each mini-batch's `meta` and `structure` (as `show --json` gives them) and every trajectory's
+    group, reward, advantage and length, what a filter discarded (`discarded`) and what an `action=compare` run measured
+    (pages.drift); an unreadable step's `status`, `reason` and `discarded` only."""
     report = cache.scan(ns)
     s = report.get(step)
     if s is None:
@@ -223,6 +227,7 @@ def step_json(cache: Cache, ns: ViewedNamespace, step: int) -> Dict[str, Any]:
     doc["advantage_computed"] = table.advantage_computed
     doc["reward_functions"] = table.reward_functions
     doc["dead_groups"] = list(table.dead)
+    doc.update(drift_json(step_drift(cache, ns, step, compare_run)))
     doc["trajectories"] = [{"ref": t.ref, "inner_index": t.inner, "rank": t.rank, "trajectory_index": t.index,
                             "group": t.group, "reward": t.reward, "rewards_by": t.rewards_by, "advantage": t.advantage,
                             "length": t.length}
