@@ -61,6 +61,11 @@ zstd at the default `compression_level`, on the writer thread):
 - disk_ratio_grpo      bytes stored over verl's torch.save of a GRPO mini-batch (rows / 32 prompts x 8 samples,
                        verl V1's fields: scripts/_bench_grpo.py); disk_floor_ratio_grpo: over the zstd size of
                        its unique content (each prompt once, each response once, nothing derivable).
+- step_vs_floor_ratio_grpo / hit_vs_floor_ratio_grpo (and *_zstd_vs_floor_ratio_grpo)
+                       (not SPEC keys) the training-step arms run again on that GRPO batch, side by side: the
+                       miss against its durable-copy floor, the hit against its page-cache floor, and with
+                       compression=zstd against the uncompressed floor plus the codec's own seconds spread
+                       over the cores (target <= 1.02 each; scripts/_bench_grpo.py).
 - concurrent_hit_floor_ratio
                        four replays of one namespace at once (processes of their own, every one a reader beside
                        the recording that holds it): the slowest one's median hit step vs the slowest of four
@@ -104,7 +109,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 # the bench's parts beside this file: `python scripts/bench.py` puts scripts/ first on sys.path
-from _bench_grpo import GRPO_N, grpo_disk_ratios  # noqa: E402
+from _bench_grpo import GRPO_N, bench_grpo_steps, grpo_disk_ratios  # noqa: E402
 from _bench_io import bench_checksum, bench_load, bench_mem, bench_save, bench_zstd, write_committed_step  # noqa: E402
 from _bench_replays import REPLAYS, bench_replays  # noqa: E402
 from _bench_scan import bench_scan, scan_namespace_for  # noqa: E402
@@ -268,6 +273,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 "step_overhead_ratio_1thread": one["async_s"] / one["off_s"],
                 "sync_overhead_ratio_1thread": one["sync_s"] / one["off_s"],
             })
+
+        log.info("training steps on the GRPO batch (%d prompts x %d samples): off / async / floor / hit / hit floor / "
+                 "in memory / async and hit with zstd", grpo_prompts, GRPO_N)
+        result.update(bench_grpo_steps(grpo_prompts, work, args.repeats, args.steps_per_arm, args.step_rounds,
+                                       args.compute_threads, _with_threads))
 
         log.info("concurrent replays: %d replays of one namespace at once vs a lone replay beside them, %d steps",
                  REPLAYS, args.steps_per_arm)
