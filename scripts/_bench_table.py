@@ -15,6 +15,8 @@ TARGETS = {"s3_save_ratio": 1.1, "s3_load_ratio": 1.1, "save_ratio": 1.05, "load
            "scan_10k_s": 0.25, "load_peak_mem_ratio": 1.1, "disk_ratio": 0.35, "step_overhead_ratio_zstd": 1.05,
            "hit_overhead_ratio_zstd": 1.05, "concurrent_hit_floor_ratio": 1.1,
            "disk_ratio_grpo": 0.15, "disk_floor_ratio_grpo": 1.1,
+           "step_vs_floor_ratio_grpo": 1.02, "hit_vs_floor_ratio_grpo": 1.02, "step_zstd_vs_floor_ratio_grpo": 1.02,
+           "hit_zstd_vs_floor_ratio_grpo": 1.02,
            "replay_step_ratio_tier": 0.2}
 
 
@@ -81,6 +83,17 @@ def render_table(r: Dict[str, Any]) -> str:
               f"{r['step_floor_ratio']:.3f}", f"{r['step_vs_floor_ratio']:.3f}", tgt("step_vs_floor_ratio"))
         + row("hit vs the page-cache floor beside it", f"{r['hit_overhead_ratio']:.3f}",
               f"{r['hit_floor_ratio']:.3f}", f"{r['hit_vs_floor_ratio']:.3f}", tgt("hit_vs_floor_ratio"))
+        + (row("GRPO batch: miss vs its durable-copy floor", f"{r['step_overhead_ratio_grpo']:.3f}",
+               f"{r['step_floor_ratio_grpo']:.3f}", f"{r['step_vs_floor_ratio_grpo']:.3f}", tgt("step_vs_floor_ratio_grpo"))
+           + row("GRPO batch: hit vs its page-cache floor", f"{r['hit_overhead_ratio_grpo']:.3f}",
+                 f"{r['hit_floor_ratio_grpo']:.3f}", f"{r['hit_vs_floor_ratio_grpo']:.3f}", tgt("hit_vs_floor_ratio_grpo"))
+           + row("GRPO batch, zstd: miss vs its floor", f"{r['step_overhead_ratio_zstd_grpo']:.3f}",
+                 f"{r['step_overhead_ratio_zstd_floor_grpo']:.3f}", f"{r['step_zstd_vs_floor_ratio_grpo']:.3f}",
+                 tgt("step_zstd_vs_floor_ratio_grpo"))
+           + row("GRPO batch, zstd: hit vs its floor", f"{r['hit_overhead_ratio_zstd_grpo']:.3f}",
+                 f"{r['hit_overhead_ratio_zstd_floor_grpo']:.3f}", f"{r['hit_zstd_vs_floor_ratio_grpo']:.3f}",
+                 tgt("hit_zstd_vs_floor_ratio_grpo"))
+           if "step_vs_floor_ratio_grpo" in r else "")
         + (row("object store: hit vs the bare-GET floor beside it", f"{r['s3_hit_overhead_ratio']:.3f}",
                f"{r['s3_hit_floor_ratio']:.3f}", f"{r['s3_hit_vs_floor_ratio']:.3f}", tgt("s3_hit_vs_floor_ratio"))
            if "s3_hit_vs_floor_ratio" in r else "")

@@ -172,8 +172,13 @@ def disk_ratios(payload: Any, work: Path) -> Dict[str, float]:
 
 
 def iter_tensors(obj: Any):
+    """Every tensor's storage-backed leaf: a nested tensor's values, a TensorDict's leaves."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        yield obj.values() if obj.is_nested else obj
+    elif hasattr(obj, "batch_size") and hasattr(obj, "items"):      # a TensorDict (verl V1's batch)
+        for v in obj.values(include_nested=True, leaves_only=True):
+            if isinstance(v, torch.Tensor):
+                yield from iter_tensors(v)
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from iter_tensors(v)
@@ -193,7 +198,8 @@ def touch(obj: Any) -> float:
 
 def fresh_copy(payload: Dict[str, Any]) -> Dict[str, Any]:
     """New tensors each call, as a generator's output would be."""
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in payload.items()}
+    return {k: (v.clone() if isinstance(v, torch.Tensor) or hasattr(v, "batch_size") else v)
+            for k, v in payload.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,9 +22,7 @@ arms alike. The keys of SPEC "Benchmark":
 - sync_overhead_ratio  the same, writing inside `sample` (async_write=False), synchronously as verl does;
                        verl_sync_overhead_ratio: the same step writing as verl's skip does (torch.save
                        of the batch inside the step, no fsync, no checksum).
-                       (`*_cpu_overhead_ratio`: the same ratios of the process's CPU seconds per step, every
-                       thread counted -- what a step costs a machine whose cores are all busy, and a figure
-                       other jobs sharing the machine cannot move much.)
+                       (`*_cpu_overhead_ratio`: the same in the process's CPU seconds per step, every thread.)
 - step_floor_ratio     (not a SPEC key) the physical floor of any durable miss, measured in the same run: the step
                        plus one copy of the batch into a reused buffer and a bare O_DIRECT write + fsync of
                        those bytes in the background (no checksum, no meta, no commit).
@@ -61,6 +59,8 @@ zstd at the default `compression_level`, on the writer thread):
 - disk_ratio_grpo      bytes stored over verl's torch.save of a GRPO mini-batch (rows / 32 prompts x 8 samples,
                        verl V1's fields: scripts/_bench_grpo.py); disk_floor_ratio_grpo: over the zstd size of
                        its unique content (each prompt once, each response once, nothing derivable).
+- step_vs_floor_ratio_grpo, hit_vs_floor_ratio_grpo, *_zstd_vs_floor_ratio_grpo (not SPEC keys) the step
+                       arms again on that GRPO batch, each against its floor (scripts/_bench_grpo.py).
 - concurrent_hit_floor_ratio
                        four replays of one namespace at once (processes of their own, every one a reader beside
                        the recording that holds it): the slowest one's median hit step vs the slowest of four
@@ -76,17 +76,14 @@ zstd at the default `compression_level`, on the writer thread):
 The token ids are Zipf-like over a 151,936-token vocabulary (rank k drawn with probability ~ 1/k, ranks
 mapped to ids by a fixed permutation): uniformly random ids are not what models emit and compress like noise.
 
-Also: save/load throughput at two payload sizes (MiB/s), the writer thread's CPU seconds per save, and the
-physical floor of a save on this machine (a bare write + fsync of the same bytes, and a memcpy of them).
+Also: save/load throughput at two sizes (MiB/s), the writer's CPU seconds per save, and a save's floor.
 
-The object-store rows (s3_*; `--no-s3` leaves them out) come from scripts/bench_s3.py, run as a subprocess
-against a moto S3 server it starts on 127.0.0.1; its docstring names its keys (the hit's floor there:
-s3_hit_floor_ratio and s3_hit_vs_floor_ratio, a bare GET of the same bytes from the same server).
+The object-store rows (s3_*; `--no-s3` leaves them out) come from scripts/bench_s3.py (a moto S3 server
+on 127.0.0.1); its docstring names its keys (s3_hit_vs_floor_ratio: against a bare GET of the same bytes).
 
-Progress goes to stderr through logging; the result (a table, or one JSON document with --json) to stdout.
-The parts, one job each: _benchlib.py (payloads, timing, the synthetic trainer; shared with bench_s3.py
-and bench_view.py), _bench_io.py (save / load / compression / peak memory), _bench_steps.py (the
-training-step arms and their floors), _bench_scan.py (the startup scan), _bench_table.py (the table).
+Progress goes to stderr (logging); the result (a table, or JSON with --json) to stdout. The parts:
+_benchlib.py (payloads, timing, the synthetic trainer), _bench_io.py (save / load / zstd / peak memory),
+_bench_steps.py (the step arms and floors), _bench_grpo.py, _bench_scan.py, _bench_table.py (the table).
 """
 from __future__ import annotations
 
@@ -104,7 +101,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 # the bench's parts beside this file: `python scripts/bench.py` puts scripts/ first on sys.path
-from _bench_grpo import GRPO_N, grpo_disk_ratios  # noqa: E402
+from _bench_grpo import GRPO_N, bench_grpo_steps, grpo_disk_ratios  # noqa: E402
 from _bench_io import bench_checksum, bench_load, bench_mem, bench_save, bench_zstd, write_committed_step  # noqa: E402
 from _bench_replays import REPLAYS, bench_replays  # noqa: E402
 from _bench_scan import bench_scan, scan_namespace_for  # noqa: E402
@@ -269,6 +266,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 "sync_overhead_ratio_1thread": one["sync_s"] / one["off_s"],
             })
 
+        log.info("training steps on the GRPO batch (%d prompts x %d samples): off / async / floor / hit / hit floor / "
+                 "in memory / async and hit with zstd", grpo_prompts, GRPO_N)
+        result.update(bench_grpo_steps(grpo_prompts, work, args.repeats, args.steps_per_arm, args.step_rounds,
+                                       args.compute_threads, _with_threads))
+
         log.info("concurrent replays: %d replays of one namespace at once vs a lone replay beside them, %d steps",
                  REPLAYS, args.steps_per_arm)
         result.update(bench_replays(payload, work, args.steps_per_arm))
@@ -301,24 +303,27 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _rows_of(script: str, cmd_args: Sequence[str], what: str, ok=(0, 3)) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / script), "--json", *cmd_args],
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode not in ok:
+        raise BenchError(f"{what} (scripts/{script}) failed with exit {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    return proc
+
+
 def bench_object_store(args: argparse.Namespace) -> Dict[str, Any]:
     """The object-store rows: scripts/bench_s3.py run as a subprocess (it starts its own moto S3 server
     on 127.0.0.1): save / load vs a bare put / get of the same bytes, and the training steps with an
     s3:// dump_dir -- three steps a round, one round: moto stores every put in Python, so a full-size
     step arm on it takes minutes; the step ratios are judged against each other within the run, like
     the POSIX ones. Skipped, and said so, where obstore or moto is not installed (extra [dev] / [s3])."""
-    script = Path(__file__).resolve().parent / "bench_s3.py"
-    cmd = [sys.executable, str(script), "--json", "--rows", str(args.rows), "--repeats", str(args.repeats),
-           "--steps", "3", "--rounds", "1"]
     log.info("object store (moto on 127.0.0.1): save / load vs bare put / get, and training steps")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    proc = _rows_of("bench_s3.py", ["--rows", str(args.rows), "--repeats", str(args.repeats), "--steps", "3",
+                                    "--rounds", "1"], "the object-store rows")
     if proc.returncode == 3:            # bench_s3.py: obstore or moto missing
         reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "not installed"
         log.warning("object-store rows skipped: %s", reason)
         return {"s3_skipped": reason}
-    if proc.returncode != 0:
-        raise BenchError(f"the object-store rows (scripts/bench_s3.py) failed with exit {proc.returncode}: "
-                         f"{proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout)
 
 
@@ -326,14 +331,8 @@ def bench_second_tier(args: argparse.Namespace) -> Dict[str, Any]:
     """The second tier's rows (issue 32): scripts/bench_tier.py run as a subprocess -- the demo with a
     reference KL term and a reward costing as much as its generation, recorded and replayed with the
     tier and without it; replay_step_ratio_tier / _no_tier (its docstring says how)."""
-    script = Path(__file__).resolve().parent / "bench_tier.py"
-    cmd = [sys.executable, str(script), "--json", *(["--quick"] if args.quick else [])]
     log.info("second tier: the demo replayed with rewards and reference log-probs served, and without")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        raise BenchError(f"the second tier's rows (scripts/bench_tier.py) failed with exit {proc.returncode}: "
-                         f"{proc.stderr.strip()[-2000:]}")
-    doc = json.loads(proc.stdout)
+    doc = json.loads(_rows_of("bench_tier.py", ["--quick"] if args.quick else [], "the second tier's rows", ok=(0,)).stdout)
     return {k: v for k, v in doc.items() if k.startswith(("tier_", "replay_step_ratio"))}
 
 

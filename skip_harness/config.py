@@ -44,11 +44,17 @@ REPLAY_FROM_KEY = "skip.rollout_tq.replay_from"
 # The fingerprint keys that say how a step's batch is split (K) and when it was generated (the mode), not
 # what it holds: a recording may serve a run whose values for them differ (docs/configuration.md).
 BATCH_SPLIT_KEYS = ("trainer.v1.trainer_mode", "trainer.v1.separate_async.parameter_sync_step",
-                    "parameter_sync_step")   # the last: K as the verl plug-in records it
-# Values that depend on a step's rollouts only (rewards, lengths), not on how they were trained on: the
-# ones a replay at another K compares (the demo's, verl's and TRL's names; fnmatch, case-insensitive).
+                    "parameter_sync_step",   # K as the verl plug-in records it
+                    # TRL: a generation call's size and how many micro-steps one serves (K = accumulation
+                    # / steps_per_generation); the step's batch is the namespace's GBS, kept apart.
+                    "trl.generation_batch_size", "trl.steps_per_generation")
+# Values that depend on a step's rollouts only (rewards, lengths), not on how they were trained on nor on
+# how the step was split: the ones a replay at another K compares (the demo's, verl's and TRL's names;
+# fnmatch, case-insensitive). verl computes its metrics over the whole step's batch; TRL averages each
+# metric over the step's K generation calls, so only its means over a call's rows are K-invariant (its
+# min, max and std of a call are not: the mean of two calls' minimums is not the step's minimum).
 ROLLOUT_VALUES = ("reward_mean", "response_len", "critic/score/*", "response_length/*", "prompt_length/*",
-                  "reward", "rewards/*", "completions/mean_length", "completions/*_length")
+                  "reward", "rewards/*/mean", "completions/mean_length", "completions/clipped_ratio")
 # `skip.rollout_tq.replay_weights`: the values naming the policy's parameters (`weights/{name}.{parameter}`, a
 # digest each, run.weights): compared exactly, and only by a replay at the recording's K and W.
 WEIGHTS_PREFIX = "weights/"

@@ -48,7 +48,10 @@ MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s",
              "step_vs_floor_ratio", "scan_index_ratio", "step_hit_floor_s", "hit_floor_ratio", "hit_vs_floor_ratio",
              "hit_floor_cpu_overhead_ratio", "s3_hit_floor_ratio", "s3_hit_vs_floor_ratio", "s3_step_vs_floor_ratio",
              "concurrent_hit_ratio", "lone_hit_s", "concurrent_hit_s", "concurrent_floor_s", "verl_bytes_grpo",
-             "stored_bytes_grpo", "floor_bytes_grpo")
+             "stored_bytes_grpo", "floor_bytes_grpo", "step_overhead_ratio_grpo", "step_floor_ratio_grpo",
+             "step_vs_floor_ratio_grpo", "hit_overhead_ratio_grpo", "hit_floor_ratio_grpo", "hit_vs_floor_ratio_grpo",
+             "step_overhead_ratio_zstd_grpo", "hit_overhead_ratio_zstd_grpo", "step_overhead_ratio_zstd_floor_grpo",
+             "hit_overhead_ratio_zstd_floor_grpo", "step_zstd_vs_floor_ratio_grpo", "hit_zstd_vs_floor_ratio_grpo")
 
 
 def load_script(path: Path = BENCH):

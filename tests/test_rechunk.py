@@ -110,3 +110,25 @@ def test_tensordict_with_jagged_and_non_tensor_fields():
     assert [list(q["text"]) for q in quarters] == [["t0"], ["t1"], ["t2"], ["t3"]]
     [whole] = codec.regroup(quarters, 1)
     assert whole.batch_size == torch.Size([4]) and list(whole["text"]) == ["t0", "t1", "t2", "t3"]
+
+
+def test_trl_flat_fields_are_cut_by_their_lengths():
+    """TRL's unit keeps completions flat beside their lengths: re-chunked, every row keeps its own tokens
+    and log-probs (without the rule, `rows` took the flat field's size and a K-changed TRL replay died in
+    TRL with an IndexError)."""
+    from skip_harness.integrations.trl_payload import add_prompts, decode_generation, encode_generation
+
+    out = ([[1, 2, 3], [4], [], [5, 6]], [[0.1, 0.2, 0.3], [None], [], [0.5, 0.6]])
+    piece = encode_generation(out)
+    add_prompts(piece, [[9], [9, 8], [7], [7, 7, 7]])
+    assert codec.rechunk.rows(piece) == 4
+    halves = codec.rechunk.regroup([piece], 2)
+    assert [decode_generation(h) for h in halves] == [([[1, 2, 3], [4]], [[0.1, 0.2, 0.3], [None]]),
+                                                       ([[], [5, 6]], [[], [0.5, 0.6]])]
+    assert halves[1]["prompt_ids"].tolist() == [7, 7, 7, 7]
+    whole = codec.rechunk.join(halves)
+    assert decode_generation(whole) == out
+    assert torch.equal(whole["prompt_ids"], piece["prompt_ids"])
+    # one piece had no None log-prob (no mask), the other one: the joined mask is the recorded one
+    mixed = codec.rechunk.join([encode_generation(([[1]], [[0.5]])), encode_generation(([[2]], [[None]]))])
+    assert decode_generation(mixed) == ([[1], [2]], [[0.5], [None]])

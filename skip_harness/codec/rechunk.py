@@ -8,7 +8,10 @@ ones included), TensorDicts (non-tensor fields and nested-tensor leaves included
 lists of that length -- and is cut and joined along it. Every other leaf (a 0-dim tensor, a scalar, a
 string, a tensor of another leading size: what a trainer stores once per call) is *per call*: a joined
 or cut payload keeps the first piece's. Dicts, tuples and registered dataclasses are walked field by
-field. Pure: no I/O, no logging.
+field. One more form is cut by rows: a *flat* field of a dict (:data:`FLAT_FIELDS`: TRL's unit,
+`completion_ids` and `logprobs` flat, cut by their `lengths` field; `prompt_ids` by `prompt_lengths` --
+as the viewer and the replay's trajectories read it), when its lengths field is beside it and they add
+up: row i is its elements [sum(lengths[:i]), sum(lengths[:i+1])). Pure: no I/O, no logging.
 """
 from __future__ import annotations
 
@@ -24,6 +27,26 @@ from skip_harness.codec.payload_kinds import (
 from skip_harness.errors import CodecError
 
 
+#: A flat field (every row's elements one after another) and the field holding each row's length.
+FLAT_FIELDS = {"completion_ids": "lengths", "logprobs": "lengths", "logprob_is_none": "lengths",
+               "prompt_ids": "prompt_lengths"}
+
+
+def _flat_lengths(d: dict) -> dict:
+    """{flat field: its lengths (a list of ints)} for the flat fields of dict `d` whose lengths field is
+    beside them and adds up to their leading size (or is None)."""
+    out: dict = {}
+    for name, by in FLAT_FIELDS.items():
+        if name not in d or not isinstance(d.get(by), torch.Tensor) or d[by].dim() != 1 or d[by].is_floating_point():
+            continue
+        v = d[name]
+        lengths = [int(x) for x in d[by].tolist()]
+        if v is None or (isinstance(v, torch.Tensor) and not v.is_nested and v.dim() >= 1
+                         and int(v.size(0)) == sum(lengths)):
+            out[name] = lengths
+    return out
+
+
 def rows(payload: Any) -> Optional[int]:
     """The size of the payload's batch dimension (its first batched leaf's leading size), None if it has none."""
     if isinstance(payload, torch.Tensor):
@@ -34,7 +57,8 @@ def rows(payload: Any) -> Optional[int]:
     if np is not None and isinstance(payload, np.ndarray):
         return int(payload.shape[0]) if payload.ndim >= 1 else None
     if isinstance(payload, dict):
-        children: Sequence[Any] = list(payload.values())
+        flat = _flat_lengths(payload)
+        children: Sequence[Any] = [v for k, v in payload.items() if k not in flat]
     elif isinstance(payload, tuple):
         children = payload
     elif isinstance(payload, list):
@@ -99,7 +123,12 @@ def _cut(x: Any, n: int, a: int, b: int, where: str) -> Any:
     t = type(x)
     if t is dict or t is OrderedDict:
         out_d = {} if t is dict else OrderedDict()
+        flat = _flat_lengths(x)
         for k, v in x.items():
+            if k in flat:
+                lengths = flat[k]
+                out_d[k] = None if v is None else v[sum(lengths[:a]):sum(lengths[:b])]
+                continue
             out_d[k] = _cut(v, n, a, b, where + key_repr(k))
         return out_d
     if t is list:
@@ -150,7 +179,13 @@ def _join(items: List[Any], ns: List[int], where: str) -> Any:
         if any(set(x.keys()) != set(keys) for x in items):
             raise CodecError(f"{where}: pieces have different keys")
         out = {} if t is dict else OrderedDict()
+        flats = [_flat_lengths(x) for x in items]
         for k in keys:
+            if all(k in f for f in flats):
+                out[k] = _join_flat([x[k] for x in items], [f[k] for f in flats], where + key_repr(k))
+                continue
+            if any(k in f for f in flats):
+                raise CodecError(f"{where}{key_repr(k)}: a flat field in one piece and not in another")
             out[k] = _join([x[k] for x in items], ns, where + key_repr(k))
         return out
     if t is list:
@@ -167,6 +202,19 @@ def _join(items: List[Any], ns: List[int], where: str) -> Any:
         return construct(t, names, [_join([c[j] for c in columns], ns, f"{where}.{m}")
                                     for j, m in enumerate(names)], where)
     return first
+
+
+def _join_flat(values: List[Any], lengths: List[List[int]], where: str) -> Any:
+    """Flat fields joined: concatenated. A piece without one (None) beside pieces with one is all False
+    when the field is a bool mask (TRL's `logprob_is_none`: the piece had no None), else an error."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if len(present) != len(values):
+        if present[0].dtype != torch.bool:
+            raise CodecError(f"{where}: a flat field is None in one piece and not in another")
+        values = [torch.zeros(sum(n), dtype=torch.bool) if v is None else v for v, n in zip(values, lengths)]
+    return torch.cat(values, 0)
 
 
 def regroup(pieces: Sequence[Any], parts: int) -> List[Any]:
