@@ -41,10 +41,13 @@ DEFAULT_REPLAY_IGNORE = ("*_s", "*time*", "*timing*", "*throughput*", "*per_seco
 
 # `skip.rollout_tq.replay_from`: serve another recording of the same batch, whatever its K and W.
 REPLAY_FROM_KEY = "skip.rollout_tq.replay_from"
-# The fingerprint keys that say how a step's batch is split (K) and when it was generated (the mode), not
-# what it holds: a recording may serve a run whose values for them differ (docs/configuration.md).
+# The keys that say how a step's batch is split (K) and when it was generated (the mode), not what it holds:
+# a recording may serve a run whose values for them differ (docs/configuration.md), and a replay at another
+# K whose training side differs from the recording's only in them is the baseline of that K (run.baseline).
+# verl's ppo_mini_batch_size is one: separate_async asserts train_batch_size = K x ppo_mini_batch_size.
 BATCH_SPLIT_KEYS = ("trainer.v1.trainer_mode", "trainer.v1.separate_async.parameter_sync_step",
-                    "parameter_sync_step")   # the last: K as the verl plug-in records it
+                    "parameter_sync_step",   # K as the verl plug-in records it
+                    "actor_rollout_ref.actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size")
 # Values that depend on a step's rollouts only (rewards, lengths), not on how they were trained on: the
 # ones a replay at another K compares (the demo's, verl's and TRL's names; fnmatch, case-insensitive).
 ROLLOUT_VALUES = ("reward_mean", "response_len", "critic/score/*", "response_length/*", "prompt_length/*",
