@@ -221,8 +221,11 @@ def _train(dump: Path, K: int, mini: int, lr: float, rows: float, replay_from=No
     actor.ppo_mini_batch_size, which separate_async ties to K: train_batch_size = K x mini), `rows` the value
     that depends on K. The replay line of its summary."""
     settings = {"enable": True, "dump_dir": str(dump), **({"replay_from": replay_from} if replay_from else {})}
-    config = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini, "optim": {"lr": lr}}},
-              "critic": {"ppo_mini_batch_size": mini}}
+    # verl writes trainer.total_training_steps x K into each optimizer's config
+    config = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini,
+                                              "optim": {"lr": lr, "total_training_steps": 3 * K}}},
+              "critic": {"ppo_mini_batch_size": mini, "optim": {"total_training_steps": 3 * K}},
+              "trainer": {"total_training_steps": 3}}
     harness = SkipHarness.create(settings, namespace={**NS, "K": K}, fingerprint={"seed": 0}, training_config=config)
     trainer = reshard_rig.Trainer(K, 1, 0)
     harness.wrap(trainer)
@@ -234,8 +237,9 @@ def _train(dump: Path, K: int, mini: int, lr: float, rows: float, replay_from=No
 
 
 def test_verls_mini_batch_size_is_how_the_batch_is_split_so_a_k1_replay_is_the_baseline(tmp_path):
-    """verl's separate_async asserts train_batch_size = K x actor.ppo_mini_batch_size: a replay at K = 1 of a K = 2
-    recording has another mini-batch size because it has another K. The first such replay is still the
+    """verl's separate_async asserts train_batch_size = K x actor.ppo_mini_batch_size, and verl writes
+    trainer.total_training_steps x K into each optimizer's total_training_steps: a replay at K = 1 of a K = 2
+    recording has other values for them because it has another K. The first such replay is still the
     reference of the later ones (run.baseline), so a second reproduces it and a 1% learning-rate change is
     caught, naming the key (measured on verl's main_ppo: docs/verl.md)."""
     _train(tmp_path, 2, 4, 1e-6, 2.0)
