@@ -41,18 +41,21 @@ DEFAULT_REPLAY_IGNORE = ("*_s", "*time*", "*timing*", "*throughput*", "*per_seco
 
 # `skip.rollout_tq.replay_from`: serve another recording of the same batch, whatever its K and W.
 REPLAY_FROM_KEY = "skip.rollout_tq.replay_from"
-# The fingerprint keys that say how a step's batch is split (K) and when it was generated (the mode), not
-# what it holds: a recording may serve a run whose values for them differ (docs/configuration.md).
+# The keys that say how a step's batch is split (K) and when it was generated (the mode), not what it holds:
+# a recording may serve a run whose values for them differ (docs/configuration.md), and a replay at another
+# K whose training side differs from the recording's only in them is the baseline of that K (run.baseline).
+# verl's ppo_mini_batch_size is one: separate_async asserts train_batch_size = K x ppo_mini_batch_size.
 BATCH_SPLIT_KEYS = ("trainer.v1.trainer_mode", "trainer.v1.separate_async.parameter_sync_step",
                     "parameter_sync_step",   # K as the verl plug-in records it
+                    "actor_rollout_ref.actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size",
                     # TRL: a generation call's size and how many micro-steps one serves (K = accumulation
                     # / steps_per_generation); the step's batch is the namespace's GBS, kept apart.
                     "trl.generation_batch_size", "trl.steps_per_generation")
 # Values that depend on a step's rollouts only (rewards, lengths), not on how they were trained on nor on
 # how the step was split: the ones a replay at another K compares (the demo's, verl's and TRL's names;
-# fnmatch, case-insensitive). verl computes its metrics over the whole step's batch; TRL averages each
-# metric over the step's K generation calls, so only its means over a call's rows are K-invariant (its
-# min, max and std of a call are not: the mean of two calls' minimums is not the step's minimum).
+# fnmatch, case-insensitive). verl merges its K sample calls' metrics into the step's (weighted means, max
+# of maxima, min of minima: MetricsAggregator); TRL averages each metric over the step's K generation
+# calls, so only its means over a call's rows are K-invariant (its min, max and std of a call are not).
 ROLLOUT_VALUES = ("reward_mean", "response_len", "critic/score/*", "response_length/*", "prompt_length/*",
                   "reward", "rewards/*/mean", "completions/mean_length", "completions/clipped_ratio")
 # `skip.rollout_tq.replay_weights`: the values naming the policy's parameters (`weights/{name}.{parameter}`, a

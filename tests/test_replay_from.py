@@ -214,3 +214,41 @@ def test_a_recorded_mini_batch_served_whole_restores_its_rng_state(tmp_path):
     replayed = draws(tmp_path / "other", replay_from=str(ns))
     assert [o for o, _ in replayed] == ["hit", "hit"]
     assert [x for _, x in replayed] == [x for _, x in recorded]
+
+
+def _train(dump: Path, K: int, mini: int, lr: float, rows: float, replay_from=None) -> str:
+    """One step of the rig at K with verl's training keys: `mini` updates per step (verl's
+    actor.ppo_mini_batch_size, which separate_async ties to K: train_batch_size = K x mini), `rows` the value
+    that depends on K. The replay line of its summary."""
+    settings = {"enable": True, "dump_dir": str(dump), **({"replay_from": replay_from} if replay_from else {})}
+    # verl writes trainer.total_training_steps x K into each optimizer's config
+    config = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini,
+                                              "optim": {"lr": lr, "total_training_steps": 3 * K}}},
+              "critic": {"ppo_mini_batch_size": mini, "optim": {"total_training_steps": 3 * K}},
+              "trainer": {"total_training_steps": 3}}
+    harness = SkipHarness.create(settings, namespace={**NS, "K": K}, fingerprint={"seed": 0}, training_config=config)
+    trainer = reshard_rig.Trainer(K, 1, 0)
+    harness.wrap(trainer)
+    trainer.prepare_data(1)
+    for _ in range(K):
+        trainer.sample(1)
+    harness.observe(1, rows=rows, reward_mean=1.0)
+    return harness.close().replay_line
+
+
+def test_verls_mini_batch_size_is_how_the_batch_is_split_so_a_k1_replay_is_the_baseline(tmp_path):
+    """verl's separate_async asserts train_batch_size = K x actor.ppo_mini_batch_size, and verl writes
+    trainer.total_training_steps x K into each optimizer's total_training_steps: a replay at K = 1 of a K = 2
+    recording has other values for them because it has another K. The first such replay is still the
+    reference of the later ones (run.baseline), so a second reproduces it and a 1% learning-rate change is
+    caught, naming the key (measured on verl's main_ppo: docs/verl.md)."""
+    _train(tmp_path, 2, 4, 1e-6, 2.0)
+    source = str(tmp_path / "rig_reshard" / "GBS8_N2_K2_W1")
+    first = _train(tmp_path, 1, 8, 1e-6, 1.0, replay_from=source)
+    assert "rows not compared (they depend on K)" in first, first
+    again = _train(tmp_path, 1, 8, 1e-6, 1.0, replay_from=source)
+    assert again.startswith("replay: 1 of 1 served step reproduced (2 values each)"), again
+    assert "rows compared with replay " in again, again
+    lr = _train(tmp_path, 1, 8, 1.01e-6, 1.25, replay_from=source)
+    assert lr.startswith("replay diverged at step 1 (rows 1 recorded, 1.25 now"), lr
+    assert "training side changed: actor_rollout_ref.actor.optim.lr 1e-06 -> 1.01e-06" in lr, lr

@@ -159,9 +159,12 @@ class HFServerAdapter(BaseRollout):
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, replica_rank: int = -1,
                  *args: Any, **kwargs: Any) -> None:
         super().__init__(config, model_config, device_mesh)
+        # as vLLM's adapter: each replica spans tp x dp x pp ranks, its first one loads the weights into its server
         rank = int(os.environ.get("RANK", 0))
-        self.replica_rank = replica_rank if replica_rank >= 0 else 0
-        self.is_leader_rank = rank == 0
+        size = (getattr(config, "tensor_model_parallel_size", 1) or 1) * (getattr(config, "data_parallel_size", 1) or 1) \
+            * (getattr(config, "pipeline_model_parallel_size", 1) or 1)
+        self.replica_rank = replica_rank if replica_rank >= 0 else rank // size
+        self.is_leader_rank = rank % size == 0
         self.sleep_level = 2
 
     async def resume(self, tags: list) -> None:

@@ -37,10 +37,16 @@ class Baseline:
         return self._values[step]
 
 
+# Keys a trainer writes from K itself: verl sets each optimizer's total_training_steps to
+# trainer.total_training_steps x K (its scheduler steps once per update; verl/trainer/ppo/v1/trainer_base.py:777).
+DERIVED_FROM_K = (".optim.total_training_steps",)
+
+
 def _same_training_side(then: Dict[str, Any], now: Dict[str, Any]) -> bool:
-    """Whether two training-side configs differ only in how the batch is split (K, the mode)."""
+    """Whether two training-side configs differ only in how the batch is split (K, the mode) and in what a
+    trainer derives from it."""
     split = {k.rsplit(".", 1)[-1] for k in BATCH_SPLIT_KEYS}
-    return all(key.rsplit(".", 1)[-1] in split for key, _, _ in config_changes(then, now))
+    return all(key.rsplit(".", 1)[-1] in split or key.endswith(DERIVED_FROM_K) for key, _, _ in config_changes(then, now))
 
 
 def find_baseline(source: Any, K: int, W: int, own_run: Optional[str], started_before: Optional[float] = None) -> Optional[Baseline]:
