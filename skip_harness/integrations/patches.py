@@ -28,14 +28,15 @@ class Patch:
     `target` is ``Class.method`` (or a module-level name); `params` the parameter names after ``self`` the
     target takes in the checked version (None: not a method, nothing to check); `why` what the wrapper
     does; `feature` what turns off when an optional target is missing ("" = required: refused instead);
-    `replaced` False for a method only called, whose shape the wrappers still rely on; `guard` what else
+    `how` "replaced", or "called" for a method only called whose shape the wrappers still rely on, or
+    "appended to" for a list (``sys.meta_path``); `guard` what else
     guards it (for the table)."""
 
     target: str
     params: Optional[Tuple[str, ...]]
     why: str
     feature: str = ""
-    replaced: bool = True
+    how: str = "replaced"
     guard: str = ""
 
     @property
@@ -107,7 +108,7 @@ def rows(patches: Tuple[Patch, ...]) -> str:
         if p.params is None:
             guard = ""
         guard = "; ".join(g for g in (guard, p.guard) if g)
-        out.append(f"| `{p.target}` | {'replaced' if p.replaced else 'called'} | {params} | {p.why} | {guard} |")
+        out.append(f"| `{p.target}` | {p.how} | {params} | {p.why} | {guard} |")
     return "\n".join(out)
 
 

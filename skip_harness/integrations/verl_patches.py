@@ -52,12 +52,12 @@ PATCHES = (
     Patch("ReplayBufferAsync.sample", _SAMPLE,
           "store the sampler's metrics with each mini-batch and return them on a hit"),
     Patch("PPOTrainer._next_train_batch", ("num_prompts",),
-          "draw a served step's recorded prompts from verl's dataloader", replaced=False),
+          "draw a served step's recorded prompts from verl's dataloader", how="called"),
     Patch("Tracking.log", ("data", "step", "backend"), "hand each step's logged metrics to the replay check",
           guard="checked and wrapped when the plug-in is imported"),
-    Patch("sys.meta_path", None,
+    Patch("sys.meta_path", None, how="appended to", why=(
           f"answer `import {TRL_VALUE_HEAD}` with an empty AutoModelForCausalLMWithValueHead when the installed "
-          "TRL lacks it, so verl 0.9.x builds its FSDP actor",
+          "TRL lacks it, so verl 0.9.x builds its FSDP actor"),
           guard="only with a TRL >= 1.13 (read from its metadata, TRL not imported); that one module name "
                 "only, consulted after TRL's own modules; TRL's files untouched"),
 )
