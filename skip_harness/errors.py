@@ -60,3 +60,9 @@ class ReplayDivergedError(SkipHarnessError):
     def __init__(self, message: str, divergence=None):
         self.divergence = divergence
         super().__init__(message)
+
+
+class UnsupportedVersionError(SkipHarnessError, ImportError):
+    """The installed trainer library (verl, TRL) is a version, or has a method skip_harness patches in a
+    shape, that skip_harness was not checked against; the message names the library, its version and the
+    method (skip_harness.integrations.patches). An ImportError too: the verl plug-in raises it on import."""

@@ -47,6 +47,12 @@ Lifecycle
     keeps its summary and outcomes. Not supported: tools / environments (a generation then makes a
     variable number of generator calls) and ``rollout_func``; :func:`attach` refuses them.
 
+Which TRL
+    TRL 1.16.x (``trl_patches.SUPPORTED_TRL``). Before it replaces anything, :func:`attach` checks TRL's
+    version and the parameters of the three methods it replaces (``trl_patches.PATCHES``) and refuses
+    another version, or a changed method, naming both; a trainer class without the reward or reference
+    method gets that part of the second tier off, with a WARNING naming it.
+
 Where it lives
     This module wires the harness to the trainer (its generation method, the lifecycle callback that
     starts, feeds the replay check and closes it); ``trl_keys`` says how generations are keyed and
@@ -63,7 +69,8 @@ from skip_harness.integrations.trl_keys import (  # noqa: F401  (re-exported: im
     GENERATION_ARGS, NOT_TRAINING_ARGS, digest, generation_fingerprint, generations_per_step, namespace_for,
     prompt_digest, training_config,
 )
-from skip_harness.integrations import trl_tier
+from skip_harness.integrations import trl_patches, trl_tier
+from skip_harness.integrations.trl_patches import GENERATION_METHOD
 from skip_harness.integrations.trl_payload import Generation, decode_generation, encode_generation  # noqa: F401
 
 __all__ = [
@@ -73,9 +80,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("skip_harness")
-
-#: The GRPOTrainer method whose result is cached: the narrowest one returning all a generation produced.
-GENERATION_METHOD = "_generate_single_turn"
 
 #: How a TRL run's steps are numbered (docs/trl.md, "Step numbers"): said once when attach() is called.
 STEP_NUMBERS = ("steps are numbered from 0, as trainer.state.global_step is while the step generates "
@@ -136,6 +140,7 @@ def attach(
     from skip_harness.run.harness import SkipHarness
 
     _check_supported(trainer)
+    usable = trl_patches.check(type(trainer), trl_patches.installed_version())   # before anything is replaced
     K = generations_per_step(trainer.args)
     if experiment_name is None:
         experiment_name = getattr(trainer.args, "run_name", None) or os.path.basename(
@@ -166,7 +171,7 @@ def attach(
         call_digest=prompt_digest,
     )
     setattr(trainer, GENERATION_METHOD, generation)
-    undo_tier = trl_tier.install(trainer, harness)     # rewards and reference log-probs: the second tier
+    undo_tier = trl_tier.install(trainer, harness, usable)   # rewards and reference log-probs: the second tier
 
     def detach() -> None:
         if trainer.__dict__.get(GENERATION_METHOD) is generation:

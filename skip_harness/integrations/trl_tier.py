@@ -1,7 +1,8 @@
 """TRL's second tier: a ``GRPOTrainer``'s rewards and reference log-probs served on a replay.
 
 :func:`skip_harness.integrations.trl.attach` wraps two more of the trainer's methods (reversibly, on the
-instance, as it wraps generation), each through :meth:`SkipHarness.phase`:
+instance, as it wraps generation, each checked first: :mod:`trl_patches`), each through
+:meth:`SkipHarness.phase`:
 
 - ``_calculate_rewards``, the call of every reward function on a generation's completions: its return,
   the rewards per reward function (columns in ``reward_func_names`` order, gathered over the processes),
@@ -19,14 +20,13 @@ function's side effects (``log_metric``, ``log_extra``) do not happen when its r
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Collection, Dict, List
 
 import torch
 
+from skip_harness.integrations.trl_patches import LOGPS_METHOD, REWARD_METHOD
 from skip_harness.run.tier import REFERENCE, REWARD, digest_text, source_digest, weights_digest
 
-REWARD_METHOD = "_calculate_rewards"
-LOGPS_METHOD = "_get_per_token_logps_and_entropies"
 #: GRPOConfig fields the reference forward pass reads (apart from the rollouts and the reference model).
 REFERENCE_ARGS = ("temperature", "per_device_train_batch_size", "cast_lm_head_to_fp32", "bf16", "fp16",
                   "model_init_kwargs")
@@ -78,10 +78,12 @@ def reference_key(trainer: Any) -> Dict[str, str]:
     return key
 
 
-def install(trainer: Any, harness: Any) -> Callable[[], None]:
-    """Wrap the trainer's reward and reference computations with the harness's tier; returns the undo."""
+def install(trainer: Any, harness: Any, usable: Collection[str]) -> Callable[[], None]:
+    """Wrap the trainer's reward and reference computations with the harness's tier; returns the undo.
+    `usable`: the methods :func:`trl_patches.check` found in the shape it was checked against (one it did
+    not find was said there, with a WARNING: that part of the tier stays off)."""
     installed: List[str] = []
-    if callable(getattr(trainer, REWARD_METHOD, None)):     # a TRL without it: rewards are simply not tiered
+    if REWARD_METHOD in usable:
         rkey = reward_key(trainer)
         original_rewards = getattr(trainer, REWARD_METHOD)
 
@@ -95,7 +97,7 @@ def install(trainer: Any, harness: Any) -> Callable[[], None]:
         installed.append(REWARD_METHOD)
 
     if getattr(trainer, "beta", 0.0) != 0.0 and getattr(trainer, "ref_model", None) is not None \
-            and not getattr(trainer.args, "sync_ref_model", False) and callable(getattr(trainer, LOGPS_METHOD, None)):
+            and not getattr(trainer.args, "sync_ref_model", False) and LOGPS_METHOD in usable:
         fkey = reference_key(trainer)
         original_logps = getattr(trainer, LOGPS_METHOD)
 

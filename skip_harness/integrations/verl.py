@@ -7,7 +7,12 @@ verl imports every module named in ``VERL_USE_EXTERNAL_MODULES`` in every proces
 importing this one registers :class:`HarnessRolloutTqSkip` as verl's ``rollout_tq`` skip class
 (``verl.utils.skip.base_skip.register_skip``), so verl's own ``SkipManager.init`` builds it and verl's
 own decorators call it -- ``PPOTrainer._add_batch_to_generate`` (``annotate_tq(phase="submit")``) and
-``ReplayBuffer.sample`` / ``ReplayBufferAsync.sample`` (``phase="sample"``). verl is not patched.
+``ReplayBuffer.sample`` / ``ReplayBufferAsync.sample`` (``phase="sample"``). What those decorators do not
+reach is patched in memory (verl's files untouched): seven methods of ``PPOTrainer``, ``ReplayBuffer`` and
+``ReplayBufferAsync`` (:mod:`verl_hooks`, when verl builds the plug-in), ``Tracking.log`` (:mod:`verl_values`,
+on import) and, with a TRL >= 1.13, one import verl 0.9.x needs (a ``sys.meta_path`` finder). Each is a row
+of :data:`verl_patches.PATCHES`, and a verl of another version, or whose methods take other parameters,
+is refused by name before anything is touched (docs/design.md, "Third-party code we patch").
 
 What it does in verl's calls
     submit (``maybe_load_and_inject``): the step is decided once (hit, repeat or miss, after the
@@ -41,33 +46,14 @@ Lifecycle
 from __future__ import annotations
 
 import atexit
-import importlib.abc
-import importlib.machinery
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-SUPPORTED_VERL = "0.9.x, 0.10.0.dev"
-"""verl versions whose hooks the plug-in is checked against: 0.9.0 and 0.9.1 (0.9.1 drives the CI's real
-``main_ppo`` runs), and verl main's 0.10.0.dev (checked at 1dda039: ``annotate_tq``, the decorated
-``_add_batch_to_generate`` / ``ReplayBuffer.sample`` / ``ReplayBufferAsync.sample`` and ``SkipManager`` are
-unchanged since 0.9.0; #7082's ``(KVBatchMeta, eviction_metrics)`` and #7373's ``prepare_step`` /
-``wait_for_sampleable`` are already in 0.9.1)."""
-
-
-def check_verl_version(version: str) -> None:
-    """Refuse a verl the plug-in was not checked against, naming it and the supported range."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        v = Version(version)
-        ok = v.release[:2] == (0, 9) or (v.release[:3] == (0, 10, 0) and v.is_devrelease)
-    except InvalidVersion:
-        ok = False
-    if not ok:
-        raise ImportError(f"skip_harness.integrations.verl supports verl {SUPPORTED_VERL} (main before "
-                          f"0.10.0); this is verl {version}: pip install 'skip_harness[verl]', or unset "
-                          f"VERL_USE_EXTERNAL_MODULES to run verl without the plug-in")
+from skip_harness.integrations.verl_patches import (  # noqa: F401 - importable from here as before
+    SUPPORTED_VERL, TRL_VALUE_HEAD, _ValueHeadFinder, check_verl_version, provide_trl_value_head,
+    trl_value_head_missing,
+)
 
 
 def loaded_by() -> str:
@@ -78,69 +64,6 @@ def loaded_by() -> str:
     if __name__ in modules:
         return "VERL_USE_EXTERNAL_MODULES"
     return "verl's verl.plugins entry point; VERL_USE_EXTERNAL_PLUGINS=none turns it off"
-
-
-TRL_VALUE_HEAD = "trl.experimental.ppo"
-
-
-def trl_value_head_missing() -> str:
-    """The installed TRL's version when it lacks ``AutoModelForCausalLMWithValueHead`` (TRL >= 1.13 removed
-    it), else "". Read from TRL's metadata: TRL itself is not imported."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        trl = version("trl")
-        return trl if Version(trl) >= Version("1.13") else ""
-    except (PackageNotFoundError, InvalidVersion):
-        return ""
-
-
-class _ValueHeadFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Supplies ``trl.experimental.ppo`` when the installed TRL has none (a meta-path finder consulted
-    after TRL's own modules): a module holding an empty ``AutoModelForCausalLMWithValueHead``, the one name
-    verl 0.9.x imports from it, only to set its ``state_dict`` (verl/models/transformers/monkey_patch.py:352;
-    verl never builds TRL's value-head model)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != TRL_VALUE_HEAD:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        return None
-
-    def exec_module(self, module: Any) -> None:
-        trl = trl_value_head_missing()
-
-        class AutoModelForCausalLMWithValueHead:
-            """An empty stand-in (skip_harness): TRL {trl} removed this class; verl 0.9.x imports it only
-            to patch its ``state_dict``."""
-
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                raise ImportError(f"AutoModelForCausalLMWithValueHead was removed in TRL 1.13 (this is TRL {trl}); "
-                                  "skip_harness supplies this empty class only so that verl 0.9.x can import it")
-
-        module.AutoModelForCausalLMWithValueHead = AutoModelForCausalLMWithValueHead
-        module.__doc__ = "skip_harness: an empty AutoModelForCausalLMWithValueHead for verl 0.9.x (see _ValueHeadFinder)"
-
-
-def provide_trl_value_head() -> str:
-    """With a TRL >= 1.13 installed, make ``from trl.experimental.ppo import AutoModelForCausalLMWithValueHead``
-    (verl 0.9.x's import, monkey_patch.py:352) find an empty class, so verl builds its FSDP actor beside
-    current TRL. Returns the sentence the plug-in logs, or "" when TRL is absent or has the class."""
-    import sys
-
-    trl = trl_value_head_missing()
-    if not trl:
-        return ""
-    if not any(isinstance(f, _ValueHeadFinder) for f in sys.meta_path):
-        sys.meta_path.append(_ValueHeadFinder())
-    return (f"TRL {trl} has no AutoModelForCausalLMWithValueHead (removed in TRL 1.13), which verl 0.9.x imports "
-            f"from {TRL_VALUE_HEAD} whenever TRL is installed (verl/models/transformers/monkey_patch.py:352): "
-            f"skip_harness supplies an empty {TRL_VALUE_HEAD}.AutoModelForCausalLMWithValueHead (its import "
-            "only; TRL's own modules are untouched) so verl builds its actor")
 
 
 try:
@@ -163,7 +86,7 @@ if not hasattr(_SkipManager, "annotate_tq") or "rollout_tq" not in SKIP_REGISTRY
 
 from skip_harness.errors import HarnessUsageError  # noqa: E402 - after the verl version check above
 from skip_harness.run.stats import HIT, MISS, REPEAT  # noqa: E402
-from skip_harness.integrations import verl_config, verl_discards, verl_hooks, verl_live, verl_tier, verl_tq  # noqa: E402
+from skip_harness.integrations import verl_config, verl_discards, verl_hooks, verl_live, verl_patches, verl_tier, verl_tq  # noqa: E402
 
 log = logging.getLogger("skip_harness")
 
@@ -490,7 +413,7 @@ def install_hooks() -> None:
     importable: when verl builds the plug-in (``SkipManager.init``, in the trainer's process). Not at import:
     the plug-in is imported before other external modules (a platform) are registered."""
     classes = _verl_classes()
-    verl_hooks.check_shapes(classes, _verl_version)
+    verl_patches.check_shapes(classes, _verl_version)
     verl_hooks.install(_active, classes)
     verl_discards.check_shapes(classes["ReplayBuffer"], _verl_version)          # what the sampler dropped, and why
     verl_discards.install(_active, classes["ReplayBuffer"], lambda: _SkipManager.step)

@@ -18,68 +18,22 @@ what it needs; with the plug-in off (or another ``skip.rollout_tq`` class) they 
   the second tier (:mod:`verl_tier`): on a served step whose validity key matches, what verl's method
   wrote into TransferQueue is put back and the method does not run.
 
-Each wrapped method's shape is checked when the plug-in loads: a verl whose methods take other arguments
-(or whose warm-up no longer reads ``skip.rollout_tq.enable``) is refused with an ImportError naming the
-verl version and the method.
+Each wrapped method's shape is checked before :func:`install` runs (:func:`verl_patches.check_shapes`, its
+table :data:`verl_patches.PATCHES`): a verl whose methods take other arguments (or whose warm-up no longer
+reads ``skip.rollout_tq.enable``) is refused with an ImportError naming the verl version and the method.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 _state = threading.local()
 
-#: (class attribute path, parameter names after self) the wrappers rely on
-SHAPES: Dict[str, Tuple[str, ...]] = {
-    "PPOTrainer._add_prompts_to_generate": ("num_prompts",),
-    "PPOTrainer._add_async_warmup_batches": ("num_warmup_batches",),
-    "PPOTrainer._add_batch_to_generate": (),
-    "PPOTrainer._next_train_batch": ("num_prompts",),
-    "ReplayBuffer.sample": ("global_steps", "partition_id", "batch_size"),
-    "ReplayBufferAsync.sample": ("global_steps", "partition_id", "batch_size"),
-    "PPOTrainer._compute_ref_log_prob": ("batch", "metrics"),
-    "PPOTrainer._compute_reward_colocate": ("batch", "metrics"),
-}
 #: the trainer's phases the second tier serves (verl_tier): method -> the harness's phase name
 TIER_METHODS = {"_compute_ref_log_prob": "reference", "_compute_reward_colocate": "reward"}
-#: what verl's warm-up reads to skip itself when caching is on (trainer_base.py, 0.9.1)
-WARMUP_GATE = "skip.rollout_tq.enable"
-
 _installed: Dict[Tuple[type, str], Callable[..., Any]] = {}
-
-
-def _params(func: Callable[..., Any]) -> Tuple[str, ...]:
-    func = inspect.unwrap(func)
-    names = list(inspect.signature(func).parameters)
-    return tuple(names[1:])
-
-
-def check_shapes(classes: Dict[str, type], version: str) -> None:
-    """Refuse a verl whose wrapped methods changed shape, naming the version and the method."""
-    for path, expected in SHAPES.items():
-        owner, name = path.split(".")
-        method = classes[owner].__dict__.get(name)
-        if method is None or not callable(method):
-            raise ImportError(f"skip_harness.integrations.verl: verl {version} has no {path} (checked against "
-                              f"verl 0.9.x); this verl's V1 trainer changed, the plug-in cannot serve it")
-        got = _params(method)
-        if got != expected:
-            raise ImportError(f"skip_harness.integrations.verl: verl {version}'s {path} takes {got}, the plug-in "
-                              f"was checked against {expected} (verl 0.9.x); this verl's V1 trainer changed")
-    warmup = inspect.unwrap(classes["PPOTrainer"].__dict__["_add_async_warmup_batches"])
-    try:
-        source = inspect.getsource(warmup)
-    except (OSError, TypeError):
-        source = ""
-    if WARMUP_GATE not in source:
-        raise ImportError(f"skip_harness.integrations.verl: verl {version}'s PPOTrainer._add_async_warmup_batches "
-                          f"no longer reads {WARMUP_GATE} (checked against verl 0.9.x); the plug-in cannot keep "
-                          "its warm-up")
-
-
 _shared: Dict[str, Any] = {}
 
 

@@ -4,7 +4,8 @@ verl's trainer reports a step's metrics once, through its own tracker:
 ``self.logger.log(data=metrics, step=self.global_steps)`` (``verl.utils.tracking.Tracking``), after the
 step trained and before ``SkipManager.set_step`` moves on -- the console, file, wandb ... backends all
 hear it there, whatever ``trainer.logger`` names. :func:`install` wraps ``Tracking.log`` in memory
-(verl's files are not touched; the original is kept and :func:`uninstall` puts it back): verl's own
+(verl's files are not touched; the original is kept and :func:`uninstall` puts it back; a ``Tracking.log``
+taking other parameters is refused first, :data:`verl_patches.PATCHES`): verl's own
 ``log`` runs first, unchanged, then the metrics go to every live verl rollout cache
 (``SkipHarness.observe(step, **metrics)``): recorded with a generated step, compared on a served one.
 A ``replay_check=error`` divergence is raised from there, after verl logged the step, and stops verl's
@@ -20,7 +21,7 @@ import logging
 from typing import Any, Callable, Iterable, Optional
 
 from skip_harness.errors import ReplayDivergedError
-from skip_harness.integrations import verl_live
+from skip_harness.integrations import verl_live, verl_patches
 
 log = logging.getLogger("skip_harness")
 
@@ -71,6 +72,9 @@ def install(live: Callable[[], Iterable[Any]]) -> None:
 
     if _original is not None:
         return
+    from verl import __version__
+
+    verl_patches.check_tracking_log(Tracking, __version__)   # the wrapper passes data, step, backend
     original = Tracking.log
 
     def log_and_observe(self: Any, data: Any, step: Any, backend: Any = None) -> Any:
