@@ -4,12 +4,17 @@ changed is refused by name before anything is wrapped. Built on verl's real clas
 them. No Ray needed."""
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("verl")
 
 from skip_harness.errors import UnsupportedVersionError  # noqa: E402
 from skip_harness.integrations import verl_patches  # noqa: E402
+from conftest import subprocess_env  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -24,7 +29,7 @@ def test_the_installed_verls_methods_are_the_ones_the_table_lists():
     import verl
     from verl.utils.tracking import Tracking
 
-    verl_patches.check_shapes(classes(), verl.__version__)
+    assert verl_patches.check_shapes(classes(), verl.__version__) == set()
     verl_patches.check_tracking_log(Tracking, verl.__version__)
     listed = {p.owner for p in verl_patches.PATCHES if p.params is not None}
     assert listed == {"PPOTrainer", "ReplayBuffer", "ReplayBufferAsync", "Tracking"}
@@ -65,3 +70,52 @@ def test_a_verl_whose_tracking_log_changed_is_refused_before_it_is_wrapped():
     ChangedTracking.__name__ = "Tracking"
     with pytest.raises(UnsupportedVersionError, match=r"verl 0.9.2's Tracking\.log takes \('data', 'step'\)"):
         verl_patches.check_tracking_log(ChangedTracking, "0.9.2")
+
+
+def test_a_verl_whose_evicting_method_changed_is_refused_naming_it():
+    """verl_discards' wrappers are rows of the table: a changed one is refused like the rest."""
+    found = classes()
+
+    def _evict_terminal_groups(self, global_steps, partition_id, eviction_reasons, metrics):
+        raise AssertionError("never called")
+
+    changed = {**found, "ReplayBuffer": _copy(found["ReplayBuffer"], _evict_terminal_groups=_evict_terminal_groups)}
+    with pytest.raises(UnsupportedVersionError, match=r"verl 0\.9\.2's ReplayBuffer\._evict_terminal_groups takes "
+                                                      r"\('global_steps', 'partition_id', 'eviction_reasons', 'metrics'\)"):
+        verl_patches.check_shapes(changed, "0.9.2")
+
+
+def test_a_verl_without_an_evicting_method_turns_the_discards_off_with_a_warning_naming_it(caplog):
+    """What the sampler dropped is a record, never needed to train: a verl without one of the two methods
+    verl_discards wraps trains on, the feature off and said, the other rows still checked."""
+    found = classes()
+    missing = {**found, "ReplayBuffer": _copy(found["ReplayBuffer"], _evict_terminal_groups=None)}
+    with caplog.at_level(logging.WARNING, logger="skip_harness"):
+        off = verl_patches.check_shapes(missing, "0.9.2")
+    assert off == {verl_patches.DISCARDS}
+    assert ("skip_harness.integrations.verl: recording discarded groups is off: ReplayBuffer has no "
+            "_evict_terminal_groups (record each group the sampler evicts") in caplog.text
+
+
+@pytest.mark.slow
+def test_the_plug_in_does_not_wrap_the_discards_of_a_verl_without_them(tmp_path):
+    """A real process whose verl ReplayBuffer lacks _evict_terminal_groups: install_hooks wraps verl_hooks'
+    methods and leaves _clear_groups as verl has it, saying why."""
+    code = """
+import logging
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+del ReplayBuffer._evict_terminal_groups
+clear = ReplayBuffer.__dict__["_clear_groups"]
+import skip_harness.integrations.verl as plugin
+from skip_harness.integrations import verl_discards, verl_hooks
+logging.basicConfig(level=logging.WARNING)
+plugin.install_hooks()
+assert ReplayBuffer.__dict__["_clear_groups"] is clear, "wrapped"
+assert not verl_discards._installed and verl_hooks._installed
+print("installed without discards")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "installed without discards" in proc.stdout
+    assert "recording discarded groups is off: ReplayBuffer has no _evict_terminal_groups" in proc.stderr

@@ -413,8 +413,8 @@ def install_hooks() -> None:
     importable: when verl builds the plug-in (``SkipManager.init``, in the trainer's process). Not at import:
     the plug-in is imported before other external modules (a platform) are registered."""
     classes = _verl_classes()
-    verl_patches.check_shapes(classes, _verl_version)
+    off = verl_patches.check_shapes(classes, _verl_version)       # a changed verl refused; what turns off, said
     verl_hooks.install(_active, classes)
-    verl_discards.check_shapes(classes["ReplayBuffer"], _verl_version)          # what the sampler dropped, and why
-    verl_discards.install(_active, classes["ReplayBuffer"], lambda: _SkipManager.step)
+    if verl_patches.DISCARDS not in off:                          # what the sampler dropped, and why
+        verl_discards.install(_active, classes["ReplayBuffer"], lambda: _SkipManager.step)
 from skip_harness.integrations import verl_values  # noqa: E402,F401 - verl's logged metrics reach the replay check

@@ -10,11 +10,13 @@ and, for a DAPO-filtered group, its samples' shared metric value -- read from ve
 before verl clears it. On a served step verl's sampler finds only the recorded (kept) groups, drops
 nothing, and the harness keeps the recording's discards. Validation (partition ``val``) is never reported.
 
-Wrapped (a guard should check both keep these shapes): ``ReplayBuffer._evict_terminal_groups(global_steps,
-partition_id, eviction_reasons)`` with ``eviction_reasons`` = (stale uids, DAPO uids, failed uids, counts)
-and ``ReplayBuffer._clear_groups(partition_id, uids)``; read: ``_dapo_classification_cache[partition]``
-({uid: shared value or None}), ``partitions[partition]`` (trajectory keys ``{uid}_{i}``),
-``filter_groups_metric``.
+Wrapped: ``ReplayBuffer._evict_terminal_groups(global_steps, partition_id, eviction_reasons)`` with
+``eviction_reasons`` = (stale uids, DAPO uids, failed uids, counts) and ``ReplayBuffer._clear_groups(
+partition_id, uids)`` -- two rows of :data:`verl_patches.PATCHES`, whose :func:`verl_patches.check_shapes`
+checks them before :func:`install` runs (a changed one refused by name; a missing one turns
+:data:`verl_patches.DISCARDS` off with a WARNING, and the plug-in does not call :func:`install`); read
+(best effort, a WARNING when not as expected): ``_dapo_classification_cache[partition]`` ({uid: shared value
+or None}), ``partitions[partition]`` (trajectory keys ``{uid}_{i}``), ``filter_groups_metric``.
 """
 from __future__ import annotations
 
@@ -25,10 +27,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 log = logging.getLogger("skip_harness")
 
-SHAPES: Dict[str, Tuple[str, ...]] = {
-    "ReplayBuffer._evict_terminal_groups": ("global_steps", "partition_id", "eviction_reasons"),
-    "ReplayBuffer._clear_groups": ("partition_id", "uids"),
-}
 PARTITION = "train"
 STALE = "off-policy: older than trainer.v1 max_off_policy_threshold allows (dropped)"
 FAILED = "rollout failed"
@@ -70,18 +68,6 @@ def evicted(buffer: Any, partition_id: str, reasons: Any) -> List[Tuple[str, Dic
         if uids:
             by_reason[kind] = {uid: None for uid in sorted(uids)}
     return list(by_reason.items())
-
-
-def check_shapes(buffer_cls: type, version: str) -> None:
-    """Refuse a verl whose wrapped methods changed shape, naming the version and the method (as verl_hooks)."""
-    import inspect
-
-    for path, expected in SHAPES.items():
-        method = buffer_cls.__dict__.get(path.split(".")[1])
-        got = tuple(list(inspect.signature(inspect.unwrap(method)).parameters)[1:]) if callable(method) else None
-        if got != expected:
-            raise ImportError(f"skip_harness.integrations.verl: verl {version}'s {path} takes {got}, the plug-in "
-                              f"was checked against {expected} (verl 0.9.x); this verl's V1 sampler changed")
 
 
 def install(plugin: Callable[[], Any], buffer_cls: type, step_of: Callable[[], Any]) -> None:
@@ -143,4 +129,4 @@ def uninstall() -> None:
         del _installed[(cls, name)]
 
 
-__all__ = ["SHAPES", "check_shapes", "evicted", "install", "uninstall"]
+__all__ = ["evicted", "install", "uninstall"]

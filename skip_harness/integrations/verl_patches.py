@@ -7,18 +7,20 @@ The plug-in reaches verl mostly through verl's own API (``register_skip`` and th
 (:func:`check_shapes` when verl builds the plug-in, :func:`check_tracking_log` on import), and verl's
 warm-up must still read :data:`WARMUP_GATE`. Any other verl is refused with an
 :class:`~skip_harness.errors.UnsupportedVersionError` (an ImportError) naming the version and the method.
-Every row is required: none turns a feature off. The TRL import it supplies (:func:`provide_trl_value_head`)
-is guarded by TRL's version and answers one module name only.
+Every row is required but the two :mod:`verl_discards` wraps: a verl without one of them turns
+:data:`DISCARDS` off with a WARNING naming it (what the sampler dropped is a record, never needed to train);
+one that takes other parameters is refused like the rest. The TRL import it supplies
+(:func:`provide_trl_value_head`) is guarded by TRL's version and answers one module name only.
 """
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
 import inspect
-from typing import Any, Dict
+from typing import Any, Dict, Set
 
 from skip_harness.errors import UnsupportedVersionError
-from skip_harness.integrations.patches import Patch, check_params, check_version
+from skip_harness.integrations.patches import Patch, check_params, check_version, feature_off
 
 WHO = "skip_harness.integrations.verl"
 
@@ -33,6 +35,8 @@ TRL_VALUE_HEAD = "trl.experimental.ppo"
 #: what verl's warm-up reads to skip itself when caching is on (trainer_base.py, 0.9.1)
 WARMUP_GATE = "skip.rollout_tq.enable"
 _SAMPLE = ("global_steps", "partition_id", "batch_size")
+#: the feature :mod:`verl_discards` gives (off, with a WARNING, when verl lacks a method it wraps)
+DISCARDS = "recording discarded groups"
 
 #: Everything the plug-in replaces in verl (or calls and relies on), with the parameters checked.
 PATCHES = (
@@ -51,6 +55,11 @@ PATCHES = (
     Patch("ReplayBuffer.sample", _SAMPLE, "store the sampler's metrics with each mini-batch and return them on a hit"),
     Patch("ReplayBufferAsync.sample", _SAMPLE,
           "store the sampler's metrics with each mini-batch and return them on a hit"),
+    Patch("ReplayBuffer._evict_terminal_groups", ("global_steps", "partition_id", "eviction_reasons"),
+          "record each group the sampler evicts (DAPO filter_groups, stale, failed) with its reason and, "
+          "for a DAPO-filtered group, its samples' shared metric", feature=DISCARDS),
+    Patch("ReplayBuffer._clear_groups", ("partition_id", "uids"),
+          "record the groups sync DAPO drops once enough were kept (filter_groups surplus)", feature=DISCARDS),
     Patch("PPOTrainer._next_train_batch", ("num_prompts",),
           "draw a served step's recorded prompts from verl's dataloader", how="called"),
     Patch("Tracking.log", ("data", "step", "backend"), "hand each step's logged metrics to the replay check",
@@ -72,12 +81,19 @@ def check_verl_version(version: str) -> None:
                   "the plug-in")
 
 
-def check_shapes(classes: Dict[str, type], version: str) -> None:
+def check_shapes(classes: Dict[str, type], version: str) -> Set[str]:
     """Refuse a verl whose wrapped (or called) V1 trainer methods changed shape, naming the version and the
-    method; each must be defined on the class itself (the wrappers replace it there)."""
+    method; each must be defined on the class itself (the wrappers replace it there). Returns the features
+    turned off (a row with a `feature` whose method the class lacks: said with a WARNING)."""
+    off: Set[str] = set()
     for patch in PATCHES:
         if patch.owner in classes:
-            check_params(patch, classes[patch.owner].__dict__.get(patch.name), "verl", version, WHO, SUPPORTED_VERL)
+            func = classes[patch.owner].__dict__.get(patch.name)
+            if func is None and patch.feature:
+                feature_off(patch, patch.owner, WHO)
+                off.add(patch.feature)
+                continue
+            check_params(patch, func, "verl", version, WHO, SUPPORTED_VERL)
     warmup = inspect.unwrap(classes["PPOTrainer"].__dict__["_add_async_warmup_batches"])
     try:
         source = inspect.getsource(warmup)
@@ -87,6 +103,7 @@ def check_shapes(classes: Dict[str, type], version: str) -> None:
         raise UnsupportedVersionError(f"{WHO}: verl {version}'s PPOTrainer._add_async_warmup_batches no longer "
                                       f"reads {WARMUP_GATE} (checked against verl {SUPPORTED_VERL}); the plug-in "
                                       "cannot keep its warm-up")
+    return off
 
 
 def check_tracking_log(tracking: type, version: str) -> None:
@@ -155,5 +172,5 @@ def provide_trl_value_head() -> str:
             "only; TRL's own modules are untouched) so verl builds its actor")
 
 
-__all__ = ["PATCHES", "SUPPORTED_VERL", "TRL_VALUE_HEAD", "WARMUP_GATE", "check_shapes", "check_tracking_log",
+__all__ = ["DISCARDS", "PATCHES", "SUPPORTED_VERL", "TRL_VALUE_HEAD", "WARMUP_GATE", "check_shapes", "check_tracking_log",
            "check_verl_version", "provide_trl_value_head", "trl_value_head_missing"]
