@@ -28,7 +28,7 @@ from skip_harness.store.api import (BufferPool, Fingerprint, Layout, Namespace, 
                                     flatten_config, new_run_id)
 from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
 from skip_harness.run.prefetch import Prefetcher
-from skip_harness.run.replay import ValuesTracker
+from skip_harness.run.replay_check import ValuesTracker
 from skip_harness.run.sharing import Follower
 from skip_harness.run.deferred import Deferred, start_run
 from skip_harness.run.source import Source, check_replay_from, load_regrouped

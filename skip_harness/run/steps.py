@@ -21,7 +21,7 @@ from skip_harness.run.coordinator import CommitCoordinator, Finished
 from skip_harness.run.dist import DistContext
 from skip_harness.run.drift import Drift, DriftTotals, combined, compare_batches
 from skip_harness.errors import CacheWritesStopped, HarnessUsageError, SkipHarnessError
-from skip_harness.run.policy import Decision, decide
+from skip_harness.run.decision import Decision, decide
 from skip_harness.run.prefetch import Loaded, Prefetcher, load_step
 from skip_harness.run.source import Source, load_regrouped
 from skip_harness.run.startup import set_aside
