@@ -165,11 +165,11 @@ def test_nothing_outside_the_store_opens_a_cache_file():
 
 _OPENERS = {"open_namespace", "open_store", "namespace_of", "posix_namespace"}
 # Where a namespace may be opened: a command (cli/), a run's startup (every rank once: rank 0 when it
-# locks, the others when they follow it), a replay's source (the recording, read-only; the candidates
-# that `replay_from=auto` checks) and a replay_from run's own, opened once before its startup (run.deferred)
+# locks, the others when they follow it), and a run reading a recording (run.recording): the recording,
+# read-only, once per rank (rank 0 where it checks it -- and each candidate `replay_from=auto` checks --,
+# the other ranks after its broadcast), and a replay_from run's own, opened once before its startup decides
 # and handed to it. Everything else is handed the opened one.
-_OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/source.py": 2,
-              "skip_harness/run/deferred.py": 1,   # a replay_from run's own: opened before its startup decides
+_OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/recording.py": 3,
               # the packs' API, called as a command is (`pack` / `unpack`): the namespace packed (read only)
               # and the one a pack is restored into, each opened once by the call that works on it
               "skip_harness/store/pack.py": 2}

@@ -214,3 +214,39 @@ def test_a_recorded_mini_batch_served_whole_restores_its_rng_state(tmp_path):
     replayed = draws(tmp_path / "other", replay_from=str(ns))
     assert [o for o, _ in replayed] == ["hit", "hit"]
     assert [x for _, x in replayed] == [x for _, x in recorded]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["namespace", "pack"])
+def test_the_recording_is_opened_once_on_a_rank(tmp_path, packed, monkeypatch):
+    """Issue 41: a rank opens the recording once (rank 0 where it checked it, `run.recording`) and reads every
+    step and `merged` through that one opening; before, rank 0 opened it twice (to check it, then again to
+    serve it). Counted where the store makes a namespace of a directory or a pack file."""
+    from skip_harness.store import api, open as opener
+
+    run(tmp_path, 4, 2)
+    recording = tmp_path / "rig_reshard" / "GBS8_N2_K4_W1"
+    if packed:
+        api.write_pack(recording, tmp_path / "rec.pack")
+        recording = tmp_path / "rec.pack"
+    opened = []
+
+    def counted(real):
+        def opening(where):
+            path = where if isinstance(where, (str, Path)) else where.root
+            opened.append(Path(str(path)))
+            return real(where)
+        return opening
+
+    monkeypatch.setattr(opener, "posix_namespace", counted(opener.posix_namespace))
+    monkeypatch.setattr(opener, "pack_namespace", counted(opener.pack_namespace))
+    harness = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path), "replay_from": str(recording)},
+                                 namespace={**NS, "K": 2}, fingerprint={"seed": 0})
+    trainer = reshard_rig.Trainer(2, 1, 0)
+    harness.wrap(trainer)
+    for step in (1, 2):
+        trainer.prepare_data(step)
+        trainer.sample(step), trainer.sample(step)
+    assert harness.merged(2)["ids"].tolist() == rows_of(2, 0, 16)
+    summary = harness.close()
+    assert summary.hits == 2 and trainer.generated == 0
+    assert opened.count(recording) == 1, opened

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from skip_harness.config import Cleanup, OnMismatch, RolloutTQConfig
-from skip_harness.run.dist import DistContext
-from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
+from skip_harness.run.dist import DistContext, error_from_main, error_outcome
+from skip_harness.errors import ConfigError, FingerprintMismatchError, LockHeldError, SkipHarnessError
 from skip_harness.store.api import (CleanupItem, CleanupPlan, CleanupResult, Fingerprint, HeldByThisProcess, Hold,
                                     Layout, Namespace, NamespaceReport, StepStatus, new_run_token, open_namespace,
                                     plan_cleanup, scan_namespace, stale_temporaries)
@@ -223,10 +223,6 @@ class StartedRun:
     deferred: bool = False  # replay_from: this run's own namespace not created yet (run.deferred)
 
 
-_ERRORS = {"LockHeldError": LockHeldError, "FingerprintMismatchError": FingerprintMismatchError,
-           "HarnessUsageError": HarnessUsageError}
-
-
 def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Optional[Fingerprint],
                     dist: DistContext, opened: Optional[Namespace] = None) -> StartedRun:
     """Every rank calls this together: rank 0 takes over the Hydra callback's startup or does its own
@@ -255,7 +251,7 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
                 namespace.put_run_marker(token)
             outcome = ("ok", sorted(servable), startup.read_only, token, startup.shared_with)
         except SkipHarnessError as exc:
-            error, outcome = exc, ("error", type(exc).__name__, getattr(exc, "key", None), str(exc))
+            error, outcome = exc, error_outcome(exc)
         except BaseException as exc:  # a bug: make the other ranks stop too, then re-raise
             error, outcome = exc, ("error", "SkipHarnessError", None, f"rank 0 failed during startup: {exc!r}")
         if error is not None and startup is not None:
@@ -264,7 +260,7 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
     if error is not None:
         raise error
     if outcome[0] == "error":
-        raise _rebuild(*outcome[1:])
+        raise error_from_main(outcome)
     _, servable, read_only, token, shared_with = outcome
     try:
         if namespace is None:                 # the other ranks: their own opening of the namespace rank 0 holds
@@ -324,13 +320,6 @@ def _check_shared(dist: DistContext, layout: Layout, backend: Namespace, token: 
             "(skip.rollout_tq.dump_dir=s3://bucket/prefix, extra [s3]; docs/storage.md), or turn caching off "
             "with skip.rollout_tq.enable=false",
         )
-
-
-def _rebuild(kind: str, key: Optional[str], message: str) -> SkipHarnessError:
-    """Rank 0's startup error, raised on every rank as the same class."""
-    if kind == "ConfigError" and key:
-        return ConfigError(key, message[len(key) + 2:] if message.startswith(f"{key}: ") else message)
-    return _ERRORS.get(kind, SkipHarnessError)(message)
 
 
 # ---------------------------------------------------------------------------- Hydra hand-over
