@@ -129,6 +129,16 @@ def test_auto_with_no_recording_says_so(tmp_path):
     with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: auto: no namespace under .*rig_reshard "
                                           r"holds this run's batch"):
         run(tmp_path, 2, 1, replay_from="auto")
+    own = tmp_path / "rig_reshard" / "GBS8_N2_K2_W1"
+    assert not own.exists()      # refused before anything was created
+    empty = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path)}, namespace={**NS, "K": 2},
+                               fingerprint={"seed": 0})
+    empty.start()
+    empty.close()                # its own namespace, holding no step yet: refused the same (and let go)
+    assert own.is_dir()
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: auto: no namespace under .*rig_reshard "
+                                          r"holds this run's batch"):
+        run(tmp_path, 2, 1, replay_from="auto")
     run(tmp_path, 2, 1)          # its own namespace holds the batch: auto serves from it, no error
     served, summary, _ = run(tmp_path, 2, 1, replay_from="auto")
     assert summary.hits == 1
