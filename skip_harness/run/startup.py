@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from skip_harness.config import Cleanup, OnMismatch, RolloutTQConfig
-from skip_harness.run.dist import DistContext, error_from_main, error_outcome
+from skip_harness.run.dist import DistContext
 from skip_harness.errors import ConfigError, FingerprintMismatchError, LockHeldError, SkipHarnessError
 from skip_harness.store.api import (CleanupItem, CleanupPlan, CleanupResult, Fingerprint, HeldByThisProcess, Hold,
                                     Layout, Namespace, NamespaceReport, StepStatus, new_run_token, open_namespace,
@@ -228,14 +228,14 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
     """Every rank calls this together: rank 0 takes over the Hydra callback's startup or does its own
     (lock, scan, cleanup), checks the fingerprint and, with W > 1, writes a marker every rank must
     see; the outcome (or rank 0's error, as the same class) reaches every rank. `opened`: the namespace
-    this rank already opened (run.deferred), else it is opened here."""
+    this rank already opened (run.recording.start_run), else it is opened here."""
     startup: Optional[StartupResult] = None
-    error: Optional[BaseException] = None
-    outcome: Any = None
     quiet = False
     faults: Tuple[Tuple[str, str], ...] = ()
     namespace: Optional[Namespace] = None
-    if dist.is_main:
+
+    def start() -> Tuple[Any, ...]:
+        nonlocal startup, quiet, faults, namespace
         try:
             startup = take_over(layout)
             quiet = startup is not None
@@ -249,19 +249,13 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
             if dist.world_size > 1 and not startup.read_only:
                 token = new_run_token()
                 namespace.put_run_marker(token)
-            outcome = ("ok", sorted(servable), startup.read_only, token, startup.shared_with)
-        except SkipHarnessError as exc:
-            error, outcome = exc, error_outcome(exc)
-        except BaseException as exc:  # a bug: make the other ranks stop too, then re-raise
-            error, outcome = exc, ("error", "SkipHarnessError", None, f"rank 0 failed during startup: {exc!r}")
-        if error is not None and startup is not None:
-            startup.release()
-    outcome = dist.broadcast(outcome)
-    if error is not None:
-        raise error
-    if outcome[0] == "error":
-        raise error_from_main(outcome)
-    _, servable, read_only, token, shared_with = outcome
+            return sorted(servable), startup.read_only, token, startup.shared_with
+        except BaseException:
+            if startup is not None:
+                startup.release()
+            raise
+
+    servable, read_only, token, shared_with = dist.from_main(start, "during startup")
     try:
         if namespace is None:                 # the other ranks: their own opening of the namespace rank 0 holds
             namespace = open_namespace(layout) if opened is None else opened
