@@ -338,3 +338,32 @@ def test_no_script_reaches_for_sys_path():
     modules beside it, never by editing sys.path."""
     found = _sys_path_uses(ROOT)
     assert not found, "sys.path in scripts/:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------------- one module reads a recording
+
+def _replay_from_readers(root: Path):
+    """run/ modules that read `settings.replay_from` or import the recording's module, less those allowed:
+    run/recording.py itself, the harness (it starts the run through it) and the replay report (which names
+    the key's value)."""
+    import ast
+
+    allowed_reads = {"recording.py", "verdict.py"}
+    found = []
+    for path in sorted((root / "skip_harness" / "run").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "replay_from" and path.name not in allowed_reads:
+                found.append(f"run/{path.name}:{node.lineno}: .replay_from")
+            if (isinstance(node, ast.ImportFrom) and node.module == "skip_harness.run.recording"
+                    and path.name != "harness.py"):
+                found.append(f"run/{path.name}:{node.lineno}: imports run.recording")
+    return found
+
+
+def test_replay_from_is_read_in_one_module():
+    """Issue 41: replay_from lives in run/recording.py. The step runner serves steps from a StepSource
+    (run/step_source.py) and never asks whether it is the run's own namespace or a recording; nothing else in
+    run/ decides anything from the key."""
+    found = _replay_from_readers(ROOT)
+    assert not found, "replay_from read outside run/recording.py:\n" + "\n".join(found)
