@@ -167,11 +167,11 @@ def test_nothing_outside_the_store_opens_a_cache_file():
 
 _OPENERS = {"open_namespace", "open_store", "namespace_of", "posix_namespace"}
 # Where a namespace may be opened: a command (cli/), a run's startup (every rank once: rank 0 when it
-# locks, the others when they follow it), a replay's source (the recording, read-only; the candidates
-# that `replay_from=auto` checks) and a replay_from run's own, opened once before its startup (run.deferred)
+# locks, the others when they follow it), and a run reading a recording (run.recording): the recording,
+# read-only, once per rank (rank 0 where it checks it -- and each candidate `replay_from=auto` checks --,
+# the other ranks after its broadcast), and a replay_from run's own, opened once before its startup decides
 # and handed to it. Everything else is handed the opened one.
-_OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/source.py": 2,
-              "skip_harness/run/deferred.py": 1,   # a replay_from run's own: opened before its startup decides
+_OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/recording.py": 3,
               # the packs' API, called as a command is (`pack` / `unpack`): the namespace packed (read only)
               # and the one a pack is restored into, each opened once by the call that works on it
               "skip_harness/store/pack.py": 2}
@@ -398,3 +398,32 @@ def test_the_stores_namespace_has_one_name_in_signatures():
     other = [f"{where}: {name}" for where, name in params if name != "namespace"]
     assert not other, "a Namespace parameter not named `namespace`:\n" + "\n".join(other)
     assert len(params) > 30            # the check sees what it looks for
+
+
+# ---------------------------------------------------------------------------- one module reads a recording
+
+def _replay_from_readers(root: Path):
+    """run/ modules that read `settings.replay_from` or import the recording's module, less those allowed:
+    run/recording.py itself, the harness (it starts the run through it) and the replay report (which names
+    the key's value)."""
+    import ast
+
+    allowed_reads = {"recording.py", "verdict.py"}
+    found = []
+    for path in sorted((root / "skip_harness" / "run").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "replay_from" and path.name not in allowed_reads:
+                found.append(f"run/{path.name}:{node.lineno}: .replay_from")
+            if (isinstance(node, ast.ImportFrom) and node.module == "skip_harness.run.recording"
+                    and path.name != "harness.py"):
+                found.append(f"run/{path.name}:{node.lineno}: imports run.recording")
+    return found
+
+
+def test_replay_from_is_read_in_one_module():
+    """Issue 41: replay_from lives in run/recording.py. The step runner serves steps from a StepSource
+    (run/step_source.py) and never asks whether it is the run's own namespace or a recording; nothing else in
+    run/ decides anything from the key."""
+    found = _replay_from_readers(ROOT)
+    assert not found, "replay_from read outside run/recording.py:\n" + "\n".join(found)

@@ -1,4 +1,4 @@
-"""Did the replay reproduce? Values recorded with each step, checked on every replay (run.replay,
+"""Did the replay reproduce? Values recorded with each step, checked on every replay (run.replay_check,
 store.values), in-process: the README's plain-dict trainer and the demo in every mode.
 
 Each way in is shown three replays of one recording: the same config (every served step reproduced),

@@ -129,6 +129,16 @@ def test_auto_with_no_recording_says_so(tmp_path):
     with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: auto: no namespace under .*rig_reshard "
                                           r"holds this run's batch"):
         run(tmp_path, 2, 1, replay_from="auto")
+    own = tmp_path / "rig_reshard" / "GBS8_N2_K2_W1"
+    assert not own.exists()      # refused before anything was created
+    empty = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path)}, namespace={**NS, "K": 2},
+                               fingerprint={"seed": 0})
+    empty.start()
+    empty.close()                # its own namespace, holding no step yet: refused the same (and let go)
+    assert own.is_dir()
+    with pytest.raises(ConfigError, match=r"skip\.rollout_tq\.replay_from: auto: no namespace under .*rig_reshard "
+                                          r"holds this run's batch"):
+        run(tmp_path, 2, 1, replay_from="auto")
     run(tmp_path, 2, 1)          # its own namespace holds the batch: auto serves from it, no error
     served, summary, _ = run(tmp_path, 2, 1, replay_from="auto")
     assert summary.hits == 1
@@ -252,3 +262,39 @@ def test_verls_mini_batch_size_is_how_the_batch_is_split_so_a_k1_replay_is_the_b
     lr = _train(tmp_path, 1, 8, 1.01e-6, 1.25, replay_from=source)
     assert lr.startswith("replay diverged at step 1 (rows 1 recorded, 1.25 now"), lr
     assert "training side changed: actor_rollout_ref.actor.optim.lr 1e-06 -> 1.01e-06" in lr, lr
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["namespace", "pack"])
+def test_the_recording_is_opened_once_on_a_rank(tmp_path, packed, monkeypatch):
+    """Issue 41: a rank opens the recording once (rank 0 where it checked it, `run.recording`) and reads every
+    step and `merged` through that one opening; before, rank 0 opened it twice (to check it, then again to
+    serve it). Counted where the store makes a namespace of a directory or a pack file."""
+    from skip_harness.store import api, open as opener
+
+    run(tmp_path, 4, 2)
+    recording = tmp_path / "rig_reshard" / "GBS8_N2_K4_W1"
+    if packed:
+        api.write_pack(recording, tmp_path / "rec.pack")
+        recording = tmp_path / "rec.pack"
+    opened = []
+
+    def counted(real):
+        def opening(where):
+            path = where if isinstance(where, (str, Path)) else where.root
+            opened.append(Path(str(path)))
+            return real(where)
+        return opening
+
+    monkeypatch.setattr(opener, "posix_namespace", counted(opener.posix_namespace))
+    monkeypatch.setattr(opener, "pack_namespace", counted(opener.pack_namespace))
+    harness = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path), "replay_from": str(recording)},
+                                 namespace={**NS, "K": 2}, fingerprint={"seed": 0})
+    trainer = reshard_rig.Trainer(2, 1, 0)
+    harness.wrap(trainer)
+    for step in (1, 2):
+        trainer.prepare_data(step)
+        trainer.sample(step), trainer.sample(step)
+    assert harness.merged(2)["ids"].tolist() == rows_of(2, 0, 16)
+    summary = harness.close()
+    assert summary.hits == 2 and trainer.generated == 0
+    assert opened.count(recording) == 1, opened

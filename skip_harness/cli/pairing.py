@@ -2,7 +2,7 @@
 
 - **Names as `ls` prints them** (relative to the cache root): a name that does not exist as written is looked
   up under the cache root `ls` lists by default (`$SKIP_HARNESS_DUMP_DIR`, else the per-user cache).
-- **Values at another K or W**, as the replay check compares them (`run.replay`): at another K only the
+- **Values at another K or W**, as the replay check compares them (`run.replay_check`): at another K only the
   values that depend on the rollouts alone (`config.ROLLOUT_VALUES`), at another W every value, both within
   rounding noise (`run.tolerance`, the replay check's one comparison); at the same K and W, exactly. A replay's K and W are its `run.json`'s (a
   `replay_from` run's values are kept in the recording it replayed, at its own K and W); the recording's
@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from skip_harness.cli._common import CliError
 from skip_harness.config import WEIGHTS_PREFIX, KeyTolerance
 from skip_harness.errors import SkipHarnessError
-from skip_harness.run.replay import depends_on_rollouts
+from skip_harness.run.replay_check import depends_on_rollouts
 from skip_harness.run.tolerance import EPS32, NOISE_ULPS, NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import (UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
                                     open_store)

@@ -25,7 +25,7 @@ class HarnessCallback:
         ``quiet`` is True when a Hydra callback already reported this startup)."""
 
     def on_step_start(self, *, step: int, decision: Any, **kwargs: Any) -> None:
-        """When the harness has decided a step (``decision`` is a :class:`skip_harness.run.policy.Decision`)."""
+        """When the harness has decided a step (``decision`` is a :class:`skip_harness.run.decision.Decision`)."""
 
     def on_serve(self, *, step: int, inner_index: int, source_step: int, bytes: int, seconds: float, **kwargs: Any) -> None:
         """A cached mini-batch was returned from ``sample``."""
@@ -48,7 +48,7 @@ class HarnessCallback:
 
     def on_replay_divergence(self, *, step: int, key: str, recorded: float, now: float, **kwargs: Any) -> None:
         """A served step's reported value differed from the recorded one: the replay's first divergence
-        (``divergence`` is a :class:`skip_harness.run.replay.Divergence`; ``config_changes`` the
+        (``divergence`` is a :class:`skip_harness.run.replay_check.Divergence`; ``config_changes`` the
         training-side keys whose values differ from the recorded run's, as (key, recorded, now); ``stopping``
         True when ``replay_check=error`` raises ReplayDivergedError right after)."""
 

@@ -14,11 +14,12 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from skip_harness.errors import HarnessUsageError
+from skip_harness.errors import (ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError,
+                                 SkipHarnessError)
 
 # The gloo group made for the harness: [(default group it was made under, gloo group)]. Made once per
 # default group, because `new_group` is a collective every rank must call the same number of times.
@@ -159,6 +160,26 @@ class DistContext:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def from_main(self, work: Callable[[], Any], doing: str) -> Any:
+        """Every rank calls it together (one broadcast): rank 0 runs `work()` and every rank returns what it
+        returned (a small picklable value), or raises rank 0's error -- rank 0 the exception itself, the
+        others the same class with its key and message (a bug on rank 0: `rank 0 failed {doing}: ...`)."""
+        outcome: Any = None
+        error: Optional[BaseException] = None
+        if self.is_main:
+            try:
+                outcome = ("ok", work())
+            except SkipHarnessError as exc:
+                error, outcome = exc, error_outcome(exc)
+            except BaseException as exc:  # a bug: the other ranks stop too
+                error, outcome = exc, ("error", "SkipHarnessError", None, f"rank 0 failed {doing}: {exc!r}")
+        outcome = self.broadcast(outcome)
+        if error is not None:
+            raise error
+        if outcome[0] == "error":
+            raise error_from_main(outcome)
+        return outcome[1]
+
     def barrier(self) -> None:
         if self.world_size > 1:
             import torch.distributed as dist
@@ -180,3 +201,20 @@ class DistContext:
         mine = hosts[self.rank]
         same = [r for r, h in enumerate(hosts) if h == mine]
         return same.index(self.rank), len(same)
+
+
+_ERRORS = {"LockHeldError": LockHeldError, "FingerprintMismatchError": FingerprintMismatchError,
+           "HarnessUsageError": HarnessUsageError}
+
+
+def error_outcome(exc: SkipHarnessError) -> Tuple[str, str, Optional[str], str]:
+    """Rank 0's error as the ranks are told it: ("error", its class's name, its key, its message)."""
+    return ("error", type(exc).__name__, getattr(exc, "key", None), str(exc))
+
+
+def error_from_main(outcome: Tuple[str, str, Optional[str], str]) -> SkipHarnessError:
+    """Rank 0's error (`error_outcome`), raised on every other rank as the same class."""
+    _, kind, key, message = outcome
+    if kind == "ConfigError" and key:
+        return ConfigError(key, message[len(key) + 2:] if message.startswith(f"{key}: ") else message)
+    return _ERRORS.get(kind, SkipHarnessError)(message)

@@ -1,4 +1,4 @@
-"""The first value of a replay that differed from its reference (`run.replay`), and how it is said."""
+"""The first value of a replay that differed from its reference (`run.replay_check`), and how it is said."""
 from __future__ import annotations
 
 from dataclasses import dataclass

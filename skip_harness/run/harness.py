@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 from skip_harness import codec
 from skip_harness.run.callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback
@@ -24,15 +24,16 @@ from skip_harness.config import (
 from skip_harness.run.coordinator import CommitCoordinator, Writer
 from skip_harness.run.dist import DistContext
 from skip_harness.errors import HarnessUsageError
-from skip_harness.store.api import (BufferPool, Fingerprint, Layout, Namespace, NamespaceKey, StepStore, TierStore,
+from skip_harness.store.api import (BufferPool, Fingerprint, Layout, NamespaceKey, StepStore, TierStore,
                                     flatten_config, new_run_id)
 from skip_harness.run.hooks import CallReader, MethodHooks, hit_prepare
 from skip_harness.run.prefetch import Prefetcher
-from skip_harness.run.replay import DiscardReporting, ValuesTracker
+from skip_harness.run.replay_check import DiscardReporting, ValuesTracker
 from skip_harness.run.sharing import Follower
-from skip_harness.run.deferred import Deferred, start_run
-from skip_harness.run.source import Source, check_replay_from, load_regrouped
-from skip_harness.run.startup import StartupResult
+from skip_harness.run.deferred import Deferred
+from skip_harness.run.recording import Recording, check_replay_from, start_run
+from skip_harness.run.startup import StartedRun, StartupResult
+from skip_harness.run.step_source import OwnSteps, StepSources
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
@@ -228,24 +229,25 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         report = ReplayReportWriter.from_env(self.settings, dist.is_main, lambda: self.run_id, lambda: self._training_config)
         self.callbacks = CallbackDispatcher([LoggingCallback(dist.rank, dist.world_size), *report, *self._user_callbacks])
         # the recording (replay_from) is checked before anything is created; a replay's own namespace waits
-        run, source = start_run(layout, self.settings, self._key.with_world_size(dist.world_size), self.fingerprint, dist)
+        run, recording = start_run(layout, self.settings, self._key.with_world_size(dist.world_size), self.fingerprint,
+                                   dist)
         self._startup = run.startup
-        self._build(dist, layout, run.namespace, run.servable, run.read_only, run.shared_with, source, run.deferred)
+        self._build(dist, layout, run, recording)
         self._started = True
-        if source is None and not run.servable:
+        if recording is None and not run.servable:
             self._note_recording()   # nothing to replay here: it generates (and records) from its first step
         if run.startup is not None:
             for path, reason in run.faults:
                 self.callbacks.on_fault(path=path, reason=reason)
             self.callbacks.on_startup(namespace=str(layout.root), startup=run.startup, quiet=run.quiet)
 
-    def _build(self, dist: DistContext, layout: Layout, namespace: Namespace, servable: Iterable[int], read_only: bool,
-               shared_with: str = "", source: Optional[Source] = None, deferred: bool = False) -> None:
+    def _build(self, dist: DistContext, layout: Layout, run: StartedRun, recording: Optional[Recording]) -> None:
+        read_only, shared_with, deferred = run.read_only, run.shared_with, run.deferred
         # Idle buffers worth keeping: a step's K once the trainer lets go of them (the next prefetch
         # takes them), and one per pending write plus the one being staged.
         comparing = self.settings.action == "compare"     # action=compare: values kept, nothing recorded (run.drift)
         pool = BufferPool(max_free=layout.K + self.settings.max_pending_writes + 1)
-        store = StepStore(layout, namespace, pool=pool,
+        store = StepStore(layout, run.namespace, pool=pool,
                           form=codec.stored_form(self.settings.compression, self.settings.compression_level))
         writer = Writer(self.settings.max_pending_writes, background=self.settings.async_write)
         on_write = self.callbacks.on_write
@@ -262,7 +264,8 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
                                      dist.is_main and (not read_only or bool(shared_with) or deferred or comparing),
                                      self._training_config)
         self._values.run_id = new_run_id() if dist.is_main else None   # a replay's values go under it
-        self._follower = (Deferred(store, self.settings, self.fingerprint, dist, source) if deferred and source else
+        self._follower = (Deferred(store, self.settings, self.fingerprint, dist, recording.layout.url)
+                          if deferred and recording else
                           Follower(store, self.settings, self.fingerprint, dist, shared_with) if shared_with else None)
         follower = self._follower
         if follower is not None and not isinstance(follower, Deferred):   # once it took the hold: what a killed recorder left out
@@ -278,14 +281,14 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
             tier.committed(step, created)
 
         self._runner = StepRunner(
-            self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks, set(servable),
+            self.settings, store, dist, self._coordinator, self._prefetcher, self.callbacks,
+            StepSources(OwnSteps(store, dist.rank, set(run.servable)), recording),
             read_only=read_only, call_digest=self._call_digest, on_committed=committed,
             follower=self._follower,
-            source=source,
             on_compared=lambda step, drift: values.compared(step, drift.values()),
         )
-        if source is not None:
-            self._values.serve_from(source, layout.K, dist.world_size, self._runner.served_from_source, deferred)
+        if recording is not None:
+            self._values.serve_from(recording, layout.K, dist.world_size, self._runner.served_from_source, deferred)
 
     def _note_recording(self) -> None:
         """This run writes steps of its namespace: its holder record says it records it, not only replays
@@ -321,23 +324,14 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
     def merged(self, step: int) -> Any:
         """The whole step as this rank saw it: its K mini-batches (this rank's shards) concatenated in order."""
         kind = self.outcome(step)
-        if kind in (HIT, REPEAT) and self._runner.served_from_source(step):
-            runner = self._runner
-            assert runner.source is not None
-            loaded = load_regrouped(runner.source, runner.source_of(step) or step, runner.K, runner.dist.world_size, runner.dist.rank)
-            if not loaded.ok:
-                raise HarnessUsageError(f"step {step}: the recording cannot be read again: {loaded.reason}")
-            return codec.merge(loaded.batches)
         if kind in (HIT, REPEAT):
-            source = self._runner.source_of(step)
-        elif kind == MISS:
+            return codec.merge(self._runner.served_batches(step))
+        if kind == MISS:
             failed = self._runner.flush_local(step)
             if failed:
                 raise HarnessUsageError(f"step {step} was not cached: {failed}")
-            source = step
-        else:
-            raise HarnessUsageError(f"step {step} was not cached (caching was off for it)")
-        return codec.merge(self._runner.store.reader.read_step(source, self._runner.dist.rank))
+            return codec.merge(self._runner.sources.own.batches(step))
+        raise HarnessUsageError(f"step {step} was not cached (caching was off for it)")
 
     def flush(self) -> None:
         """Wait until this rank's queued writes are durable."""

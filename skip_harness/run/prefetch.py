@@ -32,7 +32,7 @@ class Loaded:
     reason: Optional[str] = None
     unavailable: bool = False     # the storage could not be reached: a miss, but nothing wrong with the step
     step_bytes: Optional[int] = None  # every file of the step and its commit record, as classified (`ls`'s size)
-    regrouped: str = ""           # served from another recording: `re-chunked from K=4 to K=2`, ... (run.source)
+    regrouped: str = ""           # served from another recording: `re-chunked from K=4 to K=2`, ... (run.recording)
 
     @property
     def ok(self) -> bool:
@@ -80,7 +80,7 @@ class Prefetcher:
         self._load: Callable[[int], Loaded] = lambda step: load_step(self.store, step, self.rank)
 
     def route(self, load: Callable[[int], Loaded]) -> None:
-        """Load steps with `load(step)` instead (a run served from another recording: `run.source`)."""
+        """Load steps with `load(step)` instead (`run.step_source.StepSources.load`: its own, or a recording's)."""
         self._load = load
 
     def start(self, step: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from skip_harness.config import Cleanup, OnMismatch, RolloutTQConfig
 from skip_harness.run.dist import DistContext
-from skip_harness.errors import ConfigError, FingerprintMismatchError, HarnessUsageError, LockHeldError, SkipHarnessError
+from skip_harness.errors import ConfigError, FingerprintMismatchError, LockHeldError, SkipHarnessError
 from skip_harness.store.api import (CleanupItem, CleanupPlan, CleanupResult, Fingerprint, HeldByThisProcess, Hold,
                                     Layout, Namespace, NamespaceReport, StepStatus, new_run_token, open_namespace,
                                     plan_cleanup, scan_namespace, stale_temporaries)
@@ -128,7 +128,7 @@ def _steps(steps) -> str:
 
 def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Optional[float] = None,
                       namespace: Optional[Namespace] = None) -> StartupResult:
-    """Lock, scan, and clean (per `skip.rollout_tq.cleanup`) one namespace, through its backend (a
+    """Lock, scan, and clean (per `skip.rollout_tq.cleanup`) one namespace, through its `Namespace` (a
     lock file on POSIX, a lease object on an object store).
 
     Raises HeldByThisProcess (another harness of this process holds it) and ConfigError for a
@@ -139,36 +139,36 @@ def prepare_namespace(layout: Layout, settings: RolloutTQConfig, *, timeout: Opt
     timeout = settings.lock_timeout if timeout is None else timeout
     action = settings.cleanup.value
     try:
-        backend = open_namespace(layout) if namespace is None else namespace
-        hold = backend.lock(timeout)
+        namespace = open_namespace(layout) if namespace is None else namespace
+        hold = namespace.lock(timeout)
     except HeldByThisProcess:
         raise
     except LockHeldError as exc:            # another live run holds it: read beside it
-        holder = _holder(backend) or _who(str(exc))
-        return StartupResult(layout, backend, scan_namespace(layout, backend, rewrite_index=False), None, action,
-                             None, True, f"another run holds it: {holder}", holder, _holder_records(backend))
+        holder = _holder(namespace) or _who(str(exc))
+        return StartupResult(layout, namespace, scan_namespace(layout, namespace, rewrite_index=False), None, action,
+                             None, True, f"another run holds it: {holder}", holder, _holder_records(namespace))
     except ConfigError:
         raise
     except (SkipHarnessError, OSError) as exc:   # not a directory, no flock there, a link as .lock, ...
         why = getattr(exc, "strerror", None) or str(exc)
         raise ConfigError("skip.rollout_tq.dump_dir", f"cannot use {layout.url} for the rollout cache: {why}") from None
     if hold.read_only:
-        why = hold.why or backend.writable() or "this process may only read it"
-        return StartupResult(layout, backend, scan_namespace(layout, backend, rewrite_index=False), None, action,
+        why = hold.why or namespace.writable() or "this process may only read it"
+        return StartupResult(layout, namespace, scan_namespace(layout, namespace, rewrite_index=False), None, action,
                              None, True, why)
-    return _scan_and_clean(layout, backend, action, hold)
+    return _scan_and_clean(layout, namespace, action, hold)
 
 
-def _holder(backend: Namespace) -> Optional[str]:
+def _holder(namespace: Namespace) -> Optional[str]:
     try:
-        return backend.holder()
+        return namespace.holder()
     except (SkipHarnessError, OSError):
         return None
 
 
-def _holder_records(backend: Namespace) -> Optional[bool]:
+def _holder_records(namespace: Namespace) -> Optional[bool]:
     try:
-        return backend.holder_records()
+        return namespace.holder_records()
     except (SkipHarnessError, OSError):
         return None
 
@@ -181,30 +181,30 @@ def _who(message: str) -> str:
     return "another run"
 
 
-def _scan_and_clean(layout: Layout, ns: Namespace, action: str, lock: Hold) -> StartupResult:
+def _scan_and_clean(layout: Layout, namespace: Namespace, action: str, lock: Hold) -> StartupResult:
     """With the namespace held (a file lock or a lease): scan it and handle its incomplete and corrupt
     steps as `skip.rollout_tq.cleanup` says. The hold is released if anything here fails."""
     try:
-        report = scan_namespace(layout, ns)
+        report = scan_namespace(layout, namespace)
         cleanup = None
         if action != Cleanup.off.value:
             plan = plan_cleanup(report, action)
             # what killed readers left beside the steps (old enough, its writer gone: never a live one's)
-            plan = replace(plan, leftovers=plan.leftovers + stale_temporaries(layout, ns))
+            plan = replace(plan, leftovers=plan.leftovers + stale_temporaries(layout, namespace))
             if plan.items or plan.leftovers:
-                cleanup = plan.execute(ns)
-        return StartupResult(layout, ns, report, cleanup, action, lock)
+                cleanup = plan.execute(namespace)
+        return StartupResult(layout, namespace, report, cleanup, action, lock)
     except BaseException:
         lock.release()
         raise
 
 
-def set_aside(layout: Layout, ns: Namespace, step: int, reason: str, action: str) -> CleanupResult:
+def set_aside(layout: Layout, namespace: Namespace, step: int, reason: str, action: str) -> CleanupResult:
     """A step that failed verification at run time, handled as `skip.rollout_tq.cleanup` says before it is
     regenerated: `quarantine` moves it under .quarantine/, otherwise it is removed."""
     how = Cleanup.quarantine.value if action == Cleanup.quarantine.value else Cleanup.delete.value
     item = CleanupItem(step, layout.step_dir(step), StepStatus.CORRUPT, reason, 0, how)
-    return CleanupPlan(layout, how, (item,)).execute(ns)
+    return CleanupPlan(layout, how, (item,)).execute(namespace)
 
 
 # ---------------------------------------------------------------------------- a run's startup
@@ -223,23 +223,19 @@ class StartedRun:
     deferred: bool = False  # replay_from: this run's own namespace not created yet (run.deferred)
 
 
-_ERRORS = {"LockHeldError": LockHeldError, "FingerprintMismatchError": FingerprintMismatchError,
-           "HarnessUsageError": HarnessUsageError}
-
-
 def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Optional[Fingerprint],
                     dist: DistContext, opened: Optional[Namespace] = None) -> StartedRun:
     """Every rank calls this together: rank 0 takes over the Hydra callback's startup or does its own
     (lock, scan, cleanup), checks the fingerprint and, with W > 1, writes a marker every rank must
     see; the outcome (or rank 0's error, as the same class) reaches every rank. `opened`: the namespace
-    this rank already opened (run.deferred), else it is opened here."""
+    this rank already opened (run.recording.start_run), else it is opened here."""
     startup: Optional[StartupResult] = None
-    error: Optional[BaseException] = None
-    outcome: Any = None
     quiet = False
     faults: Tuple[Tuple[str, str], ...] = ()
     namespace: Optional[Namespace] = None
-    if dist.is_main:
+
+    def start() -> Tuple[Any, ...]:
+        nonlocal startup, quiet, faults, namespace
         try:
             startup = take_over(layout)
             quiet = startup is not None
@@ -253,19 +249,13 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
             if dist.world_size > 1 and not startup.read_only:
                 token = new_run_token()
                 namespace.put_run_marker(token)
-            outcome = ("ok", sorted(servable), startup.read_only, token, startup.shared_with)
-        except SkipHarnessError as exc:
-            error, outcome = exc, ("error", type(exc).__name__, getattr(exc, "key", None), str(exc))
-        except BaseException as exc:  # a bug: make the other ranks stop too, then re-raise
-            error, outcome = exc, ("error", "SkipHarnessError", None, f"rank 0 failed during startup: {exc!r}")
-        if error is not None and startup is not None:
-            startup.release()
-    outcome = dist.broadcast(outcome)
-    if error is not None:
-        raise error
-    if outcome[0] == "error":
-        raise _rebuild(*outcome[1:])
-    _, servable, read_only, token, shared_with = outcome
+            return sorted(servable), startup.read_only, token, startup.shared_with
+        except BaseException:
+            if startup is not None:
+                startup.release()
+            raise
+
+    servable, read_only, token, shared_with = dist.from_main(start, "during startup")
     try:
         if namespace is None:                 # the other ranks: their own opening of the namespace rank 0 holds
             namespace = open_namespace(layout) if opened is None else opened
@@ -299,19 +289,19 @@ def _servable(startup: StartupResult, fingerprint: Optional[Fingerprint],
     return startup.servable_steps(fingerprint), warning
 
 
-def _check_shared(dist: DistContext, layout: Layout, backend: Namespace, token: Optional[str]) -> None:
+def _check_shared(dist: DistContext, layout: Layout, namespace: Namespace, token: Optional[str]) -> None:
     """W > 1: every rank must see the marker rank 0 wrote, or commits would never see every shard (a rank
-    that sees it follows rank 0's hold through `backend`: its writes are fenced by it)."""
+    that sees it follows rank 0's hold through `namespace`: its writes are fenced by it)."""
     if token is None:
         return
     try:
-        sees, why = backend.sees_run_marker(token, wait=2.0), ""
+        sees, why = namespace.sees_run_marker(token, wait=2.0), ""
     except (SkipHarnessError, OSError) as exc:      # said in the stop below, after every rank gathered
         sees, why = False, f" ({exc})"
     seen = dist.gather((sees, socket.gethostname(), why))
     if dist.is_main:
         try:
-            backend.remove_run_marker(token)
+            namespace.remove_run_marker(token)
         except (SkipHarnessError, OSError) as exc:
             logger.warning("%s: could not remove the run marker: %s", layout.root, exc)
     blind = [f"rank {r} on {host}{why}" for r, (ok, host, why) in enumerate(seen) if not ok]
@@ -324,13 +314,6 @@ def _check_shared(dist: DistContext, layout: Layout, backend: Namespace, token: 
             "(skip.rollout_tq.dump_dir=s3://bucket/prefix, extra [s3]; docs/storage.md), or turn caching off "
             "with skip.rollout_tq.enable=false",
         )
-
-
-def _rebuild(kind: str, key: Optional[str], message: str) -> SkipHarnessError:
-    """Rank 0's startup error, raised on every rank as the same class."""
-    if kind == "ConfigError" and key:
-        return ConfigError(key, message[len(key) + 2:] if message.startswith(f"{key}: ") else message)
-    return _ERRORS.get(kind, SkipHarnessError)(message)
 
 
 # ---------------------------------------------------------------------------- Hydra hand-over

@@ -104,7 +104,7 @@ class RunSummary:
     gen_s_saved: float
     load_s: float
     bytes_not_written: int = 0   # a read-only cache: what the misses generated, which nothing wrote
-    replay: Any = None      # a run.replay.ReplayReport: did the served steps reproduce their recorded values
+    replay: Any = None      # a run.replay_check.ReplayReport: did the served steps reproduce their recorded values
     phases: Dict[str, PhaseTime] = field(default_factory=dict)   # the second tier: reward, reference, ...
     namespace: str = ""     # the cache's directory (the harness's layout.root), once the run started
     compared: str = ""      # action=compare: `rollouts compared: X of Y trajectories identical (...)`

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from skip_harness import codec
 from skip_harness.run import rng
@@ -21,11 +21,11 @@ from skip_harness.run.coordinator import CommitCoordinator, Finished
 from skip_harness.run.dist import DistContext
 from skip_harness.run.drift import Drift, DriftTotals, combined, compare_batches
 from skip_harness.errors import CacheWritesStopped, HarnessUsageError, SkipHarnessError
-from skip_harness.run.policy import Decision, decide
-from skip_harness.run.prefetch import Loaded, Prefetcher, load_step
-from skip_harness.run.source import Source, load_regrouped
+from skip_harness.run.decision import Decision, decide
+from skip_harness.run.prefetch import Loaded, Prefetcher
 from skip_harness.run.startup import set_aside
 from skip_harness.run.sharing import COMMITTED, Follower
+from skip_harness.run.step_source import StepSources
 from skip_harness.run.stats import COMPARED, HIT, MISS, OFF, READ_ONLY, Outcome, RunStats, StepRecord
 from skip_harness.store.api import StepStore
 
@@ -59,13 +59,12 @@ class StepRunner:
         coordinator: CommitCoordinator,
         prefetcher: Prefetcher,
         callbacks: CallbackDispatcher,
-        servable: Set[int],
+        sources: StepSources,
         *,
         read_only: bool = False,
         call_digest: Optional[Callable[[tuple, dict], str]] = None,
         on_committed: Optional[Callable[[int, Optional[float]], None]] = None,
         follower: Optional[Follower] = None,
-        source: Optional[Source] = None,
         on_compared: Optional[Callable[[int, Drift], None]] = None,
     ):
         self.settings = settings
@@ -78,11 +77,8 @@ class StepRunner:
         self.coordinator = coordinator
         self.prefetcher = prefetcher
         self.callbacks = callbacks
-        self.own = set(servable)          # steps this run's own namespace serves (committed ones join)
-        self.source = source              # another recording of the batch (replay_from), read only
-        self.servable = self.own | (set(source.servable) if source is not None else set())
-        if source is not None:
-            prefetcher.route(self._load)
+        self.sources = sources            # this run's own steps (committed ones join), then a recording's
+        prefetcher.route(sources.load)
         self.read_only = read_only
         self.call_digest = call_digest
         self.on_committed = on_committed
@@ -139,43 +135,12 @@ class StepRunner:
         """A decision point: every rank calls it for the same steps in the same order."""
         self._epoch += 1
         self._collect(self.coordinator.poll(self._epoch, decision_point=True))
-        excluded: Set[int] = set()
-        settled = followed = False
-        while True:
-            decision = decide(step, self.settings, frozenset(self.servable - excluded))
-            if decision.kind == MISS and self.follower is not None and not followed:
-                followed = True
-                if self._follow(step):
-                    continue
-            if decision.kind == MISS and self.settings.action == Action.repeat and not settled:
-                # `repeat` with nothing to serve yet: let this run's pending commits land first, so
-                # the choice never depends on how fast the writer was.
-                settled = True
-                self._collect(self.coordinator.poll(self._epoch, wait=True, decision_point=True))
-                continue
-            if not decision.serves_cache:
-                break
-            loaded = self.prefetcher.take(decision.source_step)
-            if self.dist.all_true(loaded.ok):
-                break
-            from_source = self._from_source(decision.source_step)
-            if not loaded.ok:
-                self._fault(str(self.store.layout.step_dir(decision.source_step)),
-                            f"{loaded.reason}; step {decision.source_step} is not served and is regenerated whole")
-            # rank 0 sets the step aside as skip.rollout_tq.cleanup says, whichever rank found the fault;
-            # a storage out of reach is no fault of the step: a plain miss, nothing set aside
-            found = self.dist.gather(None if loaded.ok else (loaded.reason, loaded.unavailable))
-            faults = [f[0] for f in found if f is not None and not f[1]]
-            if faults and not from_source:   # the recording is read only: nothing of it is set aside
-                self._failed[decision.source_step] = faults[0]
-            excluded.add(decision.source_step)
-            self.servable.discard(decision.source_step)
-            self.own.discard(decision.source_step)
+        decision, loaded = self._decide(step)
         state = _StepState(decision)
         self._states[step] = state
         self._order.append(step)
         self.outcomes[step] = decision.kind
-        if decision.serves_cache:
+        if loaded is not None:
             state.loaded = loaded
             state.batches = list(loaded.batches)
             state.served_from = loaded.regrouped
@@ -187,6 +152,45 @@ class StepRunner:
         self._prefetch_after(step)
         return state
 
+    def _decide(self, step: int) -> Tuple[Decision, Optional[Loaded]]:
+        """Hit or repeat (with the step served, loaded on every rank), miss or off: the same on every rank,
+        whose collectives run in the same order everywhere. Before a miss, each wait that may make a step
+        servable runs once: a reader follows its recorder; `repeat` lets this run's pending commits land
+        (the choice never depends on how fast the writer was). A step some rank could not load is dropped."""
+        waits = [w for w, wanted in ((self._follow, self.follower is not None),
+                                     (self._settle, self.settings.action == Action.repeat)) if wanted]
+        dropped: Set[int] = set()
+        while True:
+            decision = decide(step, self.settings, self.sources.servable - dropped)
+            if decision.kind == MISS and waits:
+                waits.pop(0)(step)
+            elif not decision.serves_cache:
+                return decision, None
+            else:
+                loaded = self.prefetcher.take(decision.source_step)
+                if self._loaded_everywhere(decision.source_step, loaded):
+                    return decision, loaded
+                dropped.add(decision.source_step)
+
+    def _loaded_everywhere(self, step: int, loaded: Loaded) -> bool:
+        """Whether every rank loaded `step` (a collective); if not, it is dropped from what is served, and
+        set aside by rank 0 (whichever rank found the fault) as skip.rollout_tq.cleanup says, unless it is
+        the recording's (read only) or its storage was out of reach (no fault of the step: a plain miss)."""
+        if self.dist.all_true(loaded.ok):
+            return True
+        if not loaded.ok:
+            self._fault(str(self.store.layout.step_dir(step)),
+                        f"{loaded.reason}; step {step} is not served and is regenerated whole")
+        found = self.dist.gather(None if loaded.ok else (loaded.reason, loaded.unavailable))
+        faults = [f[0] for f in found if f is not None and not f[1]]
+        if faults and self.sources.of(step).sets_aside:
+            self._failed[step] = faults[0]
+        self.sources.drop(step)
+        return False
+
+    def _settle(self, step: int) -> None:
+        self._collect(self.coordinator.poll(self._epoch, wait=True, decision_point=True))
+
     def _follow(self, step: int) -> bool:
         """A reader's miss: True when the step was committed since (serve it). A reader that took the
         hold (the recording ended) writes its misses from now on."""
@@ -196,7 +200,7 @@ class StepRunner:
             if self.dist.is_main:
                 log.info("%s", self.follower.took_hold(step))
         if answer == COMMITTED:
-            self.servable.add(step)
+            self.sources.add(step)
             return True
         return False
 
@@ -221,20 +225,17 @@ class StepRunner:
             except (OSError, SkipHarnessError) as exc:   # an object store out of reach: warn, go on
                 self._fault(str(self.store.layout.step_dir(step)), f"could not clear the old step: {exc}")
         self.dist.barrier()
-        self.servable.discard(step)
-        self.own.discard(step)
+        self.sources.drop(step)
         self.coordinator.begin(step)
 
-    def _from_source(self, step: Optional[int]) -> bool:
-        """Whether `step` is served from the recording (replay_from): it holds it and this run's own does not."""
-        return self.source is not None and step is not None and step in self.source.servable and step not in self.own
-
-    def _load(self, step: int) -> Loaded:
-        """A step to serve: from this run's own namespace, or re-chunked / re-sharded from the recording."""
-        if self._from_source(step):
-            assert self.source is not None
-            return load_regrouped(self.source, step, self.K, self.dist.world_size, self.dist.rank)
-        return load_step(self.store, step, self.dist.rank)
+    def served_batches(self, step: int) -> List[Any]:
+        """This rank's mini-batches of a served `step`, read again from where they were served."""
+        state = self._states[step]
+        source_step = state.decision.source_step
+        assert source_step is not None
+        source = self.sources.recording if self.served_from_source(step) else self.sources.own
+        assert source is not None
+        return source.batches(source_step)
 
     def served_from_source(self, step: int) -> bool:
         """Whether `step` was served from the recording (replay_from) in this run."""
@@ -242,7 +243,7 @@ class StepRunner:
         return state is not None and state.decision.serves_cache and state.served_from != ""
 
     def _prefetch_after(self, step: int) -> None:
-        nxt = decide(step + 1, self.settings, frozenset(self.servable))
+        nxt = decide(step + 1, self.settings, self.sources.servable)
         if nxt.serves_cache and nxt.source_step not in self._states:
             self.prefetcher.start(nxt.source_step)
 
@@ -307,10 +308,10 @@ class StepRunner:
     def _compare(self, step: int, inner: int, state: _StepState, out: Any) -> None:
         """action=compare: mini-batch `inner` as generated against the recording's (run.drift); once the
         step's K are in, every rank's figures summed (a collective with W > 1), reported to `on_compared`."""
-        if inner == 0 and step in self.servable:
-            state.recorded = self._load(step)
+        if inner == 0 and step in self.sources.servable:
+            state.recorded = self.sources.load(step)
         loaded = state.recorded
-        if step not in self.servable:
+        if step not in self.sources.servable:
             drift = Drift(unpaired=f"the recording has no complete step {step}")
         elif loaded is None or not loaded.ok:
             drift = Drift(unpaired=f"the recorded step cannot be read: {loaded.reason if loaded else 'not loaded'}")
@@ -342,8 +343,7 @@ class StepRunner:
         for done in finished:
             if done.committed:
                 done = dataclasses.replace(done, bytes=self._step_bytes(done.step))
-                self.servable.add(done.step)
-                self.own.add(done.step)
+                self.sources.add(done.step)
                 self.callbacks.on_commit(step=done.step, bytes=done.bytes)
                 if self.on_committed is not None:
                     self.on_committed(done.step, done.created)

@@ -1,6 +1,6 @@
 """When does a replayed value reproduce the recorded one? The tolerance model (docs/replay_check.md).
 
-One comparison, used by the replay check (`run.replay`) and by `skip-harness diff` (`cli.pairing`):
+One comparison, used by the replay check (`run.replay_check`) and by `skip-harness diff` (`cli.pairing`):
 
 - **Per-key tolerances** (`skip.rollout_tq.replay_tolerances: {key pattern: {rtol, atol}}`, fnmatch,
   case-insensitive, the first pattern that matches wins): a key they name is compared within exactly

@@ -1,7 +1,7 @@
 """The training side of a run's config: what a replay may change (learning rate, loss, clipping ...).
 
 A whole config flattened, less what the fingerprint holds and the harness's own settings; recorded with
-a run's values so that a replay's divergence names the keys that changed (run.replay).
+a run's values so that a replay's divergence names the keys that changed (run.replay_check).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 import pytest
 
 from skip_harness.config import RolloutTQConfig
-from skip_harness.run.policy import HIT, MISS, OFF, REPEAT, decide, nearest_step
+from skip_harness.run.decision import HIT, MISS, OFF, REPEAT, decide, nearest_step
 
 
 def settings(**kw):

@@ -185,7 +185,7 @@ class ValuesTracker:
         self._gaps: Dict[int, Dict[str, float]] = {}
 
     def serve_from(self, source: Any, K: int, W: int, from_source: Callable[[int], bool], deferred: bool = False) -> None:
-        """Steps for which `from_source(step)` are served from `source` (a `run.source.Source`, another K
+        """Steps for which `from_source(step)` are served from `source` (a `run.recording.Recording`, another K
         or W): their recorded values live there. At another K the values that depend on the rollouts
         alone are compared with the recording's (config.ROLLOUT_VALUES), the others with those of the
         recording's first replay at this run's K and W and the recording's training side, if one kept them
