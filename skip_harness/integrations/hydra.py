@@ -34,9 +34,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from skip_harness.run.callbacks import LoggingCallback
-from skip_harness.config import Action, check_batch_split, namespace_key_from_config, rollout_tq_from
+from skip_harness.config import Action
 from skip_harness.errors import ConfigError
 from skip_harness.integrations.hydra_run import RunDirTakenError, claim_run_dir
+from skip_harness.run.settings import RunSettings, from_verl_keys, launched_world_size
 from skip_harness.run.startup import StartupResult, hand_over, prepare_namespace, take_over
 
 log = logging.getLogger("skip_harness")
@@ -100,15 +101,15 @@ class HydraStartupCallback(Callback):
         if task is None:
             return
         try:
-            if self._validate:
-                _import(self._validate)(task)
-            settings = rollout_tq_from(task)
+            # the run's settings, resolved once here: what the trainer's check returns when it is the front
+            # end's adapter (the demo's validate), else the verl-keyed adapter
+            checked = _import(self._validate)(task) if self._validate else None
+            run = checked if isinstance(checked, RunSettings) else from_verl_keys(task, training=False)
+            settings = run.rollout
             if not settings.enable or settings.replay_from is not None or settings.action == Action.compare:
                 return    # replay_from: the harness checks the recording first, and creates its own namespace lazily;
                 # action=compare: the recording is only read (no lock, no cleanup)
-            key = namespace_key_from_config(task)
-            check_batch_split(int(task.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
-            layout = key.with_world_size(int(os.environ.get("WORLD_SIZE", "1"))).layout(settings.resolved_dump_dir())
+            layout = run.namespace.with_world_size(launched_world_size()).layout(settings.resolved_dump_dir())
             result = prepare_namespace(layout, settings)   # waits lock_timeout s, then reads beside a holder
         except Exception as exc:  # the task function repeats the checks and reports properly
             log.debug("skip_harness startup deferred to the harness: %s", exc)
