@@ -158,3 +158,48 @@ def test_one_demo_run_computes_k_once_and_builds_one_harness(tmp_path, monkeypat
         sys.setprofile(None)
     assert [row["cache"] for row in result.metrics] == ["miss"]
     assert (calls.k_rule, calls.harnesses) == (1, 1)
+
+
+def test_under_the_hydra_callback_the_run_is_resolved_once_for_the_callback_and_the_task(tmp_path, monkeypatch):
+    """scripts/train.py's order: on_run_start (the config checked before the run directory), on_job_start
+    (the namespace locked and cleaned), the task function. The settings are resolved in the first and handed
+    on: K computed once, one harness, for the whole process."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from skip_harness.demo.config import register_demo_configs
+    from skip_harness.demo.run import train
+    from skip_harness.integrations.hydra import HydraStartupCallback
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    register_demo_configs()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", [*TINY_OVERRIDES, "trainer.total_training_steps=1",
+                                 f"skip.rollout_tq.dump_dir={tmp_path / 'cache'}"])
+    callback = HydraStartupCallback(validate="skip_harness.demo.run.validate")
+    calls = _Calls()
+    sys.setprofile(calls)
+    try:
+        callback.on_run_start(config=cfg)
+        callback.on_job_start(config=cfg, task_function=None)
+        result = train(cfg, run_dir=tmp_path / "run")
+        callback.on_job_end(config=cfg, job_return=None)
+    finally:
+        sys.setprofile(None)
+    assert [row["cache"] for row in result.metrics] == ["miss"]
+    assert (calls.k_rule, calls.harnesses) == (1, 1)
+
+
+def test_settings_handed_over_for_another_config_or_environment_are_not_taken(tmp_path, monkeypatch):
+    from skip_harness.run.settings import hand_over, take
+
+    cfg = verl_keyed(tmp_path)
+    run = from_verl_keys(cfg)
+    hand_over(cfg, run)
+    assert take(cfg) is run and take(cfg) is None          # taken once
+    hand_over(cfg, run)
+    assert take(verl_keyed(tmp_path, mode="separate_async")) is None
+    hand_over(cfg, run)
+    monkeypatch.setenv("SKIP_HARNESS_REPLAY_CHECK", "error")
+    assert take(cfg) is None

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from skip_harness.demo.config import demo_fingerprint_keys, to_demo_config
 from skip_harness.run.dist import DistContext
 from skip_harness.run.harness import SkipHarness
-from skip_harness.run.settings import RunSettings, from_verl_keys
+from skip_harness.run.settings import RunSettings, from_verl_keys, take
 
 log = logging.getLogger("skip_harness.demo")
 
@@ -89,7 +89,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
 
     Raises ConfigError (naming the key), LockHeldError or FingerprintMismatchError before any work.
     """
-    settings = validate(cfg)
+    settings = take(cfg) or validate(cfg)   # resolved once: by the Hydra startup callback when it ran
     demo = settings.config
     from accelerate import Accelerator
 

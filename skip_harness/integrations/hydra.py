@@ -37,7 +37,7 @@ from skip_harness.run.callbacks import LoggingCallback
 from skip_harness.config import Action
 from skip_harness.errors import ConfigError
 from skip_harness.integrations.hydra_run import RunDirTakenError, claim_run_dir
-from skip_harness.run.settings import RunSettings, from_verl_keys, launched_world_size
+from skip_harness.run.settings import RunSettings, from_verl_keys, hand_over as hand_over_settings, launched_world_size, take
 from skip_harness.run.startup import StartupResult, hand_over, prepare_namespace, take_over
 
 log = logging.getLogger("skip_harness")
@@ -81,7 +81,9 @@ class HydraStartupCallback(Callback):
         task = _task_config(config) if self._validate else None
         if task is not None:
             try:
-                _import(self._validate)(task)   # type: ignore[arg-type]  # set when task is
+                checked = _import(self._validate)(task)   # type: ignore[arg-type]  # set when task is
+                if isinstance(checked, RunSettings):
+                    hand_over_settings(task, checked)   # resolved once: on_job_start and the task function take them
             except ConfigError as exc:
                 log.error("%s (nothing was created: no run directory, nothing in the cache)", exc)
                 sys.stderr.flush()
@@ -103,7 +105,9 @@ class HydraStartupCallback(Callback):
         try:
             # the run's settings, resolved once here: what the trainer's check returns when it is the front
             # end's adapter (the demo's validate), else the verl-keyed adapter
-            checked = _import(self._validate)(task) if self._validate else None
+            checked = (take(task) or _import(self._validate)(task)) if self._validate else None
+            if isinstance(checked, RunSettings):
+                hand_over_settings(task, checked)   # the task function takes them (demo.run.train)
             run = checked if isinstance(checked, RunSettings) else from_verl_keys(task, training=False)
             settings = run.rollout
             if not settings.enable or settings.replay_from is not None or settings.action == Action.compare:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from skip_harness.config import (NAMED_BY, RolloutTQConfig, as_node, check_batch_split, k_of, namespace_key_from,
-                                 namespace_key_from_config, rollout_tq_from, select_int, settings_from)
+from skip_harness.config import (DUMP_DIR_ENV, NAMED_BY, REPLAY_CHECK_ENV, REPLAY_FROM_ENV, RolloutTQConfig, as_node,
+                                 check_batch_split, k_of, namespace_key_from, namespace_key_from_config, plain,
+                                 rollout_tq_from, select_int, settings_from)
 from skip_harness.errors import HarnessUsageError
 from skip_harness.run.source import check_replay_from
 from skip_harness.run.training import training_side
@@ -114,3 +115,31 @@ def from_parts(settings: Any = None, *, namespace: Union[Mapping[str, Any], Name
         rollout=settings_from(settings), namespace=namespace_key_from(namespace), fingerprint=fingerprint,
         training_config=None if training_config is None else flatten_config(training_config), config=config,
     )
+
+
+# The Hydra startup callback resolves a job's settings before its task function runs (`on_run_start`, to refuse
+# a bad config before the run directory exists): it hands them over, and `on_job_start` and the task function
+# take them instead of resolving the same config again. Matched by the config's resolved values and the
+# environment the adapters read; one slot (Hydra runs a process's jobs one at a time).
+_ENV = ("WORLD_SIZE", DUMP_DIR_ENV, REPLAY_FROM_ENV, REPLAY_CHECK_ENV)
+_handed: List[Tuple[Any, RunSettings]] = []
+
+
+def _identity(config: Any) -> Any:
+    try:
+        return plain(as_node(config)), tuple(os.environ.get(name) for name in _ENV)
+    except Exception:  # noqa: BLE001 - a config that cannot be resolved here matches nothing
+        return None
+
+
+def hand_over(config: Any, settings: RunSettings) -> None:
+    """`settings` were resolved from `config`: the next :func:`take` of the same config returns them."""
+    _handed[:] = [(_identity(config), settings)]
+
+
+def take(config: Any) -> Optional[RunSettings]:
+    """The settings handed over for `config` (the same resolved values, the same environment), else None."""
+    if not _handed:
+        return None
+    identity, settings = _handed.pop()
+    return settings if identity is not None and identity == _identity(config) else None
