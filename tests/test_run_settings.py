@@ -173,12 +173,14 @@ def test_under_the_hydra_callback_the_run_is_resolved_once_for_the_callback_and_
     from skip_harness.integrations.hydra import HydraStartupCallback
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)   # whatever a callback writes relative to the working directory lands here
     register_demo_configs()
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("config", [*TINY_OVERRIDES, "trainer.total_training_steps=1",
                                  f"skip.rollout_tq.dump_dir={tmp_path / 'cache'}"])
     callback = HydraStartupCallback(validate="skip_harness.demo.run.validate")
     calls = _Calls()
+    assert not (tmp_path / "None").exists()
     sys.setprofile(calls)
     try:
         callback.on_run_start(config=cfg)
@@ -189,6 +191,7 @@ def test_under_the_hydra_callback_the_run_is_resolved_once_for_the_callback_and_
         sys.setprofile(None)
     assert [row["cache"] for row in result.metrics] == ["miss"]
     assert (calls.k_rule, calls.harnesses) == (1, 1)
+    assert not (tmp_path / "None").exists()   # a config without a `hydra` node claims no `./None` run directory
 
 
 def test_settings_handed_over_for_another_config_or_environment_are_not_taken(tmp_path, monkeypatch):

@@ -135,10 +135,13 @@ def _claim(config: Any, mode: str) -> None:
     """The run (or sweep) directory held by this launch before Hydra writes anything there
     (`hydra_run.claim_run_dir`): another live run in it stops this one, exit 2."""
     try:
-        where = Path(str(OmegaConf.select(config, f"hydra.{mode}.dir", throw_on_missing=True)))
+        named = OmegaConf.select(config, f"hydra.{mode}.dir", throw_on_missing=True)
     except Exception as exc:  # noqa: BLE001 - Hydra reports a directory it cannot name
         log.debug("skip_harness: the %s directory could not be claimed: %s", mode, exc)
         return
+    if named is None:   # a config without a `hydra` node (composed by hand): no directory to hold, not `./None`
+        return
+    where = Path(str(named))
     try:
         claim_run_dir(where, key=f"hydra.{mode}.dir")
     except RunDirTakenError as exc:
