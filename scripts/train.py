@@ -15,7 +15,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from skip_harness.config import k_for
+from skip_harness.config import k_of
 from skip_harness.demo.config import DemoConfig, register_demo_configs
 from skip_harness.demo.run import train
 from skip_harness.errors import ConfigError, SkipHarnessError
@@ -29,7 +29,9 @@ log = logging.getLogger("skip_harness")
 register_demo_configs()
 # the run and sweep directories' name: `{start}_pid{pid}`, under torchrun `{launcher's start}_launch{its pid}`
 OmegaConf.register_new_resolver("skip_harness_run_id", run_id, replace=True)
-OmegaConf.register_new_resolver("skip_harness_k", lambda mode, k: k_for(str(mode), int(k)), replace=True)
+# a sweep job's `K{K}`: the one K rule on the two keys the demo's schema has (separate_async's parameter_sync_step)
+OmegaConf.register_new_resolver("skip_harness_k", lambda mode, k: k_of(
+    {"trainer": {"v1": {"trainer_mode": str(mode), "separate_async": {"parameter_sync_step": int(k)}}}})[1], replace=True)
 
 
 def _shut_down_process_group() -> None:

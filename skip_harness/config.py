@@ -12,9 +12,9 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from skip_harness.errors import ConfigError
@@ -298,23 +298,40 @@ def with_replay_env(settings: RolloutTQConfig) -> RolloutTQConfig:
         raise ConfigError(f"${name}", str(exc)[len(exc.key) + 2:]) from None
 
 
+def as_node(cfg: Any) -> DictConfig:
+    """A whole config (an OmegaConf node, a dict, a dataclass instance or None) as an OmegaConf node: the
+    one conversion every reader of a config's dotted keys goes through."""
+    if isinstance(cfg, DictConfig):
+        return cfg
+    if cfg is None:
+        return OmegaConf.create({})
+    try:
+        return OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
+    except (TypeError, ValueError, OmegaConfBaseException) as exc:
+        raise ConfigError("config", f"not a mapping of settings: {exc}") from None
+
+
+def plain(value: Any) -> Any:
+    """An OmegaConf node's value as plain Python (dicts, lists), interpolations resolved; anything else as is."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
 def rollout_tq_from(cfg: Any) -> RolloutTQConfig:
     """The `skip.rollout_tq` node of any trainer's whole config as validated settings."""
-    if cfg is None:
-        return settings_from(None)
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
-    return settings_from(OmegaConf.select(cfg, ROLLOUT_TQ_KEY, default=None))
+    return settings_from(OmegaConf.select(as_node(cfg), ROLLOUT_TQ_KEY, default=None))
 
 
-def check_batch_split(train_batch_size: int, K: int, world_size: int) -> None:
-    """`data.train_batch_size` is global: each sample on each rank takes train_batch_size / (K x W) prompts."""
+def check_batch_split(train_batch_size: int, K: int, world_size: int, mode: str = "separate_async") -> int:
+    """The one batch-split check. `data.train_batch_size` is global: each sample on each rank takes
+    train_batch_size / (K x W) prompts, which it returns; anything else is a ConfigError naming the key."""
     if train_batch_size % (K * world_size) == 0:
-        return
+        return train_batch_size // (K * world_size)
     if world_size == 1:
         raise ConfigError(
             "data.train_batch_size",
-            f"{train_batch_size} is not a multiple of K = trainer.v1.separate_async.parameter_sync_step = {K} "
+            f"{train_batch_size} is not a multiple of K = trainer.v1.{mode}.parameter_sync_step = {K} "
             f"(each of the K sample calls of a step takes train_batch_size / K prompts)",
         )
     raise ConfigError(
@@ -330,52 +347,70 @@ _MISSING = object()
 def select_key(cfg: Any, key: str, *, why: str) -> Any:
     """The value at dotted `key` of `cfg` (an OmegaConf node, a dict or a dataclass); ConfigError naming
     it when it is absent (`why` says who needs it)."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
-    value = OmegaConf.select(cfg, key, default=_MISSING)
+    value = OmegaConf.select(as_node(cfg), key, default=_MISSING)
     if value is _MISSING or value is None:
         raise ConfigError(key, f"missing; {why}")
+    return plain(value)
+
+
+def select_int(cfg: Any, key: str, *, minimum: int, why: str, required: bool = True) -> Optional[int]:
+    """The int at dotted `key` (>= `minimum`); ConfigError naming the key when it is missing (unless not
+    `required`: None) or not such an int."""
+    value = plain(OmegaConf.select(as_node(cfg), key, default=None))
+    if value is None:
+        if required:
+            raise ConfigError(key, f"missing; {why}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, f"must be an int >= {minimum}, got {value!r}")
     return value
 
 
-def k_for(mode: str, parameter_sync_step: Optional[int]) -> int:
-    """K from the trainer mode: parameter_sync_step in separate_async, else 1. Checks both keys.
-
-    The one K rule: the demo, verl-keyed configs and the sweep directory names all use it."""
+def k_for(mode: Any, parameter_sync_step: Optional[int]) -> int:
+    """The one K rule, verl's V1 trainer's (trainer_base: ``trainer.v1.get(mode, {}).get("parameter_sync_step",
+    1)``): a step's sample calls in trainer mode `mode` are that mode's own `trainer.v1.{mode}.parameter_sync_step`
+    (`parameter_sync_step`; None: the mode's node has none, as sync and colocate_async), else 1. An unknown
+    mode is a ConfigError naming `trainer.v1.trainer_mode`; a K < 1 names the mode's key."""
     if mode not in TRAINER_MODES:
         raise ConfigError("trainer.v1.trainer_mode", f"unknown mode {mode!r}; expected one of {', '.join(TRAINER_MODES)}")
-    if parameter_sync_step is not None and parameter_sync_step < 1:
-        raise ConfigError("trainer.v1.separate_async.parameter_sync_step", f"must be >= 1, got {parameter_sync_step}")
-    return parameter_sync_step if mode == "separate_async" else 1
+    if parameter_sync_step is None:
+        return 1
+    if isinstance(parameter_sync_step, bool) or not isinstance(parameter_sync_step, int) or parameter_sync_step < 1:
+        raise ConfigError(f"trainer.v1.{mode}.parameter_sync_step", f"must be an int >= 1, got {parameter_sync_step!r}")
+    return parameter_sync_step
 
 
-def k_from_config(cfg: Any) -> int:
-    """K for any verl-keyed config (parameter_sync_step is only required in separate_async)."""
-    why = "the rollout cache derives K from it"
-    mode = str(select_key(cfg, "trainer.v1.trainer_mode", why=why))
-    if mode != "separate_async":
-        return k_for(mode, None)
-    return k_for(mode, int(select_key(cfg, "trainer.v1.separate_async.parameter_sync_step", why=why)))
+def k_of(cfg: Any) -> Tuple[str, int]:
+    """(trainer mode, K) of a whole config with verl's key names (the demo's, verl's, `from_config`'s): the
+    mode from `trainer.v1.trainer_mode` (missing: a ConfigError naming it), K by :func:`k_for`."""
+    node = as_node(cfg)
+    mode = select_key(node, "trainer.v1.trainer_mode", why="the rollout cache derives K from it")
+    pss = plain(OmegaConf.select(node, f"trainer.v1.{mode}.parameter_sync_step", default=None)) \
+        if mode in TRAINER_MODES else None
+    return mode, k_for(mode, pss)
 
 
-def namespace_key_from_config(cfg: Any) -> NamespaceKey:
-    """The namespace of a config that uses verl's key names, W = 1 (the harness sets W at startup)."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
-    why = "the rollout cache names its namespace with it"
-    K = k_from_config(cfg)
-    train_batch_size = int(select_key(cfg, "data.train_batch_size", why=why))
-    check_batch_split(train_batch_size, K, 1)
-    # verl names the namespace by the generation batch when it is set (verl #7051).
-    gen_batch_size = OmegaConf.select(cfg, "data.gen_batch_size", default=None)
-    gbs = int(gen_batch_size) if gen_batch_size is not None else train_batch_size
+NAMED_BY = "the rollout cache names its namespace with it"
+
+
+def namespace_key_from_config(cfg: Any, K: Optional[int] = None) -> NamespaceKey:
+    """The one builder of a verl-keyed config's namespace, W = 1 (the harness sets W at startup), with `K`
+    when the caller has it (else :func:`k_of`). Every key is required: a missing `trainer.experiment_name`
+    or `trainer.project_name` is a ConfigError naming it (verl's own composed config always has both; no
+    default name is made up). GBS is `data.gen_batch_size` when set, else `data.train_batch_size`
+    (verl #7051)."""
+    node = as_node(cfg)
+    if K is None:
+        K = k_of(node)[1]
+    train_batch_size = select_int(node, "data.train_batch_size", minimum=1, why=NAMED_BY)
+    gen_batch_size = select_int(node, "data.gen_batch_size", minimum=1, why=NAMED_BY, required=False)
     return NamespaceKey(
-        experiment_name=str(select_key(cfg, "trainer.experiment_name", why=why)),
-        project_name=str(select_key(cfg, "trainer.project_name", why=why)),
-        train_batch_size=gbs,
-        n=int(select_key(cfg, "actor_rollout_ref.rollout.n", why=why)),
-        max_prompt_length=int(select_key(cfg, "data.max_prompt_length", why=why)),
-        max_response_length=int(select_key(cfg, "data.max_response_length", why=why)),
+        experiment_name=str(select_key(node, "trainer.experiment_name", why=NAMED_BY)),
+        project_name=str(select_key(node, "trainer.project_name", why=NAMED_BY)),
+        train_batch_size=gen_batch_size if gen_batch_size is not None else train_batch_size,
+        n=select_int(node, "actor_rollout_ref.rollout.n", minimum=1, why=NAMED_BY),
+        max_prompt_length=select_int(node, "data.max_prompt_length", minimum=0, why=NAMED_BY),
+        max_response_length=select_int(node, "data.max_response_length", minimum=0, why=NAMED_BY),
         K=K,
     )
 
@@ -386,8 +421,7 @@ def namespace_key_from(obj: Any) -> NamespaceKey:
     if isinstance(obj, NamespaceKey):
         key = obj
     else:
-        if isinstance(obj, DictConfig):
-            obj = OmegaConf.to_container(obj, resolve=True)
+        obj = plain(obj)
         if not isinstance(obj, dict):
             raise ConfigError("namespace", f"must be a dict or a NamespaceKey, got {type(obj).__name__}")
         fields = {f.name for f in dataclasses.fields(NamespaceKey)}

@@ -21,6 +21,7 @@ import torch
 
 from skip_harness.config import RolloutTQConfig
 from skip_harness.run.harness import SkipHarness
+from skip_harness.run.settings import RunSettings
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import NamespaceKey
 
@@ -42,7 +43,7 @@ class Loop:
 
 def make(dump_dir: str, follow: float = 0.0, **kw) -> SkipHarness:
     settings = RolloutTQConfig(enable=True, dump_dir=str(dump_dir), follow_timeout=follow, **kw)
-    return SkipHarness(settings, KEY, fingerprint=Fingerprint({"seed": 0}))
+    return SkipHarness(RunSettings(settings, KEY, fingerprint=Fingerprint({"seed": 0})))
 
 
 def values_for(step: int, lr: float) -> dict:

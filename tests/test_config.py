@@ -6,13 +6,16 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from skip_harness.config import RolloutTQConfig, check_batch_split, namespace_key_from_config
+from skip_harness.config import RolloutTQConfig, as_node, check_batch_split, namespace_key_from_config
 from skip_harness.demo.config import DemoConfig, to_demo_config
 from skip_harness.errors import ConfigError
 
 
 def demo(*dotlist):
-    return to_demo_config(OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.from_dotlist(list(dotlist))))
+    """The demo's config through its adapter (demo.run.validate): the schema, K, the batch split."""
+    from skip_harness.demo.run import validate
+
+    return validate(OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.from_dotlist(list(dotlist)))).config
 
 
 def test_dump_dir_explicit_key_beats_env_which_beats_the_user_cache(monkeypatch, tmp_path):
@@ -166,12 +169,12 @@ def test_parameter_sync_step_is_in_the_fingerprint_only_in_separate_async():
 
     key = "trainer.v1.separate_async.parameter_sync_step"
     for mode in ("sync", "colocate_async"):
-        a = Fingerprint.from_config(demo(f"trainer.v1.trainer_mode={mode}", f"{key}=4"), demo_fingerprint_keys(mode))
-        b = Fingerprint.from_config(demo(f"trainer.v1.trainer_mode={mode}", f"{key}=2"), demo_fingerprint_keys(mode))
+        a = Fingerprint.from_config(as_node(demo(f"trainer.v1.trainer_mode={mode}", f"{key}=4")), demo_fingerprint_keys(mode))
+        b = Fingerprint.from_config(as_node(demo(f"trainer.v1.trainer_mode={mode}", f"{key}=2")), demo_fingerprint_keys(mode))
         assert key not in a.values and a.matches(b)
     sep = demo_fingerprint_keys("separate_async")
-    a = Fingerprint.from_config(demo("trainer.v1.trainer_mode=separate_async", f"{key}=4"), sep)
-    b = Fingerprint.from_config(demo("trainer.v1.trainer_mode=separate_async", f"{key}=2"), sep)
+    a = Fingerprint.from_config(as_node(demo("trainer.v1.trainer_mode=separate_async", f"{key}=4")), sep)
+    b = Fingerprint.from_config(as_node(demo("trainer.v1.trainer_mode=separate_async", f"{key}=2")), sep)
     assert not a.matches(b) and a.differing_keys(b) == [key]
 
 
@@ -180,7 +183,7 @@ def test_a_cache_whose_fingerprint_held_more_keys_still_matches_when_the_values_
     from skip_harness.store.fingerprint import Fingerprint
 
     key = "trainer.v1.separate_async.parameter_sync_step"
-    now = Fingerprint.from_config(demo(f"{key}=2"), demo_fingerprint_keys("sync"))
+    now = Fingerprint.from_config(as_node(demo(f"{key}=2")), demo_fingerprint_keys("sync"))
     # what the previous version recorded in sync mode: every key, parameter_sync_step included
     old = Fingerprint.from_values({**now.values, key: 4})
     assert now.matches(old)

@@ -16,6 +16,7 @@ from skip_harness.config import RolloutTQConfig
 from skip_harness.errors import FingerprintMismatchError, HarnessUsageError
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.run.harness import SkipHarness
+from skip_harness.run.settings import RunSettings
 from skip_harness.store.layout import NamespaceKey
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.stepstore import StepStore
@@ -46,7 +47,7 @@ class Trainer:
 def make(tmp_path, K=1, trainer=None, fingerprint=None, callbacks=(), **kw):
     settings = RolloutTQConfig(enable=True, dump_dir=str(tmp_path / "cache"), **kw)
     key = NamespaceKey("exp", "proj", 8, 2, 4, 4, K=K, W=1)
-    h = SkipHarness(settings, key, fingerprint=fingerprint or Fingerprint({"seed": 0}), callbacks=callbacks)
+    h = SkipHarness(RunSettings(settings, key, fingerprint=fingerprint or Fingerprint({"seed": 0})), callbacks=callbacks)
     t = trainer or Trainer()
     h.wrap(t)
     return h, t
@@ -361,7 +362,8 @@ def test_a_namespace_held_by_another_process_is_read_beside_it(tmp_path):
         from skip_harness.store.fingerprint import Fingerprint
         from skip_harness.store.layout import NamespaceKey
         s = RolloutTQConfig(enable=True, dump_dir={str(tmp_path / 'cache')!r}, lock_timeout=0.5)
-        h = SkipHarness(s, NamespaceKey("exp", "proj", 8, 2, 4, 4), fingerprint=Fingerprint({{"seed": 0}}))
+        from skip_harness.run.settings import RunSettings
+        h = SkipHarness(RunSettings(s, NamespaceKey("exp", "proj", 8, 2, 4, 4), fingerprint=Fingerprint({{"seed": 0}})))
         h.start()
         print("reader", h._startup.reader)
         h.close()

@@ -279,14 +279,14 @@ def test_the_recording_is_opened_once_on_a_rank(tmp_path, packed, monkeypatch):
     opened = []
 
     def counted(real):
-        def opening(where):
-            path = where if isinstance(where, (str, Path)) else where.root
-            opened.append(Path(str(path)))
-            return real(where)
+        def opening(backend, layout):
+            opened.append(Path(str(layout.root)))
+            return real(backend, layout)
         return opening
 
-    monkeypatch.setattr(opener, "posix_namespace", counted(opener.posix_namespace))
-    monkeypatch.setattr(opener, "pack_namespace", counted(opener.pack_namespace))
+    # every namespace is opened through its backend's `namespace(layout)` (store.registry)
+    monkeypatch.setattr(opener.PosixBackend, "namespace", counted(opener.PosixBackend.namespace))
+    monkeypatch.setattr(opener.PackBackend, "namespace", counted(opener.PackBackend.namespace))
     harness = SkipHarness.create({"enable": True, "dump_dir": str(tmp_path), "replay_from": str(recording)},
                                  namespace={**NS, "K": 2}, fingerprint={"seed": 0})
     trainer = reshard_rig.Trainer(2, 1, 0)

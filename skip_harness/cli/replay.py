@@ -37,7 +37,7 @@ EXIT_DIVERGED = 1
 
 
 @dataclass(frozen=True)
-class Recording:
+class RecordingPath:
     """What PACK names: a pack file, or one namespace directory."""
 
     path: Path
@@ -50,7 +50,7 @@ class ReplayVerdict:
 
     code: int
     line: str
-    recording: Optional[Recording] = None
+    recording: Optional[RecordingPath] = None
     command: List[str] = field(default_factory=list)
     returncode: Optional[int] = None
     reports: List[Dict[str, Any]] = field(default_factory=list)
@@ -62,7 +62,7 @@ class ReplayVerdict:
                 "returncode": self.returncode, "blessed": self.blessed, "runs": self.reports}
 
 
-def recording_at(text: Union[str, os.PathLike]) -> Recording:
+def recording_at(text: Union[str, os.PathLike]) -> RecordingPath:
     """The recording PACK names, checked before anything runs: a pack file, a namespace directory, or a
     directory holding exactly one namespace (that one). CliError (exit 2) naming PACK otherwise."""
     from skip_harness.store.api import namespaces_at
@@ -72,7 +72,7 @@ def recording_at(text: Union[str, os.PathLike]) -> Recording:
         raise CliError(f"PACK: {path} does not exist")
     if path.is_file():
         if _is_pack(path):
-            return Recording(path, "pack")
+            return RecordingPath(path, "pack")
         raise CliError(f"PACK: {path} is not a skip_harness pack (`skip-harness pack` writes one) nor a namespace directory")
     found = namespaces_at(path)
     if not found:
@@ -80,7 +80,7 @@ def recording_at(text: Union[str, os.PathLike]) -> Recording:
     if len(found) > 1:
         names = ", ".join(str(layout.root.relative_to(path)) for layout in found[:4])
         raise CliError(f"PACK: {path} holds {len(found)} namespaces ({names}{', ...' if len(found) > 4 else ''}); name one")
-    return Recording(Path(found[0].root), "namespace")
+    return RecordingPath(Path(found[0].root), "namespace")
 
 
 def _is_pack(path: Path) -> bool:
@@ -151,7 +151,7 @@ def _same_place(a: Any, b: Path) -> bool:
     return a is not None and os.path.realpath(str(a)) == os.path.realpath(str(b))
 
 
-def judge(recording: Recording, args: List[str], returncode: int, reports: List[Dict[str, Any]], *,
+def judge(recording: RecordingPath, args: List[str], returncode: int, reports: List[Dict[str, Any]], *,
           bless: bool = False) -> ReplayVerdict:
     """The verdict of a replay's reports: exit 0, 1 or 2 and the line that says why (module doc)."""
     verdict = ReplayVerdict(EXIT_USAGE, "", recording, args, returncode, reports)
@@ -212,5 +212,5 @@ def cmd_replay(pack: str, command: Sequence[str], bless: bool, as_json: bool) ->
     return verdict.code
 
 
-__all__ = ["EXIT_DIVERGED", "Recording", "ReplayVerdict", "cmd_replay", "command_of", "judge", "read_reports",
+__all__ = ["EXIT_DIVERGED", "RecordingPath", "ReplayVerdict", "cmd_replay", "command_of", "judge", "read_reports",
            "recording_at", "replay"]

@@ -1,12 +1,13 @@
 """The demo's config: `scripts/train.py`'s whole schema (verl's key names), its fingerprint keys, and
 its registration in Hydra's ConfigStore as `demo_schema`. The rollout cache's own schema
-(`skip.rollout_tq`) and the K rule stay in :mod:`skip_harness.config`."""
+(`skip.rollout_tq`), the K rule and the batch split stay in :mod:`skip_harness.config`; the demo's run settings
+(K, the namespace, the split: checked once) are built by `demo.run.validate`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from skip_harness.config import SkipConfig, _to_object, check_batch_split, k_for, register_configs
+from skip_harness.config import SkipConfig, _to_object, check_batch_split, k_of, register_configs
 from skip_harness.errors import ConfigError
 
 
@@ -99,7 +100,7 @@ class DemoConfig:
     skip: SkipConfig = field(default_factory=SkipConfig)
 
     def __post_init__(self) -> None:
-        k_for(self.trainer.v1.trainer_mode, self.trainer.v1.separate_async.parameter_sync_step)
+        # the fields' own checks; the mode, K and the batch split are the run settings' (demo.run.validate)
         positive = {
             "data.train_batch_size": self.data.train_batch_size,
             "data.max_prompt_length": self.data.max_prompt_length,
@@ -119,12 +120,12 @@ class DemoConfig:
             raise ConfigError("trainer.torch_threads", f"must be >= 1 or null (cores / processes per machine), got {threads}")
         if self.trainer.test_freq < 0:
             raise ConfigError("trainer.test_freq", f"must be >= 0 (0 = no validation), got {self.trainer.test_freq}")
-        check_batch_split(self.data.train_batch_size, self.K, 1)
 
     @property
     def K(self) -> int:
-        """Sample calls per step: parameter_sync_step in separate_async, else 1."""
-        return k_for(self.trainer.v1.trainer_mode, self.trainer.v1.separate_async.parameter_sync_step)
+        """Sample calls per step by the one K rule (`config.k_of`): parameter_sync_step in separate_async, else 1.
+        A run reads it from its settings (`RunSettings.K`), computed once."""
+        return k_of(self)[1]
 
     def check_world_size(self, world_size: int) -> None:
         check_batch_split(self.data.train_batch_size, self.K, world_size)

@@ -1,7 +1,8 @@
 """`train(cfg)`: the demo's whole run as a plain function (scripts/train.py is a thin Hydra shell).
 
-Builds the trainer and the harness from one validated config, wraps the trainer, trains, and writes
-`metrics.jsonl` (rank 0, metrics over all ranks) in the run directory.
+Resolves the run's settings once (`validate`: the demo's adapter to `RunSettings`), builds the one harness
+and the trainer from them, wraps the trainer, trains, and writes `metrics.jsonl` (rank 0, metrics over all
+ranks) in the run directory.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from typing import Any, Dict, List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from skip_harness.demo.config import DemoConfig, demo_fingerprint_keys, to_demo_config
+from skip_harness.demo.config import demo_fingerprint_keys, to_demo_config
 from skip_harness.run.dist import DistContext
 from skip_harness.run.harness import SkipHarness
+from skip_harness.run.settings import RunSettings, from_verl_keys, take
 
 log = logging.getLogger("skip_harness.demo")
 
@@ -44,14 +46,16 @@ def _run_dir(explicit: Optional[Path]) -> Path:
         return Path.cwd()
 
 
-def demo_settings(cfg: DemoConfig):
+def demo_settings(settings: RunSettings):
+    """The demo trainer's values from the run's settings (`validate`'s): its DemoConfig and its K."""
     from skip_harness.demo.trainer import DemoSettings
 
+    cfg = settings.config
     arr = cfg.actor_rollout_ref
     return DemoSettings(
         seed=cfg.seed,
         mode=cfg.trainer.v1.trainer_mode,
-        K=cfg.K,
+        K=settings.K,
         train_batch_size=cfg.data.train_batch_size,
         n=arr.rollout.n,
         max_prompt_length=cfg.data.max_prompt_length,
@@ -70,13 +74,14 @@ def demo_settings(cfg: DemoConfig):
     )
 
 
-def validate(cfg: Any) -> DemoConfig:
-    """The demo's whole config checked, with nothing touched: the schema, every cross-field check, the
-    world size's batch split and the harness's own settings. Raises ConfigError naming the key."""
+def validate(cfg: Any) -> RunSettings:
+    """The demo's adapter: its whole config checked, with nothing touched -- the schema, every cross-field
+    check, K (once), the batch split for $WORLD_SIZE and the harness's own settings -- into the run's one
+    `RunSettings` (its DemoConfig in `.config`). Raises ConfigError naming the key. The Hydra startup
+    callback calls it too (conf/config.yaml) and takes the namespace from what it returns."""
     demo = to_demo_config(cfg)
-    demo.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
-    SkipHarness.from_config(OmegaConf.structured(demo), fingerprint_keys=demo_fingerprint_keys(demo.trainer.v1.trainer_mode))
-    return demo
+    return from_verl_keys(OmegaConf.structured(demo), fingerprint_keys=demo_fingerprint_keys(demo.trainer.v1.trainer_mode),
+                          config=demo)
 
 
 def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
@@ -84,7 +89,8 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
 
     Raises ConfigError (naming the key), LockHeldError or FingerprintMismatchError before any work.
     """
-    demo = validate(cfg)
+    settings = take(cfg) or validate(cfg)   # resolved once: by the Hydra startup callback when it ran
+    demo = settings.config
     from accelerate import Accelerator
 
     from skip_harness.demo.trainer import DemoTrainer
@@ -93,20 +99,18 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
     dist = DistContext.current()
     threads = demo.trainer.torch_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
-    demo.check_world_size(dist.world_size)
     out_dir = _run_dir(run_dir)
-    harness = SkipHarness.from_config(OmegaConf.structured(demo), dist=dist,
-                                     fingerprint_keys=demo_fingerprint_keys(demo.trainer.v1.trainer_mode))
-    harness.start()  # lock, scan, cleanup, fingerprint check: before any work
+    harness = SkipHarness(settings, dist=dist)   # the run's one harness
+    harness.start()  # the batch split for this world size, lock, scan, cleanup, fingerprint check: before any work
 
-    trainer = DemoTrainer(demo_settings(demo), accelerator)
+    trainer = DemoTrainer(demo_settings(settings), accelerator)
     harness.wrap(trainer)
     trainer.phase = lambda name, step, compute, key: harness.phase(name, step, compute, key=key)  # the second tier
     total = demo.trainer.total_training_steps
     say = log.info if dist.is_main else log.debug
     say(
         "training %d step%s: mode=%s K=%d W=%d, %d torch threads, run dir %s, rollout cache %s",
-        total, "" if total == 1 else "s", demo.trainer.v1.trainer_mode, demo.K, dist.world_size, threads, out_dir,
+        total, "" if total == 1 else "s", settings.mode, settings.K, dist.world_size, threads, out_dir,
         harness.layout.root if harness.enabled else "off",
     )
 
@@ -119,7 +123,7 @@ def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:
         if demo.trainer.progress and sys.stderr.isatty():  # never `\r` frames into a log file or a pipe
             from tqdm import tqdm
 
-            bar = tqdm(total=total, desc=f"{demo.trainer.v1.trainer_mode} K={demo.K}", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=total, desc=f"{settings.mode} K={settings.K}", unit="step", dynamic_ncols=True)
 
     def on_step_end(step: int, metrics: Dict[str, Any]) -> None:
         row = {"step": step, "cache": harness.outcome(step), **metrics}

@@ -34,9 +34,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from skip_harness.run.callbacks import LoggingCallback
-from skip_harness.config import Action, check_batch_split, namespace_key_from_config, rollout_tq_from
+from skip_harness.config import Action
 from skip_harness.errors import ConfigError
 from skip_harness.integrations.hydra_run import RunDirTakenError, claim_run_dir
+from skip_harness.run.settings import RunSettings, from_verl_keys, hand_over as hand_over_settings, launched_world_size, take
 from skip_harness.run.startup import StartupResult, hand_over, prepare_namespace, take_over
 
 log = logging.getLogger("skip_harness")
@@ -80,7 +81,9 @@ class HydraStartupCallback(Callback):
         task = _task_config(config) if self._validate else None
         if task is not None:
             try:
-                _import(self._validate)(task)   # type: ignore[arg-type]  # set when task is
+                checked = _import(self._validate)(task)   # type: ignore[arg-type]  # set when task is
+                if isinstance(checked, RunSettings):
+                    hand_over_settings(task, checked)   # resolved once: on_job_start and the task function take them
             except ConfigError as exc:
                 log.error("%s (nothing was created: no run directory, nothing in the cache)", exc)
                 sys.stderr.flush()
@@ -100,15 +103,17 @@ class HydraStartupCallback(Callback):
         if task is None:
             return
         try:
-            if self._validate:
-                _import(self._validate)(task)
-            settings = rollout_tq_from(task)
+            # the run's settings, resolved once here: what the trainer's check returns when it is the front
+            # end's adapter (the demo's validate), else the verl-keyed adapter
+            checked = (take(task) or _import(self._validate)(task)) if self._validate else None
+            if isinstance(checked, RunSettings):
+                hand_over_settings(task, checked)   # the task function takes them (demo.run.train)
+            run = checked if isinstance(checked, RunSettings) else from_verl_keys(task, training=False)
+            settings = run.rollout
             if not settings.enable or settings.replay_from is not None or settings.action == Action.compare:
                 return    # replay_from: the harness checks the recording first, and creates its own namespace lazily;
                 # action=compare: the recording is only read (no lock, no cleanup)
-            key = namespace_key_from_config(task)
-            check_batch_split(int(task.data.train_batch_size), key.K, int(os.environ.get("WORLD_SIZE", "1")))
-            layout = key.with_world_size(int(os.environ.get("WORLD_SIZE", "1"))).layout(settings.resolved_dump_dir())
+            layout = run.namespace.with_world_size(launched_world_size()).layout(settings.resolved_dump_dir())
             result = prepare_namespace(layout, settings)   # waits lock_timeout s, then reads beside a holder
         except Exception as exc:  # the task function repeats the checks and reports properly
             log.debug("skip_harness startup deferred to the harness: %s", exc)
@@ -130,10 +135,13 @@ def _claim(config: Any, mode: str) -> None:
     """The run (or sweep) directory held by this launch before Hydra writes anything there
     (`hydra_run.claim_run_dir`): another live run in it stops this one, exit 2."""
     try:
-        where = Path(str(OmegaConf.select(config, f"hydra.{mode}.dir", throw_on_missing=True)))
+        named = OmegaConf.select(config, f"hydra.{mode}.dir", throw_on_missing=True)
     except Exception as exc:  # noqa: BLE001 - Hydra reports a directory it cannot name
         log.debug("skip_harness: the %s directory could not be claimed: %s", mode, exc)
         return
+    if named is None:   # a config without a `hydra` node (composed by hand): no directory to hold, not `./None`
+        return
+    where = Path(str(named))
     try:
         claim_run_dir(where, key=f"hydra.{mode}.dir")
     except RunDirTakenError as exc:

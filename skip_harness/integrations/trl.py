@@ -61,13 +61,12 @@ Where it lives
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Mapping, Optional, Sequence
 
 from skip_harness.errors import HarnessUsageError, ReplayDivergedError
 from skip_harness.integrations.trl_keys import (  # noqa: F401  (re-exported: importable from here as before)
     GENERATION_ARGS, NOT_TRAINING_ARGS, digest, generation_fingerprint, generations_per_step, namespace_for,
-    prompt_digest, training_config,
+    prompt_digest, run_settings, training_config,
 )
 from skip_harness.integrations import trl_patches, trl_tier
 from skip_harness.integrations.trl_patches import GENERATION_METHOD
@@ -141,23 +140,10 @@ def attach(
 
     _check_supported(trainer)
     usable = trl_patches.check(type(trainer), trl_patches.installed_version())   # before anything is replaced
-    K = generations_per_step(trainer.args)
-    if experiment_name is None:
-        experiment_name = getattr(trainer.args, "run_name", None) or os.path.basename(
-            os.path.normpath(str(trainer.args.output_dir))
-        )
-    values = generation_fingerprint(trainer)
-    values.update(dict(fingerprint or {}))
-    config = {"enable": True, "restore_rng": True, **settings}
-    if dump_dir is not None:
-        config["dump_dir"] = str(dump_dir)
-    harness = SkipHarness.create(
-        settings=config,
-        namespace=namespace_for(trainer, experiment_name, project_name, K),
-        fingerprint=values,
-        callbacks=callbacks,
-        training_config=training_config(trainer),
-    )
+    run = run_settings(trainer, dump_dir=dump_dir, experiment_name=experiment_name, project_name=project_name,
+                       fingerprint=fingerprint, settings=settings)
+    harness = SkipHarness(run, callbacks=callbacks)
+    K, experiment_name = run.K, run.namespace.experiment_name
 
     original = getattr(trainer, GENERATION_METHOD)
     generation = Generation(original)

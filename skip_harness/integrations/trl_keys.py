@@ -6,8 +6,9 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import os
 import struct
-from typing import Any, Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
@@ -163,3 +164,25 @@ def namespace_for(trainer: Any, experiment_name: str, project_name: str, K: int)
         "train_batch_size": K * int(args.generation_batch_size) // n,
         "max_response_length": int(args.max_completion_length),
     }
+
+
+def run_settings(trainer: Any, *, dump_dir: Optional[str] = None, experiment_name: Optional[str] = None,
+                 project_name: str = "trl", fingerprint: Optional[Mapping[str, Any]] = None,
+                 settings: Optional[Mapping[str, Any]] = None) -> Any:
+    """TRL's adapter: a GRPOTrainer's run settings (`run.settings.RunSettings`), resolved once by `attach`: K
+    from its arguments, the namespace (`experiment_name` defaults to ``args.run_name``, else the output
+    directory's name), the generation fingerprint plus `fingerprint`, the training side, and `settings`
+    (``skip.rollout_tq`` keys; ``enable`` and ``restore_rng`` default to True)."""
+    from skip_harness.run.settings import from_parts
+
+    K = generations_per_step(trainer.args)
+    if experiment_name is None:
+        experiment_name = getattr(trainer.args, "run_name", None) or os.path.basename(
+            os.path.normpath(str(trainer.args.output_dir)))
+    values = generation_fingerprint(trainer)
+    values.update(dict(fingerprint or {}))
+    config = {"enable": True, "restore_rng": True, **dict(settings or {})}
+    if dump_dir is not None:
+        config["dump_dir"] = str(dump_dir)
+    return from_parts(config, namespace=namespace_for(trainer, experiment_name, project_name, K), fingerprint=values,
+                      training_config=training_config(trainer))

@@ -174,8 +174,7 @@ class HarnessRolloutTqSkip(BaseSkip):
             self.steps = verl_config.EVERY_STEP
         self._generation = _Generation()
         close_all()   # verl built a new skip class: the previous harness ends first, its lock released
-        harness = SkipHarness.create(self.plan.settings, namespace=self.plan.namespace,
-                                     fingerprint=self.plan.fingerprint)
+        harness = SkipHarness(self.plan.run)
         harness.wrap(self._generation, sample="sample", prepare_data="prepare_data", dispatch_kwarg="dispatch")
         self.harness = harness
         verl_live.add(self)   # verl_values hands verl's logged metrics to it

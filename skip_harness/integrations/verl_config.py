@@ -17,13 +17,15 @@ A bad value stops the run before any work with one message naming the key (``ski
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from skip_harness.config import ROLLOUT_TQ_KEY, RolloutTQConfig, check_batch_split, settings_from
+from skip_harness.config import ROLLOUT_TQ_KEY, RolloutTQConfig, as_node, plain, settings_from
 from skip_harness.errors import ConfigError
+from skip_harness.run.settings import RunSettings, from_verl_keys
 
 #: The node that holds skip_harness's own settings (verl rejects other keys under ``skip.rollout_tq``).
 NODE = "skip_harness"
@@ -84,32 +86,46 @@ EVERY_STEP = _EveryStep()
 
 @dataclass(frozen=True)
 class VerlPlan:
-    """Everything the plug-in needs, validated before any work."""
+    """Everything the plug-in needs, validated before any work: the run's settings (`run`, built by the
+    verl-keyed adapter that `SkipHarness.from_config` and the Hydra callback use too) and verl's own extras."""
 
-    settings: RolloutTQConfig
-    namespace: Dict[str, Any]
-    fingerprint: Dict[str, Any]
-    K: int
+    run: RunSettings
     n: int
-    train_batch_size: int
-    trainer_mode: str
     all_steps: bool
     total_training_steps: Optional[int]
+
+    @property
+    def settings(self) -> RolloutTQConfig:
+        return self.run.rollout
+
+    @property
+    def K(self) -> int:
+        return self.run.K
+
+    @property
+    def trainer_mode(self) -> str:
+        return str(self.run.mode)
+
+    @property
+    def train_batch_size(self) -> int:
+        return int(self.run.train_batch_size or 0)
+
+    @property
+    def namespace(self) -> Dict[str, Any]:
+        """The namespace key's values (W left out: the harness sets it)."""
+        return {k: v for k, v in dataclasses.asdict(self.run.namespace).items() if k != "W"}
+
+    @property
+    def fingerprint(self) -> Dict[str, Any]:
+        return dict(self.run.fingerprint.values) if self.run.fingerprint is not None else {}
 
     @property
     def prompts_per_sample(self) -> int:
         return self.train_batch_size // self.K
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
 def _select(cfg: Any, key: str, default: Any = _MISSING) -> Any:
-    value = OmegaConf.select(cfg, key, default=default)
-    return _plain(value)
+    return plain(OmegaConf.select(cfg, key, default=default))
 
 
 def _int(cfg: Any, key: str, *, minimum: int, default: Any = _MISSING) -> int:
@@ -121,23 +137,12 @@ def _int(cfg: Any, key: str, *, minimum: int, default: Any = _MISSING) -> int:
     return value
 
 
-def k_of(cfg: Any) -> Tuple[str, int]:
-    """(trainer mode, K) as verl's V1 trainer computes them: K =
-    ``trainer.v1.{trainer_mode}.parameter_sync_step``, 1 when the mode has none (sync, colocate_async)."""
-    mode = _select(cfg, "trainer.v1.trainer_mode", default="sync")
-    if not isinstance(mode, str) or not mode:
-        raise ConfigError("trainer.v1.trainer_mode", f"must be a trainer mode name, got {mode!r}")
-    key = f"trainer.v1.{mode}.parameter_sync_step"
-    K = _int(cfg, key, minimum=1, default=1)
-    return mode, K
-
-
 def _node(cfg: Any) -> Dict[str, Any]:
     node = OmegaConf.select(cfg, NODE, default=None)
     if node is None:
         return {}
     if not isinstance(node, DictConfig):
-        raise ConfigError(NODE, f"must be a mapping of skip_harness settings, got {_plain(node)!r}")
+        raise ConfigError(NODE, f"must be a mapping of skip_harness settings, got {plain(node)!r}")
     return dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]  # a DictConfig: a dict
 
 
@@ -190,43 +195,23 @@ def fingerprint_of(cfg: Any, K: int, extra_keys: List[str]) -> Dict[str, Any]:
 
 
 def plan_of(local_config: Any, cfg: Any) -> VerlPlan:
-    """Validate everything the plug-in takes from verl's config (`cfg`, the whole config SkipManager.init got)."""
+    """Validate everything the plug-in takes from verl's config (`cfg`, the whole config SkipManager.init got):
+    K, the namespace and the batch split by the verl-keyed adapter (`run.settings.from_verl_keys`: one K rule,
+    one namespace key, one check), with the settings from its split nodes and verl's fingerprint."""
+    cfg = as_node(cfg)
     settings, all_steps, extra = settings_of(local_config, cfg)
-    mode, K = k_of(cfg)
-    train_batch_size = _int(cfg, "data.train_batch_size", minimum=1)
-    gen = _select(cfg, "data.gen_batch_size", default=None)
-    gbs = train_batch_size if gen is None else _int(cfg, "data.gen_batch_size", minimum=1)
-    if train_batch_size % K:
-        # verl asserts this in PPOTrainer.step; say it before any work, naming both keys
-        raise ConfigError("data.train_batch_size", f"{train_batch_size} is not a multiple of K = "
-                          f"trainer.v1.{mode}.parameter_sync_step = {K} (each of the K sample calls of a step "
-                          "takes train_batch_size / K prompts)")
-    check_batch_split(train_batch_size, K, 1)
-    n = _int(cfg, "actor_rollout_ref.rollout.n", minimum=1)
-    # verl's RolloutSkip names the namespace with trainer.get(..., default) -- keep its defaults
-    namespace = {
-        "experiment_name": str(_select(cfg, "trainer.experiment_name", default=None) or "default_experiment_name"),
-        "project_name": str(_select(cfg, "trainer.project_name", default=None) or "default_project_name"),
-        "train_batch_size": gbs,
-        "n": n,
-        "max_prompt_length": _int(cfg, "data.max_prompt_length", minimum=0, default=0),
-        "max_response_length": _int(cfg, "data.max_response_length", minimum=0, default=0),
-        "K": K,
-    }
+    # verl's driver splits a step over its own workers: the plug-in sees each step whole (W = 1)
+    run = from_verl_keys(cfg, rollout=settings, training=False, world_size=1,
+                         fingerprint_of=lambda K: fingerprint_of(cfg, K, extra))
     total = _select(cfg, "trainer.total_training_steps", default=None)
     if not isinstance(total, int) or isinstance(total, bool):
         # verl's trainer computes it (steps per epoch x epochs) and writes it, times K, into the
         # optimizer's config before fit() builds the skip classes
         optim = _select(cfg, "actor_rollout_ref.actor.optim.total_training_steps", default=None)
-        total = optim // K if isinstance(optim, int) and not isinstance(optim, bool) and optim > 0 else None
+        total = optim // run.K if isinstance(optim, int) and not isinstance(optim, bool) and optim > 0 else None
     return VerlPlan(
-        settings=settings,
-        namespace=namespace,
-        fingerprint=fingerprint_of(cfg, K, extra),
-        K=K,
-        n=n,
-        train_batch_size=train_batch_size,
-        trainer_mode=mode,
+        run=run,
+        n=int(run.namespace.n or 0),
         all_steps=all_steps,
         total_training_steps=total if isinstance(total, int) and not isinstance(total, bool) else None,
     )

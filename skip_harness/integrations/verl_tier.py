@@ -53,12 +53,11 @@ _SCALARS = (bool, int, float, str, type(None))
 
 
 def _select(cfg: Any, key: str) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf import OmegaConf
 
-    value = OmegaConf.select(cfg, key, default=None)
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
+    from skip_harness.config import plain
+
+    return plain(OmegaConf.select(cfg, key, default=None))
 
 
 def _digest(value: Any) -> str:

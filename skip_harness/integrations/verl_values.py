@@ -31,7 +31,7 @@ _original: Optional[Callable[..., Any]] = None
 def training_config_of(skip: Any) -> dict:
     """The training side of verl's config for the plug-in instance `skip` (its `global_config`, less the
     fingerprint's keys)."""
-    from skip_harness.run.harness import training_side
+    from skip_harness.run.training import training_side
 
     plan = getattr(skip, "plan", None)
     keys = list((plan.fingerprint if plan is not None else {}) or {})

@@ -12,15 +12,6 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 from skip_harness import codec
 from skip_harness.run.callbacks import CallbackDispatcher, HarnessCallback, LoggingCallback
-from skip_harness.config import (
-    RolloutTQConfig,
-    check_batch_split,
-    namespace_key_from,
-    namespace_key_from_config,
-    select_key,
-    rollout_tq_from,
-    settings_from,
-)
 from skip_harness.run.coordinator import CommitCoordinator, Writer
 from skip_harness.run.dist import DistContext
 from skip_harness.errors import HarnessUsageError
@@ -31,13 +22,13 @@ from skip_harness.run.prefetch import Prefetcher
 from skip_harness.run.replay_check import DiscardReporting, ValuesTracker
 from skip_harness.run.sharing import Follower
 from skip_harness.run.deferred import Deferred
-from skip_harness.run.recording import Recording, check_replay_from, start_run
+from skip_harness.run.recording import Recording, start_run
 from skip_harness.run.startup import StartedRun, StartupResult
 from skip_harness.run.step_source import OwnSteps, StepSources
+from skip_harness.run.settings import RunSettings, from_parts, from_verl_keys
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
-from skip_harness.run.training import training_side
 from skip_harness.run.verdict import ReplayReportWriter
 from skip_harness.run.weights import weight_digests
 
@@ -61,24 +52,24 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
 
     def __init__(
         self,
-        settings: RolloutTQConfig,
-        namespace: NamespaceKey,
+        settings: RunSettings,
         *,
-        fingerprint: Optional[Fingerprint] = None,
         callbacks: Sequence[HarnessCallback] = (),
         dist: Optional[DistContext] = None,
-        check_world_size: Optional[Callable[[int], None]] = None,
-        training_config: Any = None,
     ):
-        self.settings = settings
-        self.fingerprint = fingerprint
-        if settings.enable:
-            check_replay_from(settings, namespace)   # before any run directory or namespace is created
-        self.K = namespace.K
-        self._key = namespace
+        """`settings`: the run's settings, resolved once by a front end's adapter (`run.settings`):
+        `create` and `from_config` build them for you."""
+        if not isinstance(settings, RunSettings):
+            raise HarnessUsageError(f"SkipHarness(settings): a RunSettings, got {type(settings).__name__}; build it "
+                                    "with SkipHarness.create(...) / from_config(cfg) or skip_harness.run.settings")
+        self.run_settings = settings
+        self.settings = settings.rollout
+        self.fingerprint = settings.fingerprint
+        self.K = settings.K
+        self._key = settings.namespace
         self._user_callbacks = list(callbacks)
         self._dist = dist
-        self._check_world_size = check_world_size
+        self._check_world_size: Optional[Callable[[int], None]] = settings.check_world_size
         self._hooks = MethodHooks()
         self._call_digest: Optional[Callable[[tuple, dict], str]] = None
         self._started = self._closed = False
@@ -89,7 +80,7 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         self._values: Optional[ValuesTracker] = None
         self._follower: Optional[Follower] = None
         self._tier: Optional[TierPhases] = None
-        self._training_config = None if training_config is None else flatten_config(training_config)
+        self._training_config = settings.training_config
         self.callbacks = CallbackDispatcher(self._user_callbacks)
 
     # ----------------------------------------------------------------- construction
@@ -110,10 +101,8 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         has), `fingerprint` the values that shape the rollouts apart from the learned weights, and
         `training_config` the rest (learning rate, loss, ...: a nested mapping, recorded flattened, so
         that a replay's divergence names what changed)."""
-        if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
-            fingerprint = Fingerprint.from_values(fingerprint)
-        return cls(settings_from(settings), namespace_key_from(namespace), fingerprint=fingerprint,
-                   callbacks=callbacks, dist=dist, training_config=training_config)
+        return cls(from_parts(settings, namespace=namespace, fingerprint=fingerprint, training_config=training_config),
+                   callbacks=callbacks, dist=dist)
 
     @classmethod
     def from_config(
@@ -126,12 +115,7 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
     ) -> "SkipHarness":
         """From a whole config with verl's key names (`skip.rollout_tq`, `trainer.*`, `data.*`, ...):
         a dict, an OmegaConf node or a dataclass. A fingerprint key not in the config is a ConfigError."""
-        key = namespace_key_from_config(cfg)
-        fingerprint = Fingerprint.from_config(cfg, fingerprint_keys) if fingerprint_keys else None
-        gbs = int(select_key(cfg, "data.train_batch_size", why="each sample takes train_batch_size / (K x W) prompts"))
-        return cls(rollout_tq_from(cfg), key, fingerprint=fingerprint, callbacks=callbacks, dist=dist,
-                   check_world_size=lambda W: check_batch_split(gbs, key.K, W),
-                   training_config=training_side(cfg, fingerprint_keys))
+        return cls(from_verl_keys(cfg, fingerprint_keys=fingerprint_keys), callbacks=callbacks, dist=dist)
 
     @property
     def enabled(self) -> bool:

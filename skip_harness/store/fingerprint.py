@@ -5,7 +5,6 @@ generator (another mode, seed, model, data or sampling setting). Pure: no I/O.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -33,9 +32,10 @@ class Fingerprint:
     @classmethod
     def from_config(cls, cfg: Any, keys: Iterable[str]) -> "Fingerprint":
         """The values of `keys` in `cfg`; a key that is not in the config is a ConfigError naming it
-        (a mistyped key would otherwise be stored as None and protect nothing)."""
+        (a mistyped key would otherwise be stored as None and protect nothing). `cfg` is an OmegaConf node:
+        a run's settings convert its config once (`config.as_node`, in `run.settings.from_verl_keys`)."""
         if not isinstance(cfg, DictConfig):
-            cfg = OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else OmegaConf.create(dict(cfg))
+            raise TypeError(f"Fingerprint.from_config takes an OmegaConf node, got {type(cfg).__name__}")
         out: Dict[str, Any] = {}
         for key in keys:
             value = OmegaConf.select(cfg, key, default=_MISSING)
