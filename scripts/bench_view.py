@@ -9,6 +9,10 @@
                        both steps read, every trajectory paired by identity, the first page of pairs) over
                        two verified reads (target <= 1.5). The page keeps the last pair of steps it paired, so
                        the timed requests alternate between two steps: each is computed, none served from it.
+- view_discarded_ratio the page of a step's discarded groups (`GET .../step/{n}/discarded`, 40 groups) over its
+                       floor: the verified read of that small record (`StepReader.read_discarded`) plus the
+                       viewer's own HTTP round trip (`GET /favicon.ico`, no read), side by side (target <= 1.5).
+                       The step page above also reads the step's discarded groups (it links them).
 - view_overview_ratio  time to the first byte of the overview (`GET /`) of a cache holding the 10,000-step
                        x K = 4 namespace over its indexed scan (`scan_namespace` with the index; target <= 1.5).
 
@@ -144,6 +148,12 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
         entries = store.writer.write_inner(step, 0, 0, payload, {"bench": "view"})
         store.writer.commit(step, entries, None)
         nbytes = sum(e.bytes for e in entries)
+    from skip_harness.store.discards import Discarded, DiscardStore
+
+    for step in (1, 2):                           # what a DAPO filter dropped: 40 of the step's 128 groups
+        dropped = [Discarded(f"group-{step}-{g}", "filter_groups: every sample's reward was 1 (no spread, no GRPO "
+                             "signal)", (1.0,) * 8) for g in range(40)]
+        DiscardStore(store.namespace).write_step(step, dropped, commit_created=store.reader.read_commit(step).created)
     payload = other_run(payload)
     for step in (1, 2):
         other.writer.commit(step, other.writer.write_inner(step, 0, 0, payload, {"bench": "view"}), None)
@@ -197,6 +207,18 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
                    trajectory_tokens=longest_tokens)
         t = interleave({"page": compare_page, "bare": timed(two_reads)}, repeats)
         out.update(view_compare_ttfb_s=median(t["page"]), two_reads_s=median(t["bare"]))
+
+        def discards_read() -> None:
+            turn[0] += 1
+            if reader.read_discarded(1 + turn[0] % 2) is None:
+                raise SystemExit("the bench step's discarded groups do not read")
+
+        # the discarded page needs one small record: its floor is that read plus the viewer's own round trip
+        # (the favicon: no read at all), measured side by side
+        t = interleave({"page": alternating(lambda step: f"{ns}/step/{step}/discarded"), "bare": timed(discards_read),
+                        "http": lambda: viewer.ttfb("/favicon.ico")}, repeats)
+        out.update(view_discarded_ttfb_s=median(t["page"]), discarded_read_s=median(t["bare"]),
+                   view_http_floor_s=median(t["http"]))
     finally:
         viewer.stop()
     viewer = Viewer(work / "scan", work)
@@ -209,6 +231,7 @@ def bench(work: Path, rows: int, steps: int, repeats: int) -> Dict[str, Any]:
     out["view_trajectory_ratio"] = out["view_trajectory_ttfb_s"] / out["trajectory_bare_read_s"]
     out["view_compare_ratio"] = out["view_compare_ttfb_s"] / out["two_reads_s"]
     out["view_overview_ratio"] = out["view_overview_ttfb_s"] / out["indexed_scan_s"]
+    out["view_discarded_ratio"] = out["view_discarded_ttfb_s"] / (out["discarded_read_s"] + out["view_http_floor_s"])
     return out
 
 
@@ -246,7 +269,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"{result['view_compare_ttfb_s'] * 1000:.0f} ms vs two verified reads {result['two_reads_s'] * 1000:.0f} ms\n"
             f"view_overview_ratio  {result['view_overview_ratio']:.2f}  (target <= 1.5)  overview first byte "
             f"{result['view_overview_ttfb_s'] * 1000:.0f} ms vs indexed scan {result['indexed_scan_s'] * 1000:.0f} ms "
-            f"({steps} steps x K={SCAN_K})\n")
+            f"({steps} steps x K={SCAN_K})\n"
+            f"view_discarded_ratio {result['view_discarded_ratio']:.2f}  (target <= 1.5)  discarded page first byte "
+            f"{result['view_discarded_ttfb_s'] * 1000:.1f} ms vs its record's read {result['discarded_read_s'] * 1000:.1f} ms"
+            f" + the viewer's round trip {result['view_http_floor_s'] * 1000:.1f} ms\n")
     return 0
 
 
