@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from skip_harness.choices import Action, Cleanup, Compression, OnMismatch, ReplayCheck  # noqa: F401 - a leaf the store imports too
 from skip_harness.errors import ConfigError
+from skip_harness.nodes import plain  # noqa: F401 - re-exported: the one conversion (a leaf the store imports too)
 from skip_harness.store.urls import dump_dir_problem, is_url, local_path
 from skip_harness.store.layout import NamespaceKey
 
@@ -28,9 +30,6 @@ DUMP_DIR_ENV = "SKIP_HARNESS_DUMP_DIR"
 REPLAY_FROM_ENV = "SKIP_HARNESS_REPLAY_FROM"
 REPLAY_CHECK_ENV = "SKIP_HARNESS_REPLAY_CHECK"
 ROLLOUT_TQ_KEY = "skip.rollout_tq"
-
-
-from skip_harness.choices import Action, Cleanup, Compression, OnMismatch, ReplayCheck  # noqa: E402,F401 - a leaf the store imports too
 
 
 # Values left out of the replay check by default: timings, throughput and memory (never bit-identical), and
@@ -311,13 +310,6 @@ def as_node(cfg: Any) -> DictConfig:
         raise ConfigError("config", f"not a mapping of settings: {exc}") from None
 
 
-def plain(value: Any) -> Any:
-    """An OmegaConf node's value as plain Python (dicts, lists), interpolations resolved; anything else as is."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
 def rollout_tq_from(cfg: Any) -> RolloutTQConfig:
     """The `skip.rollout_tq` node of any trainer's whole config as validated settings."""
     return settings_from(OmegaConf.select(as_node(cfg), ROLLOUT_TQ_KEY, default=None))
@@ -404,7 +396,8 @@ def namespace_key_from_config(cfg: Any, K: Optional[int] = None) -> NamespaceKey
         K = k_of(node)[1]
     train_batch_size = select_int(node, "data.train_batch_size", minimum=1, why=NAMED_BY)
     gen_batch_size = select_int(node, "data.gen_batch_size", minimum=1, why=NAMED_BY, required=False)
-    return NamespaceKey(
+    gbs_key = "data.gen_batch_size" if gen_batch_size is not None else "data.train_batch_size"
+    return checked_namespace(NamespaceKey(
         experiment_name=str(select_key(node, "trainer.experiment_name", why=NAMED_BY)),
         project_name=str(select_key(node, "trainer.project_name", why=NAMED_BY)),
         train_batch_size=gen_batch_size if gen_batch_size is not None else train_batch_size,
@@ -412,7 +405,9 @@ def namespace_key_from_config(cfg: Any, K: Optional[int] = None) -> NamespaceKey
         max_prompt_length=select_int(node, "data.max_prompt_length", minimum=0, why=NAMED_BY),
         max_response_length=select_int(node, "data.max_response_length", minimum=0, why=NAMED_BY),
         K=K,
-    )
+    ), {"experiment_name": "trainer.experiment_name", "project_name": "trainer.project_name",
+        "train_batch_size": gbs_key, "n": "actor_rollout_ref.rollout.n",
+        "max_prompt_length": "data.max_prompt_length", "max_response_length": "data.max_response_length"})
 
 
 def namespace_key_from(obj: Any) -> NamespaceKey:
@@ -432,14 +427,23 @@ def namespace_key_from(obj: Any) -> NamespaceKey:
             if not obj.get(name):
                 raise ConfigError(f"namespace.{name}", "missing; the rollout cache names its namespace with it")
         key = NamespaceKey(**obj)
+    return checked_namespace(key)
+
+
+def checked_namespace(key: NamespaceKey, keys: Optional[Dict[str, str]] = None) -> NamespaceKey:
+    """The one check of a namespace key's fields, whichever builder made it: a name is a single path
+    component (no '/', not starting with '.': `../../etc` would lay the namespace out of dump_dir), a
+    shape value an int. A bad field is a ConfigError naming its config key (`keys`: field -> the key it
+    came from; else `namespace.<field>`)."""
     for f in dataclasses.fields(NamespaceKey):
         value = getattr(key, f.name)
+        where = (keys or {}).get(f.name, f"namespace.{f.name}")
         if f.name in ("experiment_name", "project_name"):
-            if not isinstance(value, str) or not value or "/" in value or value.startswith("."):
-                raise ConfigError(f"namespace.{f.name}", f"must be a non-empty name without '/', got {value!r}")
+            if not isinstance(value, str) or not value or "/" in value or "\\" in value or value.startswith("."):
+                raise ConfigError(where, f"must be a non-empty name without '/' not starting with '.', got {value!r}")
             continue
         if value is None and f.name not in ("K", "W"):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if f.name in ("K", "W") else 0):
-            raise ConfigError(f"namespace.{f.name}", f"must be an int >= {1 if f.name in ('K', 'W') else 0}, got {value!r}")
+            raise ConfigError(where, f"must be an int >= {1 if f.name in ('K', 'W') else 0}, got {value!r}")
     return key

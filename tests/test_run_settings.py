@@ -92,6 +92,20 @@ def test_a_missing_name_is_a_config_error_naming_it_for_every_front_end(tmp_path
         assert err.value.key == f"trainer.{missing}" and "missing" in str(err.value), name
 
 
+@pytest.mark.parametrize("field,value", [("experiment_name", "../../etc"), ("project_name", ".."),
+                                         ("experiment_name", "a/b"), ("project_name", ".hidden")])
+def test_a_name_that_is_not_one_path_component_is_refused_by_every_front_end(tmp_path, field, value):
+    """The config builder runs the same field check as `namespace_key_from`: `../../etc` would lay the
+    namespace out of dump_dir."""
+    cfg = verl_keyed(tmp_path / "dump")
+    cfg["trainer"][field] = value
+    for name, build in every_verl_keyed_front_end(tmp_path / "dump", cfg).items():
+        with pytest.raises(ConfigError) as err:
+            build()
+        assert err.value.key == f"trainer.{field}" and "without '/'" in str(err.value), name
+    assert not any(tmp_path.iterdir())   # refused before the disk
+
+
 def test_every_verl_keyed_front_end_names_the_same_namespace(tmp_path):
     cfg = verl_keyed(tmp_path, mode="separate_async")
     cfg["data"]["gen_batch_size"] = 16
