@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from skip_harness.choices import Action, Cleanup, Compression, OnMismatch, ReplayCheck  # noqa: F401 - a leaf the store imports too
 from skip_harness.errors import ConfigError
-from skip_harness.nodes import plain  # noqa: F401 - re-exported: the one conversion (a leaf the store imports too)
+from skip_harness.nodes import MISSING, plain, select  # noqa: F401 - plain re-exported: the one conversion (a leaf the store imports too)
 from skip_harness.store.urls import dump_dir_problem, is_url, local_path
 from skip_harness.store.layout import NamespaceKey
 
@@ -333,22 +333,19 @@ def check_batch_split(train_batch_size: int, K: int, world_size: int, mode: str 
     )
 
 
-_MISSING = object()
-
-
 def select_key(cfg: Any, key: str, *, why: str) -> Any:
     """The value at dotted `key` of `cfg` (an OmegaConf node, a dict or a dataclass); ConfigError naming
     it when it is absent (`why` says who needs it)."""
-    value = OmegaConf.select(as_node(cfg), key, default=_MISSING)
-    if value is _MISSING or value is None:
+    value = select(as_node(cfg), key, default=MISSING)
+    if value is MISSING or value is None:
         raise ConfigError(key, f"missing; {why}")
-    return plain(value)
+    return value
 
 
 def select_int(cfg: Any, key: str, *, minimum: int, why: str, required: bool = True) -> Optional[int]:
     """The int at dotted `key` (>= `minimum`); ConfigError naming the key when it is missing (unless not
     `required`: None) or not such an int."""
-    value = plain(OmegaConf.select(as_node(cfg), key, default=None))
+    value = select(as_node(cfg), key)
     if value is None:
         if required:
             raise ConfigError(key, f"missing; {why}")
@@ -377,7 +374,7 @@ def k_of(cfg: Any) -> Tuple[str, int]:
     mode from `trainer.v1.trainer_mode` (missing: a ConfigError naming it), K by :func:`k_for`."""
     node = as_node(cfg)
     mode = select_key(node, "trainer.v1.trainer_mode", why="the rollout cache derives K from it")
-    pss = plain(OmegaConf.select(node, f"trainer.v1.{mode}.parameter_sync_step", default=None)) \
+    pss = select(node, f"trainer.v1.{mode}.parameter_sync_step") \
         if mode in TRAINER_MODES else None
     return mode, k_for(mode, pss)
 

@@ -220,3 +220,21 @@ def test_settings_handed_over_for_another_config_or_environment_are_not_taken(tm
     hand_over(cfg, run)
     monkeypatch.setenv("SKIP_HARNESS_REPLAY_CHECK", "error")
     assert take(cfg) is None
+
+
+# ---------------------------------------------------------------- one conversion of a config node
+def test_the_training_side_records_interpolations_resolved_as_the_fingerprint_does(tmp_path, monkeypatch):
+    """The training side and the fingerprint convert a node the one way (`nodes.plain`): `${...}` resolved,
+    so a replay compares values, not the text that named them."""
+    monkeypatch.delenv("SKIP_HARNESS_TEST_UNSET", raising=False)
+    cfg = verl_keyed(tmp_path)
+    cfg["trainer"]["lr"] = 0.5
+    cfg["optim"] = {"lr": "${trainer.lr}"}
+    run = from_verl_keys(OmegaConf.create(cfg), fingerprint_keys=["optim.lr"], world_size=1)
+    assert run.fingerprint.values == {"optim.lr": 0.5}
+    cfg["actor"] = {"lr": "${trainer.lr}"}
+    assert from_verl_keys(OmegaConf.create(cfg), world_size=1).training_config["actor.lr"] == 0.5
+    # an interpolation that cannot resolve outside its run (an unset variable here) is recorded as its text
+    cfg["actor"]["home"] = "${oc.env:SKIP_HARNESS_TEST_UNSET}"
+    side = from_verl_keys(OmegaConf.create(cfg), world_size=1).training_config
+    assert side["actor.home"] == "${oc.env:SKIP_HARNESS_TEST_UNSET}" and side["actor.lr"] == "${trainer.lr}"

@@ -36,6 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from skip_harness.run.callbacks import LoggingCallback
 from skip_harness.config import Action
 from skip_harness.errors import ConfigError
+from skip_harness.nodes import plain
 from skip_harness.integrations.hydra_run import RunDirTakenError, claim_run_dir
 from skip_harness.run.settings import RunSettings, from_verl_keys, hand_over as hand_over_settings, launched_world_size, take
 from skip_harness.run.startup import StartupResult, hand_over, prepare_namespace, take_over
@@ -159,7 +160,7 @@ def _task_config(config: Any) -> Optional[DictConfig]:
         task = copy.deepcopy(config)
         with read_write(task), open_dict(task):
             task.pop("hydra", None)
-        OmegaConf.to_container(task, resolve=True)
+        plain(task)   # resolves every interpolation, or raises
     except (OmegaConfBaseException, ValueError, TypeError) as exc:
         log.debug("skip_harness config check deferred to the task function: %s", exc)
         return None

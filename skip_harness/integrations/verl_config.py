@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from skip_harness.config import ROLLOUT_TQ_KEY, RolloutTQConfig, as_node, plain, settings_from
 from skip_harness.errors import ConfigError
+from skip_harness.nodes import MISSING, select
 from skip_harness.run.settings import RunSettings, from_verl_keys
 
 #: The node that holds skip_harness's own settings (verl rejects other keys under ``skip.rollout_tq``).
@@ -67,8 +68,6 @@ FINGERPRINT_KEYS = (
     "reward.reward_manager",
     "reward.custom_reward_function",
 )
-
-_MISSING = object()
 
 
 class _EveryStep:
@@ -124,26 +123,13 @@ class VerlPlan:
         return self.train_batch_size // self.K
 
 
-def _select(cfg: Any, key: str, default: Any = _MISSING) -> Any:
-    return plain(OmegaConf.select(cfg, key, default=default))
-
-
-def _int(cfg: Any, key: str, *, minimum: int, default: Any = _MISSING) -> int:
-    value = _select(cfg, key, default=default)
-    if value is _MISSING or value is None:
-        raise ConfigError(key, "missing; the verl rollout cache needs it")
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(key, f"must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def _node(cfg: Any) -> Dict[str, Any]:
-    node = OmegaConf.select(cfg, NODE, default=None)
+    node = OmegaConf.select(cfg, NODE, default=None)   # the node itself: a DictConfig, or it is refused
     if node is None:
         return {}
     if not isinstance(node, DictConfig):
         raise ConfigError(NODE, f"must be a mapping of skip_harness settings, got {plain(node)!r}")
-    return dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]  # a DictConfig: a dict
+    return dict(plain(node))
 
 
 def settings_of(local_config: Any, cfg: Any) -> Tuple[RolloutTQConfig, bool, List[str]]:
@@ -184,10 +170,10 @@ def settings_of(local_config: Any, cfg: Any) -> Tuple[RolloutTQConfig, bool, Lis
 def fingerprint_of(cfg: Any, K: int, extra_keys: List[str]) -> Dict[str, Any]:
     """The values of verl's sampling keys (FINGERPRINT_KEYS, None when absent) and of the user's
     `extra_keys` (a key that is not in the config is a ConfigError naming it), plus K."""
-    values: Dict[str, Any] = {key: _select(cfg, key, default=None) for key in FINGERPRINT_KEYS}
+    values: Dict[str, Any] = {key: select(cfg, key) for key in FINGERPRINT_KEYS}
     for key in extra_keys:
-        value = _select(cfg, key)
-        if value is _MISSING:
+        value = select(cfg, key, default=MISSING)
+        if value is MISSING:
             raise ConfigError(f"{NODE}.fingerprint_keys", f"{key!r} is not in the config (mistyped?)")
         values[key] = value
     values["parameter_sync_step"] = K
@@ -203,11 +189,11 @@ def plan_of(local_config: Any, cfg: Any) -> VerlPlan:
     # verl's driver splits a step over its own workers: the plug-in sees each step whole (W = 1)
     run = from_verl_keys(cfg, rollout=settings, training=False, world_size=1,
                          fingerprint_of=lambda K: fingerprint_of(cfg, K, extra))
-    total = _select(cfg, "trainer.total_training_steps", default=None)
+    total = select(cfg, "trainer.total_training_steps")
     if not isinstance(total, int) or isinstance(total, bool):
         # verl's trainer computes it (steps per epoch x epochs) and writes it, times K, into the
         # optimizer's config before fit() builds the skip classes
-        optim = _select(cfg, "actor_rollout_ref.actor.optim.total_training_steps", default=None)
+        optim = select(cfg, "actor_rollout_ref.actor.optim.total_training_steps")
         total = optim // run.K if isinstance(optim, int) and not isinstance(optim, bool) and optim > 0 else None
     return VerlPlan(
         run=run,
@@ -218,7 +204,7 @@ def plan_of(local_config: Any, cfg: Any) -> VerlPlan:
 
 
 def role_enabled(cfg: Any, role: str) -> bool:
-    return bool(_select(cfg, f"skip.{role}.enable", default=False))
+    return bool(select(cfg, f"skip.{role}.enable", default=False))
 
 
 def describe(plan: VerlPlan, steps: Any) -> str:

@@ -32,6 +32,7 @@ import logging
 import os
 from typing import Any, Callable, Dict, List, Tuple
 
+from skip_harness.nodes import select
 from skip_harness.run.tier import REFERENCE, REWARD, digest_text, phase_label
 
 log = logging.getLogger("skip_harness")
@@ -50,14 +51,6 @@ REFERENCE_SETTINGS = (
 #: keys of verl's ``reward`` node that change no reward value
 REWARD_NOT_KEYED = ("num_workers",)
 _SCALARS = (bool, int, float, str, type(None))
-
-
-def _select(cfg: Any, key: str) -> Any:
-    from omegaconf import OmegaConf
-
-    from skip_harness.config import plain
-
-    return plain(OmegaConf.select(cfg, key, default=None))
 
 
 def _digest(value: Any) -> str:
@@ -85,23 +78,23 @@ def _model_config_digest(path: Any) -> str:
 
 def reference_key(cfg: Any) -> Dict[str, str]:
     """The reference side's validity key, from verl's whole config."""
-    model = _select(cfg, "actor_rollout_ref.model") or {}
+    model = select(cfg, "actor_rollout_ref.model") or {}
     path = model.get("path") if isinstance(model, dict) else None
     key = {
         "reference model path": str(path),
         "reference model config.json": _model_config_digest(model.get("hf_config_path") or path
                                                             if isinstance(model, dict) else path),
         "actor_rollout_ref.model": _digest(model),
-        "actor_rollout_ref.ref": _digest(_select(cfg, "actor_rollout_ref.ref")),
+        "actor_rollout_ref.ref": _digest(select(cfg, "actor_rollout_ref.ref")),
     }
     for name in REFERENCE_SETTINGS:
-        key[name] = json.dumps(_select(cfg, name), sort_keys=True, default=str)
+        key[name] = json.dumps(select(cfg, name), sort_keys=True, default=str)
     return key
 
 
 def reward_key(cfg: Any) -> Dict[str, str]:
     """The reward side's validity key, from verl's whole config."""
-    node = _select(cfg, "reward") or {}
+    node = select(cfg, "reward") or {}
     key: Dict[str, str] = {}
     if isinstance(node, dict):
         for name in sorted(node):
@@ -110,11 +103,11 @@ def reward_key(cfg: Any) -> Dict[str, str]:
     function = node.get("custom_reward_function") if isinstance(node, dict) else None
     if isinstance(function, dict) and function.get("path"):
         key[f"reward function {function.get('name') or 'compute_score'}"] = _file_digest(function["path"])
-    model = _select(cfg, "reward.reward_model.model_path")
+    model = select(cfg, "reward.reward_model.model_path")
     if model:
         key["reward model config.json"] = _model_config_digest(model)
-    key["tokenizer"] = str(_select(cfg, "actor_rollout_ref.model.tokenizer_path")
-                           or _select(cfg, "actor_rollout_ref.model.path"))
+    key["tokenizer"] = str(select(cfg, "actor_rollout_ref.model.tokenizer_path")
+                           or select(cfg, "actor_rollout_ref.model.path"))
     return key
 
 

@@ -10,17 +10,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from skip_harness.errors import ConfigError
-
-_MISSING = object()
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, DictConfig) or OmegaConf.is_list(value):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
+from skip_harness.nodes import MISSING, plain, select
 
 
 @dataclass(frozen=True)
@@ -38,21 +31,21 @@ class Fingerprint:
             raise TypeError(f"Fingerprint.from_config takes an OmegaConf node, got {type(cfg).__name__}")
         out: Dict[str, Any] = {}
         for key in keys:
-            value = OmegaConf.select(cfg, key, default=_MISSING)
-            if value is _MISSING:
+            value = select(cfg, key, default=MISSING)
+            if value is MISSING:
                 raise ConfigError(key, "fingerprint key not found in the config (mistyped?)")
-            out[key] = _plain(value)
+            out[key] = value
         return cls(dict(sorted(out.items())))
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> "Fingerprint":
         """A fingerprint of values a trainer computed itself (JSON-able: str, numbers, bools, lists, dicts)."""
-        plain = {str(k): _plain(v) for k, v in dict(values).items()}
+        converted = {str(k): plain(v) for k, v in dict(values).items()}
         try:
-            json.dumps(plain, sort_keys=True, allow_nan=False)
+            json.dumps(converted, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ConfigError("fingerprint", f"values must be JSON-able: {exc}") from None
-        return cls(dict(sorted(plain.items())))
+        return cls(dict(sorted(converted.items())))
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Fingerprint":
@@ -71,7 +64,7 @@ class Fingerprint:
         holds is not compared: this run's generator says it does not shape its rollouts (a cache
         written when the demo's sync mode still recorded parameter_sync_step stays valid); a key only
         this one holds is (the cache cannot show it had the same value)."""
-        return sorted(k for k in self.values if self.values.get(k, _MISSING) != other.values.get(k, _MISSING))
+        return sorted(k for k in self.values if self.values.get(k, MISSING) != other.values.get(k, MISSING))
 
     def describe_difference(self, other: "Fingerprint") -> str:
         parts = []

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import xxhash
 
+from skip_harness.nodes import plain
 from skip_harness.store.layout import VALUES_DIR
 from skip_harness.store.namespace import Namespace
 
@@ -160,13 +161,9 @@ def _decode(x: Any) -> Optional[float]:
 def flatten_config(obj: Any, prefix: str = "") -> Dict[str, Any]:
     """A nested config (dicts, lists, an OmegaConf node, a dataclass) as {dotted key: leaf}; leaves are
     JSON scalars, anything else its text. Lists are kept whole, as JSON text."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(obj, (DictConfig, ListConfig)):
-            obj = OmegaConf.to_container(obj, resolve=False)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
+    # resolved, as the fingerprint records its keys; an interpolation that cannot resolve here (a resolver only
+    # a Hydra run registers, an unset environment variable) leaves the node's `${...}` text instead
+    obj = plain(obj, or_text=True)
     import dataclasses
 
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
