@@ -119,3 +119,35 @@ print("installed without discards")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "installed without discards" in proc.stdout
     assert "recording discarded groups is off: ReplayBuffer has no _evict_terminal_groups" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_refused_config_leaves_verls_classes_unpatched(tmp_path):
+    """A real process: verl builds the plug-in with a config it refuses (a name outside dump_dir); the
+    ConfigError comes before any of verl's methods is wrapped."""
+    code = f"""
+from types import SimpleNamespace
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+before = dict(PPOTrainer.__dict__), dict(ReplayBuffer.__dict__)
+import skip_harness.integrations.verl as plugin
+from skip_harness.errors import ConfigError
+from skip_harness.integrations import verl_discards, verl_hooks
+from omegaconf import OmegaConf
+cfg = OmegaConf.create({{"trainer": {{"experiment_name": "../../etc", "project_name": "p", "v1": {{"trainer_mode": "sync"}}}},
+       "data": {{"train_batch_size": 8, "max_prompt_length": 4, "max_response_length": 6}},
+       "actor_rollout_ref": {{"rollout": {{"n": 2}}}}}})
+local = SimpleNamespace(enable=True, dump_dir={str(tmp_path / "dump")!r}, steps=[1], action="cache")
+try:
+    plugin.HarnessRolloutTqSkip(local, cfg)
+except ConfigError as exc:
+    print("refused:", exc)
+assert not verl_hooks._installed and not verl_discards._installed, "patched"
+assert (dict(PPOTrainer.__dict__), dict(ReplayBuffer.__dict__)) == before, "patched"
+print("unpatched")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: trainer.experiment_name" in proc.stdout and "unpatched" in proc.stdout
+    assert not (tmp_path / "dump").exists()

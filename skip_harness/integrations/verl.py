@@ -168,8 +168,8 @@ class HarnessRolloutTqSkip(BaseSkip):
 
         if _TRL_NOTE:
             log.warning("%s", _TRL_NOTE)
+        self.plan = verl_config.plan_of(local_config, global_config)   # a refused config leaves verl as it is
         install_hooks()
-        self.plan = verl_config.plan_of(local_config, global_config)
         if self.plan.all_steps:
             self.steps = verl_config.EVERY_STEP
         self._generation = _Generation()
