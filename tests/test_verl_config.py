@@ -113,7 +113,7 @@ def test_its_info_lines_show_under_verls_warning_root_logger(tmp_path):
         logger.setLevel(saved)
 
 
-@pytest.mark.parametrize("version,ok", [("0.9.0", True), ("0.9.1", True), ("0.10.0.dev0", True), ("0.10.0.dev", True),
+@pytest.mark.parametrize("version,ok", [("0.9.1", True), ("0.9.2", True), ("0.9.0", False), ("0.10.0.dev0", False),
                                         ("0.8.5", False), ("0.10.0", False), ("0.11.0", False), ("main", False)])
 def test_the_plugin_names_the_verl_versions_it_supports_and_refuses_others(plugin, version, ok):
     if ok:
@@ -121,10 +121,24 @@ def test_the_plugin_names_the_verl_versions_it_supports_and_refuses_others(plugi
         return
     with pytest.raises(ImportError) as err:
         plugin.check_verl_version(version)
-    assert f"this is verl {version}" in str(err.value) and "0.9.x, 0.10.0.dev" in str(err.value)
+    assert f"this is verl {version}" in str(err.value) and "supports verl >=0.9.1,<0.10" in str(err.value)
 
 
 def test_the_installed_verl_is_a_supported_one(plugin):
     import verl
 
     plugin.check_verl_version(verl.__version__)   # the CI's verl; importing the plug-in ran the same check
+
+
+def test_the_plugins_verl_range_is_pyprojects():
+    """The range the plug-in lets in is the one `pip install 'skip_harness[verl]'` installs."""
+    import re
+    from pathlib import Path
+
+    from packaging.specifiers import SpecifierSet
+
+    from skip_harness.integrations.verl_patches import SUPPORTED_VERL
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    specs = re.findall(r'"verl([<>=!~][^"]*)"', pyproject)   # the [verl] extra
+    assert specs and all(SpecifierSet(spec) == SpecifierSet(SUPPORTED_VERL) for spec in specs), specs

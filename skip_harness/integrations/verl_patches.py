@@ -24,12 +24,12 @@ from skip_harness.integrations.patches import Patch, check_params, check_version
 
 WHO = "skip_harness.integrations.verl"
 
-SUPPORTED_VERL = "0.9.x, 0.10.0.dev"
-"""verl versions whose hooks the plug-in is checked against: 0.9.0 and 0.9.1 (0.9.1 drives the CI's real
-``main_ppo`` runs), and verl main's 0.10.0.dev (checked at 1dda039: ``annotate_tq``, the decorated
-``_add_batch_to_generate`` / ``ReplayBuffer.sample`` / ``ReplayBufferAsync.sample`` and ``SkipManager`` are
-unchanged since 0.9.0; #7082's ``(KVBatchMeta, eviction_metrics)`` and #7373's ``prepare_step`` /
-``wait_for_sampleable`` are already in 0.9.1)."""
+SUPPORTED_VERL = ">=0.9.1,<0.10"
+"""verl versions the plug-in is checked against, as a PEP 440 range: pyproject.toml's ``verl`` extra (a test
+ties the two). 0.9.1 drives the CI's real ``main_ppo`` runs; every row of :data:`PATCHES` was checked
+against it. 0.9.0 and verl main's 0.10.0.dev are refused until run: the plug-in's hooks were once read
+against them, but the rows added since (the second tier, the discards, the warm-up) were checked on 0.9.1
+only. A later 0.9.x is let in, each method still checked by its parameters (:func:`check_shapes`)."""
 
 TRL_VALUE_HEAD = "trl.experimental.ppo"
 #: what verl's warm-up reads to skip itself when caching is on (trainer_base.py, 0.9.1)
@@ -75,8 +75,9 @@ _BY_TARGET = {p.target: p for p in PATCHES}
 
 def check_verl_version(version: str) -> None:
     """Refuse a verl the plug-in was not checked against, naming it and the supported range."""
-    check_version("verl", version, f"{SUPPORTED_VERL} (main before 0.10.0)",
-                  lambda v: v.release[:2] == (0, 9) or (v.release[:3] == (0, 10, 0) and v.is_devrelease), WHO,
+    from packaging.specifiers import SpecifierSet
+
+    check_version("verl", version, SUPPORTED_VERL, lambda v: v in SpecifierSet(SUPPORTED_VERL), WHO,
                   "pip install 'skip_harness[verl]', or unset VERL_USE_EXTERNAL_MODULES to run verl without "
                   "the plug-in")
 
