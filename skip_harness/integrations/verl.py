@@ -9,8 +9,8 @@ importing this one registers :class:`HarnessRolloutTqSkip` as verl's ``rollout_t
 own decorators call it -- ``PPOTrainer._add_batch_to_generate`` (``annotate_tq(phase="submit")``) and
 ``ReplayBuffer.sample`` / ``ReplayBufferAsync.sample`` (``phase="sample"``). What those decorators do not
 reach is patched in memory (verl's files untouched): seven methods of ``PPOTrainer``, ``ReplayBuffer`` and
-``ReplayBufferAsync`` (:mod:`verl_hooks`, when verl builds the plug-in), ``Tracking.log`` (:mod:`verl_values`,
-on import) and, with a TRL >= 1.13, one import verl 0.9.x needs (a ``sys.meta_path`` finder). Each is a row
+``ReplayBufferAsync`` (:mod:`verl_hooks`) and two more of ``ReplayBuffer`` (:mod:`verl_discards`: what the
+sampler dropped), both when verl builds the plug-in, ``Tracking.log`` (:mod:`verl_values`, on import) and, with a TRL >= 1.13, one import verl 0.9.x needs (a ``sys.meta_path`` finder). Each is a row
 of :data:`verl_patches.PATCHES`, and a verl of another version, or whose methods take other parameters,
 is refused by name before anything is touched (docs/design.md, "Third-party code we patch").
 
