@@ -238,3 +238,32 @@ def test_the_training_side_records_interpolations_resolved_as_the_fingerprint_do
     cfg["actor"]["home"] = "${oc.env:SKIP_HARNESS_TEST_UNSET}"
     side = from_verl_keys(OmegaConf.create(cfg), world_size=1).training_config
     assert side["actor.home"] == "${oc.env:SKIP_HARNESS_TEST_UNSET}" and side["actor.lr"] == "${trainer.lr}"
+
+
+@pytest.mark.parametrize("fingerprint_keys", [(), ("data.max_prompt_length",)])
+def test_under_the_hydra_callback_without_validate_from_config_takes_the_callbacks_settings(
+        tmp_path, monkeypatch, fingerprint_keys):
+    """The callback with no `validate` resolves the job's settings with the verl-keyed adapter (to lock and
+    clean the namespace) and hands them over: the task function's `SkipHarness.from_config(cfg)` takes them
+    (K computed once), its fingerprint keys and the training side added to them."""
+    from skip_harness.integrations.hydra import HydraStartupCallback
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.create(verl_keyed(tmp_path / "cache"))
+    callback = HydraStartupCallback()
+    calls = _Calls()
+    sys.setprofile(calls)
+    try:
+        callback.on_job_start(config=cfg)
+        harness = SkipHarness.from_config(cfg, fingerprint_keys=fingerprint_keys)
+    finally:
+        sys.setprofile(None)
+    try:
+        assert (calls.k_rule, calls.harnesses) == (1, 1)
+        run = harness.run_settings
+        assert run == from_verl_keys(cfg, fingerprint_keys=fingerprint_keys)   # what resolving again would give
+        assert ("data.max_prompt_length" in run.training_config) is not bool(fingerprint_keys)
+    finally:
+        harness.close()
+        callback.on_job_end(config=cfg)

@@ -107,9 +107,8 @@ class HydraStartupCallback(Callback):
             # the run's settings, resolved once here: what the trainer's check returns when it is the front
             # end's adapter (the demo's validate), else the verl-keyed adapter
             checked = (take(task) or _import(self._validate)(task)) if self._validate else None
-            if isinstance(checked, RunSettings):
-                hand_over_settings(task, checked)   # the task function takes them (demo.run.train)
-            run = checked if isinstance(checked, RunSettings) else from_verl_keys(task, training=False)
+            run = checked if isinstance(checked, RunSettings) else from_verl_keys(task)
+            hand_over_settings(task, run)   # the task function takes them (demo.run.train, SkipHarness.from_config)
             settings = run.rollout
             if not settings.enable or settings.replay_from is not None or settings.action == Action.compare:
                 return    # replay_from: the harness checks the recording first, and creates its own namespace lazily;

@@ -25,7 +25,7 @@ from skip_harness.run.deferred import Deferred
 from skip_harness.run.recording import Recording, start_run
 from skip_harness.run.startup import StartedRun, StartupResult
 from skip_harness.run.step_source import OwnSteps, StepSources
-from skip_harness.run.settings import RunSettings, from_parts, from_verl_keys
+from skip_harness.run.settings import RunSettings, from_parts, from_verl_keys, take, with_fingerprint_keys
 from skip_harness.run.stats import HIT, MISS, OFF, REPEAT, Outcome, RunStats, RunSummary
 from skip_harness.run.steps import StepRunner
 from skip_harness.run.tier import TierPhases
@@ -114,8 +114,12 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         dist: Optional[DistContext] = None,
     ) -> "SkipHarness":
         """From a whole config with verl's key names (`skip.rollout_tq`, `trainer.*`, `data.*`, ...):
-        a dict, an OmegaConf node or a dataclass. A fingerprint key not in the config is a ConfigError."""
-        return cls(from_verl_keys(cfg, fingerprint_keys=fingerprint_keys), callbacks=callbacks, dist=dist)
+        a dict, an OmegaConf node or a dataclass. A fingerprint key not in the config is a ConfigError.
+        Under the Hydra callback the settings it resolved for this config are taken, not resolved again."""
+        run = take(cfg)   # integrations/hydra.py's on_job_start hands over what it resolved from this config
+        if run is None or run.fingerprint is not None or run.training_config is None:
+            return cls(from_verl_keys(cfg, fingerprint_keys=fingerprint_keys), callbacks=callbacks, dist=dist)
+        return cls(with_fingerprint_keys(run, cfg, fingerprint_keys), callbacks=callbacks, dist=dist)
 
     @property
     def enabled(self) -> bool:

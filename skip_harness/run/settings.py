@@ -16,6 +16,7 @@ when the process group's differs). docs/design.md, "How a run's settings are res
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -100,6 +101,15 @@ def from_verl_keys(cfg: Any, *, fingerprint_keys: Sequence[str] = (), rollout: O
         fingerprint=fingerprint,
         training_config=training_side(node, keys) if training else None, config=config,
     )
+
+
+def with_fingerprint_keys(run: RunSettings, cfg: Any, fingerprint_keys: Sequence[str]) -> RunSettings:
+    """`run` (resolved from `cfg` without fingerprint keys, as the Hydra callback hands it over) with the
+    fingerprint of `fingerprint_keys` and the training side less them: what `from_verl_keys` would give,
+    K and the namespace not resolved again."""
+    node, keys = as_node(cfg), tuple(fingerprint_keys)
+    return dataclasses.replace(run, fingerprint=Fingerprint.from_config(node, keys) if keys else None,
+                               training_config=training_side(node, keys))
 
 
 def from_parts(settings: Any = None, *, namespace: Union[Mapping[str, Any], NamespaceKey],
