@@ -107,9 +107,11 @@ def test_a_missing_reward_method_turns_the_rewards_tier_off_and_says_so(caplog):
         trl_patches.check(NoGeneration, INSTALLED)       # caching itself needs it: refused, not turned off
 
 
-def test_attach_leaves_a_missing_reward_method_alone_and_says_so(tmp_path, caplog):
+@pytest.mark.parametrize("tier", [True, False])
+def test_attach_leaves_a_missing_reward_method_alone_and_says_so(tmp_path, caplog, tier):
     """attach on a real trainer whose class has no _calculate_rewards: generation is wrapped, the reward is
-    not, and the WARNING names what turned off."""
+    not, and the WARNING names what turned off -- only when the second tier is asked for (`tier=False`:
+    nothing of it turns off, nothing is said)."""
     from datasets import Dataset
 
     from skip_harness.demo.tiny_llama import save_tiny_llama
@@ -124,7 +126,8 @@ def test_attach_leaves_a_missing_reward_method_alone_and_says_so(tmp_path, caplo
     trainer = NoRewards(model=save_tiny_llama(tmp_path / "model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
                         args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1=", "2+2="]}))
     with caplog.at_level(logging.WARNING, logger="skip_harness"):
-        attach(trainer, dump_dir=str(tmp_path / "cache"), experiment_name="patches")
+        attach(trainer, dump_dir=str(tmp_path / "cache"), experiment_name="patches", tier=tier)
     assert trl_patches.GENERATION_METHOD in trainer.__dict__
     assert trl_patches.REWARD_METHOD not in trainer.__dict__
-    assert "the second tier's rewards is off: NoRewards has no _calculate_rewards" in caplog.text
+    assert ("the second tier's rewards is off: NoRewards has no _calculate_rewards" in caplog.text) is tier
+    assert ("the second tier" in caplog.text) is tier

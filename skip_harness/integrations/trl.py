@@ -139,9 +139,12 @@ def attach(
     from skip_harness.run.harness import SkipHarness
 
     _check_supported(trainer)
-    usable = trl_patches.check(type(trainer), trl_patches.installed_version())   # before anything is replaced
+    version = trl_patches.installed_version()
+    trl_patches.check_trl_version(version)   # before anything of the trainer is read
     run = run_settings(trainer, dump_dir=dump_dir, experiment_name=experiment_name, project_name=project_name,
                        fingerprint=fingerprint, settings=settings)
+    # before anything is replaced; a missing tier method is said only when the tier is asked for
+    usable = trl_patches.check(type(trainer), version, tier=run.rollout.enable and run.rollout.tier)
     harness = SkipHarness(run, callbacks=callbacks)
     K, experiment_name = run.K, run.namespace.experiment_name
 

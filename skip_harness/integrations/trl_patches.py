@@ -65,13 +65,17 @@ def _definition(cls: type, patch: Patch) -> Optional[Any]:
     return None
 
 
-def check(cls: type, version: str) -> Set[str]:
+def check(cls: type, version: str, *, tier: bool = True) -> Set[str]:
     """Check TRL's `version` and each row of :data:`PATCHES` on the trainer class `cls`; returns the names of
     the methods attach may replace. Refuses (UnsupportedVersionError) a version outside the range, a
-    changed method, or a missing generation method; a missing optional method is said (WARNING)."""
+    changed method, or a missing generation method; a missing optional method is said (WARNING). `tier`:
+    whether the second tier is asked for; when not, its rows are neither checked nor said (nothing of
+    them is replaced)."""
     check_trl_version(version)
     usable: Set[str] = set()
     for patch in PATCHES:
+        if patch.feature and not tier:
+            continue
         func = _definition(cls, patch)
         if func is None and patch.feature:
             feature_off(patch, cls.__name__, WHO)
