@@ -217,7 +217,7 @@ class StepRunner:
             try:
                 if failed is not None and self.settings.cleanup == Cleanup.quarantine:
                     # a step that failed verification is handled as skip.rollout_tq.cleanup says
-                    for error in set_aside(self.store.layout, self.store.backend, step, failed, Cleanup.quarantine.value).errors:
+                    for error in set_aside(self.store.layout, self.store.namespace, step, failed, Cleanup.quarantine.value).errors:
                         self._fault(str(self.store.layout.step_dir(step)), f"could not quarantine the step: {error}")
                 self.store.writer.clear_step(step)
             except CacheWritesStopped:
