@@ -400,10 +400,6 @@ class StepRunner:
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)
 
-    def source_of(self, step: int) -> Optional[int]:
-        state = self._states.get(step)
-        return None if state is None else state.decision.source_step
-
     def compared_line(self) -> str:
         """action=compare: `rollouts compared: X of Y trajectories identical (N steps)`; '' otherwise."""
         return self.drift_totals.describe() if self.comparing else ""
