@@ -82,7 +82,7 @@ def find_baseline(source: Any, K: int, W: int, own_run: Optional[str], started_b
 def _recording_config(source: Any) -> Optional[Dict[str, Any]]:
     """The training-side config recorded with the recording's values (its first step that has one)."""
     reader = source.store.reader
-    for step in sorted(source.servable):
+    for step in sorted(source.steps):
         rec = reader.read_step_values(step)
         if rec is not None and rec.config:
             return reader.read_training_config(rec.config)

@@ -47,12 +47,12 @@ _BATCH_FIELDS = (("train_batch_size", "data.train_batch_size"), ("n", "actor_rol
 
 class Recording(StepSource):
     """The recording a run is served from: its namespace (its K and W) opened once on this rank, read only,
-    its servable steps as checked at startup, each loaded re-chunked to this run's K and re-sharded to its W."""
+    its servable steps (`steps`: those checked at startup, less any that failed to load), each loaded
+    re-chunked to this run's K and re-sharded to its W."""
 
     def __init__(self, layout: Layout, servable: FrozenSet[int], namespace: Namespace, K: int, W: int, rank: int):
         super().__init__(set(servable))
         self.layout = layout
-        self.servable = frozenset(servable)
         self.store = StepStore(layout, namespace)
         self.run_K, self.run_W, self.rank = K, W, rank
 
@@ -129,7 +129,7 @@ def _start_compare(layout: Layout, settings: RolloutTQConfig, key: NamespaceKey,
         if recording is not None:
             if dist.is_main:
                 _say_generator(recording.layout.url, batch_fingerprint(fingerprint),
-                               [recording.store.reader.read_commit(s) for s in sorted(recording.servable)[:1]])
+                               [recording.store.reader.read_commit(s) for s in sorted(recording.steps)[:1]])
             return StartedRun(own_namespace, None, frozenset(), True, False), recording
     startup: Optional[StartupResult] = None
 
