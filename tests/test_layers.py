@@ -165,16 +165,17 @@ def test_nothing_outside_the_store_opens_a_cache_file():
 
 # ---------------------------------------------------------------------------- who opens a namespace
 
-_OPENERS = {"open_namespace", "open_store", "namespace_of", "posix_namespace"}
+_OPENERS = {"open_namespace", "open_store", "namespace_of"}
 # Where a namespace may be opened: a command (cli/), a run's startup (every rank once: rank 0 when it
 # locks, the others when they follow it), and a run reading a recording (run.recording): the recording,
 # read-only, once per rank (rank 0 where it checks it -- and each candidate `replay_from=auto` checks --,
 # the other ranks after its broadcast), and a replay_from run's own, opened once before its startup decides
 # and handed to it. Everything else is handed the opened one.
 _OPENED_AT = {"skip_harness/run/startup.py": 2, "skip_harness/run/recording.py": 3,
-              # the packs' API, called as a command is (`pack` / `unpack`): the namespace packed (read only)
-              # and the one a pack is restored into, each opened once by the call that works on it
-              "skip_harness/store/pack.py": 2}
+              # the packs' API, called as a command is (`pack` / `unpack` / bless): the namespace packed (read
+              # only), the one a pack is restored into and the pack file read by unpack and by bless (its
+              # backend claims it: store.registry.Backend.claims), each opened once by the call that works on it
+              "skip_harness/store/pack.py": 4}
 
 
 def _opener_calls(path: Path):
