@@ -154,3 +154,38 @@ def test_an_entry_point_that_does_not_load_is_named_without_a_traceback(tmp_path
                       "'skip_harness.backends') failed to load: ModuleNotFoundError: No module named 'no_such_module'")
     assert odd.endswith("entry point odd = dictstore_backend:SCHEME (group 'skip_harness.backends') gives str, "
                         "not a skip_harness.store.registry.Backend")
+
+
+def test_a_local_path_goes_to_the_backend_that_claims_it_and_its_holder_is_read_there(tmp_path):
+    """Issue 41 item 5: store.open has no branch for the pack file or the POSIX lock's holder record; a
+    registered backend claims a local layout (`Backend.claims`) and says who holds it (`Backend.holder`)."""
+    from skip_harness.store.layout import Layout
+    from skip_harness.store.open import open_namespace, read_lock_holder
+
+    opened = []
+
+    class Claiming(PosixBackend):
+        schemes = ("claiming",)
+
+        def claims(self, layout):
+            return (Path(layout.root) / "CLAIMED").exists()
+
+        def namespace(self, layout):
+            opened.append(layout.root)
+            return super().namespace(layout)
+
+        def holder(self, layout):
+            return "its holder"
+
+    mine, other = Layout(tmp_path / "mine", K=1, W=1), Layout(tmp_path / "other", K=1, W=1)
+    for layout in (mine, other):
+        Path(layout.root).mkdir()
+    (Path(mine.root) / "CLAIMED").touch()
+    backend = register_backend(Claiming())
+    try:
+        open_namespace(mine), open_namespace(other)
+        assert opened == [mine.root]                                  # the other: the `file` backend's
+        assert read_lock_holder(mine) == "its holder" and read_lock_holder(other) is None
+    finally:
+        unregister_backend(backend)
+    assert Backend.holder(backend, mine) is None and not Backend.claims(backend, mine)    # the defaults

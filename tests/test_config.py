@@ -11,11 +11,16 @@ from skip_harness.demo.config import DemoConfig, to_demo_config
 from skip_harness.errors import ConfigError
 
 
-def demo(*dotlist):
-    """The demo's config through its adapter (demo.run.validate): the schema, K, the batch split."""
+def settings(*dotlist):
+    """The demo's run settings through its adapter (demo.run.validate): the schema, K, the batch split."""
     from skip_harness.demo.run import validate
 
-    return validate(OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.from_dotlist(list(dotlist)))).config
+    return validate(OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.from_dotlist(list(dotlist))))
+
+
+def demo(*dotlist):
+    """The demo's config, checked (`settings(...).config`)."""
+    return settings(*dotlist).config
 
 
 def test_dump_dir_explicit_key_beats_env_which_beats_the_user_cache(monkeypatch, tmp_path):
@@ -47,20 +52,20 @@ def test_cross_field_errors_name_the_key(dotlist, key):
 
 
 def test_k_is_one_outside_separate_async_whatever_parameter_sync_step_says():
-    assert demo("trainer.v1.separate_async.parameter_sync_step=8").K == 1
-    assert demo("trainer.v1.trainer_mode=colocate_async", "trainer.v1.separate_async.parameter_sync_step=8").K == 1
-    assert demo("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=8").K == 8
+    assert settings("trainer.v1.separate_async.parameter_sync_step=8").K == 1
+    assert settings("trainer.v1.trainer_mode=colocate_async", "trainer.v1.separate_async.parameter_sync_step=8").K == 1
+    assert settings("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=8").K == 8
 
 
 def test_world_size_must_divide_the_per_sample_batch():
-    cfg = demo("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4",
-               "data.train_batch_size=12")
+    run = settings("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4",
+                   "data.train_batch_size=12")
     with pytest.raises(ConfigError, match="K x W = 4 x 2"):
-        cfg.check_world_size(2)
+        run.check_world_size(2)
     with pytest.raises(ConfigError, match="data.train_batch_size"):
-        check_batch_split(cfg.data.train_batch_size, cfg.K, 2)
-    check_batch_split(cfg.data.train_batch_size, cfg.K, 3)
-    assert namespace_key_from_config(OmegaConf.structured(cfg)).with_world_size(3).leaf_name == "GBS12_N8_in8_out10_K4_W3"
+        check_batch_split(run.config.data.train_batch_size, run.K, 2)
+    check_batch_split(run.config.data.train_batch_size, run.K, 3)
+    assert namespace_key_from_config(OmegaConf.structured(run.config)).with_world_size(3).leaf_name == "GBS12_N8_in8_out10_K4_W3"
 
 
 def test_rollout_tq_rejects_non_int_steps_and_unknown_choices():

@@ -20,7 +20,7 @@ from conftest import subprocess_env
 from skip_harness.errors import LockHeldError, SkipHarnessError
 from skip_harness.store.layout import Layout, NamespaceKey
 from skip_harness.store.locking import new_run_token
-from skip_harness.store.open import posix_namespace
+from skip_harness.store.open import open_namespace
 from skip_harness.store.posix import lock as lock_mod
 from skip_harness.store.posix.lock import (
     LockHolder,
@@ -33,15 +33,15 @@ from skip_harness.store.posix.lock import (
 
 
 def write_run_marker(lay, token):
-    posix_namespace(lay).put_run_marker(token)
+    open_namespace(lay).put_run_marker(token)
 
 
 def sees_run_marker(lay, token, wait=0.0):
-    return posix_namespace(lay).sees_run_marker(token, wait)
+    return open_namespace(lay).sees_run_marker(token, wait)
 
 
 def remove_run_marker(lay, token):
-    posix_namespace(lay).remove_run_marker(token)
+    open_namespace(lay).remove_run_marker(token)
 
 
 def layout(tmp_path, name="exp"):

@@ -23,7 +23,7 @@ from sharing_rig import KEY, Loop, make, values_for
 from skip_harness.store.open import open_namespace
 from skip_harness.cli import main as cli_main
 from skip_harness.demo import TINY_OVERRIDES
-from skip_harness.store.open import open_store, posix_namespace
+from skip_harness.store.open import open_store
 from skip_harness.store.scan import scan_namespace
 from test_train_e2e import recorded
 from skip_harness.store.values import ValuesStore
@@ -293,7 +293,7 @@ def test_each_replay_keeps_its_values_under_its_run_id_and_diff_addresses_them(t
     time.sleep(1.1)                                     # run ids start with the second they started
     other_lr = run(0.5)
     assert {p.name: p.read_bytes() for p in values.glob("*.json")} == recorded   # never overwritten
-    store = ValuesStore(posix_namespace(KEY.layout(dump)))
+    store = ValuesStore(open_namespace(KEY.layout(dump)))
     assert store.list_runs() == sorted([same_lr, other_lr])
     assert store.read_run_step(other_lr, 2).values == values_for(2, 0.5)
     assert store.read_run_step(same_lr, 2).values == values_for(2, 0.1)

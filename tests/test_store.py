@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from conftest import assert_batch_equal, batch, subprocess_env, write_legacy, write_step
-from skip_harness.store.open import open_namespace, open_store, posix_namespace
+from skip_harness.store.open import open_namespace, open_store
 from skip_harness import codec
 from skip_harness.store import payload_file
 from skip_harness.store import stepstore as store_mod
@@ -707,7 +707,12 @@ def test_without_o_direct_payloads_go_through_the_page_cache_and_leave_it(tmp_pa
     assert (status, reason) == ("complete", None) and len(refused) == 4
     assert torch.equal(batches[0]["x"], st.reader.read_inner(1, 0, 0)["x"])
     advised.clear()
-    write_step(StepStore(st.layout, posix_namespace(st.layout, drop_written_pages=False)), 2)   # the POSIX backend's option
+    from skip_harness.store.namespace import Namespace
+    from skip_harness.store.posix.lock import FlockLocker
+    from skip_harness.store.posix.storage import PosixStorage
+
+    kept = Namespace(PosixStorage(st.layout.root, drop_written_pages=False), FlockLocker(st.layout))  # the POSIX option
+    write_step(StepStore(st.layout, kept), 2)
     assert advised == []
 
 

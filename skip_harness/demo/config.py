@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from skip_harness.config import SkipConfig, _to_object, check_batch_split, k_of, register_configs
+from skip_harness.config import SkipConfig, _to_object, register_configs
 from skip_harness.errors import ConfigError
 
 
@@ -120,15 +120,6 @@ class DemoConfig:
             raise ConfigError("trainer.torch_threads", f"must be >= 1 or null (cores / processes per machine), got {threads}")
         if self.trainer.test_freq < 0:
             raise ConfigError("trainer.test_freq", f"must be >= 0 (0 = no validation), got {self.trainer.test_freq}")
-
-    @property
-    def K(self) -> int:
-        """Sample calls per step by the one K rule (`config.k_of`): parameter_sync_step in separate_async, else 1.
-        A run reads it from its settings (`RunSettings.K`), computed once."""
-        return k_of(self)[1]
-
-    def check_world_size(self, world_size: int) -> None:
-        check_batch_split(self.data.train_batch_size, self.K, world_size)
 
 
 # The config keys that shape the demo's rollouts apart from the learned weights, in every mode.

@@ -53,7 +53,7 @@ def find_baseline(source: Any, K: int, W: int, own_run: Optional[str], started_b
     """The oldest replay kept in `source`'s recording at K and W, made with the recording's training side
     (the config recorded with its values), started before this run; None when there is none."""
     started_before = time.time() if started_before is None else started_before
-    store = ValuesStore(source.store.backend)
+    store = ValuesStore(source.store.namespace)
     try:
         runs = store.list_runs()
     except Exception:  # noqa: BLE001 - an unreadable runs directory: no reference
@@ -82,7 +82,7 @@ def find_baseline(source: Any, K: int, W: int, own_run: Optional[str], started_b
 def _recording_config(source: Any) -> Optional[Dict[str, Any]]:
     """The training-side config recorded with the recording's values (its first step that has one)."""
     reader = source.store.reader
-    for step in sorted(source.servable):
+    for step in sorted(source.steps):
         rec = reader.read_step_values(step)
         if rec is not None and rec.config:
             return reader.read_training_config(rec.config)

@@ -53,7 +53,7 @@ class Deferred(Follower):
 
     def _described_holder(self) -> str:
         try:
-            return self.store.backend.holder() or "another run"
+            return self.store.namespace.holder() or "another run"
         except (SkipHarnessError, OSError):
             return "another run"
 

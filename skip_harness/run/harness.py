@@ -259,7 +259,7 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         if follower is not None and not isinstance(follower, Deferred):   # once it took the hold: what a killed recorder left out
             self._values.holds = lambda: follower.holds
         # like its values, a reader may store a step's second tier where none was stored for its key
-        self._tier = TierPhases(bool(self.settings.tier), TierStore(store.backend), store.reader, dist.rank,
+        self._tier = TierPhases(bool(self.settings.tier), TierStore(store.namespace), store.reader, dist.rank,
                                 self.outcome, self.callbacks, self._fault,
                                 writable=not read_only or bool(shared_with) or deferred)
         values, tier = self._values, self._tier

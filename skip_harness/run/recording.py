@@ -47,12 +47,12 @@ _BATCH_FIELDS = (("train_batch_size", "data.train_batch_size"), ("n", "actor_rol
 
 class Recording(StepSource):
     """The recording a run is served from: its namespace (its K and W) opened once on this rank, read only,
-    its servable steps as checked at startup, each loaded re-chunked to this run's K and re-sharded to its W."""
+    its servable steps (`steps`: those checked at startup, less any that failed to load), each loaded
+    re-chunked to this run's K and re-sharded to its W."""
 
     def __init__(self, layout: Layout, servable: FrozenSet[int], namespace: Namespace, K: int, W: int, rank: int):
         super().__init__(set(servable))
         self.layout = layout
-        self.servable = frozenset(servable)
         self.store = StepStore(layout, namespace)
         self.run_K, self.run_W, self.rank = K, W, rank
 
@@ -120,22 +120,22 @@ COMPARE_READ = "read by skip.rollout_tq.action=compare"
 
 
 def _start_compare(layout: Layout, settings: RolloutTQConfig, key: NamespaceKey, fingerprint: Optional[Fingerprint],
-                   dist: DistContext, own: Namespace) -> Tuple[StartedRun, Optional[Recording]]:
+                   dist: DistContext, own_namespace: Namespace) -> Tuple[StartedRun, Optional[Recording]]:
     """`action=compare` (run.drift): the recording -- this run's namespace, or `replay_from`'s -- is read only:
     no lock, no cleanup, nothing created. Every complete step is compared, whatever generator made it: a
     changed generation fingerprint is what this mode measures, not an error (the log says what differs)."""
     if settings.replay_from is not None:
-        recording, _ = open_recording(settings, key, None, layout, own, dist)   # None: any generator
+        recording, _ = open_recording(settings, key, None, layout, own_namespace, dist)   # None: any generator
         if recording is not None:
             if dist.is_main:
                 _say_generator(recording.layout.url, batch_fingerprint(fingerprint),
-                               [recording.store.reader.read_commit(s) for s in sorted(recording.servable)[:1]])
-            return StartedRun(own, None, frozenset(), True, False), recording
+                               [recording.store.reader.read_commit(s) for s in sorted(recording.steps)[:1]])
+            return StartedRun(own_namespace, None, frozenset(), True, False), recording
     startup: Optional[StartupResult] = None
 
     def scan() -> List[int]:
         nonlocal startup
-        startup = StartupResult(layout, own, scan_namespace(layout, own, rewrite_index=False), None,
+        startup = StartupResult(layout, own_namespace, scan_namespace(layout, own_namespace, rewrite_index=False), None,
                                 Cleanup.off.value, None, True, COMPARE_READ)
         servable = sorted(startup.servable_steps(None))
         mismatched = startup.mismatched_steps(fingerprint) if fingerprint is not None else ()
@@ -149,7 +149,7 @@ def _start_compare(layout: Layout, settings: RolloutTQConfig, key: NamespaceKey,
         return servable
 
     servable = dist.from_main(scan, "reading the recording")
-    return StartedRun(own, startup, frozenset(servable), True, False), None
+    return StartedRun(own_namespace, startup, frozenset(servable), True, False), None
 
 
 def _say_generator(url: str, fingerprint: Optional[Fingerprint], records: Any) -> None:

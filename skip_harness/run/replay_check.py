@@ -193,7 +193,7 @@ class ValuesTracker:
         cannot be written, in this run's namespace -- not at all when that was not created (`deferred`)."""
         self._source, self._K, self._W, self._from_source = source, K, W, from_source
         # a replay_from run is a replay of the recording: its values are kept there, where `ls` counts them
-        why = source.store.backend.writable()
+        why = source.store.namespace.writable()
         self._runs_into = source.store.writer if why is None else None
         if why is not None:
             where = "not kept" if deferred else f"kept in {self.reader.layout.root} instead"

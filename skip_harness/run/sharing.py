@@ -77,7 +77,7 @@ class Follower:
     def _take(self) -> bool:
         """Take the hold if the recorder let it go (never waits): a writer of misses from now on."""
         try:
-            hold = self.store.backend.lock(0.0)
+            hold = self.store.namespace.lock(0.0)
         except LockHeldError:
             return False
         except (SkipHarnessError, OSError):

@@ -224,10 +224,10 @@ class StartedRun:
 
 
 def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Optional[Fingerprint],
-                    dist: DistContext, opened: Optional[Namespace] = None) -> StartedRun:
+                    dist: DistContext, opened_namespace: Optional[Namespace] = None) -> StartedRun:
     """Every rank calls this together: rank 0 takes over the Hydra callback's startup or does its own
     (lock, scan, cleanup), checks the fingerprint and, with W > 1, writes a marker every rank must
-    see; the outcome (or rank 0's error, as the same class) reaches every rank. `opened`: the namespace
+    see; the outcome (or rank 0's error, as the same class) reaches every rank. `opened_namespace`: the namespace
     this rank already opened (run.recording.start_run), else it is opened here."""
     startup: Optional[StartupResult] = None
     quiet = False
@@ -240,7 +240,7 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
             startup = take_over(layout)
             quiet = startup is not None
             if startup is None:
-                startup = prepare_namespace(layout, settings, namespace=opened)
+                startup = prepare_namespace(layout, settings, namespace=opened_namespace)
             namespace = startup.namespace
             servable, warning = _servable(startup, fingerprint, settings)
             # taken over from the Hydra callback: it already warned of the faults its startup found (not twice)
@@ -258,7 +258,7 @@ def start_namespace(layout: Layout, settings: RolloutTQConfig, fingerprint: Opti
     servable, read_only, token, shared_with = dist.from_main(start, "during startup")
     try:
         if namespace is None:                 # the other ranks: their own opening of the namespace rank 0 holds
-            namespace = open_namespace(layout) if opened is None else opened
+            namespace = open_namespace(layout) if opened_namespace is None else opened_namespace
         _check_shared(dist, layout, namespace, token)
     except BaseException:
         if startup is not None:

@@ -217,7 +217,7 @@ class StepRunner:
             try:
                 if failed is not None and self.settings.cleanup == Cleanup.quarantine:
                     # a step that failed verification is handled as skip.rollout_tq.cleanup says
-                    for error in set_aside(self.store.layout, self.store.backend, step, failed, Cleanup.quarantine.value).errors:
+                    for error in set_aside(self.store.layout, self.store.namespace, step, failed, Cleanup.quarantine.value).errors:
                         self._fault(str(self.store.layout.step_dir(step)), f"could not quarantine the step: {error}")
                 self.store.writer.clear_step(step)
             except CacheWritesStopped:
@@ -399,10 +399,6 @@ class StepRunner:
 
     def _fault(self, path: str, reason: str) -> None:
         self.callbacks.on_fault(path=path, reason=reason)
-
-    def source_of(self, step: int) -> Optional[int]:
-        state = self._states.get(step)
-        return None if state is None else state.decision.source_step
 
     def compared_line(self) -> str:
         """action=compare: `rollouts compared: X of Y trajectories identical (N steps)`; '' otherwise."""

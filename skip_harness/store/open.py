@@ -3,7 +3,8 @@
 The backends are looked up by scheme in `store.registry` (where a package registers its own: an entry
 point of the group `skip_harness.backends`). skip_harness's own are defined and registered here, the
 only module that imports them (an import-linter contract holds it): a local path (`file`) opens the POSIX
-storage with its flock locker, a local pack file (`pack`, told by its first bytes) the read-only pack
+storage with its flock locker, a local pack file (`pack`, which claims a path by its first bytes:
+`Backend.claims`) the read-only pack
 storage (`store.packfile`, whose format names `store.pack` takes from here), an object-store URL (`s3`,
 `gs`, `az`, ..., `memory`) the object store's (`store.objstore`, which needs the [s3] extra; imported only
 when a URL is used).
@@ -33,7 +34,8 @@ from skip_harness.store.posix.holder import LockHolder, read_holder
 from skip_harness.store.posix.lock import FlockLocker
 from skip_harness.store.posix.processes import process_runs_since  # noqa: F401  (the store's face re-exports it)
 from skip_harness.store.posix.storage import PosixStorage
-from skip_harness.store.registry import Backend, BackendLoadError, NoBackendError, backend_for, register_backend
+from skip_harness.store.registry import (Backend, BackendLoadError, NoBackendError, backend_claiming, backend_for,
+                                        register_backend)
 from skip_harness.store.stepstore import StepStore
 from skip_harness.store.storage import DIR, Storage
 from skip_harness.store.urls import (DUMP_DIR_KEY, URL_SCHEMES, UrlPath, dump_dir_problem, is_url, join_url, local_path,
@@ -73,22 +75,11 @@ class DumpDir:
         return sorted(out)
 
 
-def posix_namespace(layout: Layout, *, drop_written_pages: bool = True) -> Namespace:
-    """The namespace of a local layout: its directory, its flock lock."""
-    return Namespace(PosixStorage(layout.root, drop_written_pages=drop_written_pages), FlockLocker(layout))
-
-
 def memory_namespace(name: str = "namespace") -> Namespace:
-    """A namespace held in this process's memory (tests; code that must not touch a disk)."""
+    """A namespace held in this process's memory (the reference storage, `store.memory`: no URL, so no
+    scheme or backend names it): a scratch namespace (store.pack's bless) and the protocol's tests."""
     url = f"memory:{name}"
     return Namespace(MemoryStorage(url), MemoryLocker(url))
-
-
-def pack_namespace(path: Union[str, os.PathLike]) -> Namespace:
-    """The read-only namespace a pack file holds (`store.packfile`): PackError naming the path when it is
-    no pack, or a damaged one."""
-    storage = PackStorage(path)
-    return Namespace(storage, PackLocker(storage.url))
 
 
 # ---- skip_harness's own backends, registered as a package's would be (store.registry)
@@ -105,6 +96,9 @@ class PosixBackend(Backend):
     def namespace(self, layout: Layout) -> Tuple[Storage, Locker]:
         return PosixStorage(layout.root), FlockLocker(layout)
 
+    def holder(self, layout: Layout) -> Optional[LockHolder]:
+        return read_holder(layout)        # its flock lock's record: pid, host, since
+
 
 class PackBackend(Backend):
     """A pack file (`store.packfile`): one namespace, read in place, never written."""
@@ -118,6 +112,9 @@ class PackBackend(Backend):
     def namespace(self, layout: Layout) -> Tuple[Storage, Locker]:
         storage = PackStorage(layout.root)
         return storage, PackLocker(storage.url)
+
+    def claims(self, layout: Layout) -> bool:
+        return layout.packed or is_pack(layout.root)     # named by its manifest, or told by its first bytes
 
 
 class ObjectStoreBackend(Backend):
@@ -219,17 +216,24 @@ def open_namespace(layout: Layout) -> Namespace:
     (`run.startup`) and each command, and handed down: an object store's namespace holds its client and
     the lease the run takes, which its writes check."""
     if not layout.is_url:
-        scheme = PACK_SCHEME if layout.packed or is_pack(layout.root) else LOCAL_SCHEME
-        return Namespace(*backend_for(scheme).namespace(layout))
+        return Namespace(*_local_backend(layout).namespace(layout))
     root = layout.root
     return open_dump_dir(str(root.parent.parent)).namespace(f"{root.parent.name}/{root.name}")
 
 
+def _local_backend(layout: Layout) -> Backend:
+    """The backend of a local layout: the one that claims it (`Backend.claims`), else the `file` one."""
+    return backend_claiming(layout) or backend_for(LOCAL_SCHEME)
+
+
 def read_lock_holder(layout: Layout) -> Optional[LockHolder]:
-    """Who holds a local namespace's lock (its holder record: pid, host, since), read without trying the
-    lock and never through a link; None on an object store (its lease says: `Namespace.holder()`), or
-    when there is no record."""
-    return None if is_url(layout.root) else read_holder(layout)
+    """Who holds a local namespace's lock (its holder record: pid, host, since), read by its backend
+    (`Backend.holder`) without trying the lock and never through a link; None for a URL (an object store's
+    lease says, once opened: `Namespace.holder()`), or when there is no record."""
+    if layout.is_url:
+        return None
+    holder: Optional[LockHolder] = _local_backend(layout).holder(layout)
+    return holder
 
 
 def open_store(layout: Layout, *, pool: Optional[BufferPool] = None, form: Optional[StoredForm] = None) -> StepStore:
@@ -241,5 +245,4 @@ def open_store(layout: Layout, *, pool: Optional[BufferPool] = None, form: Optio
 
 __all__ = ["LOCAL_SCHEME", "MANIFEST_NAME", "PACK_FORMAT", "PACK_SCHEME", "PACK_VERSION", "DumpDir", "ObjectStoreBackend",
            "PackBackend", "PackError", "PosixBackend", "PackMember", "PackReadOnly",
-           "const_bytes", "is_pack", "pack_file_size", "read_manifest", "safe_member", "write_pack_file", "memory_namespace", "open_dump_dir", "open_namespace", "open_store", "pack_layout",
-           "pack_namespace", "posix_namespace"]
+           "const_bytes", "is_pack", "pack_file_size", "read_manifest", "safe_member", "write_pack_file", "memory_namespace", "open_dump_dir", "open_namespace", "open_store", "pack_layout"]

@@ -31,7 +31,7 @@ from skip_harness.store.discards import discards_key
 from skip_harness.store.layout import COMMIT_NAME, TIER_DIR, VALUES_DIR, Layout
 from skip_harness.store.namespaces import namespaces_at
 from skip_harness.store.open import (PACK_FORMAT, PACK_VERSION, PackError, PackMember, const_bytes, memory_namespace,
-                                     open_namespace, pack_file_size, pack_layout, pack_namespace, read_manifest,
+                                     open_namespace, pack_file_size, pack_layout, read_manifest,
                                      safe_member, write_pack_file)
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.status import StepStatus
@@ -202,7 +202,7 @@ def unpack(pack_path: PathLike, dump_dir: PathLike) -> Path:
     packed = pack_layout(pack_path)
     if packed is None:
         raise PackError(str(pack_path), "not a skip_harness pack")
-    src = pack_namespace(pack_path)
+    src = open_namespace(packed)
     manifest = src.storage.manifest        # type: ignore[attr-defined]
     layout = Layout(Path(dump_dir) / packed.group / packed.leaf, K=packed.K, W=packed.W)
     dst = open_namespace(layout)
@@ -262,7 +262,10 @@ def bless_pack(pack_path: PathLike, values: Mapping[int, Mapping[str, float]],
     config: a nested or flattened mapping) inside the pack, and append `{"when", "reason",
     "config_changes", "steps", ...}` to its blessed history. The pack is rewritten to a temporary file
     and renamed over itself; every member copied is verified. PackError for a step the pack lacks."""
-    src = pack_namespace(pack_path)
+    packed = pack_layout(pack_path)
+    if packed is None:
+        raise PackError(str(pack_path), "not a skip_harness pack")
+    src = open_namespace(packed)
     storage = src.storage
     manifest = dict(storage.manifest)        # type: ignore[attr-defined]
     steps = set(int(s) for s in manifest.get("steps", []))

@@ -7,8 +7,8 @@ who may write is the locker's (`store.locking.Locker`); the commit protocol abov
 written once for every backend and never by one.
 
 skip_harness's own register themselves in `store.open` with `register_backend`: `file` (a local path:
-the POSIX directory, `store.posix`), `pack` (a local path whose first bytes are a pack file's:
-`store.packfile`, read only) and the object stores' schemes (`s3`, `gs`, `az`, ..., `memory`:
+the POSIX directory, `store.posix`), `pack` (a local path whose first bytes are a pack file's, which the
+pack backend `claims`: `store.packfile`, read only) and the object stores' schemes (`s3`, `gs`, `az`, ..., `memory`:
 `store.objstore`, extra [s3]). A package adds its own without touching skip_harness, by the entry point
 group `skip_harness.backends` in its pyproject.toml -- the name is the scheme, the object a `Backend`
 subclass, an instance of one, or a callable returning one, loaded the first time its scheme is used:
@@ -53,6 +53,17 @@ class Backend(abc.ABC):
         is `{dump_dir url}/{experiment}_{project}/{leaf}`; `layout.K`, `layout.W` its shape) and the
         locker that lets one run write it. Each call opens it afresh (a run opens its namespace once and
         hands it down: nothing is kept between calls)."""
+
+    def claims(self, layout: Layout) -> bool:
+        """Whether a local layout (no scheme names its backend) is this backend's rather than the `file`
+        one's: the pack file's says so for a file whose first bytes are a pack's. By default: never."""
+        return False
+
+    def holder(self, layout: Layout) -> Optional[Any]:
+        """Who holds the lock of the local namespace `layout` names, read without trying the lock and never
+        through a link (an object with `pid`, `host`, `since`, `describe()` and `to_json()`), or None: no
+        record, or a backend whose locker says only once opened (`Namespace.holder()`). By default: None."""
+        return None
 
 
 class NoBackendError(SkipHarnessError):
@@ -125,6 +136,14 @@ def backend_for(scheme: str) -> Backend:
         return _backends.setdefault(scheme, backend)
 
 
+def backend_claiming(layout: Layout) -> Optional[Backend]:
+    """The registered backend that claims the local `layout` (`Backend.claims`), None when none does (then
+    the `file` backend serves it)."""
+    with _guard:
+        backends = list(dict.fromkeys(_backends.values()))
+    return next((b for b in backends if b.claims(layout)), None)
+
+
 def _entry_point(scheme: str) -> Optional[importlib.metadata.EntryPoint]:
     for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if point.name.lower() == scheme:
@@ -144,5 +163,5 @@ def _load(point: importlib.metadata.EntryPoint) -> Backend:
     return backend
 
 
-__all__ = ["ENTRY_POINT_GROUP", "Backend", "BackendLoadError", "NoBackendError", "backend_for", "register_backend",
+__all__ = ["ENTRY_POINT_GROUP", "Backend", "BackendLoadError", "NoBackendError", "backend_claiming", "backend_for", "register_backend",
            "registered_schemes", "unregister_backend"]

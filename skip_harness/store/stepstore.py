@@ -39,11 +39,6 @@ class StepStore:
         self.writer = StepWriter(layout, self.namespace, self.pool, self.form)
         self.reader = StepReader(layout, self.namespace, self.pool)
 
-    @property
-    def backend(self) -> Namespace:
-        """`namespace` under its former name, read by run/ until it is renamed there (issue 41)."""
-        return self.namespace
-
     def status(self, step: int) -> StepReport:
         """The step's StepReport (directory listings and lstat only; see `classify_step`)."""
         return classify_step(self.layout, step, namespace=self.namespace)

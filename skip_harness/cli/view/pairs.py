@@ -139,12 +139,6 @@ def real_response(t: Trajectory) -> Optional[torch.Tensor]:
     return row[:real]
 
 
-def same_trajectory(a: Trajectory, b: Trajectory) -> bool:
-    """The one definition (DIFFERS): equal real response tokens and equal rewards (one pair, row by row;
-    `pair` decides the same thing a mini-batch pair at a time)."""
-    return _same_row(a, b) and _same_reward(a, b)
-
-
 def _padded(b: Batch) -> Optional[torch.Tensor]:
     name = b.find(RESPONSE_IDS)
     v = b.columns.get(name) if name is not None else None
