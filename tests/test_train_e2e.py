@@ -202,17 +202,18 @@ def test_mode_by_group_or_by_key_gives_the_same_k(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from skip_harness.config import namespace_key_from_config
-    from skip_harness.demo.config import register_demo_configs, to_demo_config
+    from skip_harness.demo.config import register_demo_configs
+    from skip_harness.demo.run import validate
 
     register_demo_configs()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        a = to_demo_config(compose("config", ["trainer_mode=separate_async"]))
-        b = to_demo_config(compose("config", ["trainer.v1.trainer_mode=separate_async"]))
-        c = to_demo_config(compose("config", ["trainer_mode=colocate_async"]))
+        a = validate(compose("config", ["trainer_mode=separate_async"]))      # the run's settings: K once
+        b = validate(compose("config", ["trainer.v1.trainer_mode=separate_async"]))
+        c = validate(compose("config", ["trainer_mode=colocate_async"]))
     assert a.K == b.K == 4 and c.K == 1
-    assert namespace_key_from_config(a) == namespace_key_from_config(b)
-    assert namespace_key_from_config(a).leaf_name.endswith("_K4_W1")
-    assert a.trainer.experiment_name == "separate_async_seed0"
+    assert namespace_key_from_config(a.config) == namespace_key_from_config(b.config) == a.namespace
+    assert a.namespace.leaf_name.endswith("_K4_W1")
+    assert a.config.trainer.experiment_name == "separate_async_seed0"
 
 
 @pytest.mark.parametrize(
