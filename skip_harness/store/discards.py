@@ -20,16 +20,16 @@ This module does no logging: it raises or returns, and the harness reports.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from skip_harness.store.layout import VALUES_DIR
 from skip_harness.store.namespace import Namespace
+# non-finite rewards as the recorded values write them ("NaN", "Infinity", "-Infinity")
+from skip_harness.store.values import _decode, _encode
 
 DISCARDS_FORMAT = 1
-_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def discards_key(step: int) -> str:
@@ -57,22 +57,6 @@ class StepDiscards:
     discarded: Tuple[Discarded, ...]
     commit_created: Optional[float]
     recorded: float
-
-
-def _encode(x: float) -> Any:
-    if math.isnan(x):
-        return "NaN"
-    if math.isinf(x):
-        return "Infinity" if x > 0 else "-Infinity"
-    return x
-
-
-def _decode(x: Any) -> Optional[float]:
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    return _NON_FINITE.get(x) if isinstance(x, str) else None
 
 
 class DiscardStore:
