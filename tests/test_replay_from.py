@@ -112,6 +112,24 @@ def test_a_path_serves_the_same_as_auto_and_a_missing_step_is_generated_into_the
     assert served[3][1] == [rows_of(3, 0, 8), rows_of(3, 8, 16)]
 
 
+def test_a_verl_async_recording_refused_to_a_sync_run_says_why(tmp_path):
+    """verl names an async-mode recording GBS1 (it sets data.gen_batch_size = 1 there): a sync run of
+    train_batch_size 4 is refused saying so, not only that the batch sizes differ; a recording of another
+    size than 1 is refused without the hint."""
+    from skip_harness.run.recording import check_replay_from
+    from skip_harness.store.api import NamespaceKey
+    root = tmp_path / "cache" / "kx_verl_cpu"
+    async_rec, other = root / "GBS1_N2_in16_out16_K2_W1", root / "GBS8_N2_in16_out16"
+    async_rec.mkdir(parents=True), other.mkdir()
+    key = NamespaceKey("kx", "verl_cpu", train_batch_size=4, n=2, max_prompt_length=16, max_response_length=16)
+    for rec, hint in ((async_rec, True), (other, False)):
+        with pytest.raises(ConfigError) as caught:
+            check_replay_from(settings_from({"enable": True, "replay_from": str(rec)}), key)
+        text = str(caught.value)
+        assert "another batch (data.train_batch_size: the recording has" in text, text
+        assert ("data.gen_batch_size = 1" in text and "replay in the recording's trainer.v1.trainer_mode" in text) is hint, text
+
+
 def test_another_batch_is_a_config_error_naming_the_key(tmp_path):
     run(tmp_path, 4, 1)
     source = tmp_path / "rig_reshard" / "GBS8_N2_K4_W1"

@@ -185,13 +185,22 @@ def _layout_at(text: str) -> Layout:
     return Layout(root, K=values["K"], W=values["W"])  # type: ignore[arg-type]  # Layout.root: a Path or a UrlPath
 
 
+# verl's colocate_async and separate_async fetch one prompt at a time: verl sets data.gen_batch_size = 1 there
+# (trainer_base.py:727-739) and names the namespace after it, GBS1, as verl's own skip does
+_ONE_PROMPT_MODES = ("a verl recording made in colocate_async or separate_async is named GBS1 (verl sets "
+                     "data.gen_batch_size = 1 in those modes: one prompt per fetch) and a run in those modes is "
+                     "too; the two fetch other batches, so one replays the other's rollouts in neither direction: "
+                     "replay in the recording's trainer.v1.trainer_mode, at any parameter_sync_step")
+
+
 def _batch_difference(layout: Layout, key: NamespaceKey) -> Optional[str]:
     values = namespace_leaf_values(layout.leaf) or {}
     for name, config_key in _BATCH_FIELDS:
         theirs, ours = values.get(name), getattr(key, name)
         if theirs != ours:
+            hint = f"; {_ONE_PROMPT_MODES}" if name == "train_batch_size" and 1 in (theirs, ours) else ""
             return (f"{config_key}: the recording has {'none' if theirs is None else theirs}, this run has "
-                    f"{'none' if ours is None else ours}")
+                    f"{'none' if ours is None else ours}{hint}")
     return None
 
 
