@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path, PurePosixPath
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
 
 from skip_harness import codec
 from skip_harness.errors import CorruptStepError
@@ -30,6 +30,9 @@ from skip_harness.store.paths import check_position, meta_rel_at, payload_rel_at
 from skip_harness.store.status import StepReport, classify_step
 from skip_harness.store.values import StepValues, ValuesStore
 from skip_harness.store.status import StepStatus
+
+# a small record beside a step, bound to the commit record it was written for
+_Bound = TypeVar("_Bound", bound=Union[StepValues, StepDiscards])
 
 PAYLOAD_STEM = PAYLOAD_NAME.rsplit('.', 1)[0]      # tq_batch.pt, tq_batch_rank{r}.pt
 
@@ -101,21 +104,17 @@ class StepReader:
 
     def read_step_values(self, step: int) -> Optional[StepValues]:
         """`read_values` with what else was recorded: the training-side config's digest and when."""
-        recorded = ValuesStore(self.namespace).read_step(step)
-        if recorded is None:
-            return None
-        try:
-            record = self.read_commit(step)
-        except (CorruptStepError, OSError):
-            return None
-        if record is None or recorded.commit_created != record.created:
-            return None
-        return recorded
+        return self._bound_to_commit(step, ValuesStore(self.namespace).read_step(step))
 
     def read_discarded(self, step: int) -> Optional[StepDiscards]:
         """What a filter discarded from `step` when it was recorded (`store.discards`); None when nothing
         was recorded, or it belongs to another write of the step, or the step has no valid commit record."""
-        found = DiscardStore(self.namespace).read_step(step)
+        return self._bound_to_commit(step, DiscardStore(self.namespace).read_step(step))
+
+    def _bound_to_commit(self, step: int, found: Optional[_Bound]) -> Optional[_Bound]:
+        """`found` (a small record beside the step) when it was written for the step's current commit record
+        (its `commit_created` is the record's creation time); None when there is none, the step has no
+        valid commit record, or the step was removed and written again since."""
         if found is None:
             return None
         try:
