@@ -64,7 +64,7 @@ def main() -> None:
         settings["replay_from"] = replay_from
     harness = SkipHarness.create(settings, namespace={"experiment_name": "rig", "project_name": "reshard",
                                                       "train_batch_size": B, "n": N, "K": K},
-                                 fingerprint={"seed": 0})
+                                 fingerprint={"seed": 0}, w_invariant=True)   # it reports the global batch
     trainer = Trainer(K, W, rank)
     harness.wrap(trainer)
     served: dict = {}
