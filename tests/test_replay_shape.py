@@ -16,6 +16,7 @@ import json
 import reshard_rig
 from test_run_settings import verl_keyed, verl_local
 
+from skip_harness.cli.diff import compare
 from skip_harness.integrations.verl_config import plan_of
 from skip_harness.run.harness import SkipHarness
 from skip_harness.run.training import training_side
@@ -65,6 +66,12 @@ def test_verl_on_another_worker_count_reproduces_then_a_1pct_lr_change_is_caught
     runs = sorted((tmp_path / "e_p").glob("*/.values/runs/*/run.json"))
     assert [json.loads(r.read_text())["workers"] for r in runs] == [1, 1, 1]
     assert not any(json.loads(r.read_text())["w_invariant"] for r in runs)
+    # and `diff` compares the first replay with the recording as the check did: rollout values only
+    ns = runs[0].parents[3]
+    values = compare(str(ns), f"{ns}@{runs[0].parent.name}")["namespaces"][0]["values"]
+    assert values["first_divergence"] is None and values["not_compared"] == ["actor/pg_loss"], values
+    assert values["describe"] == ("re-sharded: 2 (A) vs 1 (B) workers; actor/pg_loss not compared (they depend "
+                                  "on W); critic/score/mean compared within rounding noise (32 x float32 eps)"), values
 
 
 def test_a_baseline_is_one_at_this_runs_worker_count(tmp_path):
