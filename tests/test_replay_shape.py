@@ -35,6 +35,7 @@ def verl_run(tmp_path, gpus: int, lr: float = LR, reward: float = 0.0, loss=loss
     cfg = verl_keyed(tmp_path, n_gpus_per_node=gpus, nnodes=1)
     cfg["actor_rollout_ref"]["actor"] = {"optim": {"lr": lr}}
     cfg["skip_harness"] = {"all_steps": True}
+    cfg["ray_kwargs"] = {"ray_init": {"num_gpus": gpus}}   # changes with the workers too (config.SHARD_KEYS)
     plan = plan_of(verl_local(tmp_path), cfg)
     run = plan.run if w_invariant is None else dataclasses.replace(plan.run, w_invariant=w_invariant)
     harness = SkipHarness(run)

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from skip_harness.config import BATCH_SPLIT_KEYS, SHARD_KEYS
+from skip_harness.config import BATCH_SPLIT_KEYS
+from skip_harness.run.shape import shard_key
 from skip_harness.store.api import ValuesStore, config_changes
 
 log = logging.getLogger("skip_harness")
@@ -49,9 +50,9 @@ def _same_training_side(then: Dict[str, Any], cfg: Dict[str, Any], now: Optional
     the mode), in what a trainer derives from it, and in the keys that change with W (`config.SHARD_KEYS`),
     these holding this run's (`now`'s) values: a baseline is at this run's K and W."""
     split = {k.rsplit(".", 1)[-1] for k in BATCH_SPLIT_KEYS}
-    if now is not None and any(cfg.get(k) != now.get(k) for k in SHARD_KEYS):
+    if now is not None and any(shard_key(k) for k, _, _ in config_changes(cfg, now)):
         return False
-    return all(key.rsplit(".", 1)[-1] in split or key.endswith(DERIVED_FROM_K) or key in SHARD_KEYS
+    return all(key.rsplit(".", 1)[-1] in split or key.endswith(DERIVED_FROM_K) or shard_key(key)
                for key, _, _ in config_changes(then, cfg))
 
 

@@ -83,9 +83,12 @@ def worker_change(then: Optional[Mapping[str, Any]], now: Optional[Mapping[str, 
 
 
 def shard_key(key: str) -> bool:
-    """Whether a training-side key changes with W by design (`config.SHARD_KEYS`): at another W its change
-    explains nothing."""
-    return key in SHARD_KEYS
+    """Whether a training-side key changes with W by design (`config.SHARD_KEYS`, by its last part): at another
+    W its change explains nothing."""
+    return key.rsplit(".", 1)[-1] in _SHARD_LAST
+
+
+_SHARD_LAST = frozenset(k.rsplit(".", 1)[-1] for k in SHARD_KEYS)
 
 
 __all__ = ["Regroup", "shard_key", "worker_change", "workers_of"]
