@@ -20,7 +20,7 @@ class ReplayReport:
     values_each: Tuple[int, int] = (0, 0)          # fewest, most values compared in a step
     divergence: Optional[Divergence] = None
     reproduced_before: int = 0
-    regrouped: str = ""      # served from a recording at another K or W (replay_from): what was compared how
+    regrouped: str = ""      # at another K or W (replay_from; verl's worker count): what was compared how
 
     @property
     def unchecked(self) -> int:
