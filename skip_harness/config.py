@@ -50,6 +50,17 @@ BATCH_SPLIT_KEYS = ("trainer.v1.trainer_mode", "trainer.v1.separate_async.parame
                     # TRL: a generation call's size and how many micro-steps one serves (K = accumulation
                     # / steps_per_generation); the step's batch is the namespace's GBS, kept apart.
                     "trl.generation_batch_size", "trl.steps_per_generation")
+# verl's workers: each mini-batch is split over trainer.nnodes x trainer.n_gpus_per_node of them. The verl
+# plug-in's harness runs in verl's one driver process (its W is 1), so this product, read from the recorded
+# training-side config, is the W its replay check compares at (run.shape).
+WORKER_KEYS = ("trainer.nnodes", "trainer.n_gpus_per_node")
+# The keys whose values change with W, how many ranks share a mini-batch: verl's worker counts (the rollout's
+# follow the trainer's; Ray's GPU count), TRL's per-process batch (the step's batch / W). A replay at another W
+# differs from the recording in them by design: the baseline of a W (run.baseline) may, and must hold this
+# run's values for them; they explain no divergence of a rollout value. Matched by their last part, as
+# BATCH_SPLIT_KEYS are.
+SHARD_KEYS = WORKER_KEYS + ("actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node",
+                            "ray_kwargs.ray_init.num_gpus", "trl.per_device_train_batch_size")
 # Values that depend on a step's rollouts only (rewards, lengths), not on how they were trained on nor on
 # how the step was split: the ones a replay at another K compares (the demo's, verl's and TRL's names;
 # fnmatch, case-insensitive). verl merges its K sample calls' metrics into the step's (weighted means, max

@@ -62,9 +62,13 @@ def main() -> None:
     settings = {"enable": True, "dump_dir": dump_dir, "prefetch": rank % 2 == 0}
     if replay_from:
         settings["replay_from"] = replay_from
+    # $RIG_LR: a trainer whose training value (`loss`) depends on W and on its learning rate; else the rig
+    # reports the global batch's size, the same on any W (w_invariant)
+    lr = float(os.environ["RIG_LR"]) if os.environ.get("RIG_LR") else None
     harness = SkipHarness.create(settings, namespace={"experiment_name": "rig", "project_name": "reshard",
                                                       "train_batch_size": B, "n": N, "K": K},
-                                 fingerprint={"seed": 0})
+                                 fingerprint={"seed": 0}, w_invariant=lr is None,
+                                 training_config=None if lr is None else {"optim": {"lr": lr}})
     trainer = Trainer(K, W, rank)
     harness.wrap(trainer)
     served: dict = {}
@@ -79,7 +83,10 @@ def main() -> None:
             assert ragged == [[float(i)] * (i % 3 + 1) for i in ids], "a jagged row travelled apart from its id"
             calls.append(ids)
         served[step] = {"outcome": str(harness.outcome(step)), "calls": calls}
-        harness.observe(step, rows=float(sum(len(c) for c in calls) * W))   # the global batch: the same on any W
+        if lr is None:
+            harness.observe(step, rows=float(sum(len(c) for c in calls) * W))   # the global batch: the same on any W
+        else:   # a mean of per-rank means: another value on another W; step 1's is before any update
+            harness.observe(step, reward_mean=float(step), loss=0.5 + 0.1 * step + 1e-3 * W + (step - 1) * (lr - 1e-3) * 10)
     summary = harness.close()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"W": W, "K": K, "generated": trainer.generated,

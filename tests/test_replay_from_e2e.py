@@ -136,6 +136,25 @@ def test_torchrun_resharded_global_batch_is_the_recorded_one(tmp_path_factory, t
         assert f"re-chunked from K={K0} to K={K1}" in line and f"re-sharded from W={W0} to W={W1}" in line, line
 
 
+def test_torchrun_a_trainer_not_w_invariant_is_checked_against_the_first_replay_on_one_rank(tmp_path):
+    """Issue 39, item 1 (run.shape): a trainer whose training values depend on W (TRL, a loss that is a mean
+    of per-rank means), recorded on two ranks, replayed on one: the first replay reproduces its rollout
+    values and says its training values were not compared; the next is checked on every value against it,
+    and a learning rate 1% off is caught at its first diverging step, naming the key."""
+    env = lambda lr: {**os.environ, "RIG_LR": lr}   # noqa: E731
+    rig(tmp_path, 2, 2, "record", env=env("0.001"))
+    first = rig(tmp_path, 1, 2, "replay", "auto", env=env("0.001"))[0]["summary"]
+    assert first == ("replay: 3 of 3 served steps reproduced (1 value each); re-sharded from W=2 to W=1: values "
+                     "recorded at W=2; loss not compared (they depend on W); reward_mean compared within rounding "
+                     "noise (32 x float32 eps)"), first
+    again = rig(tmp_path, 1, 2, "again", "auto", env=env("0.001"))[0]["summary"]
+    assert again.startswith("replay: 3 of 3 served steps reproduced (2 values each); re-sharded from W=2 to W=1"), again
+    assert "loss compared with replay " in again and "'s at K=2, W=1" in again, again
+    changed = rig(tmp_path, 1, 2, "changed", "auto", env=env("0.00101"))[0]["summary"]
+    assert changed.startswith("replay diverged at step 2 (loss "), changed
+    assert "training side changed: optim.lr 0.001 -> 0.00101" in changed, changed
+
+
 def test_demo_recorded_on_two_ranks_replays_on_one_within_the_named_tolerance(tmp_path):
     mode = ["trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2", *SWEEP]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN),

@@ -24,15 +24,17 @@ pytestmark = [pytest.mark.xdist_group("test_trl_regroup"), pytest.mark.slow]
 ARGS = ("--steps", "3", "--eval-steps", "0", "--grad-accum", "2")
 
 
-def _train(role, workdir, dump_dir, *args, replay_from=None):
+def _train(role, workdir, dump_dir, *args, replay_from=None, nproc=1):
     env = _env()
     if replay_from is not None:
         env["SKIP_HARNESS_REPLAY_FROM"] = str(replay_from)
     result = workdir / f"{role}-{os.urandom(4).hex()}.json"
+    launcher = [sys.executable] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     proc = subprocess.run(
-        [sys.executable, str(DEMO), "--role", role, "--workdir", str(workdir), "--dump-dir", str(dump_dir),
+        [*launcher, str(DEMO), "--role", role, "--workdir", str(workdir), "--dump-dir", str(dump_dir),
          "--output-dir", str(workdir / f"out_{result.stem}"), "--result", str(result), *ARGS, *args],
-        capture_output=True, text=True, env=env, timeout=300)
+        capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(result.read_text()), proc.stderr
 
@@ -57,6 +59,25 @@ def test_a_k1_recording_serves_k2_reproduced_and_a_changed_lr_is_caught(tmp_path
     assert "compared with replay " in _summary(again)
     # and a learning rate 1% off is caught at step 0, named
     _, changed = _train("replay", tmp_path, tmp_path / "own", "--steps-per-generation", "1", "--lr", "0.00101",
+                        replay_from=recording)
+    assert "replay diverged at step 0" in changed and "trl.learning_rate: 0.001 -> 0.00101" in changed, \
+        _summary(changed)
+
+
+def test_a_two_process_recording_replayed_by_one_reproduces_and_a_changed_lr_is_caught(tmp_path):
+    """Issue 39, item 1: TRL is not W-invariant (AdamW turns grad_norm's rounding noise of another W into
+    real updates), so at another W its training values are checked against the first replay by one process,
+    its rollout values against the recording's within rounding noise (run.shape)."""
+    _train("record", tmp_path, tmp_path / "rec", "--batch", "4", nproc=2)
+    recording = namespace_in(tmp_path / "rec").root
+    _, first = _train("replay", tmp_path, tmp_path / "own", "--batch", "8", replay_from=recording)
+    line = _summary(first)
+    assert "3 hits" in line and "replay: 3 of 3 served steps reproduced" in line, line
+    assert "re-sharded from W=2 to W=1: values recorded at W=2" in line and "(they depend on W)" in line, line
+    _, again = _train("replay", tmp_path, tmp_path / "own", "--batch", "8", replay_from=recording)
+    assert "replay: 3 of 3 served steps reproduced" in _summary(again), _summary(again)
+    assert "grad_norm" in _summary(again).split("compared with replay ")[0], _summary(again)
+    _, changed = _train("replay", tmp_path, tmp_path / "own", "--batch", "8", "--lr", "0.00101",
                         replay_from=recording)
     assert "replay diverged at step 0" in changed and "trl.learning_rate: 0.001 -> 0.00101" in changed, \
         _summary(changed)

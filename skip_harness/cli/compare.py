@@ -23,7 +23,8 @@ import torch
 from skip_harness.cli._common import CliError, where_of
 from skip_harness.cli.pair_rows import rows_of, unpaired
 from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, kept_runs, recorded_tolerances, resolve_name,
-                                      rollouts_store, rule_json, run_of, run_steps, side_of, split_keys, split_run, values_rule)
+                                      rollouts_store, rule_json, run_of, run_steps, side_of, split_keys, split_run, values_rule,
+                                      with_workers)
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.run.tolerance import ToleranceModel
@@ -240,9 +241,12 @@ def compare_namespaces(la: Layout, lb: Layout, read_payloads: bool = True, run_a
     sa, sb = rollouts_store(sa, side_a), rollouts_store(sb, side_b)   # a replay_from run's: its recording's
     la, lb = sa.layout, sb.layout
     other = batch_difference(la, lb)
-    rule = values_rule(side_a, side_b, other, recorded_tolerances(side_a, side_b, tolerances))
     ra = {s.step: s for s in scan_namespace(la, sa.namespace, use_index=False).steps}
     rb = ra if la.root == lb.root else {s.step: s for s in scan_namespace(lb, sb.namespace, use_index=False).steps}
+    # verl: a replay's W is its worker count, the recording's read from its recorded config (run.shape)
+    side_a = with_workers(side_a, side_b, None if side_b.run is None or va_of.run is not None else va_of.config(sorted(ra)))
+    side_b = with_workers(side_b, side_a, None if side_a.run is None or vb_of.run is not None else vb_of.config(sorted(rb)))
+    rule = values_rule(side_a, side_b, other, recorded_tolerances(side_a, side_b, tolerances))
     steps_out: List[Dict[str, Any]] = []
     first_values = None
     max_diff: Dict[str, float] = {}

@@ -2,11 +2,14 @@
 
 - **Names as `ls` prints them** (relative to the cache root): a name that does not exist as written is looked
   up under the cache root `ls` lists by default (`$SKIP_HARNESS_DUMP_DIR`, else the per-user cache).
-- **Values at another K or W**, as the replay check compares them (`run.replay_check`): at another K only the
-  values that depend on the rollouts alone (`config.ROLLOUT_VALUES`), at another W every value, both within
-  rounding noise (`run.tolerance`, the replay check's one comparison); at the same K and W, exactly. A replay's K and W are its `run.json`'s (a
-  `replay_from` run's values are kept in the recording it replayed, at its own K and W); the recording's
-  are its namespace's.
+- **Values at another K or W**, as the replay check compares them (`run.replay_check`): at another K -- or
+  another W, where a side's trainer said its training values depend on W (`run.json`'s `w_invariant`:
+  run.shape) -- only the values that depend on the rollouts alone (`config.ROLLOUT_VALUES`), at another W
+  of a W-invariant trainer every value, both within rounding noise (`run.tolerance`, the replay check's one
+  comparison); at the same K and W, exactly. A replay's K and W are its `run.json`'s (a `replay_from`
+  run's values are kept in the recording it replayed, at its own K and W; verl's W is its worker count,
+  `run.json`'s `workers`, and the recording's is read from its recorded config); the recording's are its
+  namespace's.
 - **Tolerances**: those given on the command line (`--rtol`, `--atol`, `--tolerances`), else those the
   replay side's replay check compared within (its `run.json`'s `replay_check`: `replay_rtol`,
   `replay_atol`, `replay_tolerances`; B's when both sides are replays), else exact -- the rounding noise of
@@ -16,7 +19,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -24,6 +27,7 @@ from skip_harness.cli._common import CliError
 from skip_harness.config import WEIGHTS_PREFIX, KeyTolerance
 from skip_harness.errors import SkipHarnessError
 from skip_harness.run.replay_check import depends_on_rollouts
+from skip_harness.run.shape import workers_of
 from skip_harness.run.tolerance import EPS32, NOISE_ULPS, NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import (UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
                                     open_store)
@@ -53,6 +57,8 @@ class Side:
     replay_from: bool = False  # a replay_from run's values, kept in the recording it replayed
     run: Optional[str] = None  # the replay whose values these are (None: the recording's)
     check: Optional[Dict[str, Any]] = None   # the tolerances its replay check compared within (run.json)
+    w_invariant: bool = True   # its trainer's training values are the same on any W (run.shape)
+    workers: bool = False      # W is verl's worker count (run.json's `workers`), not the process group's
 
 
 def side_of(store: Any, run: Optional[str]) -> Side:
@@ -64,9 +70,22 @@ def side_of(store: Any, run: Optional[str]) -> Side:
     K, W = doc.get("K"), doc.get("W")
     source = doc.get("replay_from")
     check = doc.get("replay_check")
+    workers = doc.get("workers")
+    if isinstance(workers, int) and not isinstance(workers, bool):
+        W = workers
     return Side(K if isinstance(K, int) else layout.K, W if isinstance(W, int) else layout.W,
                 source if isinstance(source, str) else str(layout.root), isinstance(source, str), run,
-                check if isinstance(check, dict) else None)
+                check if isinstance(check, dict) else None, doc.get("w_invariant") is not False,
+                isinstance(workers, int))
+
+
+def with_workers(side: Side, other: Side, config: Optional[Dict[str, Any]]) -> Side:
+    """The recording's side at verl's worker count read from its recorded `config` (run.shape), when the other
+    side is a replay whose W is one (`workers`); `side` as it is otherwise."""
+    if side.workers or not other.workers:
+        return side
+    count = workers_of(config)
+    return side if count is None else replace(side, W=count, workers=True, w_invariant=other.w_invariant)
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,7 @@ class ValuesRule:
     tolerances: ToleranceModel
     regrouped: str            # '' at the same K and W, else what differs: `K=4 vs K=1`, `W=2 vs W=1`
     within: str = ""          # the tolerances used when not exact, and where from (`Tolerances.describe`)
+    depends_on: str = "K"     # what the values left out depend on (K; W for a trainer not W-invariant)
 
     @property
     def rtol(self) -> float:
@@ -130,7 +150,7 @@ class ValuesRule:
         digests = [k for k in left_out if k.startswith(WEIGHTS_PREFIX)]      # replay_weights: one per parameter
         left_out = [k for k in left_out if not k.startswith(WEIGHTS_PREFIX)]
         if left_out:
-            parts.append(f"{', '.join(left_out)} not compared (they depend on K)")
+            parts.append(f"{', '.join(left_out)} not compared (they depend on {self.depends_on})")
         if digests:
             parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with K and W)")
         if compared:
@@ -168,8 +188,11 @@ def values_rule(a: Side, b: Side, other_batch: str = "", tolerances: Optional[To
         how = f"re-chunked: K={a.K} (A) vs K={b.K} (B)" + (f", W={a.W} vs W={b.W}" if a.W != b.W else "")
         return ValuesRule(depends_on_rollouts, base.at(True), how, within)
     if a.W != b.W:
-        return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), base.at(True),
-                          f"re-sharded: W={a.W} (A) vs W={b.W} (B)", within)
+        how = (f"re-sharded: {a.W} (A) vs {b.W} (B) workers" if a.workers and b.workers else
+               f"re-sharded: W={a.W} (A) vs W={b.W} (B)")
+        if not (a.w_invariant and b.w_invariant):     # the training values depend on W: as at another K
+            return ValuesRule(depends_on_rollouts, base.at(True), how, within, "W")
+        return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), base.at(True), how, within)
     return ValuesRule(lambda key: True, base.at(False), "", within)
 
 
@@ -268,4 +291,4 @@ class RunValues:
 
 
 __all__ = ["RunValues", "Side", "ValuesRule", "batch_difference", "batch_of", "first_config", "kept_runs", "resolve_name", "rollouts_store", "rule_json", "run_of",
-           "recorded_tolerances", "run_steps", "side_of", "Tolerances", "split_keys", "split_run", "values_rule"]
+           "recorded_tolerances", "run_steps", "side_of", "Tolerances", "split_keys", "split_run", "values_rule", "with_workers"]

@@ -81,7 +81,7 @@ def validate(cfg: Any) -> RunSettings:
     callback calls it too (conf/config.yaml) and takes the namespace from what it returns."""
     demo = to_demo_config(cfg)
     return from_verl_keys(OmegaConf.structured(demo), fingerprint_keys=demo_fingerprint_keys(demo.trainer.v1.trainer_mode),
-                          config=demo)
+                          config=demo, w_invariant=True)   # token means over the whole mini-batch (run.shape)
 
 
 def train(cfg: Any, *, run_dir: Optional[Path] = None) -> TrainResult:

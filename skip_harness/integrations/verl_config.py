@@ -187,8 +187,9 @@ def plan_of(local_config: Any, cfg: Any) -> VerlPlan:
     cfg = as_node(cfg)
     settings, all_steps, extra = settings_of(local_config, cfg)
     # verl's driver splits a step over its own workers: the plug-in sees each step whole (W = 1)
+    # its W for the replay check: verl's workers, read from the recorded training config (run.shape)
     run = from_verl_keys(cfg, rollout=settings, training=False, world_size=1,
-                         fingerprint_of=lambda K: fingerprint_of(cfg, K, extra))
+                         fingerprint_of=lambda K: fingerprint_of(cfg, K, extra), workers_from_config=True)
     total = select(cfg, "trainer.total_training_steps")
     if not isinstance(total, int) or isinstance(total, bool):
         # verl's trainer computes it (steps per epoch x epochs) and writes it, times K, into the

@@ -7,6 +7,8 @@ recording's (its config differs only in how the batch is split, `config.BATCH_SP
 same rows, in the same order, at the same shape -- the same computation. Replays keep their values in the
 recording (`{recording}/.values/runs/{run_id}/`), so the first such replay is the reference of every later
 one: a change of the training side (a learning rate 1% off) is caught at its first step, naming the key.
+The same holds at another W for a trainer whose training values depend on W (`run.shape`): the baseline is
+then a replay at this W, whose config may differ from the recording's in the keys that change with W.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from skip_harness.config import BATCH_SPLIT_KEYS
+from skip_harness.run.shape import shard_key
 from skip_harness.store.api import ValuesStore, config_changes
 
 log = logging.getLogger("skip_harness")
@@ -42,24 +45,31 @@ class Baseline:
 DERIVED_FROM_K = (".optim.total_training_steps",)
 
 
-def _same_training_side(then: Dict[str, Any], now: Dict[str, Any]) -> bool:
-    """Whether two training-side configs differ only in how the batch is split (K, the mode) and in what a
-    trainer derives from it."""
+def _same_training_side(then: Dict[str, Any], cfg: Dict[str, Any], now: Optional[Dict[str, Any]]) -> bool:
+    """Whether a replay's config `cfg` differs from the recording's (`then`) only in how the batch is split (K,
+    the mode), in what a trainer derives from it, and in the keys that change with W (`config.SHARD_KEYS`),
+    these holding this run's (`now`'s) values: a baseline is at this run's K and W."""
     split = {k.rsplit(".", 1)[-1] for k in BATCH_SPLIT_KEYS}
-    return all(key.rsplit(".", 1)[-1] in split or key.endswith(DERIVED_FROM_K) for key, _, _ in config_changes(then, now))
+    if now is not None and any(shard_key(k) for k, _, _ in config_changes(cfg, now)):
+        return False
+    return all(key.rsplit(".", 1)[-1] in split or key.endswith(DERIVED_FROM_K) or shard_key(key)
+               for key, _, _ in config_changes(then, cfg))
 
 
-def find_baseline(source: Any, K: int, W: int, own_run: Optional[str], started_before: Optional[float] = None) -> Optional[Baseline]:
-    """The oldest replay kept in `source`'s recording at K and W, made with the recording's training side
-    (the config recorded with its values), started before this run; None when there is none."""
+def find_baseline(namespace: Any, recorded: Optional[Dict[str, Any]], K: int, W: int, own_run: Optional[str],
+                  started_before: Optional[float] = None, now: Optional[Dict[str, Any]] = None) -> Optional[Baseline]:
+    """The oldest replay kept in the recording's `namespace` at K and W (its `run.json`'s: the process
+    group's), made with the recording's training side (`recorded`, the config recorded with its values) at
+    this run's W (`now`'s values of `config.SHARD_KEYS`: verl's worker count), started before this run;
+    None when there is none."""
+    if recorded is None:
+        return None
     started_before = time.time() if started_before is None else started_before
-    store = ValuesStore(source.store.namespace)
+    store = ValuesStore(namespace)
     try:
         runs = store.list_runs()
     except Exception:  # noqa: BLE001 - an unreadable runs directory: no reference
         return None
-    recorded: Optional[Dict[str, Any]] = None
-    looked = False
     for run in runs:
         if run == own_run:
             continue
@@ -69,23 +79,9 @@ def find_baseline(source: Any, K: int, W: int, own_run: Optional[str], started_b
             continue
         if not isinstance(doc.get("started"), (int, float)) or doc["started"] >= started_before:
             continue
-        if not looked:
-            looked, recorded = True, _recording_config(source)
-        if recorded is None:
-            return None
-        if _same_training_side(recorded, cfg):
+        if _same_training_side(recorded, cfg, now):
             log.debug("replay values at K=%d, W=%d compared with replay %s's", K, W, run)
             return Baseline(store, run, cfg)
-    return None
-
-
-def _recording_config(source: Any) -> Optional[Dict[str, Any]]:
-    """The training-side config recorded with the recording's values (its first step that has one)."""
-    reader = source.store.reader
-    for step in sorted(source.steps):
-        rec = reader.read_step_values(step)
-        if rec is not None and rec.config:
-            return reader.read_training_config(rec.config)
     return None
 
 

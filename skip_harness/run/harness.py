@@ -94,15 +94,19 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         callbacks: Sequence[HarnessCallback] = (),
         dist: Optional[DistContext] = None,
         training_config: Any = None,
+        w_invariant: bool = False,
     ) -> "SkipHarness":
         """For any trainer: `settings` are `skip.rollout_tq`'s keys (a dict, an OmegaConf node, a
         RolloutTQConfig or None), `namespace` names the cache directly (experiment_name, project_name,
         K and whichever of train_batch_size, n, max_prompt_length, max_response_length the trainer
         has), `fingerprint` the values that shape the rollouts apart from the learned weights, and
         `training_config` the rest (learning rate, loss, ...: a nested mapping, recorded flattened, so
-        that a replay's divergence names what changed)."""
-        return cls(from_parts(settings, namespace=namespace, fingerprint=fingerprint, training_config=training_config),
-                   callbacks=callbacks, dist=dist)
+        that a replay's divergence names what changed). `w_invariant`: your training values are the same,
+        to float rounding, on any number of ranks sharing a mini-batch (means over the whole mini-batch
+        across ranks); then a replay at another W compares them with the recording's within rounding noise,
+        else with a baseline replay at that W, as at another K (docs/replay_check.md)."""
+        return cls(from_parts(settings, namespace=namespace, fingerprint=fingerprint, training_config=training_config,
+                              w_invariant=w_invariant), callbacks=callbacks, dist=dist)
 
     @classmethod
     def from_config(
@@ -112,14 +116,18 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         fingerprint_keys: Sequence[str] = (),
         callbacks: Sequence[HarnessCallback] = (),
         dist: Optional[DistContext] = None,
+        w_invariant: bool = False,
     ) -> "SkipHarness":
         """From a whole config with verl's key names (`skip.rollout_tq`, `trainer.*`, `data.*`, ...):
         a dict, an OmegaConf node or a dataclass. A fingerprint key not in the config is a ConfigError.
-        Under the Hydra callback the settings it resolved for this config are taken, not resolved again."""
+        Under the Hydra callback the settings it resolved for this config are taken, not resolved again.
+        `w_invariant`: as for :meth:`create`."""
         run = take(cfg)   # integrations/hydra.py's on_job_start hands over what it resolved from this config
         if run is None or run.fingerprint is not None or run.training_config is None:
-            return cls(from_verl_keys(cfg, fingerprint_keys=fingerprint_keys), callbacks=callbacks, dist=dist)
-        return cls(with_fingerprint_keys(run, cfg, fingerprint_keys), callbacks=callbacks, dist=dist)
+            return cls(from_verl_keys(cfg, fingerprint_keys=fingerprint_keys, w_invariant=w_invariant),
+                       callbacks=callbacks, dist=dist)
+        run = dataclasses.replace(with_fingerprint_keys(run, cfg, fingerprint_keys), w_invariant=w_invariant)
+        return cls(run, callbacks=callbacks, dist=dist)
 
     @property
     def enabled(self) -> bool:
@@ -250,7 +258,8 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         # a reader writes no rollouts, but its values (small JSON files beside the steps: store.values)
         self._values = ValuesTracker(self.settings, store.reader, self._coordinator, self.callbacks,
                                      dist.is_main and (not read_only or bool(shared_with) or deferred or comparing),
-                                     self._training_config)
+                                     self._training_config, self.run_settings.w_invariant,
+                                     self.run_settings.workers_from_config)
         self._values.run_id = new_run_id() if dist.is_main else None   # a replay's values go under it
         self._follower = (Deferred(store, self.settings, self.fingerprint, dist, recording.layout.url)
                           if deferred and recording else

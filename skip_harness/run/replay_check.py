@@ -29,85 +29,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from skip_harness.config import ROLLOUT_VALUES, WEIGHTS_PREFIX, Action, ReplayCheck, RolloutTQConfig
+from skip_harness.config import ROLLOUT_VALUES, WEIGHTS_PREFIX, WORKER_KEYS, Action, ReplayCheck, RolloutTQConfig
 from skip_harness.errors import ReplayDivergedError
 from skip_harness.run.baseline import Baseline, find_baseline
 from skip_harness.run.discards import DiscardReporting, Discards   # a step's discards go with its values
-from skip_harness.run.divergence import Divergence, cfg_value
+from skip_harness.run.divergence import Divergence
 from skip_harness.run.drift import trajectory_firsts
+from skip_harness.run.replay_report import ReplayReport, _steps
+from skip_harness.run.shape import Regroup, shard_key, worker_change, workers_of
 from skip_harness.run.stats import HIT, MISS
 from skip_harness.run.tolerance import NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import config_changes, config_digest, numbers_of
 
 log = logging.getLogger("skip_harness")
-
-
-@dataclass(frozen=True)
-class ReplayReport:
-    """What the replay check found: served (hit) steps whose values were reported, how many of them had
-    recorded values to compare and reproduced, and the first divergence."""
-
-    check: str = ReplayCheck.warn.value
-    served: int = 0
-    checked: int = 0
-    reproduced: int = 0
-    values_each: Tuple[int, int] = (0, 0)          # fewest, most values compared in a step
-    divergence: Optional[Divergence] = None
-    reproduced_before: int = 0
-    regrouped: str = ""      # served from a recording at another K or W (replay_from): what was compared how
-
-    @property
-    def unchecked(self) -> int:
-        return self.served - self.checked
-
-    def short(self) -> str:
-        """The verdict in a few words, for a table's cell: `4/4 reproduced`, `diverged at 2: loss`,
-        `3/5 reproduced, 2 unchecked`, `5 unchecked`, `not checked`; '' when nothing was served.
-        :meth:`describe` says the same in full."""
-        if self.served == 0:
-            return ""
-        if self.check == ReplayCheck.off.value:
-            return "not checked"
-        if self.divergence is not None:
-            return f"diverged at {self.divergence.step}: {self.divergence.key}"
-        if self.checked == 0:
-            return f"{self.served} unchecked"
-        line = f"{self.reproduced}/{self.served} reproduced"
-        return f"{line}, {self.unchecked} unchecked" if self.unchecked else line
-
-    def describe(self) -> str:
-        """`replay: 20 of 20 served steps reproduced (9 values each)`, `replay diverged at step 7 (loss
-        0.1234 recorded, 0.124 now); 6 steps reproduced before it`, or '' when nothing was served."""
-        if self.served == 0:
-            return ""
-        if self.check == ReplayCheck.off.value:
-            return f"replay: {self.served} served {_steps(self.served)}, not checked (skip.rollout_tq.replay_check=off)"
-        d = self.divergence
-        if d is not None:
-            line = (f"replay diverged at step {d.step} ({d.short()}); {self.reproduced_before} "
-                    f"{_steps(self.reproduced_before)} reproduced before it")
-            if d.config_changes:      # the training-side change the replay made (a sweep's line names it)
-                shown = ", ".join(f"{k} {cfg_value(a)} -> {cfg_value(b)}" for k, a, b in d.config_changes[:3])
-                more = f" and {len(d.config_changes) - 3} more" if len(d.config_changes) > 3 else ""
-                line += f"; training side changed: {shown}{more}"
-            return f"{line}; {self.regrouped}" if self.regrouped else line
-        if self.checked == 0:
-            line = f"replay: {self.served} served {_steps(self.served)} unchecked (no recorded values)"
-            return f"{line}; {self.regrouped}" if self.regrouped else line
-        lo, hi = self.values_each
-        each = f"{lo} value{'' if lo == 1 else 's'} each" if lo == hi else f"{lo} to {hi} values each"
-        line = f"replay: {self.reproduced} of {self.served} served {_steps(self.served)} reproduced"
-        if self.checked:
-            line += f" ({each})"
-        if self.unchecked:
-            line += f"; {self.unchecked} unchecked (no recorded values)"
-        if self.regrouped:
-            line += f"; {self.regrouped}"
-        return line
-
-
-def _steps(n: int) -> str:
-    return "step" if n == 1 else "steps"
 
 
 def _rollout_value(key: str) -> bool:
@@ -139,8 +73,12 @@ class ValuesTracker:
     Trainer's thread only (writes go to the coordinator's writer thread)."""
 
     def __init__(self, settings: RolloutTQConfig, reader: Any, coordinator: Any, callbacks: Any, is_main: bool,
-                 training_config: Optional[Mapping[str, Any]] = None):
+                 training_config: Optional[Mapping[str, Any]] = None, w_invariant: bool = True,
+                 workers_from_config: bool = False):
         self.settings = settings
+        # run.shape: whether the training values are invariant under W, and whether W is verl's worker count
+        self.w_invariant, self.workers_from_config = w_invariant, workers_from_config
+        self._shape: Optional[Regroup] = None       # the recording's K and W and this run's, once a step told
         self.check = ReplayCheck(settings.replay_check)
         # action=compare (run.drift): nothing is recorded; the run's values (its drift figures included) are
         # kept under its run id from its first step, as a replay's are
@@ -186,10 +124,11 @@ class ValuesTracker:
 
     def serve_from(self, source: Any, K: int, W: int, from_source: Callable[[int], bool], deferred: bool = False) -> None:
         """Steps for which `from_source(step)` are served from `source` (a `run.recording.Recording`, another K
-        or W): their recorded values live there. At another K the values that depend on the rollouts
-        alone are compared with the recording's (config.ROLLOUT_VALUES), the others with those of the
-        recording's first replay at this run's K and W and the recording's training side, if one kept them
-        (run.baseline); at another W every value; within rounding noise (run.tolerance). The run's own values are kept in the recording (under its run id); where it
+        or W): their recorded values live there. At another K -- or another W, for a trainer whose training
+        values depend on W (run.shape) -- the values that depend on the rollouts alone are compared with the
+        recording's (config.ROLLOUT_VALUES), the others with those of the recording's first replay at this
+        run's K and W and the recording's training side, if one kept them (run.baseline); at another W for a
+        W-invariant trainer every value; within rounding noise (run.tolerance). The run's own values are kept in the recording (under its run id); where it
         cannot be written, in this run's namespace -- not at all when that was not created (`deferred`)."""
         self._source, self._K, self._W, self._from_source = source, K, W, from_source
         # a replay_from run is a replay of the recording: its values are kept there, where `ls` counts them
@@ -270,7 +209,9 @@ class ValuesTracker:
             doc = {"started": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
                    "config": self.config_digest, "training_config": self.training_config,
                    "namespace": str(self.reader.layout.root), "K": self.reader.layout.K,
-                   "W": self.reader.layout.W}
+                   "W": self.reader.layout.W, "w_invariant": self.w_invariant}
+            if self.workers_from_config:     # verl: W for the check is its worker count (run.shape)
+                doc["workers"] = workers_of(self.training_config)
             if self._source is not None:
                 doc["replay_from"] = str(self._source.layout.url)
             if self.comparing:
@@ -338,21 +279,21 @@ class ValuesTracker:
         if self.divergence is not None:
             return                         # past the first divergence nothing is compared
         from_source = self._source is not None and self._from_source(step)
-        # at another K or W (not a recording, or a pack, of this run's shape): rounding noise is no divergence
-        regrouped = from_source and (self._source.K != self._K or self._source.W != self._W)
         reader = self._source.store.reader if from_source else self.reader
         recorded = reader.read_step_values(step)
+        # at another K or W (not a recording, or a pack, of this run's shape): rounding noise is no divergence
+        shape = self._shape_of(from_source, None if recorded is None else recorded.config, reader)
         if recorded is None:
             if not from_source and self.is_main and numbers:
                 self._gaps[step] = {**self._gaps.get(step, {}), **numbers}
             return
         keys = [k for k in numbers if k in recorded.values and not self._ignored(k)]   # as reported
-        tolerances = self._regrouped_tol if regrouped else self._tolerances
+        tolerances = self._regrouped_tol if shape.regrouped else self._tolerances
         later: List[str] = []
-        if regrouped:        # weight digests change legitimately at another K or W (the update sums in another order)
+        if shape.regrouped:  # weight digests change legitimately at another K or W (the update sums in another order)
             self._weights_left_out |= any(k.startswith(WEIGHTS_PREFIX) for k in keys)
             keys = [k for k in keys if not k.startswith(WEIGHTS_PREFIX)]
-        if regrouped and self._source.K != self._K:
+        if shape.depends_on:   # the training values: against a baseline replay at this K and W (run.baseline)
             later = [k for k in keys if not _rollout_value(k)]
             keys = [k for k in keys if _rollout_value(k)]
             self._compared_rollout.update(keys)
@@ -362,20 +303,40 @@ class ValuesTracker:
             if not (recorded.values[key] == numbers[key] if exact else
                     tolerances.same(key, recorded.values[key], numbers[key])):
                 served.diverged = True
-                self._diverged(Divergence(step, key, recorded.values[key], numbers[key],
-                                          *self._changes(recorded.config, reader),
+                changes, known = self._changes(recorded.config, reader)
+                if shape.resharded:     # the keys that change with W are the re-sharding, not an explanation
+                    changes = tuple(c for c in changes if not shard_key(c[0]))
+                self._diverged(Divergence(step, key, recorded.values[key], numbers[key], changes, known,
                                           tolerance="exact" if exact else tolerances.of_key(key).describe()))
                 return
-        self._compare_baseline(step, served, numbers, later)
+        self._compare_baseline(step, served, numbers, later, from_source, self._recorded_config(recorded.config, reader))
 
-    def _compare_baseline(self, step: int, served: _Served, numbers: Dict[str, float], keys: List[str]) -> None:
-        """At another K: the values that depend on K, compared with the earlier replay's at this K and W
-        (same shape: replay_rtol / replay_atol, exact by default); not compared when none kept them."""
+    def _shape_of(self, from_source: bool, digest: Optional[str], reader: Any) -> Regroup:
+        """The recording's K and W and this run's (run.shape): the recording's namespace's, or verl's worker
+        counts read from the recorded training-side config and this run's."""
+        src = self._source
+        K0, W0 = (src.K, src.W) if from_source else (self.reader.layout.K, self.reader.layout.W)
+        K1, W1 = (self._K, self._W) if from_source else (K0, W0)
+        shape = Regroup(K0, K1, W0, W1, self.w_invariant)
+        workers = worker_change(self._recorded_config(digest, reader), self.training_config) if self.workers_from_config else None
+        if workers is not None:
+            shape = Regroup(K0, K1, workers[0], workers[1], self.w_invariant, workers[2] or WORKER_KEYS[1:])
+        if from_source or workers is not None:
+            self._shape = shape
+        return shape
+
+    def _compare_baseline(self, step: int, served: _Served, numbers: Dict[str, float], keys: List[str],
+                          from_source: bool, recorded: Optional[Dict[str, Any]]) -> None:
+        """At another K (or W, for a trainer not invariant under W): the values that depend on it, compared with
+        the earlier replay's at this K and W (same shape: replay_rtol / replay_atol, exact by default); not
+        compared when none kept them."""
         if not keys:
             return
         if not self._baseline_looked:          # looked up once, at the first step compared (run_id known)
             self._baseline_looked = True
-            self._baseline = find_baseline(self._source, self._K, self._W, self.run_id, self._created)
+            namespace = self._source.store.namespace if from_source else self.reader.namespace
+            K, W = (self._K, self._W) if from_source else (self.reader.layout.K, self.reader.layout.W)
+            self._baseline = find_baseline(namespace, recorded, K, W, self.run_id, self._created, self.training_config)
         base = self._baseline
         theirs = None if base is None else base.values(step)
         if base is None or theirs is None:
@@ -389,41 +350,50 @@ class ValuesTracker:
                 served.diverged = True
                 now = self.training_config
                 changes = () if now is None else tuple(config_changes(base.training_config, now))
+                at = self._shape.at() if self._shape is not None else f"K={self._K}, W={self._W}"
                 self._diverged(Divergence(step, key, theirs[key], numbers[key], changes, self.training_config is not None,
                                           tolerance=self._tolerances.of_key(key).describe(),
-                                          reference=f"; recorded by replay {base.run} at K={self._K}, W={self._W}"))
+                                          reference=f"; recorded by replay {base.run} at {at}"))
                 return
 
     def _regrouped_note(self) -> str:
-        """What a replay served from another K or W compared, and how (the summary's replay line)."""
-        src = self._source
-        if src is None or not any(self._from_source(s) for s in self._served):
+        """What a replay at another K or W compared, and how (the summary's replay line)."""
+        shape = self._shape
+        if shape is None or not shape.regrouped:
             return ""
         parts: List[str] = []
-        if src.K != self._K:
-            parts.append(f"re-chunked from K={src.K} to K={self._K}: values recorded at K={src.K}")
+        if shape.rechunked:
+            parts.append(f"re-chunked from K={shape.K0} to K={shape.K1}: values recorded at K={shape.K0}")
+        if shape.resharded:
+            at = f"{shape.W0} workers" if shape.workers else f"W={shape.W0}"
+            parts.append(shape.resharded_words() + (f": values recorded at {at}" if shape.depends_on == "W" else ""))
+        if shape.depends_on:
             if self._baseline_compared and self._baseline is not None:
                 parts.append(f"{', '.join(sorted(self._baseline_compared))} compared with replay "
-                             f"{self._baseline.run}'s at K={self._K}, W={self._W}")
+                             f"{self._baseline.run}'s at {shape.at()}")
             if self._not_compared - self._baseline_compared:
                 parts.append(f"{', '.join(sorted(self._not_compared - self._baseline_compared))} not compared "
-                             "(they depend on K)")
+                             f"(they depend on {shape.depends_on})")
             if self._compared_rollout:
                 parts.append(f"{', '.join(sorted(self._compared_rollout))} compared {NOISE_WORDS}")
-        if src.W != self._W:
-            parts.append(f"re-sharded from W={src.W} to W={self._W}")
-            if src.K == self._K:
-                parts.append(f"compared {NOISE_WORDS}")
+        else:
+            parts.append(f"compared {NOISE_WORDS}")
         if self._weights_left_out:
             parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with K and W)")
         return "; ".join(parts)
 
+    def _recorded_config(self, digest: Optional[str], reader: Any = None) -> Optional[Dict[str, Any]]:
+        """The training-side config recorded under `digest` (read once)."""
+        if digest is None:
+            return None
+        if digest not in self._recorded_configs:
+            self._recorded_configs[digest] = (reader or self.reader).read_training_config(digest)
+        return self._recorded_configs[digest]
+
     def _changes(self, digest: Optional[str], reader: Any = None) -> Tuple[Tuple[Tuple[str, Any, Any], ...], bool]:
         if digest is None or self.training_config is None:
             return (), False
-        if digest not in self._recorded_configs:
-            self._recorded_configs[digest] = (reader or self.reader).read_training_config(digest)
-        then = self._recorded_configs[digest]
+        then = self._recorded_config(digest, reader)
         if then is None:
             return (), False
         return tuple(config_changes(then, self.training_config)), True

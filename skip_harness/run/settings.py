@@ -36,7 +36,8 @@ class RunSettings:
     `namespace` (W = 1: the harness sets W from the process group at start; K is in it), the `fingerprint`,
     the flattened `training_config` (what a replay may change), the trainer `mode` and the global
     `train_batch_size` (None for a trainer without them: its batch split is its own), the world size the
-    batch split was checked for, and `config`: the front end's own validated config (the demo's DemoConfig)."""
+    batch split was checked for, `config`: the front end's own validated config (the demo's DemoConfig), and
+    how the replay check meets another W (`w_invariant`, `workers_from_config`: run.shape)."""
 
     rollout: RolloutTQConfig
     namespace: NamespaceKey
@@ -46,6 +47,11 @@ class RunSettings:
     train_batch_size: Optional[int] = None
     checked_world_size: int = 1
     config: Any = None
+    # run.shape: whether the trainer's training values are the same on any W (how many ranks share a
+    # mini-batch) to rounding -- the demo's are; not known of a trainer, so False unless it says -- and
+    # whether W is read from the training config (verl's workers: trainer.nnodes x trainer.n_gpus_per_node)
+    w_invariant: bool = False
+    workers_from_config: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (("rollout", RolloutTQConfig), ("namespace", NamespaceKey)):
@@ -75,14 +81,16 @@ def launched_world_size() -> int:
 
 def from_verl_keys(cfg: Any, *, fingerprint_keys: Sequence[str] = (), rollout: Optional[RolloutTQConfig] = None,
                    training: bool = True, world_size: Optional[int] = None, config: Any = None,
-                   fingerprint_of: Optional[Callable[[int], Mapping[str, Any]]] = None) -> RunSettings:
+                   fingerprint_of: Optional[Callable[[int], Mapping[str, Any]]] = None, w_invariant: bool = False,
+                   workers_from_config: bool = False) -> RunSettings:
     """The adapter for a whole config with verl's key names (an OmegaConf node, a dict or a dataclass).
 
     `rollout`: the settings when they do not come from its ``skip.rollout_tq`` node (the verl plug-in's);
     `fingerprint_keys`: the keys whose values make the fingerprint (one not in the config is a ConfigError),
     or `fingerprint_of(K)`: its values, computed by the front end (the verl plug-in's);
     `training`: record the training side (the whole config less those keys and the harness's own);
-    `world_size`: the ranks the batch split is checked for now (default: $WORLD_SIZE, else 1)."""
+    `world_size`: the ranks the batch split is checked for now (default: $WORLD_SIZE, else 1);
+    `w_invariant`, `workers_from_config`: how the replay check meets another W (`RunSettings`, run.shape)."""
     node = as_node(cfg)
     settings = rollout if rollout is not None else rollout_tq_from(node)
     mode, K = k_of(node)                                  # the one K rule
@@ -100,6 +108,7 @@ def from_verl_keys(cfg: Any, *, fingerprint_keys: Sequence[str] = (), rollout: O
         rollout=settings, namespace=key, mode=mode, train_batch_size=train_batch_size, checked_world_size=W,
         fingerprint=fingerprint,
         training_config=training_side(node, keys) if training else None, config=config,
+        w_invariant=w_invariant, workers_from_config=workers_from_config,
     )
 
 
@@ -114,16 +123,18 @@ def with_fingerprint_keys(run: RunSettings, cfg: Any, fingerprint_keys: Sequence
 
 def from_parts(settings: Any = None, *, namespace: Union[Mapping[str, Any], NamespaceKey],
                fingerprint: Union[Mapping[str, Any], Fingerprint, None] = None, training_config: Any = None,
-               config: Any = None) -> RunSettings:
+               config: Any = None, w_invariant: bool = False) -> RunSettings:
     """The adapter for a trainer without verl's keys: `settings` are ``skip.rollout_tq``'s keys (a dict, an
     OmegaConf node, a RolloutTQConfig or None), `namespace` names the cache (experiment_name, project_name,
     K and whichever shape values the trainer has), `fingerprint` the values that shape the rollouts,
-    `training_config` the rest (a nested mapping, recorded flattened)."""
+    `training_config` the rest (a nested mapping, recorded flattened), `w_invariant` whether the trainer's
+    training values are the same on any number of ranks (run.shape)."""
     if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
         fingerprint = Fingerprint.from_values(fingerprint)
     return RunSettings(
         rollout=settings_from(settings), namespace=namespace_key_from(namespace), fingerprint=fingerprint,
         training_config=None if training_config is None else flatten_config(training_config), config=config,
+        w_invariant=bool(w_invariant),
     )
 
 
