@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 from skip_harness.cli.view.data import Cache, ViewedNamespace
 from skip_harness.cli.view.live import live
 from skip_harness.cli.view.pages.common import _no_step
+from skip_harness.cli.view.style import fmt
 from skip_harness.store.api import Discarded
 
 
@@ -34,4 +35,4 @@ def _row(d: Discarded) -> Dict[str, Any]:
     rewards = d.rewards
     same: Optional[float] = rewards[0] if rewards and all(r == rewards[0] for r in rewards) else None
     return {"group": d.group, "reason": d.reason, "rewards": rewards, "n": None if rewards is None else len(rewards),
-            "same": same}
+            "same": same, "rewards_text": None if rewards is None else ", ".join(map(fmt, rewards))}
