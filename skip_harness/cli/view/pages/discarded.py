@@ -41,10 +41,18 @@ def rows_html(found: Sequence[Discarded]) -> Markup:
     pass: the template's loop over 40 groups of 8 rewards cost twice the page's reads (as tokens_html)."""
     parts: List[str] = []
     add = parts.append
+    escaped: Dict[str, str] = {}      # one filter gives its groups one reason, a tie at one reward one text
+
+    def once(text: str) -> str:
+        out = escaped.get(text)
+        if out is None:
+            out = escaped[text] = escape(text)
+        return out
+
     for d in found:
         group, rewards = escape(d.group), d.rewards
         add(f'<tr class="discarded-group" data-group="{group}"><td class="mono uid">{group}</td>'
-            f'<td>{escape(d.reason)}</td>\n<td class="num">')
+            f'<td>{once(d.reason)}</td>\n<td class="num">')
         if rewards is None:
             add('-</td><td class="num"><span class="facts small">not reported</span></td></tr>')
             continue
@@ -53,7 +61,7 @@ def rows_html(found: Sequence[Discarded]) -> Markup:
         # a tied group (what filter_groups drops) prints its reward n times: equal floats print alike, but
         # for 0.0 and -0.0 ("0", "-0")
         text = ", ".join([fmt(first)] * len(rewards) if tied and first else map(fmt, rewards))
-        add(f'{len(rewards)}</td><td class="num">{escape(text)}')
+        add(f'{len(rewards)}</td><td class="num">{once(text)}')
         if tied and len(rewards) > 1:
             add(_TIED)         # every sample the same reward: a group with no GRPO signal
         add("</td></tr>")
