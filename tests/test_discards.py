@@ -92,6 +92,7 @@ def test_reported_discards_are_stored_and_shown_on_their_page(tmp_path):
         ["g2-1", "&lt;script&gt;window.__xss = 1&lt;/script&gt;", "g2-9"]
     assert XSS not in listing and "0.5, 0.5 <span class=\"dead-badge\"" in listing and "not reported" in listing
     assert "<td>" + TIED.replace("'", "&#39;") + "</td><td class=\"num\">2</td>" in listing   # the reasons, counted
+    assert '<td class="mono uid">g2-1</td><td>' + TIED.replace("'", "&#39;") + "</td>\n" in listing   # each row's, escaped
     assert c.get(f"/ns/{view_key(root)}/step/7/discarded").status_code == 404
 
 

@@ -213,8 +213,7 @@ DISCARDED = """{% extends "base" %}{% block title %}{{ ns.label }} step {{ step 
 <table id="reasons" class="grid-table small"><thead><tr><th>reason</th><th>groups</th></tr></thead><tbody>
 {% for reason, n in reasons %}<tr><td>{{ reason }}</td><td class="num">{{ n }}</td></tr>{% endfor %}</tbody></table>
 <table id="discarded" class="grid-table"><thead><tr><th>group</th><th>reason</th><th>samples</th><th>rewards</th></tr></thead><tbody>
-{% for r in rows %}<tr class="discarded-group" data-group="{{ r.group }}"><td class="mono uid">{{ r.group }}</td><td>{{ r.reason }}</td>
-<td class="num">{{ r.n if r.n is not none else "-" }}</td><td class="num">{% if r.rewards is none %}<span class="facts small">not reported</span>{% else %}{% for x in r.rewards %}{{ fmt(x) }}{{ ", " if not loop.last }}{% endfor %}{% if r.same is not none and r.n > 1 %} <span class="dead-badge" title="every sample of this group got the same reward: GRPO's advantages would all be zero">tied</span>{% endif %}{% endif %}</td></tr>{% endfor %}
+{{ rows_html }}
 </tbody></table>{% endif %}
 {% endblock %}"""
 
