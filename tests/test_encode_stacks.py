@@ -1,0 +1,79 @@
+"""codec: the trainer-thread encoding of a GRPO batch's non-tensor stacks and jagged fields (issue 42's
+miss): read straight from the stack, each shared object encoded once, nested tensors detached only when
+they need it -- and every batch still round-trips exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skip_harness import codec
+from skip_harness.codec import structure
+from skip_harness.store import payload_file
+
+tensordict = pytest.importorskip("tensordict")
+
+
+def roundtrip(payload, tmp_path):
+    path = tmp_path / "p.pt"
+    with open(path, "wb") as f:
+        codec.save_to(f, payload)
+    payload_file.check(path)
+    return payload_file.load(path, mmap=False)
+
+
+def _grpo_like(groups: int = 3, n: int = 4):
+    """Rows as verl's list_of_dict_to_tensordict leaves them: a group's chat prompt is one object in n rows."""
+    messages, uids = [], []
+    for g in range(groups):
+        chat = [{"role": "user", "content": f"question {g}"}, {"role": "system", "content": None}]
+        messages += [chat] * n
+        uids += [f"uid-{g}"] * n
+    return tensordict.TensorDict({"x": torch.arange(groups * n),
+                                  "messages": tensordict.NonTensorStack(*messages),
+                                  "uid": tensordict.NonTensorStack(*uids)}, batch_size=[groups * n])
+
+
+def test_a_one_dimensional_stack_is_read_as_tolist_reads_it():
+    td = _grpo_like()
+    for key in ("messages", "uid"):
+        stack = td.get(key)
+        assert structure._stack_values(stack) == stack.tolist(), key
+    pairs = tensordict.NonTensorStack(*[tensordict.NonTensorData([i, i + 1]) for i in range(3)])
+    assert structure._stack_values(pairs) == pairs.tolist() == [[0, 1], [1, 2], [2, 3]]
+    grid = tensordict.NonTensorStack.from_list([["p", "q"], ["r", "s"]])
+    assert structure._stack_values(grid) is None            # two dimensions: tolist's to do
+
+
+def test_rows_sharing_one_object_are_encoded_once_and_round_trip_exactly(tmp_path):
+    td = _grpo_like()
+    encoded = structure.encode(td)
+    items = encoded["values"][encoded["keys"].index("messages")]["items"]
+    assert items[0] is items[3] and items[0] is not items[4]      # one encoding a group
+    assert items[0] is not td.get("messages").tolist()[0]         # never the trainer's own object
+    out = roundtrip(td, tmp_path)
+    assert out.get("messages").tolist() == td.get("messages").tolist()
+    assert out.get("uid").tolist() == td.get("uid").tolist()
+    rows = out.get("messages").tolist()
+    rows[0][0]["content"] = "changed"                               # rows served are separate objects
+    assert rows[1][0]["content"] == "question 0"
+
+
+def test_a_shared_object_holding_a_tensor_is_encoded_in_each_row(tmp_path):
+    shared = {"ids": torch.arange(3)}
+    stack = tensordict.NonTensorStack(*[shared, shared])
+    encoded, names = structure.encode_named({"s": stack})
+    items = encoded["s"]["items"]
+    assert items[0] is not items[1] and len(names) == 2           # each row's tensor named where it is
+    out = roundtrip({"s": stack}, tmp_path)["s"].tolist()
+    assert all(torch.equal(row["ids"], torch.arange(3)) for row in out)
+
+
+def test_a_jagged_tensor_that_needs_grad_is_stored_detached_and_exact(tmp_path):
+    rows = [torch.randn(n, requires_grad=True) for n in (2, 5, 3)]
+    nt = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    assert nt.requires_grad
+    encoded = structure.encode({"lp": nt})
+    assert not encoded["lp"]["values"].requires_grad
+    out = roundtrip({"lp": nt}, tmp_path)["lp"]
+    assert not out.requires_grad
+    assert torch.equal(out.values(), nt.values().detach()) and torch.equal(out.offsets(), nt.offsets())
