@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from skip_harness import codec
-from skip_harness.codec import structure
+from skip_harness.codec import fastwalk, structure
 from skip_harness.store import payload_file
 
 tensordict = pytest.importorskip("tensordict")
@@ -37,11 +37,11 @@ def test_a_one_dimensional_stack_is_read_as_tolist_reads_it():
     td = _grpo_like()
     for key in ("messages", "uid"):
         stack = td.get(key)
-        assert structure._stack_values(stack) == stack.tolist(), key
+        assert fastwalk.stack_values(stack) == stack.tolist(), key
     pairs = tensordict.NonTensorStack(*[tensordict.NonTensorData([i, i + 1]) for i in range(3)])
-    assert structure._stack_values(pairs) == pairs.tolist() == [[0, 1], [1, 2], [2, 3]]
+    assert fastwalk.stack_values(pairs) == pairs.tolist() == [[0, 1], [1, 2], [2, 3]]
     grid = tensordict.NonTensorStack.from_list([["p", "q"], ["r", "s"]])
-    assert structure._stack_values(grid) is None            # two dimensions: tolist's to do
+    assert fastwalk.stack_values(grid) is None            # two dimensions: tolist's to do
 
 
 def test_rows_sharing_one_object_are_encoded_once_and_round_trip_exactly(tmp_path):
@@ -77,3 +77,35 @@ def test_a_jagged_tensor_that_needs_grad_is_stored_detached_and_exact(tmp_path):
     out = roundtrip({"lp": nt}, tmp_path)["lp"]
     assert not out.requires_grad
     assert torch.equal(out.values(), nt.values().detach()) and torch.equal(out.offsets(), nt.offsets())
+
+
+def test_plain_values_are_copied_and_anything_else_is_left_to_the_general_walk():
+    chat = {"role": "user", "content": "hi", "meta": [1, 2.5, None, True, {"k": b"x"}]}
+    copied = fastwalk.plain(chat)
+    assert copied == chat and copied is not chat and copied["meta"] is not chat["meta"]
+    for value in ({1: "int key"}, {structure.TAG: "x"}, [(1, 2)], [torch.zeros(1)], [{3}]):
+        assert fastwalk.plain(value) is fastwalk.NOT_PLAIN, value
+    deep: list = []
+    for _ in range(20):
+        deep = [deep]
+    assert fastwalk.plain(deep) is fastwalk.NOT_PLAIN and structure.encode(deep) == deep
+    cyclic: list = [1]
+    cyclic.append(cyclic)
+    assert fastwalk.plain(cyclic) is fastwalk.NOT_PLAIN
+    with pytest.raises(codec.CodecError, match="contains itself"):
+        structure.encode({"c": cyclic})
+    assert structure.encode({1: "a", structure.TAG: 2})[structure.TAG] == "dict"      # escaped as before
+
+
+def test_a_staged_write_keeps_the_rows_as_sample_returned_them(tmp_path):
+    from skip_harness.store.layout import Layout
+    from skip_harness.store.open import open_store
+
+    store = open_store(Layout(tmp_path / "ns", K=1, W=1))
+    td = _grpo_like(groups=2, n=2)
+    before = td.get("messages").tolist()
+    expected = [[dict(m) for m in row] for row in before]
+    staged = store.writer.stage_inner(1, 0, 0, td, {})
+    before[0][0]["content"] = "changed by the trainer"              # the batch changed after sample
+    store.writer.commit(1, staged.complete(), None)
+    assert store.reader.read_inner(1, 0, 0).get("messages").tolist() == expected

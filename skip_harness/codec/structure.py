@@ -15,14 +15,14 @@ from typing import Any, Dict, Tuple
 import torch
 
 from skip_harness.errors import CodecError
+from skip_harness.codec.fastwalk import NOT_PLAIN, plain, stack_values
 from skip_harness.codec.payload_kinds import (
-    SCALARS, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
+    SCALARS, TAG, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
     key_repr, np, origin_device, rebuild, registered_or_refuse, tensordict_class,
 )
 
 logger = logging.getLogger("skip_harness.codec")
 
-TAG = "__skip_harness__"
 
 
 def _plain_cpu_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
@@ -76,6 +76,10 @@ def _encode(obj: Any, where: str, active: _Walk) -> Any:
     t = type(obj)
     if t in SCALARS:
         return obj
+    if t is list or t is dict:
+        copied = plain(obj)
+        if copied is not NOT_PLAIN:
+            return copied
     oid = id(obj)
     if oid in active:
         raise CodecError(f"{where}: the payload contains itself (a reference cycle)")
@@ -180,7 +184,7 @@ def _encode_non_tensor(obj: Any, where: str, active: _Walk) -> Any:
     if 0 in batch_size[:-1]:
         raise CodecError(f"{where}: a NonTensorStack of batch size {batch_size} (empty along a leading "
                          "dimension) cannot be rebuilt, so it is not cached")
-    items = _stack_values(obj)
+    items = stack_values(obj)
     if items is None:
         items = obj.tolist()
 
@@ -207,25 +211,6 @@ def _encode_non_tensor(obj: Any, where: str, active: _Walk) -> Any:
 
     return {TAG: "nontensorstack", "batch_size": batch_size, "device": device,
             "items": nested(items, 0, where)}
-
-
-def _stack_values(obj: Any) -> Any:
-    """`obj.tolist()` of a one-dimensional NonTensorStack of NonTensorData, read straight from each
-    element's non-tensor fields (tensordict's `tolist` goes through its attribute machinery per element:
-    about 1 ms for a 256-row GRPO batch's `uid` or `messages`); None when the stack is of another shape
-    or an element keeps its value elsewhere, for `tolist` to do."""
-    if len(obj.batch_size) != 1 or getattr(obj, "stack_dim", None) != 0:
-        return None
-    elements = getattr(obj, "tensordicts", None)
-    if type(elements) is not list or len(elements) != obj.batch_size[0]:
-        return None
-    out = []
-    for td in elements:
-        fields = getattr(td, "__dict__", {}).get("_non_tensordict")
-        if type(fields) is not dict or "data" not in fields or is_non_tensor_stack(td):
-            return None
-        out.append(fields["data"])
-    return out
 
 
 def _encode_ndarray(arr: Any, where: str, active: _Walk) -> Any:
