@@ -109,3 +109,33 @@ def test_a_staged_write_keeps_the_rows_as_sample_returned_them(tmp_path):
     before[0][0]["content"] = "changed by the trainer"              # the batch changed after sample
     store.writer.commit(1, staged.complete(), None)
     assert store.reader.read_inner(1, 0, 0).get("messages").tolist() == expected
+
+
+def test_rows_decoded_are_the_objects_the_constructor_makes(tmp_path):
+    td = _grpo_like(groups=2, n=3)
+    td.set("mixed", tensordict.NonTensorStack(*["s", 1, None, (1, "t"), {"k": [2.5]}, b"raw"]))
+    out = roundtrip(td, tmp_path)
+    for key in ("messages", "uid", "mixed"):
+        rows = out.get(key)
+        assert rows.tolist() == td.get(key).tolist(), key
+        for i, row in enumerate(rows.tensordicts):
+            made = tensordict.NonTensorData(data=row.data, batch_size=[], device=None)
+            assert type(row) is type(made) and row.__dict__.keys() == made.__dict__.keys(), (key, i)
+            assert row.__dict__["_non_tensordict"] == made.__dict__["_non_tensordict"], (key, i)
+            assert row.batch_size == made.batch_size and row.device == made.device, (key, i)
+    rows = out.get("messages")
+    rows[1] = tensordict.NonTensorData(data="replaced", batch_size=[])          # the trainer may edit them
+    assert rows.tolist()[1] == "replaced" and rows.tolist()[2] == td.get("messages").tolist()[2]
+
+
+def test_the_row_maker_builds_by_the_constructor_what_is_not_plain():
+    maker = fastwalk.NonTensorMaker(tensordict.NonTensorData, None)
+    first, second = maker(["a"]), maker({"b": 1})
+    assert maker.fast and first.data == ["a"] and second.data == {"b": 1}
+    t = torch.arange(3)
+    held = maker(t)                                     # a tensor: the constructor's own handling
+    made = tensordict.NonTensorData(data=t, batch_size=[], device=None)
+    assert type(held.data) is type(made.data) and torch.equal(held.data, made.data)
+    tensor_first = fastwalk.NonTensorMaker(tensordict.NonTensorData, None)
+    tensor_first(torch.zeros(1))
+    assert not tensor_first.fast and tensor_first("x").data == "x"

@@ -15,7 +15,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from skip_harness.errors import CodecError
-from skip_harness.codec.fastwalk import NOT_PLAIN, plain, stack_values
+from skip_harness.codec.fastwalk import NOT_PLAIN, NonTensorMaker, plain, stack_values
 from skip_harness.codec.payload_kinds import (
     SCALARS, TAG, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
     key_repr, np, origin_device, rebuild, registered_or_refuse, tensordict_class,
@@ -400,10 +400,12 @@ def _decode_non_tensor(kind: str, obj: Dict[str, Any], where: str, check_only: b
 
     NonTensorData, NonTensorStack = tensordict_class("NonTensorData"), tensordict_class("NonTensorStack")
 
+    make = NonTensorMaker(NonTensorData, device)
+
     def nested(items: Any, depth: int, at: str) -> Any:
         if depth == len(batch_size):
             value = _decode(items, at, check_only)
-            return None if check_only else NonTensorData(data=value, batch_size=[], device=device)
+            return None if check_only else make(value)
         if type(items) is not list or len(items) != batch_size[depth]:
             raise CodecError(f"{where}: malformed nontensorstack record (its items do not have shape "
                              f"{batch_size})")
