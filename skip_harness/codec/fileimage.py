@@ -45,6 +45,9 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+_LEAVES = (str, int, bool, type(None))   # JSON as they are (a float is checked for being finite)
+
+
 def _pack(obj: Any, tensors: List[torch.Tensor]) -> Any:
     """The encoded structure as a JSON tree; every tensor is appended to `tensors` and named by index."""
     t = type(obj)
@@ -53,9 +56,9 @@ def _pack(obj: Any, tensors: List[torch.Tensor]) -> Any:
     if t is float:
         return obj if math.isfinite(obj) else {"f": repr(obj)}
     if t is list:
-        return [_pack(v, tensors) for v in obj]
+        return [v if type(v) in _LEAVES else _pack(v, tensors) for v in obj]
     if t is dict or t is OrderedDict:
-        return {"d" if t is dict else "o": [[k, _pack(v, tensors)] for k, v in obj.items()]}
+        return {"d" if t is dict else "o": [[k, v if type(v) in _LEAVES else _pack(v, tensors)] for k, v in obj.items()]}
     if t is torch.Tensor:
         tensors.append(obj)
         return {"T": len(tensors) - 1}

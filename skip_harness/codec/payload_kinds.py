@@ -62,6 +62,7 @@ def _loaded_class(name: str) -> Any:
 ORIGIN_ATTR = "_skip_harness_origin_device"
 
 SCALARS = (bool, int, float, complex, str, bytes, type(None))
+TAG = "__skip_harness__"          # the key of a tagged dict (structure.py), escaped in a user dict that holds it
 
 
 class UnregisteredTypeError(CodecError):

@@ -15,14 +15,14 @@ from typing import Any, Dict, Tuple
 import torch
 
 from skip_harness.errors import CodecError
+from skip_harness.codec.fastwalk import NOT_PLAIN, NonTensorMaker, plain, stack_values
 from skip_harness.codec.payload_kinds import (
-    SCALARS, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
+    SCALARS, TAG, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
     key_repr, np, origin_device, rebuild, registered_or_refuse, tensordict_class,
 )
 
 logger = logging.getLogger("skip_harness.codec")
 
-TAG = "__skip_harness__"
 
 
 def _plain_cpu_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
@@ -76,6 +76,10 @@ def _encode(obj: Any, where: str, active: _Walk) -> Any:
     t = type(obj)
     if t in SCALARS:
         return obj
+    if t is list or t is dict:
+        copied = plain(obj)
+        if copied is not NOT_PLAIN:
+            return copied
     oid = id(obj)
     if oid in active:
         raise CodecError(f"{where}: the payload contains itself (a reference cycle)")
@@ -88,15 +92,17 @@ def _encode(obj: Any, where: str, active: _Walk) -> Any:
                     raise CodecError(
                         f"{where}: unsupported dict key type {type(k).__name__} ({k!r}); keys must be str or int"
                     )
-                out[k] = _encode(v, where + key_repr(k), active)
+                # a scalar is itself: no position string built for it (a GRPO batch's chat messages
+                # and tags are thousands of them, encoded on the trainer's thread)
+                out[k] = v if type(v) in SCALARS else _encode(v, where + key_repr(k), active)
             if TAG in out:
                 return {TAG: "dict", "ordered": t is OrderedDict, "keys": list(out.keys()),
                         "values": list(out.values())}
             return out
         if t is list:
-            return [_encode(v, f"{where}[{i}]", active) for i, v in enumerate(obj)]
+            return [v if type(v) in SCALARS else _encode(v, f"{where}[{i}]", active) for i, v in enumerate(obj)]
         if t is tuple:
-            return tuple(_encode(v, f"{where}[{i}]", active) for i, v in enumerate(obj))
+            return tuple(v if type(v) in SCALARS else _encode(v, f"{where}[{i}]", active) for i, v in enumerate(obj))
         if is_non_tensor_data(obj) or is_non_tensor_stack(obj):
             return _encode_non_tensor(obj, where, active)
         if is_tensordict(obj):
@@ -128,11 +134,17 @@ def _encode_nested(nt: torch.Tensor, where: str, walk: _Walk) -> Dict[str, Any]:
     """A nested tensor as its dense components (no pickle): jagged ones as values / offsets / lengths,
     strided ones as the list of their components; each component a plain CPU tensor."""
     dev = origin_device(nt)
-    nt = nt.detach()
+    if nt.requires_grad:
+        nt = nt.detach()          # (detaching a nested tensor dispatches through Python: only when needed)
     if nt.layout == torch.jagged:
         lengths = nt.lengths()  # type: ignore[attr-defined]  # jagged nested tensor API
+        # values(): a view of the buffer the tensor keeps, made through torch's dispatch (0.1 ms a
+        # field); without autograd the buffer itself holds the same elements
+        values = getattr(nt, "_values", None)
+        if not isinstance(values, torch.Tensor) or values.requires_grad:
+            values = nt.values()  # type: ignore[attr-defined]
         return {TAG: "jagged", "device": str(dev),
-                "values": walk.tensor(_plain_cpu_tensor(nt.values(), where + ".values()"), where + ".values()"),
+                "values": walk.tensor(_plain_cpu_tensor(values, where + ".values()"), where + ".values()"),
                 "offsets": walk.tensor(_plain_cpu_tensor(nt.offsets(), where + ".offsets()"), where + ".offsets()"),  # type: ignore[attr-defined]
                 "lengths": None if lengths is None else walk.tensor(_plain_cpu_tensor(lengths, where + ".lengths()"),
                                                                     where + ".lengths()"),
@@ -172,11 +184,26 @@ def _encode_non_tensor(obj: Any, where: str, active: _Walk) -> Any:
     if 0 in batch_size[:-1]:
         raise CodecError(f"{where}: a NonTensorStack of batch size {batch_size} (empty along a leading "
                          "dimension) cannot be rebuilt, so it is not cached")
-    items = obj.tolist()
+    items = stack_values(obj)
+    if items is None:
+        items = obj.tolist()
+
+    # One object in many rows (a GRPO group's chat prompt, repeated over its n samples) is encoded once
+    # when it holds no tensor: id -> (the object, kept alive; its encoding)
+    seen: Dict[int, Tuple[Any, Any]] = {}
 
     def nested(values: Any, depth: int, at: str) -> Any:
         if depth == len(batch_size):
-            return _encode(values, at, active)
+            if type(values) in SCALARS:
+                return values
+            known = seen.get(id(values))
+            if known is not None and known[0] is values:
+                return known[1]
+            tensors = len(active.names)
+            encoded = _encode(values, at, active)
+            if len(active.names) == tensors:
+                seen[id(values)] = (values, encoded)
+            return encoded
         if type(values) is not list or len(values) != batch_size[depth]:
             raise CodecError(f"{where}: a NonTensorStack of batch size {batch_size} whose values do not "
                              "have that shape cannot be cached")
@@ -373,10 +400,12 @@ def _decode_non_tensor(kind: str, obj: Dict[str, Any], where: str, check_only: b
 
     NonTensorData, NonTensorStack = tensordict_class("NonTensorData"), tensordict_class("NonTensorStack")
 
+    make = NonTensorMaker(NonTensorData, device)
+
     def nested(items: Any, depth: int, at: str) -> Any:
         if depth == len(batch_size):
             value = _decode(items, at, check_only)
-            return None if check_only else NonTensorData(data=value, batch_size=[], device=device)
+            return None if check_only else make(value)
         if type(items) is not list or len(items) != batch_size[depth]:
             raise CodecError(f"{where}: malformed nontensorstack record (its items do not have shape "
                              f"{batch_size})")
