@@ -121,10 +121,11 @@ def bench_grpo_steps(prompts: int, work: Path, repeats: int, steps: int, rounds:
         "hit_vs_floor_ratio_grpo": m["hit_vs_floor_paired"],
         "step_overhead_ratio_zstd_grpo": m["async_zstd_s"] / m["off_s"],
         "hit_overhead_ratio_zstd_grpo": m["hit_zstd_s"] / m["memory_s"],
-        # the zstd figures' floors, as on the dense batch: the uncompressed floor plus the codec's own
-        # seconds (narrowing, dedupe and zstd on one thread) spread over the cores the step keeps busy
+        # the zstd figures' floors, as on the dense batch: the uncompressed floor (the miss's, the hit's) plus
+        # the codec's own seconds (narrowing, dedupe and zstd on one thread) spread over the cores the step
+        # keeps busy
         "step_overhead_ratio_zstd_floor_grpo": step_floor + z["zstd_compress_cpu_s"] / cores / m["off_s"],
-        "hit_overhead_ratio_zstd_floor_grpo": 1.0 + z["zstd_decompress_s"] / cores / m["memory_s"],
+        "hit_overhead_ratio_zstd_floor_grpo": m["hit_floor_s"] / m["memory_s"] + z["zstd_decompress_s"] / cores / m["memory_s"],
     }
     out["step_zstd_vs_floor_ratio_grpo"] = out["step_overhead_ratio_zstd_grpo"] / out["step_overhead_ratio_zstd_floor_grpo"]
     out["hit_zstd_vs_floor_ratio_grpo"] = out["hit_overhead_ratio_zstd_grpo"] / out["hit_overhead_ratio_zstd_floor_grpo"]
