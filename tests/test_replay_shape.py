@@ -30,7 +30,8 @@ def loss_at(step: int, gpus: int, lr: float = LR) -> float:
     return 0.5 + 0.1 * step + 1e-3 * gpus + (step - 1) * (lr - LR) * 10
 
 
-def verl_run(tmp_path, gpus: int, lr: float = LR, reward: float = 0.0, loss=loss_at, w_invariant=None) -> str:
+def verl_run(tmp_path, gpus: int, lr: float = LR, reward: float = 0.0, loss=loss_at, w_invariant=None,
+             report_lr: bool = False) -> str:
     """Two steps through the verl plug-in's settings at `gpus` workers: the summary's replay line."""
     cfg = verl_keyed(tmp_path, n_gpus_per_node=gpus, nnodes=1)
     cfg["actor_rollout_ref"]["actor"] = {"optim": {"lr": lr}}
@@ -46,7 +47,8 @@ def verl_run(tmp_path, gpus: int, lr: float = LR, reward: float = 0.0, loss=loss
         trainer.prepare_data(step)
         for _ in range(run.K):
             trainer.sample(step)
-        harness.observe(step, **{"critic/score/mean": step + reward, "actor/pg_loss": loss(step, gpus, lr)})
+        harness.observe(step, **{"critic/score/mean": step + reward, "actor/pg_loss": loss(step, gpus, lr),
+                                 **({"actor/lr": lr} if report_lr else {})})
     return harness.close().replay_line
 
 
@@ -106,3 +108,15 @@ def test_a_w_invariant_trainer_compares_every_value_within_rounding_noise_at_ano
     assert line == ("replay: 2 of 2 served steps reproduced (2 values each); re-sharded from 2 to 1 workers "
                     "(trainer.n_gpus_per_node); compared within rounding noise (32 x float32 eps)"), line
     assert verl_run(tmp_path, 1, w_invariant=True).startswith("replay diverged at step 1 (actor/pg_loss ")
+
+
+def test_a_changed_learning_rate_is_caught_on_the_first_replay_at_another_worker_count(tmp_path):
+    """With no replay at this W yet, the training values are not compared; the learning rate is (no reduction
+    over ranks computes it): a 1% change is caught at step 1, naming it, not passed as reproduced."""
+    verl_run(tmp_path, 2, report_lr=True)
+    line = verl_run(tmp_path, 1, lr=LR * 1.01, report_lr=True)
+    assert line.startswith("replay diverged at step 1 (actor/lr 0.001 recorded, 0.00101 now)"), line
+    assert "training side changed: actor_rollout_ref.actor.optim.lr 0.001 -> 0.00101;" in line, line
+    first = verl_run(tmp_path, 1, report_lr=True)           # the recording's lr: reproduced, lr compared exactly
+    assert first.startswith("replay: 2 of 2 served steps reproduced (2 values each)"), first
+    assert "actor/pg_loss not compared (they depend on W); actor/lr, critic/score/mean compared" in first, first

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from skip_harness.cli._common import CliError
 from skip_harness.config import WEIGHTS_PREFIX, KeyTolerance
 from skip_harness.errors import SkipHarnessError
-from skip_harness.run.replay_check import depends_on_rollouts
+from skip_harness.run.replay_check import depends_on_rollouts, same_on_any_w
 from skip_harness.run.shape import workers_of
 from skip_harness.run.tolerance import EPS32, NOISE_ULPS, NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import (UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
@@ -191,7 +191,7 @@ def values_rule(a: Side, b: Side, other_batch: str = "", tolerances: Optional[To
         how = (f"re-sharded: {a.W} (A) vs {b.W} (B) workers" if a.workers and b.workers else
                f"re-sharded: W={a.W} (A) vs W={b.W} (B)")
         if not (a.w_invariant and b.w_invariant):     # the training values depend on W: as at another K
-            return ValuesRule(depends_on_rollouts, base.at(True), how, within, "W")
+            return ValuesRule(same_on_any_w, base.at(True), how, within, "W")
         return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), base.at(True), how, within)
     return ValuesRule(lambda key: True, base.at(False), "", within)
 

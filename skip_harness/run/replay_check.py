@@ -38,7 +38,7 @@ from skip_harness.run.drift import trajectory_firsts
 from skip_harness.run.replay_report import ReplayReport, _steps
 from skip_harness.run.shape import Regroup, shard_key, worker_change, workers_of
 from skip_harness.run.stats import HIT, MISS
-from skip_harness.run.tolerance import NOISE_WORDS, ToleranceModel
+from skip_harness.run.tolerance import NOISE_WORDS, ToleranceModel, learning_rate
 from skip_harness.store.api import config_changes, config_digest, numbers_of
 
 log = logging.getLogger("skip_harness")
@@ -52,6 +52,13 @@ def _rollout_value(key: str) -> bool:
 def depends_on_rollouts(key: str) -> bool:
     """Whether a value depends on a step's rollouts alone (config.ROLLOUT_VALUES): compared at another K."""
     return _rollout_value(key)
+
+
+def same_on_any_w(key: str) -> bool:
+    """Whether a value is the same on any W for any trainer: the rollout values and the learning rate (set by
+    a schedule, not reduced over ranks). At another W of a trainer not W-invariant these are compared with the
+    recording's, so a changed learning rate is caught on the first replay at that W."""
+    return _rollout_value(key) or learning_rate(key)
 
 
 @dataclass
@@ -294,8 +301,9 @@ class ValuesTracker:
             self._weights_left_out |= any(k.startswith(WEIGHTS_PREFIX) for k in keys)
             keys = [k for k in keys if not k.startswith(WEIGHTS_PREFIX)]
         if shape.depends_on:   # the training values: against a baseline replay at this K and W (run.baseline)
-            later = [k for k in keys if not _rollout_value(k)]
-            keys = [k for k in keys if _rollout_value(k)]
+            here = same_on_any_w if shape.depends_on == "W" else _rollout_value
+            later = [k for k in keys if not here(k)]
+            keys = [k for k in keys if here(k)]
             self._compared_rollout.update(keys)
         for key in keys:
             served.compared += 1
@@ -416,4 +424,4 @@ class ValuesTracker:
                             (min(counts), max(counts)), div, before, self._regrouped_note())
 
 
-__all__ = ["DiscardReporting", "Divergence", "ReplayReport", "ValuesTracker", "depends_on_rollouts"]
+__all__ = ["DiscardReporting", "Divergence", "ReplayReport", "ValuesTracker", "depends_on_rollouts", "same_on_any_w"]

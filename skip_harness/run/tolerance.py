@@ -59,6 +59,13 @@ class Tolerance:
         return "exact" if not self.rtol and not self.atol else f"replay_rtol {self.rtol:g}, replay_atol {self.atol:g}"
 
 
+def learning_rate(key: str) -> bool:
+    """Whether a value is a learning rate (`REGROUPED_EXACT`): set by a schedule, no reduction over rows or
+    ranks computes it, so it is the same on any W (at another K a scheduler stepping once per update moves it)."""
+    low = key.lower()
+    return any(fnmatch.fnmatchcase(low, p) for p in REGROUPED_EXACT)
+
+
 def agree(recorded: float, now: float, tol: Tolerance, scale: float = 1.0) -> bool:
     """Whether `now` reproduces `recorded` within `tol` (NaN matches NaN; an infinity only itself)."""
     if recorded == now:
@@ -127,5 +134,5 @@ def _key_tolerance(value: object) -> KeyTolerance:
     return KeyTolerance(float(getattr(value, "rtol", 0.0)), float(getattr(value, "atol", 0.0)))
 
 
-__all__ = ["EPS32", "KeyTolerance", "NOISE_ULPS", "NOISE_WORDS", "REGROUPED_EXACT", "Tolerance", "ToleranceModel",
+__all__ = ["EPS32", "KeyTolerance", "NOISE_ULPS", "NOISE_WORDS", "REGROUPED_EXACT", "Tolerance", "ToleranceModel", "learning_rate",
            "agree"]
