@@ -78,7 +78,24 @@ def main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Optio
              timeout_s: float = 900, env_extra: Optional[Dict[str, str]] = None, **overrides_kwargs) -> Run:
     """One ``main_ppo`` run. With `dump_dir`, the plug-in caches every step there; without, caching is off.
     `kill_when(generate_log)` is polled; when it returns True the whole run (driver, Ray, workers: its process
-    group) is SIGKILLed."""
+    group) is SIGKILLed. A run Ray failed to start because a port it picked was taken (two Ray clusters
+    starting at once on one host, as the test suite's two workers do: `address already in use`) is run
+    again, once, with a WARNING; any other failure is returned as it is."""
+    run = _main_ppo(workdir, name, paths, dump_dir=dump_dir, steps=steps, mode=mode, extra=extra,
+                    kill_when=kill_when, timeout_s=timeout_s, env_extra=env_extra, **overrides_kwargs)
+    if run.returncode != 0 and kill_when is None and PORT_TAKEN in run.output:
+        log.warning("main_ppo run %s: Ray found a port taken (%s); running it again", name, PORT_TAKEN)
+        run = _main_ppo(workdir, name, paths, dump_dir=dump_dir, steps=steps, mode=mode, extra=extra,
+                        kill_when=kill_when, timeout_s=timeout_s, env_extra=env_extra, **overrides_kwargs)
+    return run
+
+
+PORT_TAKEN = "address already in use"
+
+
+def _main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Optional[Path], steps: int,
+              mode: str, extra: Sequence[str], kill_when: Optional[Callable[[Path], bool]], timeout_s: float,
+              env_extra: Optional[Dict[str, str]], **overrides_kwargs) -> Run:
     workdir = Path(workdir)
     gen_log = workdir / f"{name}.generate"
     metrics_path = workdir / f"{name}.metrics.jsonl"
