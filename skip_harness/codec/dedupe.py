@@ -212,7 +212,11 @@ def _is_ramp(flat: Any, r: _Rows) -> bool:
     firsts, lasts = flat[starts[nonempty]], flat[(starts + lengths - 1)[nonempty]]
     if bool((firsts != 0).any()) or not np.array_equal(lasts.astype(np.int64), (lengths - 1)[nonempty]):
         return False                              # each row's ends say no: no full pass
-    return np.array_equal(flat, _positions(np.zeros_like(starts), lengths))
+    # then every step within a row is +1 (wrapping; the rows' last values above rule a wrap out): one
+    # NumPy pass, no per-element index of the whole tensor
+    steps = np.subtract(flat[1:], flat[:-1]) == 1
+    steps[starts[(starts > 0) & (starts < flat.size)] - 1] = True   # a row's first value (0) was checked
+    return bool(steps.all())
 
 
 def _find_cat(i: int, r: _Rows, rows: Dict[int, _Rows], tensors: Sequence[torch.Tensor],
@@ -250,27 +254,28 @@ def _row_sums(bits: Any, starts: Any, lengths: Any) -> Any:
 def _repeats(r: _Rows) -> Optional[List[int]]:
     """src[i] for a tensor whose rows repeat their predecessor's, None when none does (or too little)."""
     bits, starts_a, lengths_a = _np(r.flat), r.starts.numpy(), r.lengths.numpy()
-    starts, lengths = starts_a.tolist(), lengths_a.tolist()
     # a row can only repeat its predecessor when their lengths and first units agree (one vectorised pass)
     head = bits[starts_a.clip(max=max(0, bits.shape[0] - 1))]
-    same = lengths_a[1:] == lengths_a[:-1]
-    maybe = (same & ((head[1:] == head[:-1]).all(axis=1) | (lengths_a[1:] == 0))).tolist()
-    if not any(maybe):
+    maybe = (lengths_a[1:] == lengths_a[:-1]) & ((head[1:] == head[:-1]).all(axis=1) | (lengths_a[1:] == 0))
+    if not maybe.any():
         return None
     # ... and their sums (one vectorised pass): rows that start alike (a mask's zeros) rarely add up alike
     sums = _row_sums(bits, starts_a, lengths_a)
-    maybe = [m and bool(x) for m, x in zip(maybe, (sums[1:] == sums[:-1]).tolist())]
-    if not any(maybe):
+    maybe &= sums[1:] == sums[:-1]
+    if not maybe.any():
         return None
-    src, saved = [0], 0
-    for j in range(1, r.n):
-        s = src[-1]
-        if maybe[j - 1] and lengths[j] == lengths[s] and np.array_equal(bits[starts[j]:starts[j] + lengths[j]],
-                                                                         bits[starts[s]:starts[s] + lengths[s]]):
-            src.append(s)
-            saved += lengths[j]
-        else:
-            src.append(j)
+    # ... and their bytes: every unit of a candidate row against its predecessor's (the rows tile, so the
+    # predecessor of equal length ends where it starts), all candidates in one NumPy pass
+    same = np.zeros(r.n, dtype=bool)
+    same[1:] = maybe
+    cand = np.flatnonzero(same & (lengths_a > 0))
+    if cand.size:
+        here = _positions(starts_a[cand], lengths_a[cand])
+        differs = (bits[here] != bits[here - np.repeat(lengths_a[cand], lengths_a[cand])]).any(axis=1)
+        firsts = np.cumsum(lengths_a[cand]) - lengths_a[cand]
+        same[cand] = ~np.logical_or.reduceat(differs, firsts)
+    src = np.maximum.accumulate(np.where(same, 0, np.arange(r.n))).tolist()
+    saved = int(lengths_a[same].sum())
     saved_bytes = saved * r.flat.shape[1] * r.flat.element_size()
     return src if saved_bytes >= MIN_BYTES and saved_bytes > 8 * r.n else None
 
