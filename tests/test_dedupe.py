@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import resource
 import struct
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from skip_harness import codec
-from skip_harness.codec import dedupe
+from skip_harness.codec import dedupe, tensorfile
 from skip_harness.errors import CodecError
 from skip_harness.store.layout import Layout
 from skip_harness.store.open import open_store
@@ -256,3 +260,32 @@ def test_a_damaged_shuffle_or_xor_is_a_codec_error():
         data, n = _damaged(edit, payload)
         with pytest.raises(CodecError):
             codec.load_buffer(data, n, "bad")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_the_writer_threads_codec_work_stays_on_its_thread():
+    """Dedupe, narrowing and zstd run on the writer thread alone: torch's intra-op threads are the trainer's
+    (issue 42: the plan's torch passes fanned out over them, costing the trainer twice the writer's seconds)."""
+    structure, names = codec.encode_named(_bench_grpo.make_grpo_payload(8, seed=3))
+    image = tensorfile.plan(structure, names)
+    tensors = [t.contiguous() for t in image.tensors]
+    seconds = {}
+
+    def work():
+        tensorfile.stored_image(image, tensors, ZSTD)
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
+        for _ in range(3):
+            tensorfile.stored_image(image, tensors, ZSTD)
+        t1, r1 = time.thread_time(), resource.getrusage(resource.RUSAGE_SELF)
+        seconds["thread"] = t1 - t0
+        seconds["process"] = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        writer = threading.Thread(target=work)
+        writer.start()
+        writer.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert seconds["process"] <= 1.3 * seconds["thread"] + 0.01, seconds

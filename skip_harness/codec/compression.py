@@ -56,11 +56,9 @@ def narrowest_dtype(t: torch.Tensor) -> torch.dtype:
     """The narrowest dtype holding every value of the integer tensor `t` exactly (its own if none)."""
     if t.dtype not in _INT_DTYPES or t.numel() == 0:
         return t.dtype
-    try:
-        lo, hi = (int(v) for v in torch.aminmax(t))
-    except (RuntimeError, NotImplementedError):   # unsigned dtypes without the kernel
-        arr = t.numpy()
-        lo, hi = int(arr.min()), int(arr.max())
+    # NumPy: on this thread alone (torch's aminmax would fan out over the trainer's intra-op threads)
+    arr = t.detach().reshape(-1).numpy()
+    lo, hi = int(arr.min()), int(arr.max())
     for cand in _NARROW_TO:
         if cand.itemsize >= t.dtype.itemsize:
             break

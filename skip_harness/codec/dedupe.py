@@ -92,12 +92,11 @@ def _rows_of(t: torch.Tensor, offsets: Optional[torch.Tensor], by: int) -> Optio
     return _Rows(t.reshape(t.shape[0], math.prod(t.shape[1:])), starts, lengths, by)
 
 
-def _positions(starts: torch.Tensor, lengths: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The units of every row in order, each row's taken from `starts` (+ `skip` units into it)."""
-    total = int(lengths.sum())
+def _positions(starts: Any, lengths: Any, skip: Any = None) -> Any:
+    """The units of every row in order (NumPy int64), each row's taken from `starts` (+ `skip` units into it)."""
     first = starts if skip is None else starts + skip
-    row_start_in_out = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(first - row_start_in_out, lengths, output_size=total) + torch.arange(total)
+    row_start_in_out = np.cumsum(lengths) - lengths
+    return np.repeat(first - row_start_in_out, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
 def jagged_values(tree: Any) -> Dict[int, int]:
@@ -162,9 +161,8 @@ def plan(tree: Any, tensors: Sequence[torch.Tensor], names: Sequence[Optional[st
         return count + len(extras) - 1
 
     for i, r in rows.items():                      # fill and ramp: nothing but a value or the lengths
-        t, bits = tensors[i], _bits(r.flat)
-        flat = bits.reshape(-1)
-        if _sampled(flat).eq(flat[0]).all() and bool((flat == flat[0]).all()):
+        t, flat = tensors[i], _np(r.flat).reshape(-1)
+        if bool((_sampled(flat) == flat[0]).all()) and bool((flat == flat[0]).all()):
             how[i] = {"fill": extra(t.reshape(-1)[:1].clone(), names[i], "value")}
         elif r.flat.shape[1] == 1 and t.dtype in _RAMP_DTYPES and _is_ramp(flat, r):
             how[i] = {"ramp": r.by}
@@ -181,9 +179,10 @@ def plan(tree: Any, tensors: Sequence[torch.Tensor], names: Sequence[Optional[st
             continue
         src = _repeats(r)
         if src is not None:
-            keep = torch.tensor([s == j for j, s in enumerate(src)])
-            unique = r.flat[_positions(r.starts[keep], r.lengths[keep])]
-            how[i] = {"rows": [extra(unique.reshape(-1, *tensors[i].shape[2 if r.by < 0 else 1:]), names[i],
+            keep = np.array([s == j for j, s in enumerate(src)])
+            unique = _np(r.flat)[_positions(r.starts.numpy()[keep], r.lengths.numpy()[keep])]
+            unique_t = torch.from_numpy(unique).view(tensors[i].dtype)
+            how[i] = {"rows": [extra(unique_t.reshape(-1, *tensors[i].shape[2 if r.by < 0 else 1:]), names[i],
                                      "unique rows"), r.by, src]}
     floats = [i for i, t in enumerate(tensors) if t.dtype in _FLOATS and _eligible(t)]
     for pos, i in enumerate(floats):               # xor: close to an earlier float tensor of its shape
@@ -194,27 +193,30 @@ def plan(tree: Any, tensors: Sequence[torch.Tensor], names: Sequence[Optional[st
             if a in how or ta.dtype != t.dtype or ta.shape != t.shape:
                 continue
             high = 8 * t.element_size() - 12
-            look = torch.bitwise_xor(_sampled(_bits(t).reshape(-1), 4096), _sampled(_bits(ta).reshape(-1), 4096))
-            if float((look >> high == 0).float().mean()) >= _XOR_SHARE:      # decided on a sample
-                delta = torch.bitwise_xor(_bits(t), _bits(ta))
-                how[i] = {"xor": [extra(delta.view(t.dtype), names[i], f"xor {names[a] or a}"), a]}
+            look = np.bitwise_xor(_sampled(_np(t).reshape(-1), 4096), _sampled(_np(ta).reshape(-1), 4096))
+            if float(np.mean(look >> high == 0)) >= _XOR_SHARE:              # decided on a sample
+                delta = torch.from_numpy(np.bitwise_xor(_np(t), _np(ta))).view(t.dtype)
+                how[i] = {"xor": [extra(delta, names[i], f"xor {names[a] or a}"), a]}
                 break
     return Plan(how, extras, extra_names)
 
 
-def _sampled(flat: torch.Tensor, count: int = 1024) -> torch.Tensor:
+def _sampled(flat: Any, count: int = 1024) -> Any:
     """About `count` elements spread over `flat`: a cheap look before a full pass."""
-    return flat[::max(1, flat.numel() // count)]
+    return flat[::max(1, flat.size // count)]
 
 
-def _is_ramp(flat: torch.Tensor, r: _Rows) -> bool:
-    nonempty = r.lengths > 0
-    firsts, lasts = flat[r.starts[nonempty]], flat[(r.starts + r.lengths - 1)[nonempty]]
-    if bool((firsts != 0).any()) or not torch.equal(lasts.to(torch.int64), (r.lengths - 1)[nonempty]):
+def _is_ramp(flat: Any, r: _Rows) -> bool:
+    starts, lengths = r.starts.numpy(), r.lengths.numpy()
+    nonempty = lengths > 0
+    firsts, lasts = flat[starts[nonempty]], flat[(starts + lengths - 1)[nonempty]]
+    if bool((firsts != 0).any()) or not np.array_equal(lasts.astype(np.int64), (lengths - 1)[nonempty]):
         return False                              # each row's ends say no: no full pass
-    expected = torch.arange(flat.numel(), dtype=torch.int64) - torch.repeat_interleave(
-        r.starts, r.lengths, output_size=flat.numel())
-    return bool(torch.equal(flat.to(torch.int64), expected))
+    # then every step within a row is +1 (wrapping; the rows' last values above rule a wrap out): one
+    # NumPy pass, no per-element index of the whole tensor
+    steps = np.subtract(flat[1:], flat[:-1]) == 1
+    steps[starts[(starts > 0) & (starts < flat.size)] - 1] = True   # a row's first value (0) was checked
+    return bool(steps.all())
 
 
 def _find_cat(i: int, r: _Rows, rows: Dict[int, _Rows], tensors: Sequence[torch.Tensor],
@@ -231,46 +233,49 @@ def _find_cat(i: int, r: _Rows, rows: Dict[int, _Rows], tensors: Sequence[torch.
             if b in (a, i) or rb.n != r.n or tensors[b].dtype != t.dtype or rb.flat.shape[1] != r.flat.shape[1] \
                     or "cat" in how.get(b, {}) or not torch.equal(rb.lengths, rest):
                 continue
-            bits, abits, bbits = _bits(r.flat), _bits(ra.flat), _bits(rb.flat)
-            if torch.equal(bits[_positions(r.starts, ra.lengths)], abits) and \
-                    torch.equal(bits[_positions(r.starts, rb.lengths, ra.lengths)], bbits):
+            bits, abits, bbits = _np(r.flat), _np(ra.flat), _np(rb.flat)
+            starts, la = r.starts.numpy(), ra.lengths.numpy()
+            if np.array_equal(bits[_positions(starts, la)], abits) and \
+                    np.array_equal(bits[_positions(starts, rb.lengths.numpy(), la)], bbits):
                 return [a, ra.by, b, rb.by, r.by]
     return None
 
 
-def _row_sums(bits: torch.Tensor, r: _Rows) -> torch.Tensor:
+def _row_sums(bits: Any, starts: Any, lengths: Any) -> Any:
     """Each row's sum of its elements as integers (wrapping: only ever compared for equality)."""
-    cs = torch.cumsum(bits.reshape(-1).to(torch.int64), 0)
+    cs = np.cumsum(bits.reshape(-1), dtype=np.int64)
     inner = bits.shape[1]
-    ends = (r.starts + r.lengths) * inner - 1
-    before = r.starts * inner - 1
-    total = torch.where(r.lengths > 0, cs[ends.clamp(min=0)], torch.zeros_like(ends))
-    return total - torch.where(before >= 0, cs[before.clamp(min=0)], torch.zeros_like(before))
+    ends = (starts + lengths) * inner - 1
+    before = starts * inner - 1
+    total = np.where(lengths > 0, cs[ends.clip(min=0)], 0)
+    return total - np.where(before >= 0, cs[before.clip(min=0)], 0)
 
 
 def _repeats(r: _Rows) -> Optional[List[int]]:
     """src[i] for a tensor whose rows repeat their predecessor's, None when none does (or too little)."""
-    bits = _bits(r.flat)
-    starts, lengths = r.starts.tolist(), r.lengths.tolist()
+    bits, starts_a, lengths_a = _np(r.flat), r.starts.numpy(), r.lengths.numpy()
     # a row can only repeat its predecessor when their lengths and first units agree (one vectorised pass)
-    head = bits[r.starts.clamp(max=max(0, bits.shape[0] - 1))]
-    maybe = ((r.lengths[1:] == r.lengths[:-1]) & ((head[1:] == head[:-1]).all(dim=1) | (r.lengths[1:] == 0))).tolist()
-    if not any(maybe):
+    head = bits[starts_a.clip(max=max(0, bits.shape[0] - 1))]
+    maybe = (lengths_a[1:] == lengths_a[:-1]) & ((head[1:] == head[:-1]).all(axis=1) | (lengths_a[1:] == 0))
+    if not maybe.any():
         return None
     # ... and their sums (one vectorised pass): rows that start alike (a mask's zeros) rarely add up alike
-    sums = _row_sums(bits, r)
-    maybe = [m and bool(x) for m, x in zip(maybe, (sums[1:] == sums[:-1]).tolist())]
-    if not any(maybe):
+    sums = _row_sums(bits, starts_a, lengths_a)
+    maybe &= sums[1:] == sums[:-1]
+    if not maybe.any():
         return None
-    src, saved = [0], 0
-    for j in range(1, r.n):
-        s = src[-1]
-        if maybe[j - 1] and lengths[j] == lengths[s] and torch.equal(bits[starts[j]:starts[j] + lengths[j]],
-                                                   bits[starts[s]:starts[s] + lengths[s]]):
-            src.append(s)
-            saved += lengths[j]
-        else:
-            src.append(j)
+    # ... and their bytes: every unit of a candidate row against its predecessor's (the rows tile, so the
+    # predecessor of equal length ends where it starts), all candidates in one NumPy pass
+    same = np.zeros(r.n, dtype=bool)
+    same[1:] = maybe
+    cand = np.flatnonzero(same & (lengths_a > 0))
+    if cand.size:
+        here = _positions(starts_a[cand], lengths_a[cand])
+        differs = (bits[here] != bits[here - np.repeat(lengths_a[cand], lengths_a[cand])]).any(axis=1)
+        firsts = np.cumsum(lengths_a[cand]) - lengths_a[cand]
+        same[cand] = ~np.logical_or.reduceat(differs, firsts)
+    src = np.maximum.accumulate(np.where(same, 0, np.arange(r.n))).tolist()
+    saved = int(lengths_a[same].sum())
     saved_bytes = saved * r.flat.shape[1] * r.flat.element_size()
     return src if saved_bytes >= MIN_BYTES and saved_bytes > 8 * r.n else None
 
@@ -364,7 +369,9 @@ def _stored_rows(t: torch.Tensor, by: int, tensors: List[torch.Tensor], name: st
 
 
 def _np(t: torch.Tensor) -> Any:
-    return _bits(t).numpy()
+    """`t`'s bits as a NumPy array (a view): NumPy's passes run on this thread alone, where torch's would fan
+    out over the intra-op threads the trainer's own computation uses (the writer thread plans)."""
+    return _bits(t.detach()).numpy()
 
 
 def _rebuild_one(i: int, how: Dict[str, Any], target: torch.Tensor, tensors: List[torch.Tensor]) -> None:

@@ -16,7 +16,9 @@ keeps the same set of servable steps.
 """
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -30,6 +32,22 @@ from skip_harness.run.stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REF
 
 _STOP = object()
 
+
+
+WRITER_NICE = 10      # the writer thread's niceness above the trainer's (Linux: per thread)
+
+
+def _lower_priority() -> None:
+    """Give the writer thread a lower scheduling priority than the trainer's threads: its narrowing, dedupe
+    and zstd then fill the cores' idle moments instead of stalling the trainer's compute threads (whose
+    parallel ops wait for their slowest thread). Linux only; elsewhere, or when not allowed, a no-op."""
+    if not sys.platform.startswith("linux"):     # elsewhere a thread id is no process id to setpriority
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE)
+    except (AttributeError, OSError):
+        pass
 
 class Writer:
     """One thread writing jobs in order; a bounded number pending; inline when not `background`."""
@@ -58,6 +76,7 @@ class Writer:
         return fut
 
     def _loop(self) -> None:
+        _lower_priority()
         while True:
             item = self._jobs.get()
             if item is _STOP:
