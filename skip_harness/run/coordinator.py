@@ -32,8 +32,6 @@ from skip_harness.run.stats import COMMIT_FAILED, OTHER_RANK_FAILED, PAYLOAD_REF
 
 _STOP = object()
 
-
-
 WRITER_NICE = 10      # the writer thread's niceness above the trainer's (Linux: per thread)
 
 
@@ -48,6 +46,7 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE)
     except (AttributeError, OSError):
         pass
+
 
 class Writer:
     """One thread writing jobs in order; a bounded number pending; inline when not `background`."""
