@@ -120,3 +120,4 @@ def test_a_changed_learning_rate_is_caught_on_the_first_replay_at_another_worker
     first = verl_run(tmp_path, 1, report_lr=True)           # the recording's lr: reproduced, lr compared exactly
     assert first.startswith("replay: 2 of 2 served steps reproduced (2 values each)"), first
     assert "actor/pg_loss not compared (they depend on W); actor/lr, critic/score/mean compared" in first, first
+

@@ -267,3 +267,19 @@ def test_under_the_hydra_callback_without_validate_from_config_takes_the_callbac
     finally:
         harness.close()
         callback.on_job_end(config=cfg)
+
+
+def test_from_config_keeps_the_w_invariance_the_settings_were_handed_over_with(tmp_path):
+    """A Hydra callback's settings say the trainer is W-invariant: `from_config(cfg)` without the argument
+    keeps it (it used to reset it to False, so a W-invariant trainer lost its comparison at another W); an
+    explicit argument still wins."""
+    import dataclasses
+
+    from skip_harness.run.harness import SkipHarness
+    from skip_harness.run.settings import hand_over
+
+    cfg = verl_keyed(tmp_path)
+    for given, expected in ((None, True), (False, False)):
+        hand_over(cfg, dataclasses.replace(from_verl_keys(cfg, w_invariant=True), training_config={"a": 1}))
+        harness = SkipHarness.from_config(cfg, w_invariant=given)
+        assert harness.run_settings.w_invariant is expected, given

@@ -80,10 +80,12 @@ def main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Optio
     `kill_when(generate_log)` is polled; when it returns True the whole run (driver, Ray, workers: its process
     group) is SIGKILLed. A run Ray failed to start because a port it picked was taken (two Ray clusters
     starting at once on one host, as the test suite's two workers do: `address already in use`) is run
-    again, once, with a WARNING; any other failure is returned as it is."""
+    again, once, with a WARNING, when it trained no step and generated nothing; any other failure is returned
+    as it is."""
     run = _main_ppo(workdir, name, paths, dump_dir=dump_dir, steps=steps, mode=mode, extra=extra,
                     kill_when=kill_when, timeout_s=timeout_s, env_extra=env_extra, **overrides_kwargs)
-    if run.returncode != 0 and kill_when is None and PORT_TAKEN in run.output:
+    # only a run that trained no step and generated nothing: one that got further is never run over again
+    if run.returncode != 0 and kill_when is None and PORT_TAKEN in run.output and not run.metrics and run.generate_calls == 0:
         log.warning("main_ppo run %s: Ray found a port taken (%s); running it again", name, PORT_TAKEN)
         run = _main_ppo(workdir, name, paths, dump_dir=dump_dir, steps=steps, mode=mode, extra=extra,
                         kill_when=kill_when, timeout_s=timeout_s, env_extra=env_extra, **overrides_kwargs)

@@ -116,17 +116,19 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         fingerprint_keys: Sequence[str] = (),
         callbacks: Sequence[HarnessCallback] = (),
         dist: Optional[DistContext] = None,
-        w_invariant: bool = False,
+        w_invariant: Optional[bool] = None,
     ) -> "SkipHarness":
         """From a whole config with verl's key names (`skip.rollout_tq`, `trainer.*`, `data.*`, ...):
         a dict, an OmegaConf node or a dataclass. A fingerprint key not in the config is a ConfigError.
         Under the Hydra callback the settings it resolved for this config are taken, not resolved again.
-        `w_invariant`: as for :meth:`create`."""
+        `w_invariant`: as for :meth:`create` (None: what the settings handed over say, else False)."""
         run = take(cfg)   # integrations/hydra.py's on_job_start hands over what it resolved from this config
         if run is None or run.fingerprint is not None or run.training_config is None:
-            return cls(from_verl_keys(cfg, fingerprint_keys=fingerprint_keys, w_invariant=w_invariant),
+            return cls(from_verl_keys(cfg, fingerprint_keys=fingerprint_keys, w_invariant=bool(w_invariant)),
                        callbacks=callbacks, dist=dist)
-        run = dataclasses.replace(with_fingerprint_keys(run, cfg, fingerprint_keys), w_invariant=w_invariant)
+        run = with_fingerprint_keys(run, cfg, fingerprint_keys)
+        if w_invariant is not None:       # else kept as the settings handed over say
+            run = dataclasses.replace(run, w_invariant=w_invariant)
         return cls(run, callbacks=callbacks, dist=dist)
 
     @property

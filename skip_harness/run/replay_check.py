@@ -255,6 +255,9 @@ class ValuesTracker:
         create-only, once this run holds the namespace and reproduced an earlier step (module doc)."""
         if not self._gaps or not self.is_main or not self.holds():
             return
+        if self._shape is not None and self._shape.regrouped:
+            self._gaps.clear()      # values at another K or W are not what the recording would have recorded
+            return
         for step in sorted(s for s in self._gaps if s < before):
             if self.divergence is not None and self.divergence.step <= step:
                 self._gaps.clear()             # this run is not the recorded one from here on
