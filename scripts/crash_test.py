@@ -8,8 +8,9 @@ in a fresh cache directory:
 1. starts `scripts/train.py trainer_mode=separate_async trainer.v1.separate_async.parameter_sync_step=4`
    (a small batch, a few steps) and SIGKILLs it: at a random moment of its training (drawn from the
    uninterrupted run's, counted from when this run locked its namespace), or (every other trial) at
-   the first moment after such a random moment at which a cache file is being written (a temporary
-   file is present);
+   the first moment a cache file is being written (a temporary file is present) after a random
+   number of steps has committed; a targeted run that ended before the probe saw a write runs again
+   on a fresh cache (up to 3 attempts), so that a run of 4 trials kills mid-write at least once;
 2. records whether the kill landed mid-write (temporary files left in the cache after the kill) and
    which steps it left incomplete;
 3. `skip-harness verify` must pass (no corrupt step);
@@ -183,6 +184,7 @@ class Trial:
     incomplete_after_kill: List[int] = field(default_factory=list)
     complete_after_kill: List[int] = field(default_factory=list)
     hits_on_restart: int = 0
+    attempts: int = 1
     failures: List[str] = field(default_factory=list)
 
 
@@ -226,36 +228,61 @@ def _flip_a_byte(cache: Path) -> None:
     payload.write_bytes(bytes(data))
 
 
-def run_trial(index: int, work: Path, overrides: List[str], ref: Dict[str, Any], rnd: random.Random,
-              targeted: bool, self_check: bool = False) -> Trial:
-    trial = Trial(index, targeted)
-    cache = work / f"trial{index}-cache"
-    env = _env(cache)
-    # Kill moments are drawn from the uninterrupted run's training window (namespace locked -> last
-    # commit), counted from when this run has locked its namespace, so a slow start (a loaded
-    # machine) does not push every kill into the startup.
-    window = max(ref["last_commit_s"] - ref["ready_s"], 0.1)
-    delay = rnd.uniform(0.0, window) if not targeted else rnd.uniform(0.0, 0.8 * window)
+TARGET_ATTEMPTS = 3  # a targeted trial whose run wrote its last file before the probe saw one runs again
 
-    proc = subprocess.Popen(_train_cmd(work / f"trial{index}-killed", cache, overrides), env=env, cwd=work,
+
+def _start_and_kill(cache: Path, run_dir: Path, overrides: List[str], env: Dict[str, str], delay: float,
+                    after_step: Optional[int]) -> tuple:
+    """Start a run on `cache` and SIGKILL it: `delay` seconds after it locked its namespace or, when
+    `after_step` is given (a targeted trial), at the first moment a cache file is being written once
+    step `after_step` has committed (0: from the start). Returns (killed, seconds into training)."""
+    proc = subprocess.Popen(_train_cmd(run_dir, cache, overrides), env=env, cwd=run_dir.parent,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _CHILDREN.append(proc)
     try:
         ready = _wait_for("*/*/.lock.holder.json", cache, proc, time.monotonic())
         t0 = time.monotonic()
-        while ready is not None and proc.poll() is None and time.monotonic() - t0 < delay:
-            time.sleep(0.002)
-        if targeted:  # then kill at the first moment a cache file is being written
+        if after_step is None:
+            while ready is not None and proc.poll() is None and time.monotonic() - t0 < delay:
+                time.sleep(0.002)
+        else:
+            if ready is not None and after_step > 0:
+                _wait_for(f"*/*/{after_step}/commit.json", cache, proc, t0)
             deadline = time.monotonic() + 60
             while proc.poll() is None and time.monotonic() < deadline and not temporary_files(cache):
                 pass
-        if proc.poll() is None:
+        killed = proc.poll() is None
+        if killed:
             os.killpg(proc.pid, signal.SIGKILL)
-            trial.killed = True
-        trial.kill_at_s = round(time.monotonic() - t0, 3)
+        at = round(time.monotonic() - t0, 3)
         proc.wait(timeout=60)
     finally:
         _CHILDREN.remove(proc)
+    return killed, at
+
+
+def run_trial(index: int, work: Path, overrides: List[str], ref: Dict[str, Any], rnd: random.Random,
+              targeted: bool, self_check: bool = False) -> Trial:
+    """A random trial kills at a moment drawn from the uninterrupted run's training window (namespace
+    locked -> last commit), counted from when this run has locked its namespace, so a slow start (a
+    loaded machine) does not push every kill into the startup. A targeted trial draws how many steps
+    must have committed first and then kills at the first write the probe sees; the probe polls, so
+    when it saw none before the run ended (a write lasts a millisecond or so) the trial runs again on a
+    fresh cache, up to TARGET_ATTEMPTS times."""
+    trial = Trial(index, targeted)
+    cache = work / f"trial{index}-cache"
+    env = _env(cache)
+    window = max(ref["last_commit_s"] - ref["ready_s"], 0.1)
+    steps = len(ref["metrics"])
+    for attempt in range(1, (TARGET_ATTEMPTS if targeted else 1) + 1):
+        shutil.rmtree(cache, ignore_errors=True)
+        run_dir = work / f"trial{index}-killed" if attempt == 1 else work / f"trial{index}-killed-{attempt}"
+        after_step = rnd.randrange(steps) if targeted else None
+        trial.attempts = attempt
+        trial.killed, trial.kill_at_s = _start_and_kill(cache, run_dir, overrides, env,
+                                                        rnd.uniform(0.0, window), after_step)
+        if not targeted or (trial.killed and temporary_files(cache)):
+            break
 
     trial.temporary_files = temporary_files(cache)
     trial.mid_write = bool(trial.temporary_files)
@@ -326,7 +353,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             log.info(
                 "trial %d: %s %.2f s into training, %s, %d complete / %d incomplete steps after the kill, %d hits on restart: %s",
                 i, "killed" if t.killed else "finished before the kill", t.kill_at_s or 0.0,
-                "mid-write" if t.mid_write else "not mid-write", len(t.complete_after_kill),
+                ("mid-write" if t.mid_write else "not mid-write") + (f" (attempt {t.attempts})" if t.attempts > 1 else ""),
+                len(t.complete_after_kill),
                 len(t.incomplete_after_kill), t.hits_on_restart, "FAILED: " + "; ".join(t.failures) if t.failures else "ok",
             )
     finally:
