@@ -179,9 +179,9 @@ def test_a_format_3_file_still_loads():
     data = bytearray(buf.getvalue())
     hlen = struct.unpack_from("<Q", data, 16)[0]
     header = bytes(data[24:24 + hlen])
-    assert b'"format":4' in header and b'"shuffle"' not in header
+    assert f'"format":{codec.FORMAT_VERSION}'.encode() in header and b'"shuffle"' not in header
     struct.pack_into("<I", data, 8, 3)
-    data[24:24 + hlen] = header.replace(b'"format":4', b'"format":3')
+    data[24:24 + hlen] = header.replace(f'"format":{codec.FORMAT_VERSION}'.encode(), b'"format":3')
     assert_identical(batch, codec.load_buffer(data, n, "v3"))
 
 

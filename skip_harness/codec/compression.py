@@ -101,7 +101,7 @@ def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: Stored
         how = _how(name, None if stored_dtype == dtype else _dtype_name(stored_dtype), chunks)
         entries.append((_dtype_name(dtype), list(t.shape), nbytes, {**how, "shuffle": True} if shuffle and how else how))
         data.append(raw)
-    head, offsets, nbytes = _layout(image.tree, entries)
+    head, offsets, nbytes = _layout(image.tree, entries, image.raws)
     pieces: List[Tuple[int, Any]] = []
     for off, raw in zip(offsets, data):
         if isinstance(raw, list):

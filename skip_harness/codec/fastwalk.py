@@ -10,6 +10,43 @@ from skip_harness.codec.payload_kinds import SCALARS, TAG, is_non_tensor_stack
 
 NOT_PLAIN = object()
 _PLAIN_DEPTH = 8
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+class PlainJSON:
+    """A value of plain JSON (lists, str-keyed dicts without the TAG key, str, int, float, bool, None),
+    kept by reference in an encoded structure that is written at once (`images.plan`, `images.save_to`):
+    the file image stores it as one JSON text, dumped by the C encoder, instead of walking it node by
+    node (a GRPO batch's chat messages and uids: thousands of nodes on the trainer's thread). Never in
+    `structure.encode`'s output, which must stay picklable and independent of the payload."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def is_plain(obj: Any, depth: int = 0, checked: Any = None) -> bool:
+    """Whether `obj` (a list or dict) is plain JSON as PlainJSON says, at most _PLAIN_DEPTH deep (a cycle
+    included). `checked`: ids of containers already found plain (a group's chat prompt, repeated over
+    its n samples, is checked once)."""
+    if checked is not None and id(obj) in checked:
+        return True
+    t = type(obj)
+    if t is list:
+        for v in obj:
+            if type(v) not in _JSON_SCALARS and (depth >= _PLAIN_DEPTH or not is_plain(v, depth + 1, checked)):
+                return False
+    elif t is dict and TAG not in obj:
+        for k, v in obj.items():
+            if type(k) is not str or (type(v) not in _JSON_SCALARS
+                                      and (depth >= _PLAIN_DEPTH or not is_plain(v, depth + 1, checked))):
+                return False
+    else:
+        return False
+    if checked is not None:
+        checked.add(id(obj))
+    return True
 
 
 def plain(obj: Any, depth: int = 0) -> Any:
@@ -52,10 +89,15 @@ def stack_values(obj: Any) -> Any:
     if type(elements) is not list or len(elements) != obj.batch_size[0]:
         return None
     out = []
+    element_types: set = set()   # types already found not to be stacks (the check is per type)
     for td in elements:
         fields = getattr(td, "__dict__", {}).get("_non_tensordict")
-        if type(fields) is not dict or "data" not in fields or is_non_tensor_stack(td):
+        if type(fields) is not dict or "data" not in fields:
             return None
+        if type(td) not in element_types:
+            if is_non_tensor_stack(td):
+                return None
+            element_types.add(type(td))
         out.append(fields["data"])
     return out
 

@@ -1,4 +1,4 @@
-"""The payload file format's image (FORMAT_VERSION 3): an encoded structure laid out as a small JSON
+"""The payload file format's image (FORMAT_VERSION 5): an encoded structure laid out as a small JSON
 header followed by every tensor's bytes, and the one copy of those bytes into a buffer.
 
     MAGIC (8 bytes) | u32 format version | u32 0 | u64 header length | header (UTF-8 JSON) | pad |
@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -23,10 +24,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from skip_harness.errors import CodecError
+from skip_harness.codec.fastwalk import PlainJSON
 from skip_harness.codec.payload_kinds import np
 
-FORMAT_VERSION = 4            # 1: torch.save of the encoded structure; 2: no `how`; 3: no rules (`dedupe`)
-                              # (all read, never written)
+FORMAT_VERSION = 5            # 1: torch.save of the encoded structure; 2: no `how`; 3: no rules (`dedupe`);
+                              # 4: no `j` nodes (all read, never written)
 MAGIC = b"\x89SKH\r\n\x1a\n"
 _PREAMBLE = struct.Struct("<8sIIQ")   # magic, format version, reserved, header length
 _ALIGN = 64
@@ -48,26 +50,40 @@ def _dtype_from_name(name: str) -> torch.dtype:
 _LEAVES = (str, int, bool, type(None))   # JSON as they are (a float is checked for being finite)
 
 
-def _pack(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    """The encoded structure as a JSON tree; every tensor is appended to `tensors` and named by index."""
+def _json_text(value: Any) -> str:
+    """The header's JSON text of `value`: ASCII, compact, no NaN (ValueError)."""
+    return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def _pack(obj: Any, tensors: List[torch.Tensor], raws: List[str]) -> Any:
+    """The encoded structure as a JSON tree; every tensor is appended to `tensors` and named by index,
+    every PlainJSON value dumped as JSON text into `raws` and named by index ({"j": i}, spliced into the
+    header by `_layout`: a `j` node holds plain JSON as it is)."""
     t = type(obj)
     if obj is None or t is bool or t is str or t is int:
         return obj
     if t is float:
         return obj if math.isfinite(obj) else {"f": repr(obj)}
+    if t is PlainJSON:
+        try:
+            raws.append(_json_text(obj.value))
+        except ValueError:   # a float that is not finite: node by node, as {"f": ...}
+            return _pack(obj.value, tensors, raws)
+        return {"j": len(raws) - 1}
     if t is list:
-        return [v if type(v) in _LEAVES else _pack(v, tensors) for v in obj]
+        return [v if type(v) in _LEAVES else _pack(v, tensors, raws) for v in obj]
     if t is dict or t is OrderedDict:
-        return {"d" if t is dict else "o": [[k, v if type(v) in _LEAVES else _pack(v, tensors)] for k, v in obj.items()]}
+        return {"d" if t is dict else "o": [[k, v if type(v) in _LEAVES else _pack(v, tensors, raws)]
+                                            for k, v in obj.items()]}
     if t is torch.Tensor:
         tensors.append(obj)
         return {"T": len(tensors) - 1}
     if t is tuple:
-        return {"t": [_pack(v, tensors) for v in obj]}
+        return {"t": [_pack(v, tensors, raws) for v in obj]}
     if t is bytes:
         return {"b": base64.b64encode(obj).decode("ascii")}
     if t is complex:
-        return {"c": [_pack(obj.real, tensors), _pack(obj.imag, tensors)]}
+        return {"c": [_pack(obj.real, tensors, raws), _pack(obj.imag, tensors, raws)]}
     raise CodecError(f"internal: encode produced a {t.__qualname__}")  # pragma: no cover
 
 
@@ -86,6 +102,8 @@ def _unpack(node: Any, tensors: List[torch.Tensor]) -> Any:
         ((kind, v),) = node.items()
         if kind == "T" and type(v) is int and 0 <= v < len(tensors):
             return tensors[v]
+        if kind == "j":    # plain JSON as it is (version 5)
+            return v
         if kind in ("d", "o") and type(v) is list:
             out = {} if kind == "d" else OrderedDict()
             for pair in v:
@@ -134,18 +152,20 @@ class FileImage:
     nbytes: int
     tree: Any = None
     names: List[Optional[str]] = field(default_factory=list)
+    raws: List[str] = field(default_factory=list)   # the tree's `j` nodes' JSON texts
 
 
 def plan(structure: Any, names: Optional[Dict[int, str]] = None) -> FileImage:
     """The file image of an encoded structure in the current format (no tensor bytes copied), every
     tensor at full width. `names`: id(tensor) -> the field it holds (recorded for messages and `show`)."""
     tensors: List[torch.Tensor] = []
-    tree = _pack(structure, tensors)
+    raws: List[str] = []
+    tree = _pack(structure, tensors, raws)
     tensor_names = [None if names is None else names.get(id(t)) for t in tensors]
     entries = [(_dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), _how(n, None, None))
                for t, n in zip(tensors, tensor_names)]
-    head, offsets, nbytes = _layout(tree, entries)
-    return FileImage(head, tensors, offsets, nbytes, tree, tensor_names)
+    head, offsets, nbytes = _layout(tree, entries, raws)
+    return FileImage(head, tensors, offsets, nbytes, tree, tensor_names, raws)
 
 
 def _how(name: Optional[str], stored_dtype: Optional[str], chunks: Optional[list]) -> Optional[Dict[str, Any]]:
@@ -159,18 +179,25 @@ def _how(name: Optional[str], stored_dtype: Optional[str], chunks: Optional[list
     return how or None
 
 
-def _layout(tree: Any, entries: Sequence[Tuple[str, List[int], int, Optional[Dict[str, Any]]]]
-            ) -> Tuple[bytes, List[int], int]:
+_J_NODE = re.compile(r'\{"j":(\d+)\}')
+
+
+def _layout(tree: Any, entries: Sequence[Tuple[str, List[int], int, Optional[Dict[str, Any]]]],
+            raws: Sequence[str] = ()) -> Tuple[bytes, List[int], int]:
     """(head, absolute offset of each tensor's stored bytes, file size) for entries (dtype, shape,
-    stored nbytes, how)."""
+    stored nbytes, how); each `{"j":i}` node of the tree's JSON text replaced by {"j": raws[i]}, in one
+    pass (no other dict of a packed tree has the one key "j", and a JSON string cannot hold an unescaped
+    quote, so the pattern matches nothing else, and a spliced text is never matched again)."""
     table, rel_offsets, offset, end = [], [], 0, 0
     for dtype, shape, nbytes, how in entries:
         table.append([dtype, shape, offset, nbytes] + ([how] if how else []))
         rel_offsets.append(offset)
         end = offset + nbytes
         offset = _align(end)
-    header = json.dumps({"format": FORMAT_VERSION, "tensors": table, "tree": tree},
-                        ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+    text = _json_text({"format": FORMAT_VERSION, "tensors": table, "tree": tree})
+    if raws:
+        text = _J_NODE.sub(lambda m: '{"j":' + raws[int(m.group(1))] + "}", text)
+    header = text.encode("ascii")
     head = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header)) + header
     data_start = _align(len(head))
     head += bytes(data_start - len(head))

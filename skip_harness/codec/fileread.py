@@ -27,7 +27,7 @@ def _parse_header(pread: Callable[[int, int], bytes], size: int) -> Tuple[Dict[s
     if len(head) < _PREAMBLE.size:
         raise CodecError("truncated: no complete header")
     magic, version, _reserved, hlen = _PREAMBLE.unpack(head)
-    if version > FORMAT_VERSION or version < 2:  # 2 to 4 share the layout; 3 adds `how`, 4 its rules
+    if version > FORMAT_VERSION or version < 2:  # 2 to 5 share the layout; 3 adds `how`, 4 its rules, 5 `j`
         raise CodecError(f"format version {version}; this skip_harness reads versions up to {FORMAT_VERSION}"
                          + (" (written by a newer skip_harness)" if version > FORMAT_VERSION else ""))
     if hlen > min(size, _MAX_HEADER_BYTES):

@@ -15,7 +15,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from skip_harness.errors import CodecError
-from skip_harness.codec.fastwalk import NOT_PLAIN, NonTensorMaker, plain, stack_values
+from skip_harness.codec.fastwalk import NOT_PLAIN, NonTensorMaker, PlainJSON, is_plain, plain, stack_values
 from skip_harness.codec.payload_kinds import (
     SCALARS, TAG, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
     key_repr, np, origin_device, rebuild, registered_or_refuse, tensordict_class,
@@ -49,9 +49,10 @@ class _Walk(set):
     """The ids of the containers being encoded (to refuse cycles), and the field each stored tensor
     holds (id(tensor) -> position, e.g. ``payload['batch']['responses'].values``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, raw_plain: bool = False) -> None:
         super().__init__()
         self.names: Dict[int, str] = {}
+        self.raw_plain = raw_plain   # plain values as PlainJSON references (encode_named), not copies
 
     def tensor(self, t: torch.Tensor, where: str) -> torch.Tensor:
         self.names[id(t)] = where
@@ -59,8 +60,10 @@ class _Walk(set):
 
 
 def encode_named(payload: Any) -> Tuple[Any, Dict[int, str]]:
-    """`encode`, with the field each of the structure's tensors holds (id(tensor) -> position)."""
-    walk = _Walk()
+    """`encode`, with the field each of the structure's tensors holds (id(tensor) -> position), for a
+    file image made at once: plain values (chat messages, tags, uids) are PlainJSON references to the
+    payload's own objects, which the image dumps as JSON text before the caller returns."""
+    walk = _Walk(raw_plain=True)
     return _encode(payload, "payload", walk), walk.names
 
 
@@ -77,9 +80,13 @@ def _encode(obj: Any, where: str, active: _Walk) -> Any:
     if t in SCALARS:
         return obj
     if t is list or t is dict:
-        copied = plain(obj)
-        if copied is not NOT_PLAIN:
-            return copied
+        if active.raw_plain:
+            if is_plain(obj):
+                return PlainJSON(obj)
+        else:
+            copied = plain(obj)
+            if copied is not NOT_PLAIN:
+                return copied
     oid = id(obj)
     if oid in active:
         raise CodecError(f"{where}: the payload contains itself (a reference cycle)")
@@ -187,6 +194,9 @@ def _encode_non_tensor(obj: Any, where: str, active: _Walk) -> Any:
     items = stack_values(obj)
     if items is None:
         items = obj.tolist()
+    if (active.raw_plain and len(batch_size) == 1 and type(items) is list and len(items) == batch_size[0]
+            and is_plain(items, -1, set())):
+        return {TAG: "nontensorstack", "batch_size": batch_size, "device": device, "items": PlainJSON(items)}
 
     # One object in many rows (a GRPO group's chat prompt, repeated over its n samples) is encoded once
     # when it holds no tensor: id -> (the object, kept alive; its encoding)

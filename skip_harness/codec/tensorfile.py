@@ -1,4 +1,4 @@
-"""The cache's payload file format (FORMAT_VERSION 3): the encoded structure as a small JSON header
+"""The cache's payload file format (FORMAT_VERSION 5): the encoded structure as a small JSON header
 followed by the stored bytes of every tensor.
 
     MAGIC (8 bytes) | u32 format version | u32 0 | u64 header length | header (UTF-8 JSON) | pad |
@@ -11,10 +11,12 @@ messages and `show`), ``as`` (a narrower integer dtype holding every value: loss
 decompresses chunks in parallel and a damaged chunk names its field); ``nbytes`` is always the stored
 length, so a checksum over the file covers what is stored and needs no decompression) and ``tree``
 (the encoded structure: JSON scalars and lists as themselves, every other value a one-key object, e.g.
-``{"T": 3}`` for tensor 3, ``{"d": [[key, value], ...]}`` for a dict). Reading parses JSON and maps the
+``{"T": 3}`` for tensor 3, ``{"d": [[key, value], ...]}`` for a dict, ``{"j": value}`` for a value of
+plain JSON kept as it is -- lists, str-keyed dicts and JSON scalars, e.g. a NonTensorStack's chat
+messages, dumped in one call instead of node by node; version 5). Reading parses JSON and maps the
 file: there is no unpickling at all. Files of the previous version (``torch.save`` of the encoded
 structure, and older caches' ``torch.save`` files) are still read, with ``torch.load(weights_only=True)``;
-format 2 (no ``how``) is read as it was written.
+formats 2 (no ``how``), 3 (no rules) and 4 (no ``j``) are read as they were written.
 
 The format lives in four rooms: `fileimage` (the header and the layout; the one copy into a buffer),
 `compression` (narrowing and zstd chunks, and their parallel decompression), `fileread` (an image read
