@@ -299,8 +299,10 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
     out = {"compute_s": compute_s, **{f"{m}_s": median(arms[m].times[1:]) for m in modes}}
     out.update({f"{m}_cpu_s": median(arms[m].cpu[1:]) for m in modes})
     out.update({f"{m}_flush_s": median(arms[m].flush_s[1:]) for m in modes})
-    if "hit" in modes and "hit_floor" in modes:
-        # the hit against its floor step by step (the two ran next to each other, so a change of the
-        # machine's load between steps moves both): the median of the per-step ratios
-        out["hit_vs_floor_paired"] = median([h / f for h, f in zip(arms["hit"].times[1:], arms["hit_floor"].times[1:])])
+    # an arm against another step by step (the two ran next to each other, so a change of the machine's
+    # load between steps moves both): the median of the per-step ratios
+    for key, num, den in (("hit_vs_floor", "hit", "hit_floor"), ("async_vs_floor", "async", "floor"),
+                          ("floor_vs_off", "floor", "off"), ("async_zstd_vs_off", "async_zstd", "off")):
+        if num in modes and den in modes:
+            out[f"{key}_paired"] = median([x / y for x, y in zip(arms[num].times[1:], arms[den].times[1:])])
     return out

@@ -42,8 +42,9 @@ arms alike. The keys of SPEC "Benchmark":
                        the full scan without the index (scan_full_*), for how the cost grows.
 - scan_index_ratio     (not a SPEC key) scan_10k_s / scan_full_10k_s: the indexed scan against the full scan of
                        the same namespace in the same run (target <= 0.1).
-- step_vs_floor_ratio  (not a SPEC key) step_overhead_ratio / step_floor_ratio: the miss within 2% of the
-                       durable-copy floor measured beside it (target <= 1.02).
+- step_vs_floor_ratio  (not a SPEC key) the miss within 2% of the durable-copy floor measured beside it (target
+                       <= 1.02): the median of the per-step ratios (the two arms run next to each other), as
+                       hit_vs_floor_ratio, where step_overhead_ratio / step_floor_ratio is a ratio of medians.
 - load_peak_mem_ratio  peak RSS growth of the verified read_inner + touching every tensor, in a fresh process
                        after a warm-up load, over the payload's tensor bytes.
 
@@ -291,7 +292,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         # Judged within one run (this VM's speed moves with its neighbours): the miss against the
         # durable-copy floor measured beside it, and the indexed scan against the full scan of the
         # same namespace.
-        result["step_vs_floor_ratio"] = result["step_overhead_ratio"] / result["step_floor_ratio"]
+        result["step_vs_floor_ratio"] = many["async_vs_floor_paired"]
         result["scan_index_ratio"] = result["scan_10k_s"] / result["scan_full_10k_s"]
         if not args.no_s3:
             result.update(bench_object_store(args))
