@@ -257,6 +257,10 @@ def _start_and_kill(cache: Path, run_dir: Path, overrides: List[str], env: Dict[
         at = round(time.monotonic() - t0, 3)
         proc.wait(timeout=60)
     finally:
+        if proc.poll() is None:   # this script stopped (SIGTERM -> SystemExit) while the run went on
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         _CHILDREN.remove(proc)
     return killed, at
 
@@ -279,8 +283,8 @@ def run_trial(index: int, work: Path, overrides: List[str], ref: Dict[str, Any],
         run_dir = work / f"trial{index}-killed" if attempt == 1 else work / f"trial{index}-killed-{attempt}"
         after_step = rnd.randrange(steps) if targeted else None
         trial.attempts = attempt
-        trial.killed, trial.kill_at_s = _start_and_kill(cache, run_dir, overrides, env,
-                                                        rnd.uniform(0.0, window), after_step)
+        delay = 0.0 if targeted else rnd.uniform(0.0, window)
+        trial.killed, trial.kill_at_s = _start_and_kill(cache, run_dir, overrides, env, delay, after_step)
         if not targeted or (trial.killed and temporary_files(cache)):
             break
 
