@@ -194,9 +194,6 @@ def _encode_non_tensor(obj: Any, where: str, active: _Walk) -> Any:
     items = stack_values(obj)
     if items is None:
         items = obj.tolist()
-    if (active.raw_plain and len(batch_size) == 1 and type(items) is list and len(items) == batch_size[0]
-            and is_plain(items, -1, set())):
-        return {TAG: "nontensorstack", "batch_size": batch_size, "device": device, "items": PlainJSON(items)}
 
     # One object in many rows (a GRPO group's chat prompt, repeated over its n samples) is encoded once
     # when it holds no tensor: id -> (the object, kept alive; its encoding)
@@ -219,8 +216,11 @@ def _encode_non_tensor(obj: Any, where: str, active: _Walk) -> Any:
                              "have that shape cannot be cached")
         return [nested(v, depth + 1, f"{at}[{i}]") for i, v in enumerate(values)]
 
+    # rows of plain JSON: one JSON text in the header (encode_named)
+    plain_rows = (active.raw_plain and len(batch_size) == 1 and type(items) is list and len(items) == batch_size[0]
+                  and is_plain(items, -1, set()))
     return {TAG: "nontensorstack", "batch_size": batch_size, "device": device,
-            "items": nested(items, 0, where)}
+            "items": PlainJSON(items) if plain_rows else nested(items, 0, where)}
 
 
 def _encode_ndarray(arr: Any, where: str, active: _Walk) -> Any:

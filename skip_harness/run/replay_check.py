@@ -328,10 +328,10 @@ class ValuesTracker:
         src = self._source
         K0, W0 = (src.K, src.W) if from_source else (self.reader.layout.K, self.reader.layout.W)
         K1, W1 = (self._K, self._W) if from_source else (K0, W0)
-        shape = Regroup(K0, K1, W0, W1, self.w_invariant)
         workers = worker_change(self._recorded_config(digest, reader), self.training_config) if self.workers_from_config else None
         if workers is not None:
-            shape = Regroup(K0, K1, workers[0], workers[1], self.w_invariant, workers[2] or WORKER_KEYS[1:])
+            W0, W1 = workers[0], workers[1]
+        shape = Regroup(K0, K1, W0, W1, self.w_invariant, () if workers is None else workers[2] or WORKER_KEYS[1:])
         if from_source or workers is not None:
             self._shape = shape
         return shape

@@ -62,12 +62,17 @@ class Regroup:
         return f"re-sharded from W={self.W0} to W={self.W1}"
 
 
+def _worker_value(config: Mapping[str, Any], key: str) -> Any:
+    """A worker key's value in a flattened training-side config (trainer.nnodes is 1 when absent)."""
+    return config.get(key, 1 if key == WORKER_KEYS[0] else None)
+
+
 def workers_of(config: Optional[Mapping[str, Any]]) -> Optional[int]:
     """verl's worker count in a flattened training-side config: trainer.nnodes x trainer.n_gpus_per_node
     (nnodes 1 when absent); None when the config does not say."""
     if not config:
         return None
-    nodes, gpus = config.get(WORKER_KEYS[0], 1), config.get(WORKER_KEYS[1])
+    nodes, gpus = (_worker_value(config, k) for k in WORKER_KEYS)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (nodes, gpus)):
         return None
     return int(nodes) * int(gpus)
@@ -78,8 +83,7 @@ def worker_change(then: Optional[Mapping[str, Any]], now: Optional[Mapping[str, 
     a, b = workers_of(then), workers_of(now)
     if a is None or b is None or then is None or now is None:
         return None
-    return a, b, tuple(k for k in WORKER_KEYS if then.get(k, 1 if k == WORKER_KEYS[0] else None) !=
-                       now.get(k, 1 if k == WORKER_KEYS[0] else None))
+    return a, b, tuple(k for k in WORKER_KEYS if _worker_value(then, k) != _worker_value(now, k))
 
 
 def shard_key(key: str) -> bool:

@@ -108,7 +108,7 @@ class ToleranceModel:
         for pattern, t in self.per_key:
             if fnmatch.fnmatchcase(low, pattern):
                 return Tolerance(float(t.rtol), float(t.atol), False, pattern)
-        if self.regrouped and not any(fnmatch.fnmatchcase(low, p) for p in REGROUPED_EXACT):
+        if self.regrouped and not learning_rate(key):
             return Tolerance(self.rtol, self.atol, True)
         return Tolerance(self.rtol, self.atol)
 
