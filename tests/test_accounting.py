@@ -112,6 +112,7 @@ def test_a_steps_logged_bytes_are_the_size_ls_shows_for_it(tmp_path, caplog, cap
     run(tmp_path, {1: 2, 2: 2}, caplog)
     written = {r.step: r.bytes for r in run.records}
     first_lines = [describe_step(r) for r in run.records]
+    assert all(r.committed for r in run.records)
     run(tmp_path, {1: 2, 2: 2}, caplog)
     read = {r.step: r.bytes for r in run.records}
     capsys.readouterr()
@@ -122,3 +123,26 @@ def test_a_steps_logged_bytes_are_the_size_ls_shows_for_it(tmp_path, caplog, cap
     from skip_harness.units import human_bytes
 
     assert all(f"generated {human_bytes(on_disk[r.step])} " in line for r, line in zip(run.records, first_lines))
+
+
+def test_a_committed_steps_size_comes_from_its_commit_not_a_listing(tmp_path, caplog, monkeypatch, capsys):
+    """The trainer's thread never lists a step it just committed to learn its size (a LIST and a GET per
+    step on an object store): the commit, on the writer thread, knows every file it lists and its own
+    bytes, and the size is the one `skip-harness ls` shows."""
+    import json
+
+    from skip_harness.cli import main as cli
+    from skip_harness.run.steps import StepRunner
+    from skip_harness.store.stepstore import StepStore
+
+    def no_listing(self, step):
+        raise AssertionError(f"step {step} listed on the trainer's thread")
+
+    monkeypatch.setattr(StepRunner, "_step_bytes", no_listing)
+    monkeypatch.setattr(StepStore, "status", no_listing)
+    run(tmp_path, {1: 2, 2: 2, 3: 2}, caplog)
+    written = {r.step: r.bytes for r in run.records}
+    monkeypatch.undo()
+    assert cli(["ls", str(tmp_path / "c"), "--json"]) == 0
+    (ns,) = json.loads(capsys.readouterr().out)["namespaces"]
+    assert written == {s["step"]: s["bytes"] for s in ns["steps"]}

@@ -114,6 +114,7 @@ class Finished:
     reason: str
     bytes: int
     created: Optional[float] = None   # a committed step's commit record time (rank 0), its values bind to it
+    step_bytes: Optional[int] = None  # a committed step's size (every rank's files and the record), from its commit
 
 
 @dataclass
@@ -230,7 +231,8 @@ class CommitCoordinator:
     def _commit_outcome(self, p: _Pending) -> Finished:
         exc = p.commit.exception() if p.commit is not None else None
         if exc is None:
-            return self._finish(p, True, "", p.commit.result().created)
+            record = p.commit.result()
+            return self._finish(p, True, "", record.created, record.nbytes)
         reason = f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}"
         if not isinstance(exc, CacheWritesStopped):
             self._fault(str(self.store.layout.step_dir(p.step)), f"{reason}; step {p.step} stays uncommitted, training goes on")
@@ -247,7 +249,7 @@ class CommitCoordinator:
             self._settle_writes(p, wait=True)
             local = None if p.failed else [e for i in range(self.K) for e in p.writes[i].result()[0]]
             gathered = self.dist.gather(local)
-            committed, reason = False, p.failed or OTHER_RANK_FAILED
+            committed, reason, step_bytes = False, p.failed or OTHER_RANK_FAILED, None
             if all(g is not None for g in gathered):
                 created = None
                 if self.dist.is_main:
@@ -255,16 +257,18 @@ class CommitCoordinator:
                     _wait(p.commit)
                     exc = p.commit.exception()
                     created = None if exc is not None else p.commit.result().created
-                    outcome = (exc is None, "" if exc is None else f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}")
+                    outcome = (exc is None, "" if exc is None else f"{COMMIT_FAILED}: {type(exc).__name__}: {exc}",
+                               None if exc is not None else p.commit.result().nbytes)
                 else:
                     outcome = None
-                committed, reason = self.dist.broadcast(outcome)
+                committed, reason, step_bytes = self.dist.broadcast(outcome)
                 if not committed and self.dist.is_main and not isinstance(p.commit.exception(), CacheWritesStopped):
                     self._fault(str(self.store.layout.step_dir(p.step)), f"{reason}; step {p.step} stays uncommitted")
             elif p.failed is None:
                 self._fault(str(self.store.layout.step_dir(p.step)),
                             f"{OTHER_RANK_FAILED} to write its shard; step {p.step} is not committed")
-            out.append(self._finish(p, committed, reason, created if committed else None))
+            out.append(self._finish(p, committed, reason, created if committed else None,
+                                    step_bytes if committed else None))
         return out
 
     # ---- shared
@@ -295,9 +299,10 @@ class CommitCoordinator:
             if not isinstance(exc, CacheWritesStopped):   # said once, where the lock was lost
                 self._fault(path, f"{reason}; step {p.step} stays uncommitted, training goes on")
 
-    def _finish(self, p: _Pending, committed: bool, reason: str, created: Optional[float] = None) -> Finished:
+    def _finish(self, p: _Pending, committed: bool, reason: str, created: Optional[float] = None,
+                step_bytes: Optional[int] = None) -> Finished:
         self._pending.pop(p.step, None)
-        return Finished(p.step, committed, reason, self._bytes(p), created)
+        return Finished(p.step, committed, reason, self._bytes(p), created, step_bytes)
 
     # ---- what a committed step produced (store.values): written after its commit, never part of it
     def record_values(self, step: int, values: Dict[str, float], commit_created: float, config: Optional[str],

@@ -341,8 +341,8 @@ class StepRunner:
 
     def _collect(self, finished: List[Finished]) -> None:
         for done in finished:
-            if done.committed:
-                done = dataclasses.replace(done, bytes=self._step_bytes(done.step))
+            if done.committed:        # its size as committed (no listing on the trainer's thread), as `ls` shows it
+                done = dataclasses.replace(done, bytes=done.step_bytes if done.step_bytes else self._step_bytes(done.step))
                 self.sources.add(done.step)
                 self.callbacks.on_commit(step=done.step, bytes=done.bytes)
                 if self.on_committed is not None:

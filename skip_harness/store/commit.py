@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -45,6 +45,8 @@ class CommitRecord:
     files: Tuple[FileEntry, ...]
     created: float
     gen_s: Optional[float] = None      # seconds spent generating the step, when the writer knew it
+    # the step's size as committed: the files it lists and the record itself (not part of the JSON)
+    nbytes: int = field(default=0, compare=False)
 
     def to_json(self) -> Dict[str, Any]:
         doc = {
@@ -147,7 +149,7 @@ def parse_commit(data: bytes, layout: Layout, step: int, path: Union[Path, str])
     if gen_s is not None and (not isinstance(gen_s, (int, float)) or isinstance(gen_s, bool)):
         raise bad("has a malformed gen_s")
     return CommitRecord(step, doc["K"], doc["W"], fingerprint, tuple(files), float(created),
-                        None if gen_s is None else float(gen_s))
+                        None if gen_s is None else float(gen_s), sum(f.bytes for f in files) + len(data))
 
 
 __all__ = ["COMMIT_FORMAT", "WRITER_NAME", "CommitRecord", "FileEntry", "expected_rels", "is_safe_rel",

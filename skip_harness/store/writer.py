@@ -11,6 +11,7 @@ This module does no logging: it raises or returns, and the harness reports.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
@@ -178,6 +179,7 @@ class StepWriter:
                               tuple(sorted(by_rel.values(), key=lambda e: e.rel)), time.time(),
                               None if gen_s is None else float(gen_s))
         data = (json.dumps(record.to_json(), indent=1, allow_nan=False) + "\n").encode()
+        record = dataclasses.replace(record, nbytes=sum(e.bytes for e in by_rel.values()) + len(data))
         self.namespace.uncommit(step)          # a commit of a step committed already replaces its record
         stamp = self.namespace.commit(step, data)
         self.index.committed(step, record, data, stamp)
