@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from skip_harness.errors import CodecError
 from skip_harness.codec.fastwalk import NOT_PLAIN, NonTensorMaker, PlainJSON, is_plain, plain, stack_values
 from skip_harness.codec.payload_kinds import (
-    SCALARS, TAG, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
+    ORIGIN_ATTR, SCALARS, TAG, device_available, fields_of, is_meta_data, is_non_tensor_data, is_non_tensor_stack, is_tensordict,
     key_repr, np, origin_device, rebuild, registered_or_refuse, tensordict_class,
 )
 
@@ -67,10 +67,21 @@ def encode_named(payload: Any) -> Tuple[Any, Dict[int, str]]:
     return _encode(payload, "payload", walk), walk.names
 
 
+def _nested_meta(t: torch.Tensor) -> Optional[Tuple[Any, bool, torch.device]]:
+    """A nested tensor's (layout, requires_grad, device), None for any other tensor. Read past the
+    tensor's `__torch_function__`: through it, each of the three costs a jagged tensor ~10 us, ~50 us a
+    field on the trainer's thread (its own C attributes hold the same values)."""
+    if type(t) is torch.Tensor:
+        return (t.layout, t.requires_grad, t.device) if t.is_nested else None
+    with torch._C.DisableTorchFunctionSubclass():
+        return (t.layout, t.requires_grad, t.device) if t.is_nested else None
+
+
 def _encode(obj: Any, where: str, active: _Walk) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.is_nested:
-        return _encode_nested(obj, where, active)
     if isinstance(obj, torch.Tensor):
+        nested = _nested_meta(obj)
+        if nested is not None:
+            return _encode_nested(obj, where, active, nested)
         dev = origin_device(obj)
         data = active.tensor(_plain_cpu_tensor(obj, where), where)
         if dev.type == "cpu":
@@ -137,13 +148,17 @@ def _encode(obj: Any, where: str, active: _Walk) -> Any:
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
 
 
-def _encode_nested(nt: torch.Tensor, where: str, walk: _Walk) -> Dict[str, Any]:
+def _encode_nested(nt: torch.Tensor, where: str, walk: _Walk,
+                   meta: Optional[Tuple[Any, bool, torch.device]] = None) -> Dict[str, Any]:
     """A nested tensor as its dense components (no pickle): jagged ones as values / offsets / lengths,
-    strided ones as the list of their components; each component a plain CPU tensor."""
-    dev = origin_device(nt)
-    if nt.requires_grad:
+    strided ones as the list of their components; each component a plain CPU tensor. `meta`: its
+    `_nested_meta`, when the caller has it."""
+    layout, requires_grad, own_device = meta or _nested_meta(nt) or (nt.layout, nt.requires_grad, nt.device)
+    origin = getattr(nt, ORIGIN_ATTR, None)
+    dev = torch.device(origin) if origin is not None else own_device
+    if requires_grad:
         nt = nt.detach()          # (detaching a nested tensor dispatches through Python: only when needed)
-    if nt.layout == torch.jagged:
+    if layout == torch.jagged:
         lengths = nt.lengths()  # type: ignore[attr-defined]  # jagged nested tensor API
         # values(): a view of the buffer the tensor keeps, made through torch's dispatch (0.1 ms a
         # field); without autograd the buffer itself holds the same elements
@@ -157,11 +172,11 @@ def _encode_nested(nt: torch.Tensor, where: str, walk: _Walk) -> Dict[str, Any]:
                                                                     where + ".lengths()"),
                 "ragged_idx": int(nt._ragged_idx),  # type: ignore[attr-defined]
                 "min_seqlen": _cached_seqlen(nt, "_min_seqlen"), "max_seqlen": _cached_seqlen(nt, "_max_seqlen")}
-    if nt.layout == torch.strided:
+    if layout == torch.strided:
         return {TAG: "nested", "device": str(dev),
                 "items": [walk.tensor(_plain_cpu_tensor(c, f"{where}[{i}]"), f"{where}[{i}]")
                           for i, c in enumerate(nt.unbind())]}
-    raise CodecError(f"{where}: unsupported nested tensor layout {nt.layout}")
+    raise CodecError(f"{where}: unsupported nested tensor layout {layout}")
 
 
 def _cached_seqlen(nt: torch.Tensor, attr: str) -> Any:
