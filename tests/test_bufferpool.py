@@ -285,3 +285,34 @@ def test_a_fork_during_direct_io_neither_waits_nor_gets_the_buffer(tmp_path, mon
     got, n = directio.read_into(str(tmp_path / "f.bin"), pool)
     assert n == 1 << 20 and bytes(got.view(n)) == bytes(lease.view()) and _fork_and_look(ctypes.addressof(got.array))
 
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("sizes", [(), (0,), (3, 100_000), (5_000_001, 7, 0, 4_194_305), (40_000_000,)])
+def test_copying_and_hashing_at_once_hashes_exactly_the_file_it_copies(threads, sizes):
+    """`pack_parts` + `Copier.copy_hashed` (a miss's staging: the copy on this thread, the hash of the
+    sources on a helper that then takes copy work from the far end) give the same buffer as `pack_into`
+    and the xxh3-128 of that buffer, byte for byte -- small and large, contiguous or not, empty tensors,
+    odd lengths (padding between them), one core or two."""
+    from skip_harness import codec
+    from skip_harness.codec import tensorfile
+    from skip_harness.store.checksum import checksum_bytes, hasher
+
+    g = torch.Generator().manual_seed(len(sizes) * 7 + threads)
+    payload = {f"t{i}": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g) for i, n in enumerate(sizes)}
+    payload["strided"] = torch.randn(64, 48, generator=g).t()            # copied by torch, hashed from the buffer
+    payload["bf16"] = torch.randn(3, 1000, generator=g).to(torch.bfloat16)
+    payload["messages"] = [{"role": "user", "content": "hi"}] * 3
+    image = codec.plan(payload)
+    pool = BufferPool()
+    pool.copier = Copier(threads)
+    reference, staged = pool.acquire(image.nbytes), pool.acquire(image.nbytes)
+    ctypes.memset(address(staged), 0xAB, staged.capacity)                  # no byte left from before counts
+    tensorfile.pack_into(image, reference.array, Copier(1).copy)
+    copies, pieces = tensorfile.pack_parts(image, staged.array)
+    digest = pool.copier.copy_hashed(copies, pieces, hasher())
+    assert bytes(staged.view(image.nbytes)) == bytes(reference.view(image.nbytes))
+    assert digest == checksum_bytes(reference.view(image.nbytes))
+    assert sum(len(memoryview(p).cast("B")) for p in pieces) == image.nbytes
+    reference.release(), staged.release()
+    pool.close()

@@ -232,16 +232,33 @@ def pack_into(image: FileImage, buffer: Any, copy: Callable[[int, int, int], Non
     """Copy the file image into `buffer` (a writable ctypes array of at least image.nbytes bytes):
     the one copy of the tensors a write needs. `copy(dst_address, src_address, nbytes)` moves the
     bytes of contiguous tensors; other tensors are copied by torch."""
+    for dst, src, nbytes in pack_parts(image, buffer)[0]:
+        copy(dst, src, nbytes)
+
+
+def pack_parts(image: FileImage, buffer: Any) -> Tuple[List[Tuple[int, int, int]], List[Any]]:
+    """`pack_into`'s work, for a caller that copies and hashes at once: fills `buffer` now with all but
+    the contiguous tensors' bytes (the header, the padding, and every other tensor, copied by torch), and
+    returns the copies left -- (dst address, src address, nbytes), one per contiguous tensor -- and the
+    file's image.nbytes bytes in order as buffers that hold them already: `buffer`'s where it is filled,
+    a contiguous tensor's own memory where it is not (the same bytes once copied)."""
     base = ctypes.addressof(buffer)
+    whole = memoryview(buffer).cast("B")
     ctypes.memmove(base, image.head, len(image.head))
     pos = len(image.head)
+    copies: List[Tuple[int, int, int]] = []
+    pieces: List[Any] = [whole[:pos]]
     for t, off in zip(image.tensors, image.offsets):
         if off > pos:
             ctypes.memset(base + pos, 0, off - pos)
+            pieces.append(whole[pos:off])
         nbytes = t.numel() * t.element_size()
         if nbytes and t.is_contiguous():
-            copy(base + off, t.data_ptr(), nbytes)
+            copies.append((base + off, t.data_ptr(), nbytes))
+            pieces.append(_byte_view(t))
         elif nbytes:
             u8 = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=off)
             u8.view(t.dtype).view(t.shape).copy_(t)
+            pieces.append(whole[off:off + nbytes])
         pos = off + nbytes
+    return copies, pieces

@@ -29,7 +29,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 ALIGN = 4096                    # O_DIRECT alignment of buffer addresses, offsets and lengths
 _GRANULE = 1 << 20              # buffers are sized in whole MiB, so a slightly larger batch reuses one
@@ -139,6 +139,30 @@ class BufferPool:
         self.copier.close()
 
 
+def _drain(take: Callable[[], Tuple[int, int, int]]) -> None:
+    """memmove the parts `take` gives (deque.popleft or pop: atomic, shared by two threads) until none."""
+    while True:
+        try:
+            dst, src, nbytes = take()
+        except IndexError:
+            return
+        ctypes.memmove(dst, src, nbytes)
+
+
+def _wait_all(futures: Sequence[Any]) -> None:
+    """Wait for `futures` -- even when this thread is interrupted (Ctrl-C) while waiting: a helper may
+    hold only a buffer's address, so every part must have landed before the caller may release it."""
+    interrupted: Optional[BaseException] = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+
+
 class Copier:
     """memmove on the caller's thread plus up to three helper threads (lazily started, restarted in a
     forked child, stopped by `close`)."""
@@ -165,17 +189,40 @@ class Copier:
         try:
             ctypes.memmove(dst, src, size)
         finally:
-            # Every part must have landed before the caller may release the buffer -- even when this
-            # thread is interrupted (Ctrl-C) while waiting: the helpers hold only its address.
-            interrupted: Optional[BaseException] = None
-            while True:
-                try:
-                    wait(futures)
-                    break
-                except BaseException as exc:
-                    interrupted = exc
-            if interrupted is not None:
-                raise interrupted
+            _wait_all(futures)
+
+    def copy_hashed(self, copies: Sequence[Tuple[int, int, int]], pieces: Sequence[Any], hasher: Any) -> str:
+        """Run `copies` ((dst, src, nbytes), regions that do not overlap) and hash `pieces` (buffers, in
+        order, that hold their bytes already) with `hasher` (an incremental hash: update, hexdigest) at
+        once; returns the hex digest. A helper thread hashes while this thread copies, then takes copy
+        work (parts of at least 4 MiB) from the far end of what is left; on one core, or for a small
+        copy, one after the other. Hashing the source while it is copied instead of the copy after it:
+        the two share the memory bus, not the time (issue 42: a GRPO miss's trainer-thread time)."""
+        total = sum(n for _d, _s, n in copies)
+        if self.threads <= 1 or total < _SPLIT_FROM:
+            for dst, src, nbytes in copies:
+                ctypes.memmove(dst, src, nbytes)
+            for piece in pieces:
+                hasher.update(piece)
+            return hasher.hexdigest()
+        parts: Deque[Tuple[int, int, int]] = collections.deque()
+        for dst, src, nbytes in copies:
+            for at in range(0, nbytes, _PART_MIN):
+                parts.append((dst + at, src + at, min(_PART_MIN, nbytes - at)))
+
+        def helper() -> str:
+            for piece in pieces:
+                hasher.update(piece)
+            digest = hasher.hexdigest()
+            _drain(parts.pop)
+            return digest
+
+        future = self._helpers().submit(helper)
+        try:
+            _drain(parts.popleft)
+        finally:
+            _wait_all([future])       # as in `copy`: every part landed before the caller may go on
+        return future.result()
 
     def _helpers(self) -> ThreadPoolExecutor:
         with self._lock:

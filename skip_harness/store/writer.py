@@ -21,7 +21,7 @@ from skip_harness.codec import tensorfile
 from skip_harness.errors import CorruptStepError, HarnessUsageError
 from skip_harness.store import index
 from skip_harness.store.bufferpool import BufferPool, Lease
-from skip_harness.store.checksum import checksum_bytes
+from skip_harness.store.checksum import checksum_bytes, hasher
 from skip_harness.store.commit import WRITER_NAME, CommitRecord, FileEntry, is_safe_rel, required_rels
 from skip_harness.store.fingerprint import Fingerprint
 from skip_harness.store.layout import Layout
@@ -126,11 +126,16 @@ class StepWriter:
         lease = self.pool.acquire(image.nbytes)
         transform = (tensorfile.shapes_only(image), self.form, self.pool) if self.form.transforms else None
         try:
-            tensorfile.pack_into(image, lease.array, self.pool.copier.copy)
             # Hashed here, while the trainer's cores wait for sample anyway: on the writer thread the
-            # same hash slowed a training step on every core by twice its own time (measured). A
-            # compressed form is hashed on the writer thread, after compressing (the stored bytes).
-            checksum = None if transform else checksum_bytes(lease.view(image.nbytes))
+            # same hash slowed a training step on every core by twice its own time (measured); and as
+            # the bytes are copied, from their source, on a second core. A compressed form is hashed on
+            # the writer thread, after compressing (the stored bytes).
+            if transform:
+                tensorfile.pack_into(image, lease.array, self.pool.copier.copy)
+                checksum = None
+            else:
+                copies, pieces = tensorfile.pack_parts(image, lease.array)
+                checksum = self.pool.copier.copy_hashed(copies, pieces, hasher())
             self.namespace.uncommit(step)      # the step is being rewritten: never "complete" meanwhile
         except BaseException:
             lease.release()
