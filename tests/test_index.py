@@ -72,7 +72,7 @@ def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
     assert report.counts()["complete"] == 5 and listed == []   # stamps only: no step directory listed
 
 
-@pytest.mark.parametrize("damage", ["missing", "garbage", "torn", "other_K", "bad_field"])
+@pytest.mark.parametrize("damage", ["missing", "garbage", "torn", "zeroed_tail", "other_K", "bad_field"])
 def test_missing_or_corrupt_index_is_rebuilt_with_a_note(tmp_path, damage):
     st = make(tmp_path, K=2)
     for step in (1, 2):
@@ -85,6 +85,10 @@ def test_missing_or_corrupt_index_is_rebuilt_with_a_note(tmp_path, damage):
         path.write_bytes(b"\x00garbage\n")
     elif damage == "torn":
         path.write_bytes(path.read_bytes()[:-7])
+    elif damage == "zeroed_tail":        # an append the crash kept the size of but not the bytes (not fsync'ed)
+        data = path.read_bytes()
+        last = data.rstrip(b"\n").rfind(b"\n") + 1
+        path.write_bytes(data[:last] + bytes(len(data) - last))
     elif damage == "other_K":
         lines = index_lines(st)
         path.write_text("\n".join([lines[0].replace('"K":2', '"K":3')] + lines[1:]) + "\n")
@@ -237,3 +241,42 @@ def test_cleanup_forgets_the_steps_it_removes(tmp_path):
     assert sorted(index.read(st.layout, st.namespace)) == [1, 3]
     after = scan_namespace(st.layout, st.namespace)
     assert after.index_note is None and [s.step for s in after.steps] == [1, 3]
+
+
+def test_a_lost_append_leaves_its_step_to_the_full_scan(tmp_path):
+    """The index's appends are not fsync'ed (a hint: an fsync on the writer thread slows the training
+    step on every core): a crash may lose the last lines whole. The steps they described are classified
+    in full, and the index is rewritten with them."""
+    st = make(tmp_path, K=2)
+    for step in (1, 2, 3):
+        write_step(st, step)
+    path = st.layout.root / index.INDEX_NAME
+    full = scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
+    path.write_text("\n".join(index_lines(st)[:-2]) + "\n")           # steps 2 and 3 lost
+    assert sorted(index.read(st.layout, st.namespace)) == [1]
+    report = scan_namespace(st.layout, st.namespace)
+    assert report.steps == full.steps
+    assert sorted(index.read(st.layout, st.namespace)) == [1, 2, 3]
+
+
+def test_a_commits_index_line_costs_no_fsync(tmp_path, monkeypatch):
+    st = make(tmp_path)
+    write_step(st, 1)
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    before = len(index_lines(st))
+    entries = st.writer.write_inner(2, 0, 0, {"x": __import__("torch").arange(10)}, {})
+    synced.clear()
+    real_committed = index.IndexWriter.committed
+    during = []
+
+    def committed(self, *a, **k):
+        n = len(synced)
+        real_committed(self, *a, **k)
+        during.append(len(synced) - n)
+
+    monkeypatch.setattr(index.IndexWriter, "committed", committed)
+    st.writer.commit(2, entries, None)
+    assert len(index_lines(st)) == before + 1 and during == [0]
+    assert synced            # the commit record itself is durable

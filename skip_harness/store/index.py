@@ -1,7 +1,8 @@
 """The namespace index: a hint that makes the startup scan cost milliseconds, never the truth.
 
-`{namespace}/.index.jsonl` holds a header line and one JSON line per committed step, appended (and
-fsync'ed) by `StepWriter.commit` after the step's commit record is durable. A line records what the
+`{namespace}/.index.jsonl` holds a header line and one JSON line per committed step, appended by
+`StepWriter.commit` after the step's commit record is durable (not fsync'ed: a tail lost or torn by a
+crash is a corrupt or stale index, read in full and rewritten by the next scan). A line records what the
 full scan would report for the step (bytes, fingerprint, creation time, generation seconds) and a
 *stamp*: inode and mtime of the step directory and of each inner directory, and inode, size and mtime
 of the commit record. Any change to a step's directory entries (a commit record removed or rewritten,
@@ -234,7 +235,7 @@ class IndexWriter:
         self.append(entry)
 
     def append(self, entry: Optional[IndexEntry]) -> bool:
-        """Append one entry durably (creating the index with its header if there is none, and writing the
+        """Append one entry (creating the index with its header if there is none, and writing the
         entry's fingerprint line unless our previous append to it did). Returns False if it could not be
         written: the index is a hint, and the next scan finds the step anyway."""
         namespace, layout = self.namespace, self.layout

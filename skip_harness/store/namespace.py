@@ -178,7 +178,8 @@ class Namespace:
 
     def append_small(self, key: str, data: bytes) -> int:
         """Where the storage appends (`caps.append`): add `data` at the end of the file at `key` (the
-        index), durably, once the locker lets us write; returns the file's size before the append."""
+        index, a hint: not durably, see Storage.append) once the locker lets us write; returns the file's
+        size before the append."""
         self.locker.fence(key=key)
         return self.storage.append(key, data)
 

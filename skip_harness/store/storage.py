@@ -192,8 +192,10 @@ class Storage(abc.ABC):
         (`If-None-Match: *`); on POSIX a check and a rename, under the namespace's lock."""
 
     def append(self, key: str, data: bytes) -> int:
-        """Only where `caps.append`: add `data` at the end of the file at `key` (created when missing)
-        and make it durable; returns the file's size before the append. Elsewhere NotImplementedError."""
+        """Only where `caps.append`: add `data` at the end of the file at `key` (created when missing);
+        returns the file's size before the append. Elsewhere NotImplementedError. Not made durable: its
+        one user, the namespace index, is a hint whose torn or lost tail the next scan reads in full and
+        rewrites -- and an fsync a commit on the writer thread slows a training step on every core."""
         raise NotImplementedError(f"{type(self).__name__} cannot append (caps.append is False)")
 
     @abc.abstractmethod

@@ -331,8 +331,7 @@ class PosixStorage(Storage):
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
-            return before
+            return before        # not fsync'ed: see Storage.append
         finally:
             os.close(fd)
 
