@@ -38,7 +38,8 @@ SPEC_KEYS = ("save_ratio", "load_ratio", "step_overhead_ratio", "sync_overhead_r
 ZSTD_KEYS = ("disk_ratio_jagged", "disk_ratio_jagged_narrow", "disk_ratio_moe", "disk_ratio_moe_narrow", "verl_bytes",
              "verl_bytes_jagged", "verl_bytes_moe", "save_zstd_mib_s", "load_zstd_mib_s", "zstd_stored_bytes",
              "zstd_compress_cpu_s", "zstd_decompress_s", "step_overhead_ratio_zstd_floor",
-             "hit_overhead_ratio_zstd_floor", "step_cpu_overhead_ratio_zstd", "hit_cpu_overhead_ratio_zstd")
+             "hit_overhead_ratio_zstd_floor", "step_cpu_overhead_ratio_zstd", "hit_cpu_overhead_ratio_zstd",
+             "step_zstd_vs_floor_ratio", "hit_zstd_vs_floor_ratio")
 MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s", "bare_save_s", "load_s",
              "bare_load_s", "step_s", "step_off_s", "step_sync_s", "step_hit_s", "step_memory_s",
              "step_overhead_ratio_1thread", "sync_overhead_ratio_1thread", "verl_sync_overhead_ratio", "scan_1k_s", "scan_full_1k_s",
@@ -133,7 +134,7 @@ def test_bench_table_names_every_figure(quick):
     for words in ("save (durable)", "load (+ verify", "training step, miss, async", "async_write=false", "torch.save (verl)",
                   "hit (prefetch) vs in memory", "peak memory", "startup scan", "floor of a save", "throughput",
                   "miss, async, zstd", "hit, zstd", "narrow + zstd / verl torch.save", "jagged (verl V1)",
-                  "MoE routed experts", "floors beside the targets", "hit floor (page cache)",
+                  "MoE routed experts", "zstd: miss vs its floor beside it", "hit floor (page cache)",
                   "hit vs the page-cache floor", "one-thread", "disk, GRPO (verl V1, n = 8)",
                   "its unique content's zstd", "replays at once vs 4 bare reads at once"):
         assert words in table, words
@@ -270,6 +271,30 @@ def test_the_hit_floor_reads_the_bytes_the_hit_serves(tmp_path):
         short = _bench_steps.HitFloorArm(payload, layout, 3)
         short.produce(1), short.produce(2)
         short.close(3)
+
+
+def test_the_zstd_floor_compresses_the_batchs_own_bytes(tmp_path):
+    """The compressed miss's floor arm does the work it stands for: each step's file is zstd frames that
+    decompress to every tensor of the batch, narrowed losslessly, in order -- smaller than the batch."""
+    import zstandard
+
+    from skip_harness.codec.compression import narrowest_dtype
+
+    payload = lib.make_payload(4)
+    arm = _bench_steps.FloorArm(payload, tmp_path / "f", lib.ZSTD_LEVEL)
+    try:
+        for step in (1, 2):
+            arm.produce(step)
+            arm.settle(step)
+    finally:
+        arm.close(2)
+    expected = b"".join(t.to(narrowest_dtype(t)).contiguous().view(torch.uint8).numpy().tobytes()
+                        for t in lib.iter_tensors(payload) if t.numel())
+    for step in (1, 2):
+        data = (tmp_path / "f" / f"{step}.bin").read_bytes()
+        reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
+        assert reader.read(len(expected)) == expected          # (the file ends in the direct write's zero padding)
+        assert len(data) < lib.tensor_bytes(payload) / 2
 
 
 def _imports(path: Path) -> set:
