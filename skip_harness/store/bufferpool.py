@@ -184,9 +184,10 @@ class Copier:
             return
         pool = self._helpers()
         size = -(-nbytes // parts)
-        futures = [pool.submit(ctypes.memmove, dst + i * size, src + i * size, min(size, nbytes - i * size))
-                   for i in range(1, parts)]
-        try:
+        futures: List[Any] = []
+        try:              # submitted inside: an interrupt between a submit and the wait still waits for it
+            for i in range(1, parts):
+                futures.append(pool.submit(ctypes.memmove, dst + i * size, src + i * size, min(size, nbytes - i * size)))
             ctypes.memmove(dst, src, size)
         finally:
             _wait_all(futures)
@@ -217,12 +218,13 @@ class Copier:
             _drain(parts.pop)
             return digest
 
-        future = self._helpers().submit(helper)
+        futures: List[Any] = []
         try:
+            futures.append(self._helpers().submit(helper))
             _drain(parts.popleft)
         finally:
-            _wait_all([future])       # as in `copy`: every part landed before the caller may go on
-        return future.result()
+            _wait_all(futures)        # as in `copy`: every part landed before the caller may go on
+        return futures[0].result()
 
     def _helpers(self) -> ThreadPoolExecutor:
         with self._lock:
