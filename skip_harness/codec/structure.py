@@ -148,12 +148,11 @@ def _encode(obj: Any, where: str, active: _Walk) -> Any:
     raise CodecError(f"{where}: unsupported type {t.__module__}.{t.__qualname__}")
 
 
-def _encode_nested(nt: torch.Tensor, where: str, walk: _Walk,
-                   meta: Optional[Tuple[Any, bool, torch.device]] = None) -> Dict[str, Any]:
+def _encode_nested(nt: torch.Tensor, where: str, walk: _Walk, meta: Tuple[Any, bool, torch.device]) -> Dict[str, Any]:
     """A nested tensor as its dense components (no pickle): jagged ones as values / offsets / lengths,
     strided ones as the list of their components; each component a plain CPU tensor. `meta`: its
-    `_nested_meta`, when the caller has it."""
-    layout, requires_grad, own_device = meta or _nested_meta(nt) or (nt.layout, nt.requires_grad, nt.device)
+    `_nested_meta`."""
+    layout, requires_grad, own_device = meta
     origin = getattr(nt, ORIGIN_ATTR, None)
     dev = torch.device(origin) if origin is not None else own_device
     if requires_grad:

@@ -227,9 +227,8 @@ class IndexWriter:
             namespace.on_release(f"index-{id(self)}", self._flush_quietly)
             return
         fp = None if record.fingerprint is None else record.fingerprint.to_json()
-        nbytes = sum(e.bytes for e in record.files) + len(record_bytes)
         try:
-            entry = make_entry(namespace, layout, step, nbytes, fp, record.created, record.gen_s)
+            entry = make_entry(namespace, layout, step, record.nbytes, fp, record.created, record.gen_s)
         except (OSError, CorruptStepError):
             return
         self.append(entry)
