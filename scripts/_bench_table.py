@@ -28,6 +28,10 @@ def render_table(r: Dict[str, Any]) -> str:
     def tgt(key: str) -> str:
         return f"<= {TARGETS[key]:g}" if key in TARGETS else ""
 
+    def floor_row(name: str, ours: str, floor: str, paired: str) -> str:
+        """An arm over its baseline, its floor over the same baseline, and the two step by step."""
+        return row(name, f"{r[ours]:.3f}", f"{r[floor]:.3f}", f"{r[paired]:.3f}", tgt(paired))
+
     scan_note = "scaled from the largest size measured" if r["scan_10k_extrapolated"] else "measured"
     out = (
         f"skip_harness benchmark: payload {r['payload_bytes'] / MiB:.1f} MiB ({r['payload_rows']} trajectories x "
@@ -79,26 +83,21 @@ def render_table(r: Dict[str, Any]) -> str:
         + (row("object store: miss vs the put floor beside it", f"{r['s3_step_overhead_ratio']:.3f}",
                f"{r['s3_step_floor_ratio']:.3f}", f"{r['s3_step_vs_floor_ratio']:.3f}")
            if "s3_step_vs_floor_ratio" in r else "")
-        + row("miss async vs the durable-copy floor beside it", f"{r['step_overhead_ratio']:.3f}",
-              f"{r['step_floor_ratio']:.3f}", f"{r['step_vs_floor_ratio']:.3f}", tgt("step_vs_floor_ratio"))
-        + row("hit vs the page-cache floor beside it", f"{r['hit_overhead_ratio']:.3f}",
-              f"{r['hit_floor_ratio']:.3f}", f"{r['hit_vs_floor_ratio']:.3f}", tgt("hit_vs_floor_ratio"))
-        + row("zstd: miss vs its floor beside it", f"{r['step_overhead_ratio_zstd']:.3f}",
-              f"{r['step_overhead_ratio_zstd_floor']:.3f}", f"{r['step_zstd_vs_floor_ratio']:.3f}",
-              tgt("step_zstd_vs_floor_ratio"))
-        + row("zstd: hit vs its floor beside it", f"{r['hit_overhead_ratio_zstd']:.3f}",
-              f"{r['hit_overhead_ratio_zstd_floor']:.3f}", f"{r['hit_zstd_vs_floor_ratio']:.3f}",
-              tgt("hit_zstd_vs_floor_ratio"))
-        + (row("GRPO batch: miss vs its durable-copy floor", f"{r['step_overhead_ratio_grpo']:.3f}",
-               f"{r['step_floor_ratio_grpo']:.3f}", f"{r['step_vs_floor_ratio_grpo']:.3f}", tgt("step_vs_floor_ratio_grpo"))
-           + row("GRPO batch: hit vs its page-cache floor", f"{r['hit_overhead_ratio_grpo']:.3f}",
-                 f"{r['hit_floor_ratio_grpo']:.3f}", f"{r['hit_vs_floor_ratio_grpo']:.3f}", tgt("hit_vs_floor_ratio_grpo"))
-           + row("GRPO batch, zstd: miss vs its floor", f"{r['step_overhead_ratio_zstd_grpo']:.3f}",
-                 f"{r['step_overhead_ratio_zstd_floor_grpo']:.3f}", f"{r['step_zstd_vs_floor_ratio_grpo']:.3f}",
-                 tgt("step_zstd_vs_floor_ratio_grpo"))
-           + row("GRPO batch, zstd: hit vs its floor", f"{r['hit_overhead_ratio_zstd_grpo']:.3f}",
-                 f"{r['hit_overhead_ratio_zstd_floor_grpo']:.3f}", f"{r['hit_zstd_vs_floor_ratio_grpo']:.3f}",
-                 tgt("hit_zstd_vs_floor_ratio_grpo"))
+        + floor_row("miss async vs the durable-copy floor beside it", "step_overhead_ratio", "step_floor_ratio",
+                    "step_vs_floor_ratio")
+        + floor_row("hit vs the page-cache floor beside it", "hit_overhead_ratio", "hit_floor_ratio", "hit_vs_floor_ratio")
+        + floor_row("zstd: miss vs its floor beside it", "step_overhead_ratio_zstd", "step_overhead_ratio_zstd_floor",
+                    "step_zstd_vs_floor_ratio")
+        + floor_row("zstd: hit vs its floor beside it", "hit_overhead_ratio_zstd", "hit_overhead_ratio_zstd_floor",
+                    "hit_zstd_vs_floor_ratio")
+        + (floor_row("GRPO batch: miss vs its durable-copy floor", "step_overhead_ratio_grpo", "step_floor_ratio_grpo",
+                     "step_vs_floor_ratio_grpo")
+           + floor_row("GRPO batch: hit vs its page-cache floor", "hit_overhead_ratio_grpo", "hit_floor_ratio_grpo",
+                       "hit_vs_floor_ratio_grpo")
+           + floor_row("GRPO batch, zstd: miss vs its floor", "step_overhead_ratio_zstd_grpo",
+                       "step_overhead_ratio_zstd_floor_grpo", "step_zstd_vs_floor_ratio_grpo")
+           + floor_row("GRPO batch, zstd: hit vs its floor", "hit_overhead_ratio_zstd_grpo",
+                       "hit_overhead_ratio_zstd_floor_grpo", "hit_zstd_vs_floor_ratio_grpo")
            if "step_vs_floor_ratio_grpo" in r else "")
         + (row("object store: hit vs the bare-GET floor beside it", f"{r['s3_hit_overhead_ratio']:.3f}",
                f"{r['s3_hit_floor_ratio']:.3f}", f"{r['s3_hit_vs_floor_ratio']:.3f}", tgt("s3_hit_vs_floor_ratio"))
