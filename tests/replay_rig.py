@@ -36,7 +36,8 @@ def serve_other_rollouts(layout: Layout, src: int, dst: int) -> None:
         entries += store.writer.write_inner(dst, i, r, payload, meta)
     new = store.writer.commit(dst, entries, record.fingerprint, gen_s=record.gen_s)
     if recorded is not None:
-        values.write_step(dst, recorded.values, commit_created=new.created, config=recorded.config)
+        values.write_step(dst, recorded.values, commit_created=new.created, config=recorded.config,
+                          machine=recorded.machine)
 
 
 def namespace_in(dump_dir: Path) -> Layout:

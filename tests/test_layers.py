@@ -126,6 +126,7 @@ _NOT_THE_CACHE = {
     ("skip_harness/cli/__init__.py", "open"): "os.devnull, stdout's new target once its reader closed the pipe",
     ("skip_harness/run/verdict.py", "write_text"): "the replay report, in the directory $SKIP_HARNESS_REPLAY_REPORT names",
     ("skip_harness/cli/replay.py", "read_text"): "the replay reports its run wrote, in the replay's temporary directory",
+    ("skip_harness/run/machine.py", "open"): "/proc/cpuinfo: the CPU model stored beside a step's values",
     ("skip_harness/integrations/verl_tier.py", "open"): "verl's custom reward function's source file and the "
                                                         "model's config.json, digested for the second tier's keys",
 }

@@ -67,9 +67,10 @@ def bless_recording(verdict: Any) -> Any:
     if verdict.recording.kind == "pack":
         from skip_harness.store.api import bless_pack
 
-        bless_pack(verdict.recording.path, values, training_config, reason)
+        bless_pack(verdict.recording.path, values, training_config, reason, machine=doc.get("machine"))
     else:
-        missing = bless_namespace(verdict.recording.path, values, training_config, reason, str(doc.get("run_id")))
+        missing = bless_namespace(verdict.recording.path, values, training_config, reason, str(doc.get("run_id")),
+                                  machine=doc.get("machine"))
         if missing:
             verdict.code, verdict.line = EXIT_USAGE, (f"steps {', '.join(map(str, missing))} of {name} have no commit "
                                                       "record (unverified): their values cannot be bound to them")
@@ -81,9 +82,9 @@ def bless_recording(verdict: Any) -> Any:
 
 
 def bless_namespace(root: Path, values: Mapping[int, Mapping[str, float]], training_config: Optional[Mapping[str, Any]],
-                    reason: str, run_id: str) -> List[int]:
-    """Replace the recorded values of namespace `root`'s steps; the steps without a commit record (nothing
-    is written then)."""
+                    reason: str, run_id: str, machine: Optional[Mapping[str, str]] = None) -> List[int]:
+    """Replace the recorded values of namespace `root`'s steps (computed on `machine`, run.machine); the steps
+    without a commit record (nothing is written then)."""
     from skip_harness.store.api import Layout, ValuesStore, config_digest, namespaces_at, open_store
 
     layout: Layout = namespaces_at(root)[0]
@@ -99,7 +100,8 @@ def bless_namespace(root: Path, values: Mapping[int, Mapping[str, float]], train
         digest = config_digest(training_config)
         store.write_config(digest, training_config)
     for step, vals in values.items():
-        store.write_step(step, vals, commit_created=records[step].created, config=digest)  # type: ignore[union-attr]
+        store.write_step(step, vals, commit_created=records[step].created, config=digest,  # type: ignore[union-attr]
+                         machine=machine if isinstance(machine, Mapping) else None)
     store.add_blessing({"blessed": time.time(), "reason": reason, "steps": sorted(values), "run": run_id,
                         "config": digest, "host": socket.gethostname(), "pid": os.getpid()})
     return []

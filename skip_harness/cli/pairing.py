@@ -27,6 +27,8 @@ from skip_harness.cli._common import CliError
 from skip_harness.config import WEIGHTS_PREFIX, KeyTolerance
 from skip_harness.errors import SkipHarnessError
 from skip_harness.run.replay_check import depends_on_rollouts, same_on_any_w
+from skip_harness.run.machine import as_machine
+from skip_harness.run.machine import difference as machine_difference
 from skip_harness.run.shape import workers_of
 from skip_harness.run.tolerance import EPS32, NOISE_ULPS, NOISE_WORDS, ToleranceModel
 from skip_harness.store.api import (UrlPath, ValuesStore, is_url, namespace_leaf_values, namespaces_at,
@@ -59,14 +61,17 @@ class Side:
     check: Optional[Dict[str, Any]] = None   # the tolerances its replay check compared within (run.json)
     w_invariant: bool = True   # its trainer's training values are the same on any W (run.shape)
     workers: bool = False      # W is verl's worker count (run.json's `workers`), not the process group's
+    machine: Optional[Dict[str, str]] = None   # what computed its values (run.machine); None: not said
 
 
 def side_of(store: Any, run: Optional[str]) -> Side:
     """The recording's side (`run` None) or one replay's, from its `run.json`."""
     layout = store.layout
+    values = ValuesStore(store.namespace)
     if run is None:
-        return Side(layout.K, layout.W, str(layout.root))
-    doc = ValuesStore(store.namespace).read_run(run) or {}
+        first = next((v for v in map(values.read_step, values.steps()[:1]) if v is not None), None)
+        return Side(layout.K, layout.W, str(layout.root), machine=None if first is None else first.machine)
+    doc = values.read_run(run) or {}
     K, W = doc.get("K"), doc.get("W")
     source = doc.get("replay_from")
     check = doc.get("replay_check")
@@ -76,7 +81,7 @@ def side_of(store: Any, run: Optional[str]) -> Side:
     return Side(K if isinstance(K, int) else layout.K, W if isinstance(W, int) else layout.W,
                 source if isinstance(source, str) else str(layout.root), isinstance(source, str), run,
                 check if isinstance(check, dict) else None, doc.get("w_invariant") is not False,
-                isinstance(workers, int))
+                isinstance(workers, int), as_machine(doc.get("machine")))
 
 
 def with_workers(side: Side, other: Side, config: Optional[Dict[str, Any]]) -> Side:
@@ -124,6 +129,9 @@ def recorded_tolerances(a: Side, b: Side, given: Optional[ToleranceModel] = None
     return Tolerances(ToleranceModel(), "")
 
 
+OTHER_MACHINES = "computed on other machines"
+
+
 @dataclass(frozen=True)
 class ValuesRule:
     """Which keys are compared, and within what, for two sides (the replay check's rule)."""
@@ -152,7 +160,8 @@ class ValuesRule:
         if left_out:
             parts.append(f"{', '.join(left_out)} not compared (they depend on {self.depends_on})")
         if digests:
-            parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with K and W)")
+            why = "the machine" if self.regrouped.startswith(OTHER_MACHINES) else "K and W"
+            parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with {why})")
         if compared:
             parts.append(f"{', '.join(compared)} compared {NOISE_WORDS}")
         return "; ".join(parts)
@@ -192,6 +201,12 @@ def values_rule(a: Side, b: Side, other_batch: str = "", tolerances: Optional[To
                f"re-sharded: W={a.W} (A) vs W={b.W} (B)")
         if not (a.w_invariant and b.w_invariant):     # the training values depend on W: as at another K
             return ValuesRule(same_on_any_w, base.at(True), how, within, "W")
+        return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), base.at(True), how, within)
+    if (a.machine or b.machine) and a.machine != b.machine:      # one side not saying counts as another machine
+        if a.machine and b.machine:
+            how = f"{OTHER_MACHINES}: {machine_difference(a.machine, b.machine)} (A -> B)"
+        else:
+            how = f"{OTHER_MACHINES}: {'A' if b.machine else 'B'}'s values do not say which machine computed them"
         return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), base.at(True), how, within)
     return ValuesRule(lambda key: True, base.at(False), "", within)
 

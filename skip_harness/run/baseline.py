@@ -33,11 +33,19 @@ class Baseline:
     training_config: Dict[str, Any]
     _values: Dict[int, Optional[Dict[str, float]]] = field(default_factory=dict)
 
+    _machines: Dict[int, Optional[Dict[str, str]]] = field(default_factory=dict)
+
     def values(self, step: int) -> Optional[Dict[str, float]]:
         if step not in self._values:
             found = self.store.read_run_step(self.run, step)
             self._values[step] = None if found is None else dict(found.values)
+            self._machines[step] = None if found is None else found.machine
         return self._values[step]
+
+    def machine(self, step: int) -> Optional[Dict[str, str]]:
+        """The machine that computed the baseline's values of `step` (run.machine); None when not said."""
+        self.values(step)
+        return self._machines.get(step)
 
 
 # Keys a trainer writes from K itself: verl sets each optimizer's total_training_steps to

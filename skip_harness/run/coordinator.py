@@ -306,11 +306,12 @@ class CommitCoordinator:
 
     # ---- what a committed step produced (store.values): written after its commit, never part of it
     def record_values(self, step: int, values: Dict[str, float], commit_created: float, config: Optional[str],
-                      create_only: bool = False) -> Future:
+                      create_only: bool = False, machine: Optional[Dict[str, str]] = None) -> Future:
         """Write a committed step's reported values on the writer thread (queued behind its commit);
-        `create_only`: only where the step has none (the future's result says whether they landed)."""
+        `create_only`: only where the step has none (the future's result says whether they landed);
+        `machine`: what computed them (run.machine)."""
         self._check_recordings()
-        fut = self.writer.submit(self.store.write_values, step, values, commit_created, config, create_only)
+        fut = self.writer.submit(self.store.write_values, step, values, commit_created, config, create_only, machine)
         self._recordings.append((step, fut))
         return fut
 
@@ -323,13 +324,13 @@ class CommitCoordinator:
         return fut
 
     def record_run_values(self, run_id: str, step: int, values: Dict[str, float], config: Optional[str],
-                          into: Any = None) -> None:
+                          into: Any = None, machine: Optional[Dict[str, str]] = None) -> None:
         """Write a replay's values for `step` under its run id, on the writer thread (`into`: the StepWriter of
         the namespace they are kept in -- the recording a replay_from run replays; this run's by default)."""
         self._check_recordings()
         store = self.store if into is None else into
         mark = step if into is None else f"replay:{into.layout.root}"    # kept in another namespace: said once
-        self._recordings.append((mark, self.writer.submit(store.write_run_values, run_id, step, values, config)))
+        self._recordings.append((mark, self.writer.submit(store.write_run_values, run_id, step, values, config, machine)))
 
     def record_run_drift(self, run_id: str, step: int, K: int, W: int, firsts: Dict[str, Optional[int]],
                          into: Any = None) -> None:

@@ -35,6 +35,9 @@ from skip_harness.run.baseline import Baseline, find_baseline
 from skip_harness.run.discards import DiscardReporting, Discards   # a step's discards go with its values
 from skip_harness.run.divergence import Divergence
 from skip_harness.run.drift import trajectory_firsts
+from skip_harness.run.machine import describe as describe_machine
+from skip_harness.run.machine import difference as machine_difference
+from skip_harness.run.machine import this_machine
 from skip_harness.run.replay_report import ReplayReport, _steps
 from skip_harness.run.shape import Regroup, shard_key, worker_change, workers_of
 from skip_harness.run.stats import HIT, MISS
@@ -86,6 +89,8 @@ class ValuesTracker:
         # run.shape: whether the training values are invariant under W, and whether W is verl's worker count
         self.w_invariant, self.workers_from_config = w_invariant, workers_from_config
         self._shape: Optional[Regroup] = None       # the recording's K and W and this run's, once a step told
+        self._machine: Optional[Dict[str, str]] = None   # what computes this run's values (run.machine), once asked
+        self._recorded_machine: Optional[Dict[str, str]] = None   # the recording's, as its first compared step says
         self.check = ReplayCheck(settings.replay_check)
         # action=compare (run.drift): nothing is recorded; the run's values (its drift figures included) are
         # kept under its run id from its first step, as a replay's are
@@ -150,6 +155,14 @@ class ValuesTracker:
         self.training_config = None if flat is None else dict(flat)
         self.config_digest = None if flat is None else config_digest(self.training_config)
         self._config_written = False
+
+    @property
+    def machine(self) -> Dict[str, str]:
+        """The machine this run's values are computed on (run.machine), stored beside each step's values;
+        taken at the first values reported (the trainer has set its threads and devices by then)."""
+        if self._machine is None:
+            self._machine = this_machine()
+        return self._machine
 
     # ---- the trainer's calls
     def observe(self, step: int, outcome: str, values: Mapping[str, Any]) -> None:
@@ -216,7 +229,7 @@ class ValuesTracker:
             doc = {"started": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
                    "config": self.config_digest, "training_config": self.training_config,
                    "namespace": str(self.reader.layout.root), "K": self.reader.layout.K,
-                   "W": self.reader.layout.W, "w_invariant": self.w_invariant}
+                   "W": self.reader.layout.W, "w_invariant": self.w_invariant, "machine": self.machine}
             if self.workers_from_config:     # verl: W for the check is its worker count (run.shape)
                 doc["workers"] = workers_of(self.training_config)
             if self._source is not None:
@@ -226,9 +239,11 @@ class ValuesTracker:
             doc["replay_check"] = check_settings(self.settings)        # `diff` compares as this run did
             self.coordinator.record_run(self.run_id, doc, into)
             for s in sorted(self._observed):
-                self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest, into)
+                self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest, into,
+                                                   machine=self.machine)
         elif self._replaying and numbers:
-            self.coordinator.record_run_values(self.run_id, step, self._observed[step], self.config_digest, into)
+            self.coordinator.record_run_values(self.run_id, step, self._observed[step], self.config_digest, into,
+                                               machine=self.machine)
 
     def _write_config(self) -> None:
         if self.training_config is not None and not self._config_written:
@@ -248,7 +263,7 @@ class ValuesTracker:
     def _write(self, step: int, values: Dict[str, float]) -> None:
         self._recorded[step] = values
         self._write_config()
-        self.coordinator.record_values(step, values, self._committed[step], self.config_digest)
+        self.coordinator.record_values(step, values, self._committed[step], self.config_digest, machine=self.machine)
 
     def _fill_gaps(self, before: int) -> None:
         """Record this run's values for served steps before `before` that the recording has none for,
@@ -273,7 +288,8 @@ class ValuesTracker:
             if record is None:
                 continue
             self._write_config()
-            self.coordinator.record_values(step, values, record.created, self.config_digest, create_only=True)
+            self.coordinator.record_values(step, values, record.created, self.config_digest, create_only=True,
+                                           machine=self.machine)
             log.info("step %d: the recording has no values for it (its run ended before it reported them): "
                      "recorded this run's, which reproduced %d earlier %s", step, len(reproduced),
                      _steps(len(reproduced)))
@@ -292,11 +308,12 @@ class ValuesTracker:
         reader = self._source.store.reader if from_source else self.reader
         recorded = reader.read_step_values(step)
         # at another K or W (not a recording, or a pack, of this run's shape): rounding noise is no divergence
-        shape = self._shape_of(from_source, None if recorded is None else recorded.config, reader)
         if recorded is None:
             if not from_source and self.is_main and numbers:
                 self._gaps[step] = {**self._gaps.get(step, {}), **numbers}
             return
+        # at another K or W, or on another machine: rounding noise is no divergence
+        shape = self._shape_of(from_source, recorded.config, reader, recorded.machine)
         keys = [k for k in numbers if k in recorded.values and not self._ignored(k)]   # as reported
         tolerances = self._regrouped_tol if shape.regrouped else self._tolerances
         later: List[str] = []
@@ -322,17 +339,23 @@ class ValuesTracker:
                 return
         self._compare_baseline(step, served, numbers, later, from_source, self._recorded_config(recorded.config, reader))
 
-    def _shape_of(self, from_source: bool, digest: Optional[str], reader: Any) -> Regroup:
+    def _shape_of(self, from_source: bool, digest: Optional[str], reader: Any,
+                  machine: Optional[Dict[str, str]] = None) -> Regroup:
         """The recording's K and W and this run's (run.shape): the recording's namespace's, or verl's worker
-        counts read from the recorded training-side config and this run's."""
+        counts read from the recorded training-side config and this run's; and how the machine that recorded
+        the step's values (`machine`, None when they do not say) differs from this one (run.machine)."""
         src = self._source
         K0, W0 = (src.K, src.W) if from_source else (self.reader.layout.K, self.reader.layout.W)
         K1, W1 = (self._K, self._W) if from_source else (K0, W0)
         workers = worker_change(self._recorded_config(digest, reader), self.training_config) if self.workers_from_config else None
         if workers is not None:
             W0, W1 = workers[0], workers[1]
-        shape = Regroup(K0, K1, W0, W1, self.w_invariant, () if workers is None else workers[2] or WORKER_KEYS[1:])
-        if from_source or workers is not None:
+        differs = machine_difference(machine, self.machine)
+        shape = Regroup(K0, K1, W0, W1, self.w_invariant, () if workers is None else workers[2] or WORKER_KEYS[1:],
+                        differs)
+        if from_source or workers is not None or differs:
+            if differs and (self._shape is None or not self._shape.machine):
+                self._recorded_machine = machine
             self._shape = shape
         return shape
 
@@ -354,27 +377,35 @@ class ValuesTracker:
             self._not_compared.update(keys)
             return
         self._not_compared.update(k for k in keys if k not in theirs)
+        # the baseline replay computed on another machine (or not saying): within rounding noise
+        tolerances = self._regrouped_tol if machine_difference(base.machine(step), self.machine) else self._tolerances
         for key in (k for k in keys if k in theirs):
             served.compared += 1
             self._baseline_compared.add(key)
-            if not self._tolerances.same(key, theirs[key], numbers[key]):
+            if not tolerances.same(key, theirs[key], numbers[key]):
                 served.diverged = True
                 now = self.training_config
                 changes = () if now is None else tuple(config_changes(base.training_config, now))
                 at = self._shape.at() if self._shape is not None else f"K={self._K}, W={self._W}"
                 self._diverged(Divergence(step, key, theirs[key], numbers[key], changes, self.training_config is not None,
-                                          tolerance=self._tolerances.of_key(key).describe(),
+                                          tolerance=tolerances.of_key(key).describe(),
                                           reference=f"; recorded by replay {base.run} at {at}"))
                 return
 
     def _regrouped_note(self) -> str:
-        """What a replay at another K or W compared, and how (the summary's replay line)."""
+        """What a replay at another K or W, or on another machine, compared, and how (the summary's replay line)."""
         shape = self._shape
         if shape is None or not shape.regrouped:
             return ""
         parts: List[str] = []
         if shape.rechunked:
             parts.append(f"re-chunked from K={shape.K0} to K={shape.K1}: values recorded at K={shape.K0}")
+        if shape.machine:
+            if self._recorded_machine is None:      # values recorded before machines were kept
+                parts.append(shape.machine)
+            else:
+                parts.append(f"computed on another machine (recorded on {describe_machine(self._recorded_machine)}: "
+                             f"{shape.machine})")
         if shape.resharded:
             at = f"{shape.W0} workers" if shape.workers else f"W={shape.W0}"
             parts.append(shape.resharded_words() + (f": values recorded at {at}" if shape.depends_on == "W" else ""))
@@ -390,7 +421,8 @@ class ValuesTracker:
         else:
             parts.append(f"compared {NOISE_WORDS}")
         if self._weights_left_out:
-            parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with K and W)")
+            why = "K and W" if shape.rechunked or shape.resharded else "the machine"
+            parts.append(f"{WEIGHTS_PREFIX}* not compared (the weights change with {why})")
         return "; ".join(parts)
 
     def _recorded_config(self, digest: Optional[str], reader: Any = None) -> Optional[Dict[str, Any]]:

@@ -23,7 +23,8 @@ from skip_harness.config import SHARD_KEYS, WORKER_KEYS
 @dataclass(frozen=True)
 class Regroup:
     """The recording's K and W (`K0`, `W0`) and the replay's (`K1`, `W1`); `workers`: the worker-count keys
-    that differ when W is verl's worker count (empty: W is the process group's)."""
+    that differ when W is verl's worker count (empty: W is the process group's); `machine`: how the machine
+    that computes this run's values differs from the recording's ('' when it is the same)."""
 
     K0: int
     K1: int
@@ -31,6 +32,7 @@ class Regroup:
     W1: int
     w_invariant: bool = True
     workers: Tuple[str, ...] = ()
+    machine: str = ""        # what differs in the machine that computed the values (run.machine); '' the same
 
     @property
     def rechunked(self) -> bool:
@@ -42,7 +44,9 @@ class Regroup:
 
     @property
     def regrouped(self) -> bool:
-        return self.rechunked or self.resharded
+        """Whether the values are other sums of the same terms: at another K or W, or on another machine
+        (another torch, CPU code path, thread count or accelerator): compared within rounding noise."""
+        return self.rechunked or self.resharded or bool(self.machine)
 
     @property
     def depends_on(self) -> str:

@@ -13,7 +13,8 @@ demo, TRL, verl's plug-in, a plain loop), and the command reads them all for its
      "divergence": null | {"step", "key", "recorded", "now", "config_changes": [[key, recorded, now]],
                            "config_known", "tolerance", "line"},
      "values": {"1": {"loss": ...}},       the numbers the trainer reported per step (what --bless keeps)
-     "training_config": {...} | null}      its training-side config, flattened
+     "training_config": {...} | null,      its training-side config, flattened
+     "machine": {"torch", "cpu", ...}}     what computed the values (run.machine; --bless records it)
 
 Nothing here runs unless the variable is set: the writer is not even built.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from skip_harness.run.callbacks import HarnessCallback
+from skip_harness.run.machine import this_machine
 from skip_harness.run.stats import HIT, MISS, REPEAT, RunSummary, StepRecord
 from skip_harness.store.api import numbers_of
 
@@ -103,6 +105,7 @@ class ReplayReportWriter(HarnessCallback):
             "divergence": self.divergence,
             "values": {str(s): {k: _json_number(v) for k, v in vals.items()} for s, vals in sorted(self.values.items())},
             "training_config": self._training_config(),
+            "machine": this_machine(),
         }
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -257,7 +257,8 @@ def _member_bytes(storage: Any, name: str) -> bytes:
 
 
 def bless_pack(pack_path: PathLike, values: Mapping[int, Mapping[str, float]],
-               training_config: Optional[Mapping[str, Any]], reason: str) -> None:
+               training_config: Optional[Mapping[str, Any]], reason: str,
+               machine: Optional[Mapping[str, str]] = None) -> None:
     """Replace the recorded values of the steps in `values` (and, when given, the recorded training-side
     config: a nested or flattened mapping) inside the pack, and append `{"when", "reason",
     "config_changes", "steps", ...}` to its blessed history. The pack is rewritten to a temporary file
@@ -292,7 +293,8 @@ def bless_pack(pack_path: PathLike, values: Mapping[int, Mapping[str, float]],
         record = src.storage.get(f"{step}/{COMMIT_NAME}")
         created = json.loads(record)["created"] if record else None
         new_store.write_step(step, {str(k): float(v) for k, v in vals.items()}, commit_created=created,
-                             config=digest if digest is not None else (old.config if old else None))
+                             config=digest if digest is not None else (old.config if old else None),
+                             machine=machine if isinstance(machine, Mapping) else None)
     replaced = {e.key: scratch.storage.get(e.key) for e in scratch.storage.list("")}
     members: List[PackMember] = []
     for name, listed in manifest["members"].items():

@@ -100,6 +100,7 @@ class StepValues:
     commit_created: Optional[float]
     config: Optional[str]
     recorded: float
+    machine: Optional[Dict[str, str]] = None   # what computed them (run.machine); None: not said (older values)
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,6 +141,11 @@ def numbers_of(values: Mapping[str, Any]) -> Tuple[Dict[str, float], List[str]]:
         else:
             kept[str(key)] = number
     return kept, left_out
+
+
+def _machine_field(machine: Optional[Mapping[str, str]]) -> Dict[str, Any]:
+    """A values document's `machine` key (what computed the values), absent when not known."""
+    return {"machine": {str(k): str(v) for k, v in machine.items()}} if machine else {}
 
 
 def _encode(x: float) -> Any:
@@ -221,9 +227,10 @@ class ValuesStore:
         self.namespace = namespace
 
     def write_step(self, step: int, values: Mapping[str, float], *, commit_created: Optional[float],
-                   config: Optional[str] = None, create_only: bool = False) -> bool:
+                   config: Optional[str] = None, create_only: bool = False,
+                   machine: Optional[Mapping[str, str]] = None) -> bool:
         """Store the step's values whole, replacing earlier ones atomically; with `create_only` only where
-        the step has none (False when it has: they are kept)."""
+        the step has none (False when it has: they are kept). `machine`: what computed them (`run.machine`)."""
         doc = {
             "format": VALUES_FORMAT,
             "step": int(step),
@@ -231,6 +238,7 @@ class ValuesStore:
             "config": config,
             "recorded": time.time(),
             "values": {str(k): _encode(float(v)) for k, v in values.items()},
+            **_machine_field(machine),
         }
         data = (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
         if create_only:
@@ -240,7 +248,7 @@ class ValuesStore:
         return True
 
     def write_run_step(self, run_id: str, step: int, values: Mapping[str, float], *, config: Optional[str] = None,
-                       commit_created: Optional[float] = None) -> None:
+                       commit_created: Optional[float] = None, machine: Optional[Mapping[str, str]] = None) -> None:
         """Store what run `run_id` (a replay) reported for `step`, whole, beside the recording's."""
         doc = {
             "format": VALUES_FORMAT,
@@ -250,6 +258,7 @@ class ValuesStore:
             "config": config,
             "recorded": time.time(),
             "values": {str(k): _encode(float(v)) for k, v in values.items()},
+            **_machine_field(machine),
         }
         self.namespace.write_small(run_values_key(run_id, step), (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
 
@@ -305,6 +314,14 @@ class ValuesStore:
         """What run `run_id` reported for `step`; None when nothing (or nothing readable)."""
         return self._read(run_values_key(run_id, step), step)
 
+    def steps(self) -> List[int]:
+        """The steps the recording holds values for (`{step}.json` under .values/), in order."""
+        try:
+            entries = self.namespace.list_dir(VALUES_DIR)
+        except Exception:  # noqa: BLE001
+            return []
+        return sorted(int(e.name[:-5]) for e in entries if e.name.endswith(".json") and e.name[:-5].isdigit())
+
     def run_steps(self, run_id: str) -> List[int]:
         """The steps run `run_id` recorded values for, in order."""
         try:
@@ -348,7 +365,10 @@ class ValuesStore:
         created = float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else None
         config = doc.get("config") if isinstance(doc.get("config"), str) else None
         recorded = doc.get("recorded") if isinstance(doc.get("recorded"), (int, float)) else 0.0
-        return StepValues(int(step), values, created, config, float(recorded))
+        machine = doc.get("machine")
+        machine = ({str(k): str(v) for k, v in machine.items() if isinstance(v, (str, int, float))}
+                   if isinstance(machine, dict) else None)
+        return StepValues(int(step), values, created, config, float(recorded), machine or None)
 
     def add_blessing(self, doc: Mapping[str, Any]) -> None:
         """Append one blessing (when, why: the training-side change, which steps) to the namespace's list."""

@@ -191,13 +191,14 @@ class StepWriter:
         return record
 
     def write_values(self, step: int, values: Mapping[str, float], commit_created: Optional[float],
-                     config: Optional[str] = None, create_only: bool = False) -> bool:
+                     config: Optional[str] = None, create_only: bool = False,
+                     machine: Optional[Mapping[str, str]] = None) -> bool:
         """Record what the trainer reported for a committed step (`store.values`), bound to its commit
         record (`commit_created`: the record's creation time); outside the record, so the step stays
         complete whether or not this lands. `create_only`: only where the step has no values (False
         when it has)."""
         return ValuesStore(self.namespace).write_step(step, values, commit_created=commit_created, config=config,
-                                                    create_only=create_only)
+                                                    create_only=create_only, machine=machine)
 
     def write_discards(self, step: int, discarded: Sequence[Discarded], commit_created: Optional[float],
                        create_only: bool = True) -> bool:
@@ -206,10 +207,11 @@ class StepWriter:
         return DiscardStore(self.namespace).write_step(step, discarded, commit_created=commit_created,
                                                      create_only=create_only)
 
-    def write_run_values(self, run_id: str, step: int, values: Mapping[str, float], config: Optional[str] = None) -> None:
+    def write_run_values(self, run_id: str, step: int, values: Mapping[str, float], config: Optional[str] = None,
+                         machine: Optional[Mapping[str, str]] = None) -> None:
         """Record what a replay (run `run_id`) reported for `step`, under its run id: never over the
         recording's values (`store.values`)."""
-        ValuesStore(self.namespace).write_run_step(run_id, step, values, config=config)
+        ValuesStore(self.namespace).write_run_step(run_id, step, values, config=config, machine=machine)
 
     def write_run_drift(self, run_id: str, step: int, K: int, W: int, firsts: Mapping[str, Optional[int]]) -> None:
         """Record an `action=compare` run's per-trajectory drift at `step` under its run id (`store.values`)."""
