@@ -400,15 +400,15 @@ class ValuesTracker:
         parts: List[str] = []
         if shape.rechunked:
             parts.append(f"re-chunked from K={shape.K0} to K={shape.K1}: values recorded at K={shape.K0}")
-        if shape.machine:
+        if shape.resharded:
+            at = f"{shape.W0} workers" if shape.workers else f"W={shape.W0}"
+            parts.append(shape.resharded_words() + (f": values recorded at {at}" if shape.depends_on == "W" else ""))
+        if shape.machine and not (shape.rechunked or shape.resharded):   # at another K or W that says it all
             if self._recorded_machine is None:      # values recorded before machines were kept
                 parts.append(shape.machine)
             else:
                 parts.append(f"computed on another machine (recorded on {describe_machine(self._recorded_machine)}: "
                              f"{shape.machine})")
-        if shape.resharded:
-            at = f"{shape.W0} workers" if shape.workers else f"W={shape.W0}"
-            parts.append(shape.resharded_words() + (f": values recorded at {at}" if shape.depends_on == "W" else ""))
         if shape.depends_on:
             if self._baseline_compared and self._baseline is not None:
                 parts.append(f"{', '.join(sorted(self._baseline_compared))} compared with replay "
