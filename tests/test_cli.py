@@ -396,3 +396,24 @@ def test_ls_gives_a_grand_total_a_last_read_column_and_sorts(cache, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["ls", str(dump), "--sort", "bogus"])
     assert exc.value.code == 2
+
+
+def test_a_namespace_named_as_ls_names_it_works_in_every_command(cache, capsys, monkeypatch, tmp_path):
+    """`skip-harness ls` (no DUMP_DIR: where runs write) names each namespace relative to that place; that
+    name, given to verify, show, diff or pack from any directory, is the namespace there."""
+    dump, _, b = cache
+    monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", str(dump))
+    monkeypatch.chdir(tmp_path)                 # not where the cache is
+    code, out, _ = run(capsys, "ls")
+    name = "expB_proj/" + b.layout.root.name
+    assert code == 0 and name in out, out
+    code, out, _ = run(capsys, "verify", name)
+    assert code == 0 and "2 complete" in out, out
+    code, out, _ = run(capsys, "show", name, "1")
+    assert code == 0 and str(b.layout.step_dir(1)) in out, out
+    code, out, _ = run(capsys, "diff", name, name)
+    assert code == 0, out
+    code, out, _ = run(capsys, "pack", name, "-o", str(tmp_path / "b.pack"))
+    assert code == 0 and (tmp_path / "b.pack").is_file(), out
+    code, _, err = run(capsys, "verify", "expB_proj/no_such_namespace")      # not here, not there either
+    assert code != 0 and "expB_proj/no_such_namespace does not exist" in err, err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, List, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 from skip_harness.store.api import Layout, UrlPath, dump_dir_problem, is_url, namespaces_at
 
@@ -12,7 +12,8 @@ from skip_harness.cli._output import CliError
 
 
 def where_of(text: str, arg: str) -> Union[Path, UrlPath]:
-    """What a command-line argument names: an object-store location for a URL, else a local path. A URL
+    """What a command-line argument names: an object-store location for a URL, else a local path -- a relative
+    one that is not here but is under where runs write (a namespace as `ls` names it) is that one. A URL
     look-alike (`s3:/x`, `gs:x`) is refused with the message a run gives for it, naming `arg` (the
     argument's metavar), rather than taken for a local folder of that name."""
     if is_url(text):
@@ -20,7 +21,23 @@ def where_of(text: str, arg: str) -> Union[Path, UrlPath]:
     why = dump_dir_problem(text)
     if why is not None:
         raise CliError(f"{arg}: {why}")
-    return Path(text)
+    path = Path(text)
+    if not path.is_absolute() and not path.exists():
+        return _in_default_dump_dir(path) or path
+    return path
+
+
+def _in_default_dump_dir(rel: Path) -> Optional[Path]:
+    """A relative name that is not here, as `skip-harness ls` prints a namespace (`{experiment}_{project}/GBS..`,
+    relative to where runs write): that path under where runs write, when it is there; else None."""
+    try:
+        base, _ = default_dump_dir()
+    except Exception:  # noqa: BLE001 - no default place: the name stays as given, and says it does not exist
+        return None
+    if isinstance(base, UrlPath) or is_url(str(base)):
+        return None
+    found = Path(base) / rel
+    return found if found.exists() else None
 
 
 def namespaces_under(path: Path) -> List[Layout]:
