@@ -21,6 +21,7 @@ from _benchlib import (
 )
 
 from skip_harness import codec
+from skip_harness.run.coordinator import _lower_priority
 from skip_harness.store.layout import Layout
 
 _MADV_POPULATE_READ = 22      # Linux >= 5.14: map a file's cached pages now, read-only (no copy-on-write)
@@ -67,7 +68,8 @@ class FloorArm(StepArm):
     once into a reused buffer on the trainer's thread (the copy a write needs before the trainer may
     change its batch, by the same copier the store uses), then written and fsynced on a background
     thread with O_DIRECT, straight from that buffer -- no checksum, no meta.json, no commit record,
-    no directory work. Labelled `floor` in the results."""
+    no directory work. The thread runs at the harness's writer thread's niceness. Labelled `floor` in
+    the results."""
 
     mode = "floor"
 
@@ -85,7 +87,9 @@ class FloorArm(StepArm):
         self.zstd_level = zstd_level
         self.buffers = BufferPool(max_free=3)
         self.round_up = round_up
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-floor-writer")
+        # scheduled as the harness's writer thread is (nice +10, run.coordinator): the floor is the same work
+        # done bare, not the same work given more of the cores than the harness gives its own
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-floor-writer", initializer=_lower_priority)
         self.future: Optional[Future] = None
         self.written = 0
 
