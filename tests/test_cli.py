@@ -407,8 +407,9 @@ def test_a_namespace_named_as_ls_names_it_works_in_every_command(cache, capsys, 
     code, out, _ = run(capsys, "ls")
     name = "expB_proj/" + b.layout.root.name
     assert code == 0 and name in out, out
-    code, out, _ = run(capsys, "verify", name)
+    code, out, err = run(capsys, "verify", name)
     assert code == 0 and "2 complete" in out, out
+    assert f"{name} is not here: {b.layout.root}, under where runs write" in err, err
     code, out, _ = run(capsys, "show", name, "1")
     assert code == 0 and str(b.layout.step_dir(1)) in out, out
     code, out, _ = run(capsys, "diff", name, name)

@@ -51,12 +51,6 @@ def _pack_machine(pack: Path) -> Optional[Dict[str, str]]:
     return None if values is None else values.machine
 
 
-def _subprocess_machine() -> Dict[str, str]:
-    """The machine as the demo's process sees it (its thread count: not this test worker's)."""
-    code = "import json; from skip_harness.run.machine import this_machine; print(json.dumps(this_machine()))"
-    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-
-
 def skip_harness(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "skip_harness.cli", *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)
@@ -66,21 +60,23 @@ def skip_harness(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_replay_a_pack_pass_fail_bless_pass(tmp_path):
     pack = tmp_path / "mine.pack"
     shutil.copyfile(PACK, pack)
-    ok = skip_harness(tmp_path, "replay", str(pack), "--", *demo(tmp_path))
+    ok = skip_harness(tmp_path, "replay", str(pack), "--json", "--", *demo(tmp_path))
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert f"replay: {STEPS} of {STEPS} served steps reproduced" in ok.stdout
+    doc = json.loads(ok.stdout)
+    assert f"replay: {STEPS} of {STEPS} served steps reproduced" in doc["verdict"], doc["verdict"]
+    here = doc["runs"][0]["machine"]               # the machine the demo's process computes on (its threads)
 
     lr = "actor_rollout_ref.actor.optim.lr=0.00303"          # the recorded 0.003, x 1.01
     caught = skip_harness(tmp_path, "replay", str(pack), "--", *demo(tmp_path, lr))
     assert caught.returncode == 1, caught.stdout + caught.stderr
-    how = "exact" if _pack_machine(pack) == _subprocess_machine() else "within rounding noise (32 x float32 eps)"
+    how = "exact" if _pack_machine(pack) == here else "within rounding noise (32 x float32 eps)"
     assert f"replay diverged at step 2: loss 0.0358026 recorded, 0.0357533 now ({how})" in caught.stdout, caught.stdout
     assert "training side changed: actor_rollout_ref.actor.optim.lr 0.003 -> 0.00303" in caught.stdout
 
     blessed = skip_harness(tmp_path, "replay", str(pack), "--bless", "--", *demo(tmp_path, lr))
     assert blessed.returncode == 0, blessed.stdout + blessed.stderr
     assert "blessed:" in blessed.stdout and "actor_rollout_ref.actor.optim.lr 0.003 -> 0.00303" in blessed.stdout
-    assert _pack_machine(pack) == _subprocess_machine()       # the blessed values' machine: the replay's
+    assert _pack_machine(pack) == here       # the blessed values' machine: the replay's
     listed = skip_harness(tmp_path, "ls", str(pack))
     assert listed.returncode == 0 and "blessed" in listed.stdout and "never blessed" not in listed.stdout, listed.stdout
 

@@ -2,11 +2,12 @@
 it, and where runs write when nothing names another place."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
-from skip_harness.store.api import Layout, UrlPath, dump_dir_problem, is_url, namespaces_at
+from skip_harness.store.api import Layout, UrlPath, dump_dir_problem, is_url, namespace_leaf_values, namespaces_at
 
 from skip_harness.cli._output import CliError
 
@@ -27,9 +28,16 @@ def where_of(text: str, arg: str) -> Union[Path, UrlPath]:
     return path
 
 
+_SAID: set = set()
+
+
 def _in_default_dump_dir(rel: Path) -> Optional[Path]:
     """A relative name that is not here, as `skip-harness ls` prints a namespace (`{experiment}_{project}/GBS..`,
-    relative to where runs write): that path under where runs write, when it is there; else None."""
+    relative to where runs write; a step directory or file under it): that path under where runs write, when
+    one of its parts is a namespace's name and it is there (said once on stderr); else None. A local dump
+    dir only: an object store's names are given as URLs."""
+    if not any(namespace_leaf_values(part) is not None for part in rel.parts):
+        return None                       # not a namespace's name: a cache root or a group is named as it is
     try:
         base, _ = default_dump_dir()
     except Exception:  # noqa: BLE001 - no default place: the name stays as given, and says it does not exist
@@ -37,7 +45,12 @@ def _in_default_dump_dir(rel: Path) -> Optional[Path]:
     if isinstance(base, UrlPath) or is_url(str(base)):
         return None
     found = Path(base) / rel
-    return found if found.exists() else None
+    if not found.exists():
+        return None
+    if str(rel) not in _SAID:
+        _SAID.add(str(rel))
+        logging.getLogger("skip_harness.cli").info("%s is not here: %s, under where runs write", rel, found)
+    return found
 
 
 def namespaces_under(path: Path) -> List[Layout]:

@@ -69,8 +69,7 @@ def side_of(store: Any, run: Optional[str]) -> Side:
     layout = store.layout
     values = ValuesStore(store.namespace)
     if run is None:
-        first = next((v for v in map(values.read_step, values.steps()[:1]) if v is not None), None)
-        return Side(layout.K, layout.W, str(layout.root), machine=None if first is None else first.machine)
+        return Side(layout.K, layout.W, str(layout.root), machine=_recording_machine(values))
     doc = values.read_run(run) or {}
     K, W = doc.get("K"), doc.get("W")
     source = doc.get("replay_from")
@@ -82,6 +81,22 @@ def side_of(store: Any, run: Optional[str]) -> Side:
                 source if isinstance(source, str) else str(layout.root), isinstance(source, str), run,
                 check if isinstance(check, dict) else None, doc.get("w_invariant") is not False,
                 isinstance(workers, int), as_machine(doc.get("machine")))
+
+
+def _recording_machine(values: Any) -> Optional[Dict[str, str]]:
+    """The machine the recording's values were computed on (run.machine): one step's when every step that
+    says agrees; None when none says; `{"several": N}` when its steps came from N machines, which no other
+    side matches, so its values are compared within rounding noise, as the replay check's step by step
+    comparison does for some of them."""
+    seen: List[Dict[str, str]] = []
+    for step in values.steps():
+        found = values.read_step(step)
+        machine = None if found is None else as_machine(found.machine)
+        if machine is not None and machine not in seen:
+            seen.append(machine)
+    if len(seen) > 1:
+        return {"several": str(len(seen))}
+    return seen[0] if seen else None
 
 
 def with_workers(side: Side, other: Side, config: Optional[Dict[str, Any]]) -> Side:
@@ -202,8 +217,12 @@ def values_rule(a: Side, b: Side, other_batch: str = "", tolerances: Optional[To
         if not (a.w_invariant and b.w_invariant):     # the training values depend on W: as at another K
             return ValuesRule(same_on_any_w, base.at(True), how, within, "W")
         return ValuesRule(lambda key: not key.startswith(WEIGHTS_PREFIX), base.at(True), how, within)
-    if (a.machine or b.machine) and a.machine != b.machine:      # one side not saying counts as another machine
-        if a.machine and b.machine:
+    if (a.machine or b.machine) and machine_difference(a.machine, b.machine or {}):   # not saying: another machine
+        several = next((f"{n}'s values came from {m['several']} machines" for n, m in (("A", a.machine), ("B", b.machine))
+                        if m and "several" in m), "")
+        if several:
+            how = f"{OTHER_MACHINES}: {several}"
+        elif a.machine and b.machine:
             how = f"{OTHER_MACHINES}: {machine_difference(a.machine, b.machine)} (A -> B)"
         else:
             how = f"{OTHER_MACHINES}: {'A' if b.machine else 'B'}'s values do not say which machine computed them"

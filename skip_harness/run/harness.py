@@ -389,7 +389,7 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
         outcome = self.outcome(step)
         if outcome == OFF:
             return
-        self.callbacks.on_values(step=step, outcome=outcome, values=values)
+        self.callbacks.on_values(step=step, outcome=outcome, values=values, machine=self._values.machine)
         self._values.observe(step, outcome, values)
 
     def weight_values(self, model: Any, *, name: str = "policy") -> Dict[str, int]:

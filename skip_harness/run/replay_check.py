@@ -270,7 +270,7 @@ class ValuesTracker:
         create-only, once this run holds the namespace and reproduced an earlier step (module doc)."""
         if not self._gaps or not self.is_main or not self.holds():
             return
-        if self._shape is not None and self._shape.regrouped:
+        if self._shape is not None and (self._shape.rechunked or self._shape.resharded):
             self._gaps.clear()      # values at another K or W are not what the recording would have recorded
             return
         for step in sorted(s for s in self._gaps if s < before):
@@ -356,6 +356,11 @@ class ValuesTracker:
         if from_source or workers is not None or differs:
             if differs and (self._shape is None or not self._shape.machine):
                 self._recorded_machine = machine
+                if machine is None and self.is_main:
+                    log.warning("the recording's values do not say which machine computed them (recorded before "
+                                "skip_harness kept it): compared within rounding noise, not exactly, and weight "
+                                "digests not at all; record the steps again, or bless a replay, to compare them "
+                                "exactly on this machine")
             self._shape = shape
         return shape
 

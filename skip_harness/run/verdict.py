@@ -62,6 +62,7 @@ class ReplayReportWriter(HarnessCallback):
         self.generated: List[Dict[str, Any]] = []
         self.values: Dict[int, Dict[str, float]] = {}
         self.divergence: Optional[Dict[str, Any]] = None
+        self.machine: Optional[Dict[str, str]] = None
 
     @classmethod
     def from_env(cls, settings: Any, is_main: bool, run_id: Callable[[], Optional[str]],
@@ -79,7 +80,9 @@ class ReplayReportWriter(HarnessCallback):
                    f"{record.kind}: {record.reason or ('not in the recording' if record.kind == MISS else 'uncached')}")
             self.generated.append({"step": record.step, "why": why})
 
-    def on_values(self, *, step: int, outcome: str, values: Any, **kwargs: Any) -> None:
+    def on_values(self, *, step: int, outcome: str, values: Any, machine: Any = None, **kwargs: Any) -> None:
+        if machine is not None and self.machine is None:
+            self.machine = dict(machine)       # what the replay check compared with (run.machine)
         numbers, _ = numbers_of(values)
         self.values[step] = {**self.values.get(step, {}), **numbers}
 
@@ -105,7 +108,7 @@ class ReplayReportWriter(HarnessCallback):
             "divergence": self.divergence,
             "values": {str(s): {k: _json_number(v) for k, v in vals.items()} for s, vals in sorted(self.values.items())},
             "training_config": self._training_config(),
-            "machine": this_machine(),
+            "machine": self.machine or this_machine(),
         }
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
