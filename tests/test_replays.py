@@ -45,7 +45,10 @@ class Rig:
 
     def __init__(self, dump: Path, *args: str):
         self.proc = subprocess.Popen([sys.executable, str(RIG), str(dump), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     # one torch thread, as this test's process has (conftest): the values the
+                                     # recorder and a reader here compute are one machine's (run.machine)
+                                     env=dict(subprocess_env(), OMP_NUM_THREADS="1"))
         self.lines: List[str] = []
 
     def wait_for(self, prefix: str, timeout: float = 120) -> str:
