@@ -93,3 +93,25 @@ def test_an_empty_read_only_cache_warns_once_and_counts_what_was_generated(read_
     assert s.bytes_not_written >= 3 * 64 * 4  # at least the tensors' bytes of the three steps generated
     (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout cache summary")]
     assert "wrote 0 B (" in summary and "generated into a read-only cache, not written)" in summary, summary
+
+
+def test_a_miss_clears_only_a_step_that_may_have_an_entry(tmp_path, monkeypatch):
+    """A run that holds the namespace since its scan knows which steps have an entry: a miss of any other
+    step writes it without listing it first (issue 42: a listing on the trainer's thread per miss). A step
+    found at startup (here left incomplete, with cleanup off) is still cleared before it is written:
+    nothing of the old write is left beside the new one."""
+    from skip_harness.store.writer import StepWriter
+
+    cleared = []
+    real = StepWriter.clear_step
+    monkeypatch.setattr(StepWriter, "clear_step", lambda self, step: cleared.append(step) or real(self, step))
+    run(tmp_path, [1, 2])
+    assert cleared == []                       # a fresh namespace: nothing to clear
+    stale = tmp_path / "e_p" / "N2" / "3"
+    stale.mkdir()
+    (stale / "0").mkdir()
+    (stale / "0" / "tq_batch.pt").write_bytes(b"an older K=2 write")   # no commit record: incomplete
+    h, t, s = run(tmp_path, [1, 2, 3, 4], cleanup="off")
+    assert [h.outcome(i) for i in (1, 2, 3, 4)] == ["hit", "hit", "miss", "miss"] and s.committed == 2
+    assert cleared == [3]                      # the step found at startup, never step 4
+    assert not (stale / "0").exists() and (stale / "commit.json").exists()

@@ -284,6 +284,9 @@ class SkipHarness(DiscardReporting):   # discard(): run.discards
             StepSources(OwnSteps(store, dist.rank, set(run.servable)), recording),
             read_only=read_only, call_digest=self._call_digest, on_committed=committed,
             follower=self._follower,
+            # the steps a miss must clear first: known only to a run that holds the namespace from its scan
+            present_at_start=(run.startup.present_steps() if run.startup is not None and not read_only
+                              and not shared_with and not deferred else None),
             on_compared=lambda step, drift: values.compared(step, drift.values()),
         )
         if recording is not None:

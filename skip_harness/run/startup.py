@@ -67,6 +67,12 @@ class StartupResult:
                 out.add(s.step)
         return frozenset(out)
 
+    def present_steps(self) -> FrozenSet[int]:
+        """Every step the scan found an entry for, whatever its status and whatever cleanup did with it:
+        a step outside them has no entry to clear before it is written, as long as this run has held
+        the namespace since (`StepRunner`: no listing on the trainer's thread before a miss)."""
+        return frozenset(s.step for s in self.report.steps)
+
     def mismatched_steps(self, fingerprint: Fingerprint) -> Tuple[Tuple[int, Fingerprint], ...]:
         return tuple(
             (s.step, s.fingerprint)

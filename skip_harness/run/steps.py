@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from skip_harness import codec
 from skip_harness.run import rng
@@ -66,6 +66,7 @@ class StepRunner:
         on_committed: Optional[Callable[[int, Optional[float]], None]] = None,
         follower: Optional[Follower] = None,
         on_compared: Optional[Callable[[int, Drift], None]] = None,
+        present_at_start: Optional[FrozenSet[int]] = None,
     ):
         self.settings = settings
         self.comparing = settings.action == Action.compare   # generate every step, compare, write nothing
@@ -90,6 +91,9 @@ class StepRunner:
         self._records: Dict[int, StepRecord] = {}
         self._epoch = 0
         self._failed: Dict[int, str] = {}  # steps that failed verification: why (rank 0 sets them aside)
+        # rank 0 of a run that holds the namespace since its startup scan: the steps that may have an entry
+        # (found then, or written since); a miss of any other step has nothing to clear (None: unknown)
+        self._may_exist: Optional[Set[int]] = None if present_at_start is None else set(present_at_start)
 
     # ------------------------------------------------------------------ wrapped calls
     def prepare(self, step: int, run: Callable[[], Any], run_on_hit: Optional[Callable[[], Any]]) -> Any:
@@ -219,7 +223,10 @@ class StepRunner:
                     # a step that failed verification is handled as skip.rollout_tq.cleanup says
                     for error in set_aside(self.store.layout, self.store.namespace, step, failed, Cleanup.quarantine.value).errors:
                         self._fault(str(self.store.layout.step_dir(step)), f"could not quarantine the step: {error}")
-                self.store.writer.clear_step(step)
+                if self._may_exist is None or step in self._may_exist:
+                    self.store.writer.clear_step(step)
+                if self._may_exist is not None:
+                    self._may_exist.add(step)      # written from now on: a later miss of it clears it
             except CacheWritesStopped:
                 pass        # the run lost its lock: said once; its writes of this step fail the same way
             except (OSError, SkipHarnessError) as exc:   # an object store out of reach: warn, go on

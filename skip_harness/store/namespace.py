@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.layout import (
@@ -166,6 +166,21 @@ class Namespace:
         """Store the first `nbytes` of `buffer` (a pool buffer's lease, or any buffer) as file `rel` of
         `step`, atomically and durably; returns the stored size as checked."""
         return self._put_step_file(f"{int(step)}/{rel}", buffer, nbytes)
+
+    def write_step_files(self, step: int, files: Sequence[Tuple[str, Any, int]]) -> List[int]:
+        """`write_payload` of each (rel, buffer, nbytes) of `step` -- a mini-batch's payload and its
+        meta.json -- made durable together where the storage renames (one directory fsync on POSIX);
+        returns the stored sizes as checked."""
+        if not self.caps.atomic_rename:
+            return [self._put_step_file(f"{int(step)}/{rel}", data, nbytes) for rel, data, nbytes in files]
+        keyed = [(f"{int(step)}/{rel}", data, nbytes) for rel, data, nbytes in files]
+        for key, _data, _nbytes in keyed:
+            self.locker.fence(key=key)
+        got = self.storage.put_all(keyed)
+        for (key, _data, nbytes), size in zip(keyed, got):
+            if size != nbytes:
+                raise CorruptStepError(self.where(key), f"stored {size} bytes, wrote {nbytes}")
+        return got
 
     def write_small(self, key: str, data: bytes) -> None:
         """Store a small file at `key` (a step's meta file as a step file; the index, a values file, a

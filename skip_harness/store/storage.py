@@ -185,6 +185,12 @@ class Storage(abc.ABC):
         followed); returns the stored size as the storage reports it. `data` is any buffer, or a
         `bufferpool.Lease` (POSIX writes it with O_DIRECT)."""
 
+    def put_all(self, files: Sequence[Tuple[str, Any, Optional[int]]]) -> List[int]:
+        """`put` of each (key, data, nbytes), in order; the stored sizes. Every file is durable once it
+        returns, not before: a backend may make them durable together (POSIX fsyncs each directory
+        once, after its last file). Each file is still replaced atomically."""
+        return [self.put(key, data, nbytes) for key, data, nbytes in files]
+
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: Any) -> Optional[str]:
         """Store `data` at `key` only when nothing is there: the stored file's stamp, or None when

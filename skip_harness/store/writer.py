@@ -71,11 +71,12 @@ class StagedInner:
         try:
             if self._transform is not None:
                 lease = self._stored(lease)
-            self._namespace.write_payload(self._step, self.payload_rel, lease, self.bytes)
-            lease.release()                  # the buffer may go round again while meta.json is written
             meta_doc = dict(self._meta, bytes=self.bytes, checksum=self.checksum, created=time.time())
             meta_bytes = (json.dumps(meta_doc, indent=1) + "\n").encode()
-            self._namespace.write_small(f"{self._step}/{self.meta_rel}", meta_bytes)
+            # the payload, then its meta.json, durable together: one directory fsync for both (the
+            # step has no commit record until both are, so neither is read before)
+            self._namespace.write_step_files(self._step, [(self.payload_rel, lease, self.bytes),
+                                                          (self.meta_rel, meta_bytes, len(meta_bytes))])
         finally:
             lease.release()
         return (FileEntry(self.payload_rel, self.bytes, self.checksum),

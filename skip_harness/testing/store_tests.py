@@ -241,6 +241,22 @@ class StoreTests:
         assert ns.tree_bytes("c/") == 5
         assert ns.modified("") is not None or not ns.caps.directories
 
+    def test_put_all_and_write_step_files_store_each_file(self, make_namespace):
+        """Several files in one call (a mini-batch's payload from a pool buffer and its meta.json), in one
+        directory or several: each stored whole, replacing what was there, sizes in order."""
+        ns = make_namespace()
+        st = ns.storage
+        st.put("d/b.json", b"old")
+        assert st.put_all([("d/a.bin", b"1" * 70, None), ("d/b.json", b"new!", None), ("e/c", b"xyz", 2)]) == [70, 4, 2]
+        assert (st.get("d/a.bin"), st.get("d/b.json"), st.get("e/c")) == (b"1" * 70, b"new!", b"xy")
+        pool = BufferPool()
+        lease = staged(pool, b"p" * 5000)
+        try:
+            assert ns.write_step_files(4, [("0/tq_batch.pt", lease, 5000), ("0/meta.json", b"{}\n", 3)]) == [5000, 3]
+        finally:
+            lease.release()
+        assert st.get("4/0/tq_batch.pt") == b"p" * 5000 and st.get("4/0/meta.json") == b"{}\n"
+
     def test_a_dump_dir_lists_the_namespaces_written_under_it(self, dump_dir_url):
         """What a run's startup and `skip-harness ls` see: the namespace written is listed by its dump_dir."""
         dump = open_dump_dir(dump_dir_url)

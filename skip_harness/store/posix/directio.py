@@ -94,10 +94,11 @@ def _pwrite_all(fd: int, view: memoryview, nbytes: int, direct: bool) -> int:
     return done
 
 
-def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cache: bool = True) -> None:
+def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cache: bool = True,
+                    sync_dir: bool = True) -> None:
     """Atomically and durably create `name` in dir_fd holding the first `nbytes` of the leased buffer
-    (which has at least round_up(nbytes) bytes). On failure the temporary file is removed and the
-    exception propagates."""
+    (which has at least round_up(nbytes) bytes); without `sync_dir` the directory's fsync is the
+    caller's. On failure the temporary file is removed and the exception propagates."""
     def fill(tmp: str) -> None:
         fd, direct = _open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
         try:
@@ -112,7 +113,8 @@ def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cach
             os.close(fd)
 
     replace_via_temp(dir_fd, name, fill)
-    fsync_dir(dir_fd)
+    if sync_dir:
+        fsync_dir(dir_fd)
 
 
 def read_into(path: str, pool: BufferPool, dir_fd: Optional[int] = None,

@@ -169,10 +169,11 @@ def replace_via_temp(dir_fd: int, name: str, fill: Callable[[str], None]) -> Non
         raise
 
 
-def write_file_at(dir_fd: int, name: str, write: Callable[[Any], None]) -> Tuple[int, str]:
+def write_file_at(dir_fd: int, name: str, write: Callable[[Any], None], sync_dir: bool = True) -> Tuple[int, str]:
     """Atomically and durably create `name` in the directory dir_fd: temp file, `write(fileobj)`,
-    flush + fsync, rename into place, fsync the directory. Returns (bytes, xxh3_128 hex).
-    On any failure before the rename the temp file is removed and the exception propagates."""
+    flush + fsync, rename into place, fsync the directory (without `sync_dir`, the caller's, once for
+    several files). Returns (bytes, xxh3_128 hex). On any failure before the rename the temp file is
+    removed and the exception propagates."""
     written: List[Tuple[int, str]] = []
 
     def fill(tmp: str) -> None:
@@ -190,7 +191,8 @@ def write_file_at(dir_fd: int, name: str, write: Callable[[Any], None]) -> Tuple
         written.append((hw.bytes, hw.hexdigest()))
 
     replace_via_temp(dir_fd, name, fill)
-    fsync_dir(dir_fd)
+    if sync_dir:
+        fsync_dir(dir_fd)
     return written[0]
 
 

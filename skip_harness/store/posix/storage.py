@@ -293,19 +293,33 @@ class PosixStorage(Storage):
     # ---- writing
 
     def put(self, key: str, data: Any, nbytes: Optional[int] = None) -> int:
-        dir_fd, name = self._open_parent(key, create=True)
-        try:
-            if isinstance(data, Lease):         # a pool buffer: O_DIRECT, past the page cache
-                write_buffer_at(dir_fd, name, data, memoryview(data.array).nbytes if nbytes is None else nbytes,
-                                self.drop_written_pages)
-            else:
-                view = memoryview(data).cast("B")
-                if nbytes is not None:
-                    view = view[:nbytes]
-                write_file_at(dir_fd, name, lambda f: f.write(view))
-            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
-        finally:
-            os.close(dir_fd)
+        return self.put_all([(key, data, nbytes)])[0]
+
+    def put_all(self, files: Sequence[Tuple[str, Any, Optional[int]]]) -> List[int]:
+        """Each file renamed into place after its own fsync, and each directory fsynced once after the
+        last of its files (a mini-batch's payload and meta.json: one directory fsync, not two)."""
+        sizes: List[int] = []
+        for _parent, group in _by_parent(files):
+            dir_fd, _name = self._open_parent(group[0][0], create=True)
+            try:
+                names = [PurePosixPath(key).name for key, _d, _n in group]
+                for name, (_key, data, nbytes) in zip(names, group):
+                    self._put_at(dir_fd, name, data, nbytes)
+                fsync_dir(dir_fd)
+                sizes += [os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size for name in names]
+            finally:
+                os.close(dir_fd)
+        return sizes
+
+    def _put_at(self, dir_fd: int, name: str, data: Any, nbytes: Optional[int]) -> None:
+        if isinstance(data, Lease):         # a pool buffer: O_DIRECT, past the page cache
+            write_buffer_at(dir_fd, name, data, memoryview(data.array).nbytes if nbytes is None else nbytes,
+                            self.drop_written_pages, sync_dir=False)
+        else:
+            view = memoryview(data).cast("B")
+            if nbytes is not None:
+                view = view[:nbytes]
+            write_file_at(dir_fd, name, lambda f: f.write(view), sync_dir=False)
 
     def put_if_absent(self, key: str, data: Any) -> Optional[str]:
         dir_fd, name = self._open_parent(key, create=True)
@@ -408,5 +422,13 @@ def _unreadable(path: Path, exc: OSError) -> CorruptStepError:
     if exc.errno == errno.ELOOP:
         return CorruptStepError(path, "is a symlink (never followed); expected a regular file")
     return CorruptStepError(path, f"cannot be read: {exc.strerror or exc}")
+
+
+def _by_parent(files: Sequence[Tuple[str, Any, Optional[int]]]) -> List[Tuple[str, List[Tuple[str, Any, Optional[int]]]]]:
+    """`files` grouped by the directory that holds them, in the order each directory first appears."""
+    groups: dict = {}
+    for item in files:
+        groups.setdefault(item[0].rpartition("/")[0], []).append(item)
+    return list(groups.items())
 
 __all__ = ["PosixStorage", "stamp_of"]
