@@ -250,16 +250,17 @@ def _row_sums(bits: Any, starts: Any, lengths: Any) -> Any:
     its whole pass holding the GIL, several times slower, and the trainer's thread waits on it: 5 ms of a
     dense step's writer job, measured with `py-spy --gil` (issue 42). Both passes here let go of it."""
     flat = bits.reshape(-1)
-    cs = np.empty(flat.size, dtype=np.int64)
-    wide = np.empty(min(flat.size, _SUM_CHUNK), dtype=np.int64)
-    carry = 0
-    for a in range(0, flat.size, _SUM_CHUNK):      # (an in-place cumsum holds the GIL too)
-        part = cs[a:a + _SUM_CHUNK]
-        np.copyto(wide[:part.size], flat[a:a + part.size], casting="unsafe")
-        np.cumsum(wide[:part.size], out=part)
-        if carry:
-            np.add(part, carry, out=part)
-        carry = int(part[-1])
+    if flat.dtype == np.int64:
+        cs = np.cumsum(flat)                        # nothing to cast: one pass
+    else:
+        cs = np.empty(flat.size, dtype=np.int64)
+        wide = np.empty(min(flat.size, _SUM_CHUNK), dtype=np.int64)
+        for a in range(0, flat.size, _SUM_CHUNK):  # (an in-place cumsum holds the GIL too)
+            part = cs[a:a + _SUM_CHUNK]
+            np.copyto(wide[:part.size], flat[a:a + part.size], casting="unsafe")
+            if a:
+                np.add(wide[:1], cs[a - 1:a], out=wide[:1])   # the sum so far, carried in (wrapping)
+            np.cumsum(wide[:part.size], out=part)
     inner = bits.shape[1]
     ends = (starts + lengths) * inner - 1
     before = starts * inner - 1
