@@ -98,8 +98,9 @@ def test_an_empty_read_only_cache_warns_once_and_counts_what_was_generated(read_
 def test_a_miss_clears_only_a_step_that_may_have_an_entry(tmp_path, monkeypatch):
     """A run that holds the namespace since its scan knows which steps have an entry: a miss of any other
     step writes it without listing it first (issue 42: a listing on the trainer's thread per miss). A step
-    found at startup (here left incomplete, with cleanup off) is still cleared before it is written:
-    nothing of the old write is left beside the new one."""
+    found at startup (here left incomplete, with cleanup off), or named by records beside the steps (its
+    discards, left by a removal cut short), is still cleared before it is written: nothing of the old write
+    is left beside the new one."""
     from skip_harness.store.writer import StepWriter
 
     cleared = []
@@ -111,7 +112,10 @@ def test_a_miss_clears_only_a_step_that_may_have_an_entry(tmp_path, monkeypatch)
     stale.mkdir()
     (stale / "0").mkdir()
     (stale / "0" / "tq_batch.pt").write_bytes(b"an older K=2 write")   # no commit record: incomplete
-    h, t, s = run(tmp_path, [1, 2, 3, 4], cleanup="off")
-    assert [h.outcome(i) for i in (1, 2, 3, 4)] == ["hit", "hit", "miss", "miss"] and s.committed == 2
-    assert cleared == [3]                      # the step found at startup, never step 4
-    assert not (stale / "0").exists() and (stale / "commit.json").exists()
+    orphan = tmp_path / "e_p" / "N2" / ".values" / "discarded-4.json"  # a removal of step 4 cut short
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_text('{"discarded": []}\n')
+    h, t, s = run(tmp_path, [1, 2, 3, 4, 5], cleanup="off")
+    assert [h.outcome(i) for i in (1, 2, 3, 4, 5)] == ["hit", "hit", "miss", "miss", "miss"] and s.committed == 3
+    assert cleared == [3, 4]                   # the step found at startup, the one its records name; never 5
+    assert not (stale / "0").exists() and (stale / "commit.json").exists() and not orphan.exists()

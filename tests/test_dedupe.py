@@ -314,13 +314,14 @@ def test_row_sums_are_exact_across_its_chunks(monkeypatch):
             [int(flat[s:s + n].sum()) for s, n in zip(starts, lengths) if n], dtype   # an empty row's is never read
 
 
-def test_the_writer_threads_row_sums_let_the_trainer_run():
+def test_the_writer_threads_row_sums_let_the_trainer_run(monkeypatch):
     """The rows rule sums each row through a cumsum over the whole tensor. Asked to cast as it went (int32
     units summed as int64), NumPy ran that pass holding the GIL, several times slower: the trainer's thread
     could not dispatch an op for its whole length (issue 42: a dense zstd miss 5 % over its floor; found
     with `py-spy record --gil`). The trainer's thread here never waits for more than a quarter of it."""
     import numpy as np
 
+    monkeypatch.setattr(dedupe, "_SUM_CHUNK", 1 << 23)   # one chunk: a pass that held the GIL would show whole
     bits = np.random.default_rng(1).integers(0, 1 << 20, size=(1 << 23, 1)).astype(np.int32)
     starts = np.arange(0, bits.shape[0], 4096)
     lengths = np.full(starts.shape, 4096)

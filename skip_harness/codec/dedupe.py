@@ -245,10 +245,11 @@ _SUM_CHUNK = 1 << 20        # units widened at a time by _row_sums
 
 
 def _row_sums(bits: Any, starts: Any, lengths: Any) -> Any:
-    """Each row's sum of its elements as integers (wrapping: only ever compared for equality). Widened by a
-    cast of its own, then summed in place: a cumsum that casts as it goes (`dtype=` of another width) runs
-    its whole pass holding the GIL, several times slower, and the trainer's thread waits on it: 5 ms of a
-    dense step's writer job, measured with `py-spy --gil` (issue 42). Both passes here let go of it."""
+    """Each row's sum of its elements as integers (wrapping: only ever compared for equality). Units other
+    than int64 are widened by a cast of their own, a chunk at a time, then summed into a separate array: a
+    cumsum that casts as it goes (`dtype=` of another width), or sums in place, runs its whole pass holding
+    the GIL, several times slower, and the trainer's thread waits on it: 5 ms of a dense step's writer job,
+    measured with `py-spy --gil` (issue 42). Every pass here lets go of it."""
     flat = bits.reshape(-1)
     if flat.dtype == np.int64:
         cs = np.cumsum(flat)                        # nothing to cast: one pass

@@ -67,11 +67,17 @@ class StartupResult:
                 out.add(s.step)
         return frozenset(out)
 
-    def present_steps(self) -> FrozenSet[int]:
-        """Every step the scan found an entry for, whatever its status and whatever cleanup did with it:
-        a step outside them has no entry to clear before it is written, as long as this run has held
-        the namespace since (`StepRunner`: no listing on the trainer's thread before a miss)."""
-        return frozenset(s.step for s in self.report.steps)
+    def present_steps(self) -> Optional[FrozenSet[int]]:
+        """Every step something of it may be found for: an entry the scan found, whatever its status and
+        whatever cleanup did with it, or records beside the steps that name it (values, discards, second
+        tier). A step outside them has nothing to clear before it is written, as long as this run has
+        held the namespace since (`StepRunner`: no listing on the trainer's thread before a miss). None
+        when the records cannot be listed: every miss clears its step first."""
+        try:
+            records = self.namespace.steps_with_records()
+        except (OSError, SkipHarnessError):
+            return None
+        return frozenset(s.step for s in self.report.steps) | frozenset(records)
 
     def mismatched_steps(self, fingerprint: Fingerprint) -> Tuple[Tuple[int, Fingerprint], ...]:
         return tuple(

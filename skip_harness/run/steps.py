@@ -92,7 +92,8 @@ class StepRunner:
         self._epoch = 0
         self._failed: Dict[int, str] = {}  # steps that failed verification: why (rank 0 sets them aside)
         # rank 0 of a run that holds the namespace since its startup scan: the steps that may have an entry
-        # (found then, or written since); a miss of any other step has nothing to clear (None: unknown)
+        # or records (found then, or written since); a miss of any other step has nothing to clear (None:
+        # unknown)
         self._may_exist: Optional[Set[int]] = None if present_at_start is None else set(present_at_start)
 
     # ------------------------------------------------------------------ wrapped calls

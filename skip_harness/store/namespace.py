@@ -234,6 +234,22 @@ class Namespace:
         freed += self.storage.delete_prefix(f"{int(step)}/")
         return freed + self._drop_values(step)
 
+    def steps_with_records(self) -> set:
+        """The steps the records beside the steps name -- their values, discards and second tier --
+        whether or not the step itself is there (`remove_step` removes them after the step: one it
+        interrupted leaves them behind): a step that is written again clears them first."""
+        found = set()
+        for e in self.storage.list_dir(VALUES_DIR):
+            stem = e.name[:-len(".json")] if e.name.endswith(".json") else ""
+            step = parse_step_name(stem[len("discarded-"):] if stem.startswith("discarded-") else stem)
+            if step is not None:
+                found.add(step)
+        for e in self.storage.list_dir(TIER_DIR):
+            step = parse_step_name(e.name)
+            if step is not None:
+                found.add(step)
+        return found
+
     def _drop_values(self, step: int) -> int:
         """The values recorded for a step that is removed or set aside (`store.values`: outside the step,
         bound to its commit record) go with it: no orphan is left behind in `.values/`."""

@@ -247,7 +247,7 @@ class StoreTests:
         ns = make_namespace()
         st = ns.storage
         st.put("d/b.json", b"old")
-        assert st.put_all([("d/a.bin", b"1" * 70, None), ("d/b.json", b"new!", None), ("e/c", b"xyz", 2)]) == [70, 4, 2]
+        assert st.put_all([("d/a.bin", b"1" * 70, None), ("e/c", b"xyz", 2), ("d/b.json", b"new!", None)]) == [70, 2, 4]
         assert (st.get("d/a.bin"), st.get("d/b.json"), st.get("e/c")) == (b"1" * 70, b"new!", b"xy")
         pool = BufferPool()
         lease = staged(pool, b"p" * 5000)

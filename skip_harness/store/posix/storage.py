@@ -16,7 +16,7 @@ import os
 import stat
 import struct
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from skip_harness.errors import CorruptStepError
 from skip_harness.store.bufferpool import BufferPool, Lease
@@ -296,20 +296,24 @@ class PosixStorage(Storage):
         return self.put_all([(key, data, nbytes)])[0]
 
     def put_all(self, files: Sequence[Tuple[str, Any, Optional[int]]]) -> List[int]:
-        """Each file renamed into place after its own fsync, and each directory fsynced once after the
-        last of its files (a mini-batch's payload and meta.json: one directory fsync, not two)."""
-        sizes: List[int] = []
-        for _parent, group in _by_parent(files):
-            dir_fd, _name = self._open_parent(group[0][0], create=True)
-            try:
-                names = [PurePosixPath(key).name for key, _d, _n in group]
-                for name, (_key, data, nbytes) in zip(names, group):
-                    self._put_at(dir_fd, name, data, nbytes)
+        """Each file, in the order given, renamed into place after its own fsync; each directory fsynced
+        once, after the last of them (a mini-batch's payload and meta.json: one directory fsync, not two)."""
+        dirs: Dict[str, int] = {}           # parent key -> its open fd, in the order first used
+        try:
+            placed = []
+            for key, data, nbytes in files:
+                parent = key.rpartition("/")[0]
+                if parent not in dirs:
+                    dirs[parent] = self._open_parent(key, create=True)[0]
+                name = PurePosixPath(key).name
+                self._put_at(dirs[parent], name, data, nbytes)
+                placed.append((dirs[parent], name))
+            for dir_fd in dirs.values():
                 fsync_dir(dir_fd)
-                sizes += [os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size for name in names]
-            finally:
+            return [os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size for dir_fd, name in placed]
+        finally:
+            for dir_fd in dirs.values():
                 os.close(dir_fd)
-        return sizes
 
     def _put_at(self, dir_fd: int, name: str, data: Any, nbytes: Optional[int]) -> None:
         if isinstance(data, Lease):         # a pool buffer: O_DIRECT, past the page cache
@@ -423,12 +427,5 @@ def _unreadable(path: Path, exc: OSError) -> CorruptStepError:
         return CorruptStepError(path, "is a symlink (never followed); expected a regular file")
     return CorruptStepError(path, f"cannot be read: {exc.strerror or exc}")
 
-
-def _by_parent(files: Sequence[Tuple[str, Any, Optional[int]]]) -> List[Tuple[str, List[Tuple[str, Any, Optional[int]]]]]:
-    """`files` grouped by the directory that holds them, in the order each directory first appears."""
-    groups: dict = {}
-    for item in files:
-        groups.setdefault(item[0].rpartition("/")[0], []).append(item)
-    return list(groups.items())
 
 __all__ = ["PosixStorage", "stamp_of"]
