@@ -147,20 +147,32 @@ class Namespace:
     # ---- writing (a step's files, then its commit record)
 
     def _put_step_file(self, key: str, data: Any, nbytes: int) -> int:
-        self.locker.fence(key=key)
+        return self._put_step_files([(key, data, nbytes)])[0]
+
+    def _put_step_files(self, files: Sequence[Tuple[str, Any, int]]) -> List[int]:
+        """Store each (key, data, nbytes) of a step, in order, atomically and durably (together, where the
+        storage renames: `Storage.put_all`); the stored sizes, each checked."""
         if self.caps.atomic_rename:         # temporary name + rename: replaces atomically, nothing to race
-            got = self.storage.put(key, data, nbytes)
+            for key, _data, _nbytes in files:
+                self.locker.fence(key=key)
+            got = self.storage.put_all(files)
         else:
-            view = data.view(nbytes) if hasattr(data, "view") and callable(data.view) else \
-                memoryview(data).cast("B")[:nbytes]
-            if self.storage.put_if_absent(key, view) is None:
-                self.locker.fence(strict=True, key=key)  # a file of a step rewritten in place: proven ours first
-                self.storage.put(key, view)
-            found = self.storage.stat(key)
-            got = -1 if found is None else found.size
-        if got != nbytes:
-            raise CorruptStepError(self.where(key), f"stored {got} bytes, wrote {nbytes}")
+            got = [self._put_in_place(key, data, nbytes) for key, data, nbytes in files]
+        for (key, _data, nbytes), size in zip(files, got):
+            if size != nbytes:
+                raise CorruptStepError(self.where(key), f"stored {size} bytes, wrote {nbytes}")
         return got
+
+    def _put_in_place(self, key: str, data: Any, nbytes: int) -> int:
+        """A storage without rename: create-only first, else (a file of a step rewritten in place) proven
+        ours before it is replaced; the size as the storage reports it (-1: not there)."""
+        self.locker.fence(key=key)
+        view = data.view(nbytes) if hasattr(data, "view") and callable(data.view) else memoryview(data).cast("B")[:nbytes]
+        if self.storage.put_if_absent(key, view) is None:
+            self.locker.fence(strict=True, key=key)
+            self.storage.put(key, view)
+        found = self.storage.stat(key)
+        return -1 if found is None else found.size
 
     def write_payload(self, step: int, rel: str, buffer: Any, nbytes: int) -> int:
         """Store the first `nbytes` of `buffer` (a pool buffer's lease, or any buffer) as file `rel` of
@@ -171,16 +183,7 @@ class Namespace:
         """`write_payload` of each (rel, buffer, nbytes) of `step` -- a mini-batch's payload and its
         meta.json -- made durable together where the storage renames (one directory fsync on POSIX);
         returns the stored sizes as checked."""
-        if not self.caps.atomic_rename:
-            return [self._put_step_file(f"{int(step)}/{rel}", data, nbytes) for rel, data, nbytes in files]
-        keyed = [(f"{int(step)}/{rel}", data, nbytes) for rel, data, nbytes in files]
-        for key, _data, _nbytes in keyed:
-            self.locker.fence(key=key)
-        got = self.storage.put_all(keyed)
-        for (key, _data, nbytes), size in zip(keyed, got):
-            if size != nbytes:
-                raise CorruptStepError(self.where(key), f"stored {size} bytes, wrote {nbytes}")
-        return got
+        return self._put_step_files([(f"{int(step)}/{rel}", data, nbytes) for rel, data, nbytes in files])
 
     def write_small(self, key: str, data: bytes) -> None:
         """Store a small file at `key` (a step's meta file as a step file; the index, a values file, a
