@@ -297,32 +297,63 @@ def test_the_writer_threads_codec_work_stays_on_its_thread():
 
 
 def test_row_sums_are_exact_across_its_chunks(monkeypatch):
-    """`_row_sums` widens and sums a tensor's units a chunk at a time (a carry between chunks): every row's
-    sum as one pass over the whole tensor would give it, for every width, rows across chunk ends included."""
+    """`_row_sums` sums four- and eight-byte units row by row in their own width, and widens narrower ones a
+    chunk at a time (a carry between chunks): every row's sum as one pass over the whole tensor would give
+    it, for every width -- rows across chunk ends, empty rows and units after the last row included."""
     import numpy as np
 
     monkeypatch.setattr(dedupe, "_SUM_CHUNK", 1000)
     rng = np.random.default_rng(0)
     for dtype in (np.uint8, np.int16, np.int32, np.int64):
-        bits = rng.integers(0, 120, size=(5003, 3)).astype(dtype)
-        lengths = rng.integers(0, 40, size=300)
-        lengths[lengths.cumsum() > 5003] = 0
-        starts = np.concatenate([[0], lengths.cumsum()[:-1]])
-        flat = bits.astype(np.int64)
-        got = dedupe._row_sums(bits, starts, lengths)
-        assert [int(g) for g, n in zip(got, lengths) if n] == \
-            [int(flat[s:s + n].sum()) for s, n in zip(starts, lengths) if n], dtype   # an empty row's is never read
+        for tail in (0, 1, 40):                   # units no row covers: 0 when the rows tile the tensor
+            bits = rng.integers(0, 120, size=(5003, 3)).astype(dtype)
+            lengths = rng.integers(0, 40, size=300)
+            lengths[lengths.cumsum() > 5003 - tail] = 0
+            lengths[-1] += 5003 - tail - lengths.sum()
+            starts = np.concatenate([[0], lengths.cumsum()[:-1]])
+            flat = bits.astype(np.int64)
+            got = dedupe._row_sums(bits, starts, lengths)
+            assert [int(g) for g, n in zip(got, lengths) if n] == \
+                [int(flat[s:s + n].sum()) for s, n in zip(starts, lengths) if n], (dtype, tail)   # an empty row's is never read
 
 
-def test_the_writer_threads_row_sums_let_the_trainer_run(monkeypatch):
-    """The rows rule sums each row through a cumsum over the whole tensor. Asked to cast as it went (int32
-    units summed as int64), NumPy ran that pass holding the GIL, several times slower: the trainer's thread
-    could not dispatch an op for its whole length (issue 42: a dense zstd miss 5 % over its floor; found
-    with `py-spy record --gil`). The trainer's thread here never waits for more than a quarter of it."""
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+def test_rows_that_differ_in_any_one_element_are_not_repeats(layout):
+    """A repeat is looked for first at a few elements spread over each row, then by the rows' sums, then
+    compared whole: rows equal but for one element -- wherever it sits, at a place the first look reads or
+    between two of them -- are never taken as repeats; rows equal to the bit always are."""
+    g = torch.Generator().manual_seed(5)
+    L = 300                                       # units a row (two elements each); rows 0=1, 2=3, 4=5
+    if layout == "dense":
+        rows = torch.randint(0, 9, (3, L, 2), generator=g).repeat_interleave(2, 0)
+        offsets = None
+    else:                                         # rows of L, L, 0, 0, 260 and 260 units
+        rows = torch.cat([torch.randint(0, 9, (L, 2), generator=g).repeat(2, 1),
+                          torch.randint(0, 9, (260, 2), generator=g).repeat(2, 1)])
+        offsets = torch.tensor([0, L, 2 * L, 2 * L, 2 * L, 2 * L + 260, 2 * L + 520])
+    assert dedupe._repeats(dedupe._rows_of(rows, offsets, -1)) == [0, 0, 2, 2, 4, 4]
+    flat = rows.reshape(-1, 2)
+    for j in range(L):                            # every element of row 1: one bit off, or -1 and +1 beside it
+        for k in range(2):                        # (the row's sum unchanged)
+            for spoil in ((lambda t: t[L + j, k].__ixor__(1)),
+                          (lambda t: (t[L + j, k].__isub__(1), t[L + (j + 1) % L, 1 - k].__iadd__(1)))):
+                spoilt = flat.clone()
+                spoil(spoilt)
+                src = dedupe._repeats(dedupe._rows_of(spoilt.reshape(rows.shape), offsets, -1))
+                assert src is not None and src[:2] == [0, 1] and src[5] == 4, (j, k, src)
+
+
+@pytest.mark.parametrize("dtype", ["int16", "int32"])
+def test_the_writer_threads_row_sums_let_the_trainer_run(monkeypatch, dtype):
+    """The rows rule sums each row of a tensor in one pass (int32 units by a reduction in their own width,
+    int16 ones through a cumsum of a widened copy). Asked to cast as it went (int32 units summed as int64),
+    NumPy ran that pass holding the GIL, several times slower: the trainer's thread could not dispatch an
+    op for its whole length (issue 42: a dense zstd miss 5 % over its floor; found with `py-spy record
+    --gil`). The trainer's thread here never waits for more than a quarter of it."""
     import numpy as np
 
     monkeypatch.setattr(dedupe, "_SUM_CHUNK", 1 << 23)   # one chunk: a pass that held the GIL would show whole
-    bits = np.random.default_rng(1).integers(0, 1 << 20, size=(1 << 23, 1)).astype(np.int32)
+    bits = np.random.default_rng(1).integers(0, 1 << 20, size=(1 << 23, 1)).astype(dtype)
     starts = np.arange(0, bits.shape[0], 4096)
     lengths = np.full(starts.shape, 4096)
     tries = []
