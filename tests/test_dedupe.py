@@ -99,6 +99,27 @@ def test_a_dense_batch_stores_each_thing_once_and_comes_back_bit_for_bit():
     assert n < 0.8 * without
 
 
+def test_a_cat_of_rows_of_several_elements_each_is_found_and_one_element_off_is_not():
+    """`cat` over units of more than one element (a [rows, tokens, 3] field as its two parts along dim 1),
+    dense and jagged; one element of one unit off and it is stored as it is."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(0, 1000, (8, 40, 3), generator=g), torch.randint(0, 1000, (8, 70, 3), generator=g)
+    nested = lambda ts: torch.nested.nested_tensor(ts, layout=torch.jagged)                   # noqa: E731
+    ja = nested([a[i, :20 + 2 * i] for i in range(8)])
+    jb = nested([b[i, :20 + 5 * i] for i in range(8)])
+    jc = nested([torch.cat([a[i, :20 + 2 * i], b[i, :20 + 5 * i]]) for i in range(8)])
+    for batch, key in (({"a": a, "b": b, "ab": torch.cat([a, b], 1)}, "payload['ab']"),
+                       ({"a": ja, "b": jb, "ab": jc}, "payload['ab'].values()")):
+        out, fields, _ = round_trip(batch)
+        assert_identical(batch, out)
+        assert fields[key].compression == "cat", key
+        spoilt = (batch["ab"].values() if batch["ab"].is_nested else batch["ab"].view(-1, 3))
+        spoilt[45, 1] += 1
+        out, fields, _ = round_trip(batch)
+        assert_identical(batch, out)
+        assert fields[key].compression != "cat", key
+
+
 def test_a_jagged_tensordict_grpo_batch_stores_each_thing_once_and_comes_back_bit_for_bit():
     batch = _bench_grpo.make_grpo_payload(3, n=4, seed=2)
     out, fields, n = round_trip(batch)
