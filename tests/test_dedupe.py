@@ -335,7 +335,27 @@ def test_row_sums_are_exact_across_its_chunks(monkeypatch):
             flat = bits.astype(np.int64)
             got = dedupe._row_sums(bits, starts, lengths)
             assert [int(g) for g, n in zip(got, lengths) if n] == \
-                [int(flat[s:s + n].sum()) for s, n in zip(starts, lengths) if n], (dtype, tail)   # an empty row's is never read
+                [int(flat[s:s + n].sum()) for s, n in zip(starts, lengths) if n], (dtype, tail)   # an empty row's: unchecked
+
+
+def test_the_first_look_at_a_row_reads_a_few_elements_first_and_last_among_them():
+    """`_agree_at_samples`, the cheap look before the rows' sums: equal rows agree; a row that differs at its
+    first element, its last, or one of the 32 in between is told apart by the look alone; one that differs
+    only between two of them is left for the sums and the whole comparison."""
+    import numpy as np
+
+    row = np.random.default_rng(2).integers(0, 9, size=(310, 3))
+    lengths, starts = np.array([310, 310, 310]), np.array([0, 310, 620])   # three rows of 310 units of 3
+    look = lambda bits: dedupe._agree_at_samples(bits, starts, lengths, np.array([1, 2])).tolist()  # noqa: E731
+    bits = np.concatenate([row, row, row])
+    assert look(bits) == [True, True]
+    elements = 310 * 3
+    sampled = {(elements - 1) * k // 31 for k in range(32)}
+    assert {0, elements - 1} <= sampled and len(sampled) == 32
+    for e in sorted(sampled) + [1, elements - 2]:
+        spoilt = bits.copy()
+        spoilt.reshape(-1)[elements + e] += 1     # an element of row 1
+        assert look(spoilt) == ([False, False] if e in sampled else [True, True]), e
 
 
 @pytest.mark.parametrize("layout", ["dense", "jagged"])

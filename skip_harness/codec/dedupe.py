@@ -266,7 +266,7 @@ def _row_sums(bits: Any, starts: Any, lengths: Any) -> Any:
     inner = bits.shape[1]
     if flat.dtype.itemsize >= 4:
         sums = np.zeros(len(lengths), dtype=flat.dtype)
-        full = lengths > 0                          # each non-empty row ends where the next one begins
+        full = lengths > 0                          # each non-empty row ends where the next non-empty one begins
         if full.any():
             at = starts[full] * inner
             end = int((starts[full][-1] + lengths[full][-1]) * inner)
