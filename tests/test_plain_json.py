@@ -3,6 +3,7 @@ the C encoder on the trainer's thread instead of walked node by node (issue 42's
 back exactly, what is not plain JSON is walked as before, and format-4 files still load."""
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import math
@@ -126,3 +127,85 @@ def test_a_format_4_file_without_j_nodes_still_loads():
     data[24:24 + hlen] = old.ljust(hlen).encode("ascii")
     struct.pack_into("<I", data, 8, 4)
     assert same(load(bytes(data)), payload)
+
+
+# ---- a compressed write's header, laid out on the writer thread (issue 42's miss)
+
+def _stored_bytes(image, tensors, form) -> bytes:
+    from skip_harness.codec import tensorfile
+    stored = tensorfile.stored_image(image, tensors, form)
+    out = ctypes.create_string_buffer(stored.nbytes)
+    tensorfile.fill_stored(stored, out)
+    return out.raw, stored.logical_nbytes
+
+
+NOT_FINITE = {"rewards": [1.0, float("nan"), float("-inf")], "chat": [{"role": "user", "content": "q"}]}
+
+
+@pytest.mark.parametrize("value", [PLAIN, NOT_FINITE], ids=["plain", "not finite"])
+def test_a_staged_image_becomes_on_the_writer_thread_the_file_planned_whole(value):
+    """plan(staged=True) -- the trainer's half of a compressed write -- lays out no header and dumps no
+    JSON; laid out later (stored_image, on the writer thread) it is byte for byte the file `plan` makes
+    of the whole, full-width size included, a value that needs its nodes (not finite) too."""
+    from skip_harness.codec import tensorfile
+    chat = [{"role": "user", "content": "q \u2603"}]
+    td = tensordict.TensorDict({"ids": torch.arange(12).reshape(4, 3), "messages": tensordict.NonTensorStack(*[chat] * 4),
+                                "uid": tensordict.NonTensorStack(*"aabb")}, batch_size=[4])
+    payload = {"td": td, "v": value, "lp": torch.randn(7)}
+    form = codec.stored_form("zstd")
+    encoded, names = structure.encode_named(payload)
+    whole = tensorfile.plan(encoded, names)
+    expected, full = _stored_bytes(whole, [t.contiguous() for t in whole.tensors], form)
+    assert full == whole.nbytes
+
+    staged = tensorfile.plan(encoded, names, staged=True)
+    assert staged.head == b"" and staged.offsets[0] == 0 and staged.nbytes < whole.nbytes
+    buf = ctypes.create_string_buffer(staged.nbytes)
+    tensorfile.pack_into(staged, buf, ctypes.memmove)
+    shapes = tensorfile.shapes_only(staged)
+    assert _stored_bytes(shapes, tensorfile.staged_tensors(shapes, buf), form) == (expected, whole.nbytes)
+    out = load(expected)
+    assert same(out["v"], value) and torch.equal(out["lp"], payload["lp"])
+    assert out["td"].get("messages").tolist() == [chat] * 4 and torch.equal(out["td"]["ids"], td["ids"])
+
+
+def test_the_trainers_half_of_a_compressed_write_dumps_no_json(monkeypatch):
+    from skip_harness.codec import fileimage, tensorfile
+
+    def no_json(value):
+        raise AssertionError("JSON dumped on the trainer's thread")
+
+    encoded, names = structure.encode_named({"x": torch.arange(3), "chat": [{"role": "user", "content": "q"}]})
+    monkeypatch.setattr(fileimage, "_json_text", no_json)
+    staged = tensorfile.plan(encoded, names, staged=True)
+    assert isinstance(staged.raws[0], bytes)                       # a snapshot of the chat, not its text
+    with pytest.raises(AssertionError, match="trainer's thread"):
+        tensorfile.plan(encoded, names)
+    with pytest.raises(AssertionError, match="trainer's thread"):
+        tensorfile.laid_out(staged)                                 # the writer's half does
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_rows_changed_after_a_staged_write_are_stored_as_they_were(tmp_path, compression):
+    """The trainer may change a plain value in place once sample returns: what is stored is the value as
+    it was, for the form whose JSON is dumped on the writer thread (zstd) as for the one whose is not."""
+    from skip_harness.store.layout import Layout
+    from skip_harness.store.open import open_store
+
+    store = open_store(Layout(tmp_path / "ns", K=1, W=1), form=codec.stored_form(compression))
+
+    def batch(content: str, scores: list):
+        chat = [{"role": "user", "content": content}]
+        td = tensordict.TensorDict({"x": torch.arange(2), "messages": tensordict.NonTensorStack(chat, chat)}, batch_size=[2])
+        return {"td": td, "tags": {"kind": "math", "scores": scores}}, chat
+
+    payload, chat = batch("as sampled", [1, 2])
+    staged = store.writer.stage_inner(1, 0, 0, payload, {})
+    chat[0]["content"] = "changed by the trainer"
+    payload["tags"]["scores"].append(3)
+    store.writer.commit(1, staged.complete(), None)
+    out = store.reader.read_inner(1, 0, 0)
+    assert out["td"].get("messages").tolist() == [[{"role": "user", "content": "as sampled"}]] * 2
+    assert out["tags"] == {"kind": "math", "scores": [1, 2]}
+    meta = store.reader.read_meta(1, 0, 0)                         # the full-width file's size, as planned whole
+    assert meta["logical_bytes"] == codec.plan(batch("as sampled", [1, 2])[0]).nbytes

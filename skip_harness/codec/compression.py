@@ -15,7 +15,7 @@ import zstandard
 
 from skip_harness.errors import CodecError
 from skip_harness.codec import dedupe
-from skip_harness.codec.fileimage import FileImage, _byte_view, _dtype_name, _how, _layout
+from skip_harness.codec.fileimage import FileImage, _byte_view, _dtype_name, _how, _layout, laid_out
 from skip_harness.codec.payload_kinds import np
 
 @dataclass(frozen=True)
@@ -70,7 +70,10 @@ def narrowest_dtype(t: torch.Tensor) -> torch.dtype:
 
 def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: StoredForm) -> StoredImage:
     """`image` with its tensors (contiguous CPU tensors holding `image.tensors`' values: the staged copy,
-    or the tensors themselves) narrowed and compressed as `form` says. Runs on a writer thread."""
+    or the tensors themselves) narrowed and compressed as `form` says. Runs on a writer thread; a staged
+    image (`fileimage.plan(staged=True)`) has its header laid out here (`fileimage.laid_out`), last: its
+    JSON holds the GIL for its whole length, better not when the trainer's thread has just handed over
+    the step (its tree is the same for dedupe's look at the jagged fields: a `j` node names no tensor)."""
     cctx = zstandard.ZstdCompressor(level=form.zstd_level, write_checksum=True) if form.zstd_level is not None else None
     names = list(image.names or [None] * len(tensors))
     rules = dedupe.plan(image.tree, tensors, names) if form.dedupe else None
@@ -101,7 +104,8 @@ def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: Stored
         how = _how(name, None if stored_dtype == dtype else _dtype_name(stored_dtype), chunks)
         entries.append((_dtype_name(dtype), list(t.shape), nbytes, {**how, "shuffle": True} if shuffle and how else how))
         data.append(raw)
-    head, offsets, nbytes = _layout(image.tree, entries, image.raws)
+    full = laid_out(image)
+    head, offsets, nbytes = _layout(full.tree, entries, full.raws)
     pieces: List[Tuple[int, Any]] = []
     for off, raw in zip(offsets, data):
         if isinstance(raw, list):
@@ -110,7 +114,7 @@ def stored_image(image: FileImage, tensors: Sequence[torch.Tensor], form: Stored
                 off += len(frame)
         elif raw.numel():
             pieces.append((off, raw))
-    return StoredImage(head, pieces, nbytes, image.nbytes)
+    return StoredImage(head, pieces, nbytes, full.nbytes)
 
 
 def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, chunk_bytes: int,

@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import functools
 import json
+import marshal
 import math
 import re
 import struct
@@ -55,31 +56,36 @@ def _json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
 
 
-def _pack(obj: Any, tensors: List[torch.Tensor], raws: List[str]) -> Any:
+def _pack(obj: Any, tensors: List[torch.Tensor], raws: List[Any], snapshot: bool = False) -> Any:
     """The encoded structure as a JSON tree; every tensor is appended to `tensors` and named by index,
     every PlainJSON value dumped as JSON text into `raws` and named by index ({"j": i}, spliced into the
-    header by `_layout`: a `j` node holds plain JSON as it is)."""
+    header by `_layout`: a `j` node holds plain JSON as it is). With `snapshot`, a PlainJSON value goes
+    into `raws` as its `marshal` bytes instead, for `laid_out` to dump later on another thread: an exact
+    copy (a PlainJSON value holds the builtin types alone) made in a tenth of the JSON's time."""
     t = type(obj)
     if obj is None or t is bool or t is str or t is int:
         return obj
     if t is float:
         return obj if math.isfinite(obj) else {"f": repr(obj)}
     if t is PlainJSON:
+        if snapshot:
+            raws.append(marshal.dumps(obj.value))
+            return {"j": len(raws) - 1}
         try:
             raws.append(_json_text(obj.value))
         except ValueError:   # a float that is not finite: node by node, as {"f": ...}
             return _pack(obj.value, tensors, raws)
         return {"j": len(raws) - 1}
     if t is list:
-        return [v if type(v) in _LEAVES else _pack(v, tensors, raws) for v in obj]
+        return [v if type(v) in _LEAVES else _pack(v, tensors, raws, snapshot) for v in obj]
     if t is dict or t is OrderedDict:
-        return {"d" if t is dict else "o": [[k, v if type(v) in _LEAVES else _pack(v, tensors, raws)]
+        return {"d" if t is dict else "o": [[k, v if type(v) in _LEAVES else _pack(v, tensors, raws, snapshot)]
                                             for k, v in obj.items()]}
     if t is torch.Tensor:
         tensors.append(obj)
         return {"T": len(tensors) - 1}
     if t is tuple:
-        return {"t": [_pack(v, tensors, raws) for v in obj]}
+        return {"t": [_pack(v, tensors, raws, snapshot) for v in obj]}
     if t is bytes:
         return {"b": base64.b64encode(obj).decode("ascii")}
     if t is complex:
@@ -152,20 +158,68 @@ class FileImage:
     nbytes: int
     tree: Any = None
     names: List[Optional[str]] = field(default_factory=list)
-    raws: List[str] = field(default_factory=list)   # the tree's `j` nodes' JSON texts
+    raws: List[Any] = field(default_factory=list)   # the tree's `j` nodes' JSON texts (staged: marshal bytes)
+    staged: bool = False   # laid out for a staging copy only (`plan(staged=True)`); `laid_out` makes the file's
 
 
-def plan(structure: Any, names: Optional[Dict[int, str]] = None) -> FileImage:
+def plan(structure: Any, names: Optional[Dict[int, str]] = None, *, staged: bool = False) -> FileImage:
     """The file image of an encoded structure in the current format (no tensor bytes copied), every
-    tensor at full width. `names`: id(tensor) -> the field it holds (recorded for messages and `show`)."""
+    tensor at full width. `names`: id(tensor) -> the field it holds (recorded for messages and `show`).
+
+    `staged`: the image of a staging copy that a writer thread turns into the stored file (a compressed
+    form, `compression.stored_image`), for the trainer's thread to make cheaply: no header (`head` is
+    empty, the tensors laid out from offset 0), plain values as `marshal` snapshots. `laid_out` makes the
+    header from it later, on the writer's thread -- the same file as without `staged`."""
     tensors: List[torch.Tensor] = []
-    raws: List[str] = []
-    tree = _pack(structure, tensors, raws)
+    raws: List[Any] = []
+    tree = _pack(structure, tensors, raws, staged)
     tensor_names = [None if names is None else names.get(id(t)) for t in tensors]
+    if staged:
+        offsets, offset, end = [], 0, 0
+        for t in tensors:
+            offsets.append(offset)
+            end = offset + t.numel() * t.element_size()
+            offset = _align(end)
+        return FileImage(b"", tensors, offsets, end, tree, tensor_names, raws, staged=True)
     entries = [(_dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), _how(n, None, None))
                for t, n in zip(tensors, tensor_names)]
     head, offsets, nbytes = _layout(tree, entries, raws)
     return FileImage(head, tensors, offsets, nbytes, tree, tensor_names, raws)
+
+
+def laid_out(image: FileImage) -> FileImage:
+    """A staged image (`plan(staged=True)`) as the full-width file image `plan` would have made of the same
+    structure: its plain values dumped as JSON from their snapshots (one holding a float that is not finite
+    packed node by node instead, as `_pack` does), its header and offsets laid out. Its tensors are those
+    of `image` (a staged copy's bytes are read at `image.offsets`, not these). Any other image as it is."""
+    if not image.staged:
+        return image
+    raws: List[Any] = []
+    unfolded: Dict[int, Any] = {}        # raw index -> its value, packed node by node
+    for i, snap in enumerate(image.raws):
+        value = marshal.loads(snap)
+        try:
+            raws.append(_json_text(value))
+        except ValueError:
+            unfolded[i] = _pack(value, [], [])
+            raws.append(None)
+    tree = _unfold(image.tree, unfolded) if unfolded else image.tree
+    entries = [(_dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), _how(n, None, None))
+               for t, n in zip(image.tensors, image.names)]
+    head, offsets, nbytes = _layout(tree, entries, raws)
+    return FileImage(head, image.tensors, offsets, nbytes, tree, image.names, raws)
+
+
+def _unfold(node: Any, packed: Dict[int, Any]) -> Any:
+    """The packed tree `node` with each `{"j": i}` node whose i is in `packed` replaced by packed[i]."""
+    t = type(node)
+    if t is list:
+        return [_unfold(v, packed) for v in node]
+    if t is dict:
+        if len(node) == 1 and type(node.get("j")) is int and node["j"] in packed:
+            return packed[node["j"]]
+        return {k: _unfold(v, packed) for k, v in node.items()}
+    return node
 
 
 def _how(name: Optional[str], stored_dtype: Optional[str], chunks: Optional[list]) -> Optional[Dict[str, Any]]:

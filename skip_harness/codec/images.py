@@ -21,12 +21,13 @@ def save_to(fileobj: BinaryIO, payload: Any, form: Optional[StoredForm] = None) 
     return tensorfile.write(fileobj, structure, names, form)
 
 
-def plan(payload: Any) -> tensorfile.FileImage:
+def plan(payload: Any, *, staged: bool = False) -> tensorfile.FileImage:
     """`payload` encoded and laid out as a file image at full width (for `tensorfile.pack_into`, then
     `tensorfile.stored_image` for a compressed form); raises what `encode` raises for a payload the
-    cache refuses."""
+    cache refuses. `staged`: for a compressed form, no header yet (`tensorfile.plan`'s `staged`: the
+    writer thread lays it out)."""
     structure, names = encode_named(payload)
-    return tensorfile.plan(structure, names)
+    return tensorfile.plan(structure, names, staged=staged)
 
 
 def stored_form(compression: str, level: int = 3) -> StoredForm:

@@ -34,7 +34,7 @@ from skip_harness.codec.compression import (  # noqa: F401  (the format's face)
     StoredForm, fill_stored, narrowest_dtype, stored_image,
 )
 from skip_harness.codec.fileimage import (  # noqa: F401  (the format's face)
-    FORMAT_VERSION, MAGIC, FileImage, _byte_view, pack_into, pack_parts, plan, shapes_only, staged_tensors,
+    FORMAT_VERSION, MAGIC, FileImage, _byte_view, laid_out, pack_into, pack_parts, plan, shapes_only, staged_tensors,
 )
 from skip_harness.codec.fileread import (  # noqa: F401  (the format's face)
     StoredField, is_current_image, read_buffer, read_skeleton, stored_fields,

@@ -60,6 +60,7 @@ class StagedInner:
             tensorfile.fill_stored(stored, out.array)
             self.bytes = stored.nbytes
             self.checksum = checksum_bytes(out.view(stored.nbytes))
+            self._meta["logical_bytes"] = stored.logical_nbytes     # the full-width file's: known only now
         except BaseException:
             out.release()
             raise
@@ -123,7 +124,9 @@ class StepWriter:
         check_position(self.layout, step, inner_index, rank)
         layout = self.layout
         payload_rel = layout.payload_rel(inner_index, rank)
-        image = codec.plan(payload)
+        # a compressed form's header is the writer thread's to lay out (StagedInner._stored): this thread
+        # makes only the staging copy's layout and snapshots of plain values
+        image = codec.plan(payload, staged=self.form.transforms)
         lease = self.pool.acquire(image.nbytes)
         transform = (tensorfile.shapes_only(image), self.form, self.pool) if self.form.transforms else None
         try:
@@ -145,7 +148,7 @@ class StepWriter:
         meta_doc.update(writer=WRITER_NAME, step=step, inner_index=inner_index, rank=rank, K=layout.K,
                         W=layout.W, payload=payload_rel, format=codec.FORMAT_VERSION,
                         compression="zstd" if self.form.zstd_level is not None else "none",
-                        logical_bytes=image.nbytes)
+                        logical_bytes=None if transform else image.nbytes)
         return StagedInner(self.namespace, step, lease, image.nbytes, checksum, payload_rel,
                            layout.meta_rel(inner_index, rank), meta_doc, transform)
 
