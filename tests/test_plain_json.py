@@ -131,7 +131,7 @@ def test_a_format_4_file_without_j_nodes_still_loads():
 
 # ---- a compressed write's header, laid out on the writer thread (issue 42's miss)
 
-def _stored_bytes(image, tensors, form) -> bytes:
+def _stored_bytes(image, tensors, form):
     from skip_harness.codec import tensorfile
     stored = tensorfile.stored_image(image, tensors, form)
     out = ctypes.create_string_buffer(stored.nbytes)
@@ -151,7 +151,7 @@ def test_a_staged_image_becomes_on_the_writer_thread_the_file_planned_whole(valu
     chat = [{"role": "user", "content": "q \u2603"}]
     td = tensordict.TensorDict({"ids": torch.arange(12).reshape(4, 3), "messages": tensordict.NonTensorStack(*[chat] * 4),
                                 "uid": tensordict.NonTensorStack(*"aabb")}, batch_size=[4])
-    payload = {"td": td, "v": value, "lp": torch.randn(7)}
+    payload = {"v": value, "td": td, "lp": torch.randn(7)}      # v first: a value unfolded shifts no other
     form = codec.stored_form("zstd")
     encoded, names = structure.encode_named(payload)
     whole = tensorfile.plan(encoded, names)

@@ -159,7 +159,7 @@ class FileImage:
     tree: Any = None
     names: List[Optional[str]] = field(default_factory=list)
     raws: List[Any] = field(default_factory=list)   # the tree's `j` nodes' JSON texts (staged: marshal bytes)
-    staged: bool = False   # laid out for a staging copy only (`plan(staged=True)`); `laid_out` makes the file's
+    staged: bool = False   # laid out for a staging copy only (`plan(staged=True)`): `laid_out` makes the file of it
 
 
 def plan(structure: Any, names: Optional[Dict[int, str]] = None, *, staged: bool = False) -> FileImage:
@@ -237,7 +237,7 @@ _J_NODE = re.compile(r'\{"j":(\d+)\}')
 
 
 def _layout(tree: Any, entries: Sequence[Tuple[str, List[int], int, Optional[Dict[str, Any]]]],
-            raws: Sequence[str] = ()) -> Tuple[bytes, List[int], int]:
+            raws: Sequence[Optional[str]] = ()) -> Tuple[bytes, List[int], int]:
     """(head, absolute offset of each tensor's stored bytes, file size) for entries (dtype, shape,
     stored nbytes, how); each `{"j":i}` node of the tree's JSON text replaced by {"j": raws[i]}, in one
     pass (no other dict of a packed tree has the one key "j", and a JSON string cannot hold an unescaped
