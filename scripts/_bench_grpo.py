@@ -108,7 +108,7 @@ def bench_grpo_steps(prompts: int, work: Path, repeats: int, steps: int, rounds:
     batch in memory, and the miss and hit with compression=zstd -- side by side, as on the dense batch,
     for ROUNDS_FACTOR times `rounds`. Keys end in `_grpo`."""
     from _bench_io import bench_save
-    from _bench_steps import bench_steps
+    from _bench_steps import bench_steps, standard_errors
 
     batch = make_grpo_payload(prompts, GRPO_N, seed=7)
     bare_save_s = bench_save(batch, work, repeats, floors=False)["bare_save_s"]
@@ -131,4 +131,5 @@ def bench_grpo_steps(prompts: int, work: Path, repeats: int, steps: int, rounds:
         "hit_overhead_ratio_zstd_floor_grpo": m["hit_floor_zstd_s"] / m["memory_s"],
         "step_zstd_vs_floor_ratio_grpo": m["async_zstd_vs_floor_paired"],
         "hit_zstd_vs_floor_ratio_grpo": m["hit_zstd_vs_floor_paired"],
+        **standard_errors(m, "_grpo"),
     }

@@ -5,6 +5,8 @@ load changes slows every arm alike."""
 from __future__ import annotations
 
 import ctypes
+import math
+import statistics
 from concurrent.futures import Future
 import mmap
 import os
@@ -339,5 +341,28 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
                           ("floor_vs_off", "floor", "off"), ("async_zstd_vs_floor", "async_zstd", "floor_zstd"),
                           ("hit_zstd_vs_floor", "hit_zstd", "hit_floor_zstd")):
         if num in modes and den in modes:
-            out[f"{key}_paired"] = median([x / y for x, y in zip(arms[num].times[1:], arms[den].times[1:])])
+            ratios = [x / y for x, y in zip(arms[num].times[1:], arms[den].times[1:])]
+            out[f"{key}_paired"] = median(ratios)
+            out[f"{key}_paired_se"] = median_se(ratios)
     return out
+
+
+# the result keys of the step-by-step figures (SPEC's names, `_grpo` added on the GRPO batch) and their pairs
+_PAIRED_KEYS = (("step_vs_floor_ratio", "async_vs_floor"), ("hit_vs_floor_ratio", "hit_vs_floor"),
+                ("step_zstd_vs_floor_ratio", "async_zstd_vs_floor"), ("hit_zstd_vs_floor_ratio", "hit_zstd_vs_floor"))
+
+
+def standard_errors(measured: Dict[str, float], suffix: str = "") -> Dict[str, float]:
+    """`{key}{suffix}_se` for each step-by-step figure in `measured` (bench_steps' output): its standard error."""
+    return {f"{key}{suffix}_se": measured[f"{pair}_paired_se"] for key, pair in _PAIRED_KEYS
+            if f"{pair}_paired_se" in measured}
+
+
+def median_se(values: Sequence[float]) -> float:
+    """The standard error of the median of `values`, from their interquartile range (as for a normal
+    sample: sigma = IQR / 1.349, and a median's error 1.2533 sigma / sqrt(n)) -- robust to the few steps
+    a busy machine slows; how far a paired figure moves from run to run by chance (0.0 for fewer than 4)."""
+    if len(values) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(values))

@@ -29,8 +29,10 @@ def render_table(r: Dict[str, Any]) -> str:
         return f"<= {TARGETS[key]:g}" if key in TARGETS else ""
 
     def floor_row(name: str, ours: str, floor: str, paired: str) -> str:
-        """An arm over its baseline, its floor over the same baseline, and the two step by step."""
-        return row(name, f"{r[ours]:.3f}", f"{r[floor]:.3f}", f"{r[paired]:.3f}", tgt(paired))
+        """An arm over its baseline, its floor over the same baseline, and the two step by step (with the
+        step-by-step figure's standard error, where measured)."""
+        line = row(name, f"{r[ours]:.3f}", f"{r[floor]:.3f}", f"{r[paired]:.3f}", tgt(paired))
+        return line[:-1] + f"  (s.e. {r[paired + '_se']:.3f})\n" if f"{paired}_se" in r else line
 
     scan_note = "scaled from the largest size measured" if r["scan_10k_extrapolated"] else "measured"
     out = (

@@ -60,8 +60,8 @@ zstd at the default `compression_level`, on the writer thread):
 - disk_ratio_grpo      bytes stored over verl's torch.save of a GRPO mini-batch (rows / 32 prompts x 8 samples,
                        verl V1's fields: scripts/_bench_grpo.py); disk_floor_ratio_grpo: over the zstd size of
                        its unique content (each prompt once, each response once, nothing derivable).
-- step_vs_floor_ratio_grpo, hit_vs_floor_ratio_grpo, *_zstd_vs_floor_ratio_grpo (not SPEC keys) the step
-                       arms again on that GRPO batch, each against its floor (scripts/_bench_grpo.py).
+- step_vs_floor_ratio_grpo, hit_vs_floor_ratio_grpo, *_zstd_vs_floor_ratio_grpo (not SPEC keys) the step arms again on
+                       that GRPO batch, each against its floor (scripts/_bench_grpo.py); *_se: each such figure's standard error.
 - concurrent_hit_floor_ratio
                        four replays of one namespace at once (processes of their own, every one a reader beside
                        the recording that holds it): the slowest one's median hit step vs the slowest of four
@@ -107,7 +107,7 @@ from _bench_grpo import GRPO_N, bench_grpo_steps, grpo_disk_ratios  # noqa: E402
 from _bench_io import bench_checksum, bench_load, bench_mem, bench_save, bench_zstd, write_committed_step  # noqa: E402
 from _bench_replays import REPLAYS, bench_replays  # noqa: E402
 from _bench_scan import bench_scan, scan_namespace_for  # noqa: E402
-from _bench_steps import bench_steps  # noqa: E402
+from _bench_steps import bench_steps, standard_errors  # noqa: E402
 from _bench_table import KEYS, TARGETS, render_table  # noqa: E402,F401  (KEYS, TARGETS: read by tests)
 from _benchlib import (  # noqa: E402,F401  (ZSTD_LEVEL, make_payload, disk_ratios: tests/test_compression.py reads them here)
     MOE_ROW_DIVISOR, PROMPT_LEN, RESPONSE_LEN, SCAN_K, ZSTD_LEVEL, MiB, BenchError, _with_threads, disk_ratios,
@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         result.update({"step_overhead_ratio_zstd_floor": many["floor_zstd_s"] / many["off_s"],
                        "hit_overhead_ratio_zstd_floor": many["hit_floor_zstd_s"] / many["memory_s"],
                        "step_zstd_vs_floor_ratio": many["async_zstd_vs_floor_paired"],
-                       "hit_zstd_vs_floor_ratio": many["hit_zstd_vs_floor_paired"]})
+                       "hit_zstd_vs_floor_ratio": many["hit_zstd_vs_floor_paired"], **standard_errors(many)})
         if args.compute_threads != 1:
             log.info("training steps again with a one-thread compute step")
             one = _with_threads(1, lambda: bench_steps(payload, work, result["bare_save_s"], args.steps_per_arm,

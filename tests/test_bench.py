@@ -40,6 +40,9 @@ ZSTD_KEYS = ("disk_ratio_jagged", "disk_ratio_jagged_narrow", "disk_ratio_moe", 
              "zstd_compress_cpu_s", "zstd_decompress_s", "step_overhead_ratio_zstd_floor",
              "hit_overhead_ratio_zstd_floor", "step_cpu_overhead_ratio_zstd", "hit_cpu_overhead_ratio_zstd",
              "step_zstd_vs_floor_ratio", "hit_zstd_vs_floor_ratio")
+SE_KEYS = ("step_vs_floor_ratio", "hit_vs_floor_ratio", "step_zstd_vs_floor_ratio", "hit_zstd_vs_floor_ratio",
+           "step_vs_floor_ratio_grpo", "hit_vs_floor_ratio_grpo", "step_zstd_vs_floor_ratio_grpo",
+           "hit_zstd_vs_floor_ratio_grpo")
 MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s", "bare_save_s", "load_s",
              "bare_load_s", "step_s", "step_off_s", "step_sync_s", "step_hit_s", "step_memory_s",
              "step_overhead_ratio_1thread", "sync_overhead_ratio_1thread", "verl_sync_overhead_ratio", "scan_1k_s", "scan_full_1k_s",
@@ -117,6 +120,10 @@ def test_bench_quick_json_has_every_spec_key(quick):
     assert 0 < doc["disk_ratio_grpo"] < 1 and doc["disk_floor_ratio_grpo"] > 0.95
     assert doc["floor_bytes_grpo"] < doc["stored_bytes_grpo"] < doc["verl_bytes_grpo"]
     assert doc["payload_tokens"] == 4096 and doc["small_payload_bytes"] < doc["payload_bytes"]
+    # every step-by-step figure comes with its standard error (0.0 where a quick run has under 4 pairs)
+    for key in SE_KEYS:
+        value = doc.get(f"{key}_se")
+        assert isinstance(value, float) and math.isfinite(value) and value >= 0, (key, value)
     # Only the scan namespace is kept in a user's work dir, for the next run to reuse -- with its index.
     assert sorted(p.name for p in work.iterdir()) == ["scan_1000x4"]
     (ns,) = (work / "scan_1000x4" / "bench_skip_harness").iterdir()
@@ -138,6 +145,23 @@ def test_bench_table_names_every_figure(quick):
                   "hit vs the page-cache floor", "one-thread", "disk, GRPO (verl V1, n = 8)",
                   "its unique content's zstd", "replays at once vs 4 bare reads at once"):
         assert words in table, words
+    assert table.count("(s.e. ") == len(SE_KEYS)
+
+
+def test_a_paired_figures_standard_error_is_the_medians():
+    """median_se: 1.2533 sigma / sqrt(n), sigma read from the interquartile range -- for a normal sample
+    close to its sigma's, unmoved by a few wild steps, and 0 where there are too few steps to say."""
+    import random
+
+    import _bench_steps
+
+    rng = random.Random(0)
+    sample = [rng.gauss(1.0, 0.04) for _ in range(10_000)]
+    assert _bench_steps.median_se(sample) == pytest.approx(1.2533 * 0.04 / 100, rel=0.05)
+    wild = sample[:-50] + [5.0] * 50                     # 0.5 % of the steps ten times slower
+    assert _bench_steps.median_se(wild) == pytest.approx(_bench_steps.median_se(sample), rel=0.02)
+    assert _bench_steps.median_se([1.0, 1.1, 0.9]) == 0.0
+    assert _bench_steps.median_se([1.0] * 8) == 0.0
 
 
 def test_the_grpo_batch_is_what_grpo_writes():
