@@ -343,7 +343,9 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
         if num in modes and den in modes:
             ratios = [x / y for x, y in zip(arms[num].times[1:], arms[den].times[1:])]
             out[f"{key}_paired"] = median(ratios)
-            out[f"{key}_paired_se"] = median_se(ratios)
+            se = median_se(ratios)
+            if se is not None:
+                out[f"{key}_paired_se"] = se
     return out
 
 
@@ -358,11 +360,12 @@ def standard_errors(measured: Dict[str, float], suffix: str = "") -> Dict[str, f
             if f"{pair}_paired_se" in measured}
 
 
-def median_se(values: Sequence[float]) -> float:
+def median_se(values: Sequence[float]) -> Optional[float]:
     """The standard error of the median of `values`, from their interquartile range (as for a normal
     sample: sigma = IQR / 1.349, and a median's error 1.2533 sigma / sqrt(n)) -- robust to the few steps
-    a busy machine slows; how far a paired figure moves from run to run by chance (0.0 for fewer than 4)."""
+    a busy machine slows; how far a paired figure moves from run to run by chance. None for fewer than 4
+    values (a quick run's few steps say nothing of it)."""
     if len(values) < 4:
-        return 0.0
+        return None
     q1, _, q3 = statistics.quantiles(values, n=4)
     return 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(values))
