@@ -175,15 +175,9 @@ def plan(structure: Any, names: Optional[Dict[int, str]] = None, *, staged: bool
     tree = _pack(structure, tensors, raws, staged)
     tensor_names = [None if names is None else names.get(id(t)) for t in tensors]
     if staged:
-        offsets, offset, end = [], 0, 0
-        for t in tensors:
-            offsets.append(offset)
-            end = offset + t.numel() * t.element_size()
-            offset = _align(end)
+        offsets, end = _packed([t.numel() * t.element_size() for t in tensors])
         return FileImage(b"", tensors, offsets, end, tree, tensor_names, raws, staged=True)
-    entries = [(_dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), _how(n, None, None))
-               for t, n in zip(tensors, tensor_names)]
-    head, offsets, nbytes = _layout(tree, entries, raws)
+    head, offsets, nbytes = _layout(tree, _full_width(tensors, tensor_names), raws)
     return FileImage(head, tensors, offsets, nbytes, tree, tensor_names, raws)
 
 
@@ -204,10 +198,15 @@ def laid_out(image: FileImage) -> FileImage:
             unfolded[i] = _pack(value, [], [])
             raws.append(None)
     tree = _unfold(image.tree, unfolded) if unfolded else image.tree
-    entries = [(_dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), _how(n, None, None))
-               for t, n in zip(image.tensors, image.names)]
-    head, offsets, nbytes = _layout(tree, entries, raws)
+    head, offsets, nbytes = _layout(tree, _full_width(image.tensors, image.names), raws)
     return FileImage(head, image.tensors, offsets, nbytes, tree, image.names, raws)
+
+
+def _full_width(tensors: Sequence[torch.Tensor],
+                names: Sequence[Optional[str]]) -> List[Tuple[str, List[int], int, Optional[Dict[str, Any]]]]:
+    """`_layout`'s entries of tensors stored as they are, at full width."""
+    return [(_dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), _how(n, None, None))
+            for t, n in zip(tensors, names)]
 
 
 def _unfold(node: Any, packed: Dict[int, Any]) -> Any:
@@ -236,18 +235,26 @@ def _how(name: Optional[str], stored_dtype: Optional[str], chunks: Optional[list
 _J_NODE = re.compile(r'\{"j":(\d+)\}')
 
 
+def _packed(sizes: Sequence[int]) -> Tuple[List[int], int]:
+    """(each piece's offset, the end of the last) for pieces of `sizes` bytes laid out in order from 0,
+    each at a 64-byte aligned offset."""
+    offsets, offset, end = [], 0, 0
+    for nbytes in sizes:
+        offsets.append(offset)
+        end = offset + nbytes
+        offset = _align(end)
+    return offsets, end
+
+
 def _layout(tree: Any, entries: Sequence[Tuple[str, List[int], int, Optional[Dict[str, Any]]]],
             raws: Sequence[Optional[str]] = ()) -> Tuple[bytes, List[int], int]:
     """(head, absolute offset of each tensor's stored bytes, file size) for entries (dtype, shape,
     stored nbytes, how); each `{"j":i}` node of the tree's JSON text replaced by {"j": raws[i]}, in one
     pass (no other dict of a packed tree has the one key "j", and a JSON string cannot hold an unescaped
     quote, so the pattern matches nothing else, and a spliced text is never matched again)."""
-    table, rel_offsets, offset, end = [], [], 0, 0
-    for dtype, shape, nbytes, how in entries:
-        table.append([dtype, shape, offset, nbytes] + ([how] if how else []))
-        rel_offsets.append(offset)
-        end = offset + nbytes
-        offset = _align(end)
+    rel_offsets, end = _packed([nbytes for _d, _s, nbytes, _h in entries])
+    table = [[dtype, shape, offset, nbytes] + ([how] if how else [])
+             for (dtype, shape, nbytes, how), offset in zip(entries, rel_offsets)]
     text = _json_text({"format": FORMAT_VERSION, "tensors": table, "tree": tree})
     if raws:
         text = _J_NODE.sub(lambda m: '{"j":' + raws[int(m.group(1))] + "}", text)
