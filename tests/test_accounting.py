@@ -6,6 +6,7 @@ import errno
 import logging
 import re
 
+import pytest
 import torch
 
 from skip_harness import HarnessCallback, SkipHarness
@@ -90,6 +91,30 @@ def test_summary_adds_up_with_a_failed_write_a_refused_payload_and_a_short_step(
     assert kinds == ["hit", "miss", "miss", "miss", "hit"]
     assert (s2.hits, s2.misses) == (2, 3)
     assert s2.bytes_read == written[1] + written[5]  # read back exactly what the committed steps wrote
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_an_int_too_long_for_json_is_a_payload_refused_by_its_path_in_either_form(tmp_path, caplog, compression):
+    """An int whose decimal text is over Python's limit (sys.get_int_max_str_digits) cannot go into the
+    header: the step is refused naming where it is, as a payload of an unknown type is -- also when the
+    header is laid out on the writer thread (zstd) -- and nothing of it is left on disk."""
+    class Long(Loop):
+        def sample(self, step):
+            batch = super().sample(step)
+            return {**batch, "tags": {"seed": 10 ** 5000 if step == 2 else 1}}
+
+    t, h = Long(), SkipHarness.create({"enable": True, "dump_dir": str(tmp_path / "c"), "compression": compression},
+                                       namespace={"experiment_name": "e", "project_name": "p"})
+    h.wrap(t)
+    with caplog.at_level(logging.INFO, logger="skip_harness"):
+        for step in (1, 2, 3):
+            t.prepare_data(step)
+            t.sample(step)
+        s = h.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 2:")]
+    assert "not committed (payload refused: payload['tags']['seed']: an int of more than" in line
+    assert (s.committed, s.uncommitted_reasons) == (2, {"payload refused": 1})
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file() and "/2/" in str(p)]
 
 
 def test_bytes_are_counted_alike_on_write_and_read_and_a_hit_spends_no_generation(tmp_path, caplog):

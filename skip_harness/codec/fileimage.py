@@ -18,6 +18,7 @@ import marshal
 import math
 import re
 import struct
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -221,6 +222,37 @@ def _unfold(node: Any, packed: Dict[int, Any]) -> Any:
     return node
 
 
+def _long_int_at(node: Any, at: str) -> Optional[str]:
+    """Where in the packed tree `node` (at position `at`) an int too long for decimal text is, or None --
+    looked for only once the header's JSON has failed, so no step pays for it."""
+    t = type(node)
+    if t is int:
+        try:
+            str(node)
+        except ValueError:
+            return at
+        return None
+    items: Any = ()
+    if t is list:
+        items = enumerate(node)
+    elif t is dict:
+        if len(node) == 1 and ("d" in node or "o" in node):
+            pairs = next(iter(node.values()))
+            for k, _v in pairs:
+                if _long_int_at(k, at) is not None:
+                    return f"{at} (a key)"
+            items = iter(pairs)
+        elif len(node) == 1 and "t" in node:
+            items = enumerate(node["t"])
+        else:
+            items = node.items()
+    for k, v in items:
+        found = _long_int_at(v, f"{at}[{k!r}]")
+        if found is not None:
+            return found
+    return None
+
+
 def _how(name: Optional[str], stored_dtype: Optional[str], chunks: Optional[list]) -> Optional[Dict[str, Any]]:
     how: Dict[str, Any] = {}
     if name is not None:
@@ -255,7 +287,14 @@ def _layout(tree: Any, entries: Sequence[Tuple[str, List[int], int, Optional[Dic
     rel_offsets, end = _packed([nbytes for _d, _s, nbytes, _h in entries])
     table = [[dtype, shape, offset, nbytes] + ([how] if how else [])
              for (dtype, shape, nbytes, how), offset in zip(entries, rel_offsets)]
-    text = _json_text({"format": FORMAT_VERSION, "tensors": table, "tree": tree})
+    try:
+        text = _json_text({"format": FORMAT_VERSION, "tensors": table, "tree": tree})
+    except ValueError:
+        where = _long_int_at(tree, "payload")
+        if where is None:
+            raise
+        raise CodecError(f"{where}: an int of more than {sys.get_int_max_str_digits()} digits, which Python will "
+                         "not write as decimal text (sys.get_int_max_str_digits); store it as a str or bytes") from None
     if raws:
         text = _J_NODE.sub(lambda m: '{"j":' + raws[int(m.group(1))] + "}", text)
     header = text.encode("ascii")

@@ -285,8 +285,11 @@ class CommitCoordinator:
                 return False
             exc = fut.exception()
             if exc is not None and p.failed is None:
-                self._set_failed(p, f"{WRITE_FAILED}: {type(exc).__name__}: {exc}",
-                                 str(self.store.layout.inner_dir(p.step, inner)), exc)
+                # a payload the codec refuses only once the writer lays out its header (a compressed form)
+                # is refused as one the trainer's thread refuses
+                reason = f"{PAYLOAD_REFUSED}: {exc}" if isinstance(exc, CodecError) else \
+                    f"{WRITE_FAILED}: {type(exc).__name__}: {exc}"
+                self._set_failed(p, reason, str(self.store.layout.inner_dir(p.step, inner)), exc)
             elif exc is None and inner not in p.reported:
                 p.reported.add(inner)
                 entries, seconds = fut.result()
