@@ -121,3 +121,20 @@ def test_a_changed_learning_rate_is_caught_on_the_first_replay_at_another_worker
     assert first.startswith("replay: 2 of 2 served steps reproduced (2 values each)"), first
     assert "actor/pg_loss not compared (they depend on W); actor/lr, critic/score/mean compared" in first, first
 
+
+
+def test_a_baseline_on_this_machine_is_preferred_to_an_older_one_on_another(tmp_path, monkeypatch):
+    """The first replay at this W ran on another machine; a later one ran here. A replay here compares with
+    the one here, exactly -- a nudge of rounding size is caught -- not with the older one within rounding
+    noise, which would pass it."""
+    import skip_harness.run.replay_check as replay_check
+
+    here = replay_check.this_machine()
+    verl_run(tmp_path, 2)
+    monkeypatch.setattr(replay_check, "this_machine", lambda: {**here, "cpu": "another CPU"})
+    verl_run(tmp_path, 1)                       # the oldest replay on 1 worker: another machine's
+    monkeypatch.setattr(replay_check, "this_machine", lambda: here)
+    first_here = verl_run(tmp_path, 1)          # compared with it within rounding noise
+    assert first_here.startswith("replay: 2 of 2 served steps reproduced (2 values each)"), first_here
+    nudged = verl_run(tmp_path, 1, loss=lambda step, gpus, lr: loss_at(step, gpus, lr) * (1 + 2 ** -22))
+    assert nudged.startswith("replay diverged at step 1 (actor/pg_loss "), nudged

@@ -6,7 +6,8 @@ compared with is an earlier replay of the same recording at the same K and W who
 recording's (its config differs only in how the batch is split, `config.BATCH_SPLIT_KEYS`): it trained on the
 same rows, in the same order, at the same shape -- the same computation. Replays keep their values in the
 recording (`{recording}/.values/runs/{run_id}/`), so the first such replay is the reference of every later
-one: a change of the training side (a learning rate 1% off) is caught at its first step, naming the key.
+one (the first that ran on this run's machine, when one did: compared exactly, not within rounding noise): a
+change of the training side (a learning rate 1% off) is caught at its first step, naming the key.
 The same holds at another W for a trainer whose training values depend on W (`run.shape`): the baseline is
 then a replay at this W, whose config may differ from the recording's in the keys that change with W.
 """
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from skip_harness.config import BATCH_SPLIT_KEYS
+from skip_harness.run.machine import as_machine
+from skip_harness.run.machine import difference as machine_difference
 from skip_harness.run.shape import shard_key
 from skip_harness.store.api import ValuesStore, config_changes
 
@@ -65,11 +68,13 @@ def _same_training_side(then: Dict[str, Any], cfg: Dict[str, Any], now: Optional
 
 
 def find_baseline(namespace: Any, recorded: Optional[Dict[str, Any]], K: int, W: int, own_run: Optional[str],
-                  started_before: Optional[float] = None, now: Optional[Dict[str, Any]] = None) -> Optional[Baseline]:
+                  started_before: Optional[float] = None, now: Optional[Dict[str, Any]] = None,
+                  machine: Optional[Dict[str, str]] = None) -> Optional[Baseline]:
     """The oldest replay kept in the recording's `namespace` at K and W (its `run.json`'s: the process
     group's), made with the recording's training side (`recorded`, the config recorded with its values) at
     this run's W (`now`'s values of `config.SHARD_KEYS`: verl's worker count), started before this run;
-    None when there is none."""
+    None when there is none. Of those, the oldest that ran on `machine` (this run's, `run.machine`) when
+    one did: its values are compared exactly, another machine's only within rounding noise."""
     if recorded is None:
         return None
     started_before = time.time() if started_before is None else started_before
@@ -78,6 +83,7 @@ def find_baseline(namespace: Any, recorded: Optional[Dict[str, Any]], K: int, W:
         runs = store.list_runs()
     except Exception:  # noqa: BLE001 - an unreadable runs directory: no reference
         return None
+    oldest: Optional[Baseline] = None
     for run in runs:
         if run == own_run:
             continue
@@ -88,9 +94,14 @@ def find_baseline(namespace: Any, recorded: Optional[Dict[str, Any]], K: int, W:
         if not isinstance(doc.get("started"), (int, float)) or doc["started"] >= started_before:
             continue
         if _same_training_side(recorded, cfg, now):
-            log.debug("replay values at K=%d, W=%d compared with replay %s's", K, W, run)
-            return Baseline(store, run, cfg)
-    return None
+            here = machine is not None and not machine_difference(as_machine(doc.get("machine")), machine)
+            if here or machine is None:
+                log.debug("replay values at K=%d, W=%d compared with replay %s's", K, W, run)
+                return Baseline(store, run, cfg)
+            oldest = oldest or Baseline(store, run, cfg)
+    if oldest is not None:
+        log.debug("replay values at K=%d, W=%d compared with replay %s's (another machine's)", K, W, oldest.run)
+    return oldest
 
 
 __all__ = ["Baseline", "find_baseline"]

@@ -375,7 +375,8 @@ class ValuesTracker:
             self._baseline_looked = True
             namespace = self._source.store.namespace if from_source else self.reader.namespace
             K, W = (self._K, self._W) if from_source else (self.reader.layout.K, self.reader.layout.W)
-            self._baseline = find_baseline(namespace, recorded, K, W, self.run_id, self._created, self.training_config)
+            self._baseline = find_baseline(namespace, recorded, K, W, self.run_id, self._created, self.training_config,
+                                           self.machine)
         base = self._baseline
         theirs = None if base is None else base.values(step)
         if base is None or theirs is None:
