@@ -138,3 +138,23 @@ def test_a_baseline_on_this_machine_is_preferred_to_an_older_one_on_another(tmp_
     assert first_here.startswith("replay: 2 of 2 served steps reproduced (2 values each)"), first_here
     nudged = verl_run(tmp_path, 1, loss=lambda step, gpus, lr: loss_at(step, gpus, lr) * (1 + 2 ** -22))
     assert nudged.startswith("replay diverged at step 1 (actor/pg_loss "), nudged
+
+
+def test_a_replay_here_that_diverged_is_never_this_machines_reference(tmp_path, monkeypatch):
+    """The first replay on this machine diverged from the other machine's (a real change): its run.json says
+    so, and it is not the reference here; a later replay with the recording's training side still compares
+    with the other machine's and reproduces, and one with the change is still caught."""
+    import skip_harness.run.replay_check as replay_check
+
+    here = replay_check.this_machine()
+    verl_run(tmp_path, 2)
+    monkeypatch.setattr(replay_check, "this_machine", lambda: {**here, "cpu": "another CPU"})
+    verl_run(tmp_path, 1)
+    monkeypatch.setattr(replay_check, "this_machine", lambda: here)
+    changed = lambda step, gpus, lr: loss_at(step, gpus, lr) * 1.01      # noqa: E731  a real change
+    first_here = verl_run(tmp_path, 1, loss=changed)
+    assert first_here.startswith("replay diverged at step 1 (actor/pg_loss "), first_here
+    docs = [json.loads(r.read_text()) for r in sorted((tmp_path / "e_p").glob("*/.values/runs/*/run.json"))]
+    assert [d.get("diverged_at") for d in docs] == [None, 1]
+    assert verl_run(tmp_path, 1).startswith("replay: 2 of 2 served steps reproduced (2 values each)")
+    assert verl_run(tmp_path, 1, loss=changed).startswith("replay diverged at step 1 (actor/pg_loss ")

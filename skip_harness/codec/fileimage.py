@@ -74,7 +74,8 @@ def _pack(obj: Any, tensors: List[torch.Tensor], raws: List[Any], snapshot: bool
             return {"j": len(raws) - 1}
         try:
             raws.append(_json_text(obj.value))
-        except ValueError:   # a float that is not finite: node by node, as {"f": ...}
+        except ValueError:   # a float that is not finite: node by node, as {"f": ...} (an int too long for
+            # JSON text fails again there, and `_layout` names it)
             return _pack(obj.value, tensors, raws)
         return {"j": len(raws) - 1}
     if t is list:

@@ -73,8 +73,10 @@ def find_baseline(namespace: Any, recorded: Optional[Dict[str, Any]], K: int, W:
     """The oldest replay kept in the recording's `namespace` at K and W (its `run.json`'s: the process
     group's), made with the recording's training side (`recorded`, the config recorded with its values) at
     this run's W (`now`'s values of `config.SHARD_KEYS`: verl's worker count), started before this run;
-    None when there is none. Of those, the oldest that ran on `machine` (this run's, `run.machine`) when
-    one did: its values are compared exactly, another machine's only within rounding noise."""
+    None when there is none. Of those, the oldest that ran on `machine` (this run's, `run.machine`) and
+    did not diverge (its run.json's `diverged_at`) when one did: its values are compared exactly, another
+    machine's only within rounding noise -- so the first replay on a machine that reproduced the reference
+    within that noise is the machine's exact reference from then on."""
     if recorded is None:
         return None
     started_before = time.time() if started_before is None else started_before
@@ -94,7 +96,8 @@ def find_baseline(namespace: Any, recorded: Optional[Dict[str, Any]], K: int, W:
         if not isinstance(doc.get("started"), (int, float)) or doc["started"] >= started_before:
             continue
         if _same_training_side(recorded, cfg, now):
-            here = machine is not None and not machine_difference(as_machine(doc.get("machine")), machine)
+            here = machine is not None and not machine_difference(as_machine(doc.get("machine")), machine) \
+                and "diverged_at" not in doc
             if here or machine is None:
                 log.debug("replay values at K=%d, W=%d compared with replay %s's", K, W, run)
                 return Baseline(store, run, cfg)

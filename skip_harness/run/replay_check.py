@@ -114,6 +114,7 @@ class ValuesTracker:
         self.run_id: Optional[str] = None
         self._observed: Dict[int, Dict[str, float]] = {}
         self._replaying = False
+        self._run_doc: Optional[Dict[str, Any]] = None   # this replay's run.json, once written
         self._source: Any = None                      # replay_from: the recording's store, K and W
         self._from_source: Callable[[int], bool] = lambda step: False
         self._K, self._W = 1, 1
@@ -237,6 +238,9 @@ class ValuesTracker:
             if self.comparing:
                 doc["action"] = Action.compare.value
             doc["replay_check"] = check_settings(self.settings)        # `diff` compares as this run did
+            if self.divergence is not None:                            # at its first served step
+                doc["diverged_at"] = self.divergence.step
+            self._run_doc = doc
             self.coordinator.record_run(self.run_id, doc, into)
             for s in sorted(self._observed):
                 self.coordinator.record_run_values(self.run_id, s, self._observed[s], self.config_digest, into,
@@ -449,6 +453,10 @@ class ValuesTracker:
 
     def _diverged(self, d: Divergence) -> None:
         self.divergence = d
+        if self._run_doc is not None and "diverged_at" not in self._run_doc:
+            # said in its run.json: a replay that diverged is never another's reference (run.baseline)
+            self._run_doc["diverged_at"] = d.step
+            self.coordinator.record_run(self.run_id, self._run_doc, self._runs_into)
         self.callbacks.on_replay_divergence(divergence=d, step=d.step, key=d.key, recorded=d.recorded, now=d.now,
                                             config_changes=d.config_changes, stopping=self.check == ReplayCheck.error)
         if self.check == ReplayCheck.error:
