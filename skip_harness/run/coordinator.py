@@ -96,6 +96,14 @@ class Writer:
         return not self._thread.is_alive()
 
 
+def _not_written(exc: BaseException) -> str:
+    """Why a mini-batch's write failed, for its step's line: a payload the codec refuses -- on the trainer's
+    thread, or on the writer's where it lays out a compressed form's header -- or the write's own error."""
+    if isinstance(exc, CodecError):
+        return f"{PAYLOAD_REFUSED}: {exc}"
+    return f"{WRITE_FAILED}: {type(exc).__name__}: {exc}"
+
+
 def _run(fut: Future, fn: Callable[..., Any], args: tuple) -> None:
     if not fut.set_running_or_notify_cancel():
         return
@@ -164,17 +172,10 @@ class CommitCoordinator:
             return
         try:
             staged = self.store.stage_inner(step, inner, self.dist.rank, batch, meta)
-        except CodecError as exc:
-            self.refuse(step, inner, str(exc))
-            return
-        except Exception as exc:  # ENOSPC, EACCES, EIO...: a failed cache write warns and training goes on
-            self._set_failed(p, f"{WRITE_FAILED}: {type(exc).__name__}: {exc}", str(self.store.layout.inner_dir(step, inner)), exc)
+        except Exception as exc:  # a refused payload, ENOSPC, EACCES, EIO...: it warns and training goes on
+            self._set_failed(p, _not_written(exc), str(self.store.layout.inner_dir(step, inner)), exc)
             return
         p.writes[inner] = self.writer.submit(_timed, staged.complete)
-
-    def refuse(self, step: int, inner: int, reason: str) -> None:
-        """This rank cannot write mini-batch `inner` (its payload was refused by the codec)."""
-        self._set_failed(self._pending[step], f"{PAYLOAD_REFUSED}: {reason}", str(self.store.layout.inner_dir(step, inner)))
 
     def sampled_all(self, step: int, epoch: int, gen_s: float = 0.0) -> None:
         self._pending[step].complete_epoch = epoch
@@ -285,11 +286,7 @@ class CommitCoordinator:
                 return False
             exc = fut.exception()
             if exc is not None and p.failed is None:
-                # a payload the codec refuses only once the writer lays out its header (a compressed form)
-                # is refused as one the trainer's thread refuses
-                reason = f"{PAYLOAD_REFUSED}: {exc}" if isinstance(exc, CodecError) else \
-                    f"{WRITE_FAILED}: {type(exc).__name__}: {exc}"
-                self._set_failed(p, reason, str(self.store.layout.inner_dir(p.step, inner)), exc)
+                self._set_failed(p, _not_written(exc), str(self.store.layout.inner_dir(p.step, inner)), exc)
             elif exc is None and inner not in p.reported:
                 p.reported.add(inner)
                 entries, seconds = fut.result()
