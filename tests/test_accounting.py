@@ -2,6 +2,7 @@
 bytes counted alike on write and read, gen_s only for generation — checked against the log lines."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import re
@@ -118,6 +119,56 @@ def test_an_int_too_long_for_json_is_a_payload_refused_by_its_path_in_either_for
     assert "not committed (payload refused: payload['tags']['seed']: an int of more than" in line
     assert (s.committed, s.uncommitted_reasons) == (2, {"payload refused": 1})
     assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file() and "/2/" in str(p)]
+
+
+@dataclasses.dataclass
+class _Meta:  # a registered type holding a plain value (as verl's DataProto keeps its meta_info)
+    info: dict
+
+
+@pytest.mark.skipif(not 0 < getattr(sys, "get_int_max_str_digits", lambda: 0)() <= 5000,
+                    reason="no int digit limit below 5,001 digits in this interpreter (PYTHONINTMAXSTRDIGITS)")
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_too_long_int_inside_a_tensordict_or_registered_object_is_named_by_the_users_path(
+        tmp_path, caplog, compression):
+    """Inside a TensorDict, a NonTensorStack or a registered object, the refused int is named as the user
+    reaches it (`['td']['seed']`, `['td']['chat'][1]['n']`, `.info['k']`), not by the encoding's keys
+    (`['values'][1]['value']`)."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    from skip_harness import register_type
+    from skip_harness.codec import unregister_type
+
+    big = 10 ** 5000
+    payloads = {
+        2: {"td": TensorDict({"x": torch.zeros(2), "seed": NonTensorData(big, batch_size=[2])}, batch_size=[2])},
+        3: {"td": TensorDict({"x": torch.zeros(2), "chat": NonTensorStack({"n": 1}, {"n": big})}, batch_size=[2])},
+        4: {"meta": _Meta({"k": [1, big]})},
+        5: {"td": TensorDict({"x": torch.zeros(2)}, batch_size=[2]), "tags": {big: 1}},
+    }
+
+    class Long(Loop):
+        def sample(self, step):
+            return payloads.get(step) or super().sample(step)
+
+    register_type(_Meta)
+    try:
+        t, h = Long(), SkipHarness.create({"enable": True, "dump_dir": str(tmp_path / "c"), "compression": compression},
+                                           namespace={"experiment_name": "e", "project_name": "p"})
+        h.wrap(t)
+        with caplog.at_level(logging.INFO, logger="skip_harness"):
+            for step in (1, 2, 3, 4, 5):
+                t.prepare_data(step)
+                t.sample(step)
+            s = h.close()
+    finally:
+        unregister_type(_Meta)
+    lines = {step: [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"step {step}:")][0]
+             for step in (2, 3, 4, 5)}
+    for step, where in ((2, "payload['td']['seed']"), (3, "payload['td']['chat'][1]['n']"),
+                        (4, "payload['meta'].info['k'][1]"), (5, "payload['tags'] (a key)")):
+        assert f"not committed (payload refused: {where}: an int of more than" in lines[step], lines[step]
+    assert (s.committed, s.uncommitted_reasons) == (1, {"payload refused": 4})
 
 
 def test_bytes_are_counted_alike_on_write_and_read_and_a_hit_spends_no_generation(tmp_path, caplog):

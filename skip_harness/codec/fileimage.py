@@ -27,7 +27,7 @@ import torch
 
 from skip_harness.errors import CodecError
 from skip_harness.codec.fastwalk import PlainJSON
-from skip_harness.codec.payload_kinds import np
+from skip_harness.codec.payload_kinds import TAG, np
 
 FORMAT_VERSION = 5            # 1: torch.save of the encoded structure; 2: no `how`; 3: no rules (`dedupe`);
                               # 4: no `j` nodes (all read, never written)
@@ -239,6 +239,15 @@ def _long_int_at(node: Any, at: str) -> Optional[str]:
     elif t is dict:
         if len(node) == 1 and ("d" in node or "o" in node):
             pairs = next(iter(node.values()))
+            if "d" in node and pairs and pairs[0][0] == TAG:     # a tagged node: the user's path, not the encoding's
+                tagged = dict(pairs)
+                if type(tagged.get("keys")) is list and any(_long_int_at(k, at) for k in tagged["keys"]):
+                    return f"{at} (a key)"
+                for step, child in _user_children(tagged):
+                    found = _long_int_at(child, at + step)
+                    if found is not None:
+                        return found
+                return None
             for k, _v in pairs:
                 if _long_int_at(k, at) is not None:
                     return f"{at} (a key)"
@@ -252,6 +261,22 @@ def _long_int_at(node: Any, at: str) -> Optional[str]:
         if found is not None:
             return found
     return None
+
+
+def _user_children(node: Dict[str, Any]) -> List[Tuple[str, Any]]:
+    """A tagged node's children (structure.py's encodings) as (the path step a user would write, child):
+    a TensorDict's or a tagged dict's `['key']`, a registered object's `.field`, a NonTensorStack's or an
+    object array's `[i]`; a NonTensorData's value and a NumPy scalar's are at the node's own path."""
+    kind = node[TAG]
+    if kind in ("tensordict", "dict") and type(node.get("keys")) is list and type(node.get("values")) is list:
+        return [(f"[{k!r}]", v) for k, v in zip(node["keys"], node["values"])]
+    if kind == "object" and type(node.get("fields")) is list and type(node.get("values")) is list:
+        return [(f".{f}", v) for f, v in zip(node["fields"], node["values"])]
+    if kind in ("nontensor", "npscalar"):
+        return [("", node.get("value"))]
+    if kind in ("nontensorstack", "ndarray") and type(node.get("items")) is list:
+        return [(f"[{i}]", v) for i, v in enumerate(node["items"])]
+    return [(f"[{k!r}]", v) for k, v in node.items() if k != TAG]
 
 
 def _how(name: Optional[str], stored_dtype: Optional[str], chunks: Optional[list]) -> Optional[Dict[str, Any]]:
