@@ -15,7 +15,7 @@ import zstandard
 
 from skip_harness.errors import CodecError
 from skip_harness.codec import dedupe
-from skip_harness.codec.fileimage import FileImage, _byte_view, _dtype_name, _how, _layout, laid_out
+from skip_harness.codec.fileimage import FileImage, _byte_view, _dtype_name, _how, _layout, laid_out, numpy_view
 from skip_harness.codec.payload_kinds import np
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class StoredImage:
 # Narrower integer dtypes a tensor may be stored in, narrowest first (torch's other unsigned types
 # lack operators; they are only ever sources).
 _NARROW_TO = (torch.uint8, torch.int8, torch.int16, torch.int32)
+_NUMPY_INT = {torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32"}
 _INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                          torch.uint16, torch.uint32, torch.uint64})
 
@@ -57,7 +58,9 @@ def narrowest_dtype(t: torch.Tensor) -> torch.dtype:
     if t.dtype not in _INT_DTYPES or t.numel() == 0:
         return t.dtype
     # NumPy: on this thread alone (torch's aminmax would fan out over the trainer's intra-op threads)
-    arr = t.detach().reshape(-1).numpy()
+    arr = numpy_view(t)
+    if arr is None:
+        arr = t.detach().reshape(-1).numpy()
     lo, hi = int(arr.min()), int(arr.max())
     for cand in _NARROW_TO:
         if cand.itemsize >= t.dtype.itemsize:
@@ -124,19 +127,22 @@ def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, c
     grouped by their place in each element (every first byte, then every second, ...)."""
     per = max(1, chunk_bytes // stored_dtype.itemsize)
     frames, chunks = [], []
+    # sliced in NumPy when it can be (no torch call a chunk: `fileimage.numpy_view`)
+    arr = numpy_view(flat)
     for a in range(0, flat.numel(), per):
-        part = flat[a:a + per]
+        part: Any = flat[a:a + per] if arr is None else arr[a:a + per]
         if stored_dtype != flat.dtype:
-            need = part.numel() * stored_dtype.itemsize
+            count = len(part)
+            need = count * stored_dtype.itemsize
             scratch = getattr(_scratch, "wbuf", None)
             if scratch is None or len(scratch) < need:
                 scratch = _scratch.wbuf = bytearray(max(need, chunk_bytes))
-            narrow = torch.frombuffer(scratch, dtype=stored_dtype, count=part.numel())
+            narrow = np.frombuffer(scratch, dtype=_NUMPY_INT[stored_dtype], count=count)
             # NumPy: on this thread alone (torch would fan out over the intra-op threads the trainer's
             # own computation uses)
-            np.copyto(narrow.numpy(), part.numpy(), casting="unsafe")
+            np.copyto(narrow, part if arr is not None else part.numpy(), casting="unsafe")
             part = narrow
-        view = _byte_view(part)
+        view = _byte_view(part) if isinstance(part, torch.Tensor) else memoryview(part.view(np.uint8))
         if shuffle:
             view = _shuffled(view, stored_dtype.itemsize)
         frames.append(cctx.compress(view))
@@ -156,8 +162,9 @@ _SHUFFLE_GAIN = 0.95              # shuffled only when a sample of it compresses
 def _shuffle_pays(cctx: Any, t: torch.Tensor) -> bool:
     """Whether grouping `t`'s bytes compresses it enough better to pay for regrouping them on a load,
     judged on its first 64 KiB (a mostly-zero tensor compresses to nothing either way)."""
-    head = t.reshape(-1)[:_SAMPLE_BYTES // t.element_size()]
-    view = _byte_view(head)
+    arr = numpy_view(t)
+    count = _SAMPLE_BYTES // t.element_size()
+    view = _byte_view(t.reshape(-1)[:count]) if arr is None else memoryview(arr[:count].view(np.uint8))
     plain = len(cctx.compress(view))
     return len(cctx.compress(_shuffled(view, t.element_size()))) <= _SHUFFLE_GAIN * plain
 

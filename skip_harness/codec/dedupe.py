@@ -56,40 +56,44 @@ def _eligible(t: torch.Tensor) -> bool:
 
 @dataclass
 class _Rows:
-    """A tensor cut into rows: `flat` [units, inner] and each row's first unit and length."""
+    """A tensor cut into rows, all NumPy: `flat` [units, inner] (the tensor's bits, a view of its memory)
+    and each row's first unit and length. NumPy, as every pass here: a torch call lets go of the GIL and
+    takes it back, and each time the trainer's thread holds it then, the writer waits for it -- a plan of
+    torch calls on a handful of small tensors handed the GIL back and forth about 230 times a GRPO step
+    (issue 42); NumPy keeps it for small arrays and lets go only for a long pass."""
 
-    flat: torch.Tensor
-    starts: torch.Tensor          # int64 [n]
-    lengths: torch.Tensor         # int64 [n]
+    flat: Any                     # NumPy [units, inner], the bits' integer dtype
+    starts: Any                   # NumPy int64 [n]
+    lengths: Any                  # NumPy int64 [n]
     by: int                       # the offsets tensor's index, -1 when dense
 
     @property
     def n(self) -> int:
-        return int(self.lengths.numel())
+        return int(self.lengths.size)
 
 
-def _tiled(starts: torch.Tensor, lengths: torch.Tensor, units: int) -> bool:
-    if starts.numel() == 0 or bool((lengths < 0).any()):
+def _tiled(starts: Any, lengths: Any, units: int) -> bool:
+    if starts.size == 0 or bool((lengths < 0).any()):
         return False
     ends = starts + lengths
-    return int(starts[0]) == 0 and bool(torch.equal(starts[1:], ends[:-1])) and int(ends[-1]) == units
+    return int(starts[0]) == 0 and bool(np.array_equal(starts[1:], ends[:-1])) and int(ends[-1]) == units
 
 
 def _rows_of(t: torch.Tensor, offsets: Optional[torch.Tensor], by: int) -> Optional[_Rows]:
+    shape = tuple(t.shape)
     if offsets is None:                           # dense: rows along dim 0
-        if t.dim() < 2 or t.shape[0] < 2:
+        if len(shape) < 2 or shape[0] < 2:
             return None
-        n, length = t.shape[0], t.shape[1]
-        inner = math.prod(t.shape[2:])
-        starts = torch.arange(n, dtype=torch.int64) * length
-        return _Rows(t.reshape(n * length, inner), starts, torch.full((n,), length, dtype=torch.int64), -1)
-    if offsets.dim() != 1 or offsets.numel() < 3 or t.dim() < 1:
+        n, length = shape[0], shape[1]
+        starts = np.arange(n, dtype=np.int64) * length
+        return _Rows(_np(t).reshape(n * length, math.prod(shape[2:])), starts, np.full(n, length, dtype=np.int64), -1)
+    if offsets.dim() != 1 or offsets.shape[0] < 3 or len(shape) < 1 or offsets.dtype not in _RAMP_DTYPES:
         return None
-    off = offsets.to(torch.int64)
+    off = _np(offsets).astype(np.int64, copy=False)
     starts, lengths = off[:-1], off[1:] - off[:-1]
-    if not _tiled(starts, lengths, t.shape[0]):
+    if not _tiled(starts, lengths, shape[0]):
         return None
-    return _Rows(t.reshape(t.shape[0], math.prod(t.shape[1:])), starts, lengths, by)
+    return _Rows(_np(t).reshape(shape[0], math.prod(shape[1:])), starts, lengths, by)
 
 
 def _positions(starts: Any, lengths: Any, skip: Any = None) -> Any:
@@ -161,7 +165,7 @@ def plan(tree: Any, tensors: Sequence[torch.Tensor], names: Sequence[Optional[st
         return count + len(extras) - 1
 
     for i, r in rows.items():                      # fill and ramp: nothing but a value or the lengths
-        t, flat = tensors[i], _np(r.flat).reshape(-1)
+        t, flat = tensors[i], r.flat.reshape(-1)
         if bool((_sampled(flat) == flat[0]).all()) and bool((flat == flat[0]).all()):
             how[i] = {"fill": extra(t.reshape(-1)[:1].clone(), names[i], "value")}
         elif r.flat.shape[1] == 1 and t.dtype in _RAMP_DTYPES and _is_ramp(flat, r):
@@ -180,7 +184,7 @@ def plan(tree: Any, tensors: Sequence[torch.Tensor], names: Sequence[Optional[st
         src = _repeats(r)
         if src is not None:
             keep = np.array([s == j for j, s in enumerate(src)])
-            unique = _np(r.flat)[_positions(r.starts.numpy()[keep], r.lengths.numpy()[keep])]
+            unique = r.flat[_positions(r.starts[keep], r.lengths[keep])]
             unique_t = torch.from_numpy(unique).view(tensors[i].dtype)
             how[i] = {"rows": [extra(unique_t.reshape(-1, *tensors[i].shape[2 if r.by < 0 else 1:]), names[i],
                                      "unique rows"), r.by, src]}
@@ -207,7 +211,7 @@ def _sampled(flat: Any, count: int = 1024) -> Any:
 
 
 def _is_ramp(flat: Any, r: _Rows) -> bool:
-    starts, lengths = r.starts.numpy(), r.lengths.numpy()
+    starts, lengths = r.starts, r.lengths
     nonempty = lengths > 0
     firsts, lasts = flat[starts[nonempty]], flat[(starts + lengths - 1)[nonempty]]
     if bool((firsts != 0).any()) or not np.array_equal(lasts.astype(np.int64), (lengths - 1)[nonempty]):
@@ -231,9 +235,9 @@ def _find_cat(i: int, r: _Rows, rows: Dict[int, _Rows], tensors: Sequence[torch.
             continue
         for b, rb in rows.items():
             if b in (a, i) or rb.n != r.n or tensors[b].dtype != t.dtype or rb.flat.shape[1] != r.flat.shape[1] \
-                    or "cat" in how.get(b, {}) or not torch.equal(rb.lengths, rest):
+                    or "cat" in how.get(b, {}) or not np.array_equal(rb.lengths, rest):
                 continue
-            if _is_cat(_np(r.flat), _np(ra.flat), _np(rb.flat), ra.lengths.numpy(), rb.lengths.numpy()):
+            if _is_cat(r.flat, ra.flat, rb.flat, ra.lengths, rb.lengths):
                 return [a, ra.by, b, rb.by, r.by]
     return None
 
@@ -308,7 +312,7 @@ def _agree_at_samples(bits: Any, starts: Any, lengths: Any, rows: Any) -> Any:
 
 def _repeats(r: _Rows) -> Optional[List[int]]:
     """src[i] for a tensor whose rows repeat their predecessor's, None when none does (or too little)."""
-    bits, starts_a, lengths_a = _np(r.flat), r.starts.numpy(), r.lengths.numpy()
+    bits, starts_a, lengths_a = r.flat, r.starts, r.lengths
     # a row can only repeat its predecessor when their lengths and first units agree (one vectorised pass)
     head = bits[starts_a.clip(max=max(0, bits.shape[0] - 1))]
     maybe = (lengths_a[1:] == lengths_a[:-1]) & ((head[1:] == head[:-1]).all(axis=1) | (lengths_a[1:] == 0))
@@ -336,7 +340,7 @@ def _repeats(r: _Rows) -> Optional[List[int]]:
         same[cand] = ~np.logical_or.reduceat(differs, firsts)
     src = np.maximum.accumulate(np.where(same, 0, np.arange(r.n))).tolist()
     saved = int(lengths_a[same].sum())
-    saved_bytes = saved * r.flat.shape[1] * r.flat.element_size()
+    saved_bytes = saved * r.flat.shape[1] * r.flat.itemsize
     return src if saved_bytes >= MIN_BYTES and saved_bytes > 8 * r.n else None
 
 
@@ -453,7 +457,7 @@ def _rebuild_one(i: int, how: Dict[str, Any], target: torch.Tensor, tensors: Lis
             out[s:s + n] = ramp[:n]
         return
     r = _stored_rows(target, how["rows"][1] if "rows" in how else how["cat"][4], tensors, name)
-    out = _np(r.flat)
+    out = r.flat
     starts, lengths = r.starts.tolist(), r.lengths.tolist()
     if "rows" in how:
         k, _by, src = how["rows"]
@@ -476,10 +480,10 @@ def _rebuild_one(i: int, how: Dict[str, Any], target: torch.Tensor, tensors: Lis
     a, by_a, b, by_b, _by = how["cat"]
     ra = _stored_rows(tensors[a], by_a, tensors, name)
     rb = _stored_rows(tensors[b], by_b, tensors, name)
-    if ra.n != r.n or rb.n != r.n or not torch.equal(ra.lengths + rb.lengths, r.lengths) \
+    if ra.n != r.n or rb.n != r.n or not np.array_equal(ra.lengths + rb.lengths, r.lengths) \
             or ra.flat.shape[1] != out.shape[1] or rb.flat.shape[1] != out.shape[1]:
         raise CodecError(f"{name}: its two parts' rows do not make its rows")
-    fa, fb = _np(ra.flat), _np(rb.flat)
+    fa, fb = ra.flat, rb.flat
     if by_a == -1 and by_b == -1 and _by == -1:                  # dense: two slices along dim 1
         la = int(ra.lengths[0])
         view = out.reshape(r.n, -1, out.shape[1])

@@ -137,11 +137,29 @@ def _unpack(node: Any, tensors: List[torch.Tensor]) -> Any:
 
 
 def _byte_view(t: torch.Tensor) -> Any:
-    """The bytes of a contiguous CPU tensor, without copying them."""
+    """The bytes of a contiguous CPU tensor, without copying them. Through NumPy where the dtype has a NumPy
+    twin: a torch call lets go of the GIL and takes it back, and a writer thread waits each time the
+    trainer's thread holds it then (issue 42)."""
+    arr = numpy_view(t)
+    if arr is not None:
+        return memoryview(arr.view(np.uint8))
     u8 = t.reshape(-1).view(torch.uint8)
     if np is not None:
         return memoryview(u8.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
     return ctypes.string_at(u8.data_ptr(), u8.numel())  # pragma: no cover
+
+
+def numpy_view(t: torch.Tensor) -> Any:
+    """A contiguous CPU tensor's elements as a flat NumPy array sharing its memory, made without a torch
+    call (see `_byte_view`); None where there is none (no NumPy, a dtype NumPy lacks such as bfloat16, a
+    tensor that needs grad or is not contiguous)."""
+    if np is None or t.requires_grad:
+        return None
+    try:
+        arr = t.numpy()
+    except (TypeError, RuntimeError):
+        return None
+    return arr.reshape(-1) if arr.flags.c_contiguous else None
 
 
 def _align(n: int) -> int:
