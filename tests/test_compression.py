@@ -127,6 +127,41 @@ def test_narrowing_is_decided_per_tensor_from_min_and_max():
     assert tensorfile.narrowest_dtype(torch.tensor([3], dtype=torch.int16)) == torch.uint8
 
 
+def test_the_numpy_view_the_writer_slices_in_is_the_tensors_memory_or_none():
+    """`numpy_view` (the compressor's and dedupe's way to slice without a torch call) shares the tensor's
+    memory, and says None where NumPy cannot view it, so those tensors take torch's path and still narrow."""
+    from skip_harness.codec.fileimage import numpy_view
+
+    t = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    v = numpy_view(t)
+    v[5] = 99
+    assert int(t[1, 1]) == 99 and v.shape == (12,)
+    assert numpy_view(t.t()) is None                                          # not contiguous
+    assert numpy_view(torch.ones(4, dtype=torch.bfloat16)) is None            # no NumPy twin
+    assert numpy_view(torch.ones(4, requires_grad=True)) is None
+    assert tensorfile.narrowest_dtype(t.t()) == torch.uint8
+    assert tensorfile.narrowest_dtype(torch.tensor([0.0, 300.0], requires_grad=True)) == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_a_tensor_of_several_chunks_round_trips_bit_for_bit_with_or_without_numpy(tmp_path, dtype):
+    """Chunks sliced in NumPy (every dtype NumPy has) and in torch (bfloat16) come back bit for bit,
+    shuffled floats and narrowed integers alike, chunk edges included."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(3)
+    if dtype.is_floating_point:
+        t = (-torch.rand(150_001, generator=g) * 6).to(dtype)
+    else:
+        t = torch.randint(0, 40_000, (150_001,), generator=g, dtype=dtype)
+    form = dataclasses.replace(ZSTD, chunk_bytes=1 << 16)
+    out, stored = saved_and_loaded(tmp_path, {"x": t}, form)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    assert out["x"].dtype == dtype and torch.equal(out["x"].view(bits), t.view(bits))
+    assert stored["payload['x']"].compression == "zstd"
+
+
 def test_floats_and_nested_and_non_tensor_fields_keep_their_values(tmp_path):
     g = torch.Generator().manual_seed(0)
     nt = torch.nested.as_nested_tensor([torch.arange(5), torch.arange(300, 302)], layout=torch.jagged)
