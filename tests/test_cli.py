@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -396,6 +397,23 @@ def test_ls_gives_a_grand_total_a_last_read_column_and_sorts(cache, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["ls", str(dump), "--sort", "bogus"])
     assert exc.value.code == 2
+
+
+def test_a_namespace_name_under_an_object_store_root_is_its_url_in_every_command(monkeypatch, tmp_path):
+    """Where runs write is an object store: a namespace named as `ls` names it is its URL there, for every
+    command alike (`diff` had a rule of its own that did this and nothing else did); a name that is not a
+    namespace's stays the local path it names."""
+    from skip_harness.cli._discovery import where_of
+    from skip_harness.store.api import UrlPath
+
+    from skip_harness.cli import _discovery
+
+    monkeypatch.setattr(_discovery, "_SAID", set())        # said once a process: not for the other tests
+    monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", "s3://bucket/runs/")
+    monkeypatch.chdir(tmp_path)
+    got = where_of("expC_proj/GBS8_N2_in4_out4", "NAMESPACE")
+    assert isinstance(got, UrlPath) and str(got) == "s3://bucket/runs/expC_proj/GBS8_N2_in4_out4"
+    assert where_of("some/folder", "PATH") == Path("some/folder")
 
 
 def test_a_namespace_named_as_ls_names_it_works_in_every_command(cache, capsys, monkeypatch, tmp_path):

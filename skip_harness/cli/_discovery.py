@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Tuple, Union
 
 from skip_harness.store.api import Layout, UrlPath, dump_dir_problem, is_url, namespace_leaf_values, namespaces_at
 
@@ -31,22 +31,25 @@ def where_of(text: str, arg: str) -> Union[Path, UrlPath]:
 _SAID: set = set()
 
 
-def _in_default_dump_dir(rel: Path) -> Optional[Path]:
+def _in_default_dump_dir(rel: Path) -> Union[Path, UrlPath, None]:
     """A relative name that is not here, as `skip-harness ls` prints a namespace (`{experiment}_{project}/GBS..`,
     relative to where runs write; a step directory or file under it): that path under where runs write, when
-    one of its parts is a namespace's name and it is there (said once on stderr); else None. A local dump
-    dir only: an object store's names are given as URLs."""
+    one of its parts is a namespace's name and, on a disk, it is there (said once on stderr); else None. The
+    one rule of every command (`diff` had a second one of its own). Under an object store the URL is
+    not looked up first: the command says what it finds there, naming the URL."""
     if not any(namespace_leaf_values(part) is not None for part in rel.parts):
         return None                       # not a namespace's name: a cache root or a group is named as it is
     try:
         base, _ = default_dump_dir()
     except Exception:  # noqa: BLE001 - no default place: the name stays as given, and says it does not exist
         return None
+    found: Union[Path, UrlPath]
     if isinstance(base, UrlPath) or is_url(str(base)):
-        return None
-    found = Path(base) / rel
-    if not found.exists():
-        return None
+        found = UrlPath(f"{str(base).rstrip('/')}/{rel.as_posix()}")
+    else:
+        found = Path(base) / rel
+        if not found.exists():
+            return None
     if str(rel) not in _SAID:
         _SAID.add(str(rel))
         logging.getLogger("skip_harness.cli").info("%s is not here: %s, under where runs write", rel, found)

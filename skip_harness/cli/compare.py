@@ -22,7 +22,7 @@ import torch
 
 from skip_harness.cli._common import CliError, where_of
 from skip_harness.cli.pair_rows import rows_of, unpaired
-from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, kept_runs, recorded_tolerances, resolve_name,
+from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, kept_runs, recorded_tolerances,
                                       rollouts_store, rule_json, run_of, run_steps, side_of, split_keys, split_run, values_rule,
                                       with_workers)
 from skip_harness.config import DEFAULT_REPLAY_IGNORE
@@ -339,7 +339,6 @@ def compare(a: str, b: str, read_payloads: bool = True, tolerances: Optional[Tol
     `tolerances`: what values are compared within (`diff --rtol/--atol/--tolerances`)."""
     a, run_a = split_run(str(a))
     b, run_b = split_run(str(b))
-    a, b = resolve_name(a), resolve_name(b)       # a name as `ls` prints it: under the cache root
     single_a, nsa = _namespaces(str(a), "A")
     single_b, nsb = _namespaces(str(b), "B")
     if (run_a or run_b) and not (single_a and single_b):

@@ -35,20 +35,6 @@ from skip_harness.store.api import (UrlPath, ValuesStore, is_url, namespace_leaf
                                     open_store)
 
 
-def resolve_name(text: str) -> str:
-    """`text` as written when it exists there (or is a URL, or absolute); else, when a namespace of that name
-    is under the cache root `skip-harness ls` lists by default, that one."""
-    if is_url(text) or Path(text).is_absolute() or Path(text).exists():
-        return text
-    from skip_harness.cli._discovery import default_dump_dir
-
-    root, _ = default_dump_dir()
-    if is_url(str(root)):
-        return f"{str(root).rstrip('/')}/{text}"
-    under = Path(root) / text
-    return str(under) if under.exists() else text
-
-
 @dataclass(frozen=True)
 class Side:
     """One side's values: at which K and W they were reported, and where its rollouts came from."""
@@ -324,5 +310,5 @@ class RunValues:
 
 
 
-__all__ = ["RunValues", "Side", "ValuesRule", "batch_difference", "batch_of", "first_config", "kept_runs", "resolve_name", "rollouts_store", "rule_json", "run_of",
+__all__ = ["RunValues", "Side", "ValuesRule", "batch_difference", "batch_of", "first_config", "kept_runs", "rollouts_store", "rule_json", "run_of",
            "recorded_tolerances", "run_steps", "side_of", "Tolerances", "split_keys", "split_run", "values_rule", "with_workers"]
