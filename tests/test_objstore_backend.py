@@ -190,3 +190,41 @@ def test_a_url_without_obstore_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "obstore", None)              # as if the [s3] extra were missing
     with pytest.raises(ConfigError, match=r"skip.rollout_tq.dump_dir.*pip install 'skip_harness\[s3\]'"):
         open_dump_dir("s3://bucket/prefix")
+
+
+def test_every_command_finds_where_runs_write_on_an_object_store(s3_bucket, monkeypatch, capsys, tmp_path):
+    """$SKIP_HARNESS_DUMP_DIR is a bucket: `ls` with no DUMP_DIR lists it (it raised AttributeError: the URL
+    was a str where a path was expected), and a namespace named as `ls` names it is found there by
+    verify, show and diff alike."""
+    import torch
+
+    from skip_harness import SkipHarness
+    from skip_harness.cli import main
+
+    class Loop:
+        def prepare_data(self, step, *, dispatch=True):
+            pass
+
+        def sample(self, step):
+            return {"ids": torch.arange(8) + step}
+
+    root = f"s3://{s3_bucket}/runs"
+    monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", root)
+    monkeypatch.chdir(tmp_path)
+    assert main(["ls"]) == 0
+    assert f"no skip_harness namespaces under {root}" in capsys.readouterr().out
+    t, h = Loop(), SkipHarness.create({"enable": True}, namespace={"experiment_name": "e", "project_name": "p"})
+    h.wrap(t)
+    for step in (1, 2):
+        t.prepare_data(step)
+        t.sample(step)
+    assert h.close().committed == 2
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    (name,) = [w for line in out.splitlines() for w in line.split() if w.startswith("e_p/")]
+    assert main(["verify", name]) == 0
+    out = capsys.readouterr().out
+    assert f"verified {root}/{name}" in out and "every complete step verifies" in out, out
+    assert main(["show", name, "1"]) == 0 and '"step": 1' in capsys.readouterr().out
+    assert main(["diff", name, name]) == 0
+    assert "rollouts: 2 steps the same" in capsys.readouterr().out

@@ -28,7 +28,7 @@ import os
 import logging
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from skip_harness.store.api import RetentionRules, UrlPath, is_pack, parse_age, parse_size
 from skip_harness.errors import SkipHarnessError
@@ -267,10 +267,13 @@ def _run(args: argparse.Namespace) -> int:
 
         return cmd_view(args.targets, args.host, args.port, args.tokenizer, args.open)
     where = ""
+    # a Path, or an object store's UrlPath (opened through the store, never a Path): the commands below
+    # take either, given or where runs write
+    dump_dir: Any
     if args.dump_dir is None:   # where runs write
         dump_dir, where = default_dump_dir()
-    else:   # an object store is a UrlPath, opened through the store, never a Path
-        dump_dir = where_of(args.dump_dir, "DUMP_DIR")  # type: ignore[assignment]
+    else:
+        dump_dir = where_of(args.dump_dir, "DUMP_DIR")
     if args.command == "import-verl":
         from skip_harness.cli.import_verl import cmd_import_verl
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, List, Tuple, Union
+from typing import List, Tuple, Union
 
 from skip_harness.store.api import Layout, UrlPath, dump_dir_problem, is_url, namespace_leaf_values, namespaces_at
 
@@ -77,11 +77,13 @@ def short_path(layout: Layout, base: Path) -> str:
     return str(rel) if str(rel) != "." else str(layout.root)
 
 
-def default_dump_dir() -> Tuple[Any, str]:
-    """Where runs write when nothing names another place, and how that was decided (for the user)."""
+def default_dump_dir() -> Tuple[Union[Path, UrlPath], str]:
+    """Where runs write when nothing names another place (an object store's as a UrlPath, never a str:
+    a command given none opens it as it would one named), and how that was decided (for the user)."""
     from skip_harness.config import DUMP_DIR_ENV, RolloutTQConfig
 
-    path = RolloutTQConfig().resolved_dump_dir()
+    resolved = RolloutTQConfig().resolved_dump_dir()
+    path = UrlPath(resolved) if isinstance(resolved, str) else resolved
     if os.environ.get(DUMP_DIR_ENV):
         return path, f"${DUMP_DIR_ENV}"
     return path, f"the per-user default; ${DUMP_DIR_ENV} is not set"

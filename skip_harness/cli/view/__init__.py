@@ -66,7 +66,7 @@ def cmd_view(targets: Sequence[str], host: str, port: Optional[int], tokenizer: 
     if not targets:
         where, how = default_dump_dir()
         roots.append(where)
-        if not where.exists():
+        if isinstance(where, Path) and not where.exists():
             logger.info("no skip_harness cache at %s yet (%s)", where, how)
     for text in targets:
         root = where_of(text, "DUMP_DIR | NAMESPACE")
