@@ -228,3 +228,7 @@ def test_every_command_finds_where_runs_write_on_an_object_store(s3_bucket, monk
     assert main(["show", name, "1"]) == 0 and '"step": 1' in capsys.readouterr().out
     assert main(["diff", name, name]) == 0
     assert "rollouts: 2 steps the same" in capsys.readouterr().out
+    # a name with nothing under it is no namespace (it read as an empty one, every step missing)
+    for argv in (["verify", "e_p/GBS8_N2_in4_out4"], ["diff", "e_p/GBS8_N2_in4_out4", name]):
+        assert main(argv) == 2
+        assert f"{root}/e_p/GBS8_N2_in4_out4 does not exist (nothing under that prefix)" in capsys.readouterr().err

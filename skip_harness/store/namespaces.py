@@ -58,6 +58,10 @@ def _namespaces_at_url(url: UrlPath) -> List[Layout]:
     """`namespaces_at` for an object-store URL: the namespace it names, else those its dump_dir lists."""
     kw = parse_namespace_leaf(url.name)
     if kw is not None:
+        # nothing under its prefix: no namespace there (a typo), as a local path that does not exist -- not
+        # an empty namespace whose every step reads as missing (one LIST)
+        if not open_dump_dir(str(url)).storage.list_dir(""):
+            raise FileNotFoundError(f"{url} does not exist (nothing under that prefix)")
         return [Layout(url, K=kw[0], W=kw[1])]  # type: ignore[arg-type]  # Layout's root: a Path or a UrlPath
     out = []
     for rel in open_dump_dir(str(url)).list_namespaces():
