@@ -208,6 +208,9 @@ def test_every_command_finds_where_runs_write_on_an_object_store(s3_bucket, monk
         def sample(self, step):
             return {"ids": torch.arange(8) + step}
 
+    from skip_harness.cli import _discovery
+
+    monkeypatch.setattr(_discovery, "_SAID", set())        # "is not here" is said once a process
     root = f"s3://{s3_bucket}/runs"
     monkeypatch.setenv("SKIP_HARNESS_DUMP_DIR", root)
     monkeypatch.chdir(tmp_path)
@@ -232,3 +235,11 @@ def test_every_command_finds_where_runs_write_on_an_object_store(s3_bucket, monk
     for argv in (["verify", "e_p/GBS8_N2_in4_out4"], ["diff", "e_p/GBS8_N2_in4_out4", name]):
         assert main(argv) == 2
         assert f"{root}/e_p/GBS8_N2_in4_out4 does not exist (nothing under that prefix)" in capsys.readouterr().err
+    from skip_harness.store.pack import write_pack
+    from skip_harness.store.packfile import PackError
+
+    with pytest.raises(PackError, match="does not exist: no namespace to pack"):      # the API's error, as promised
+        write_pack(f"{root}/e_p/GBS8_N2_in4_out4", tmp_path / "x.pack")
+    # the check of every argument before a command runs resolves nothing: no "is not here" for a PACK
+    assert main(["replay", "e_p/GBS4_N1_in4_out4", "--", "true"]) == 2
+    assert "is not here" not in capsys.readouterr().err

@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence
 from skip_harness.store.api import RetentionRules, UrlPath, is_pack, parse_age, parse_size
 from skip_harness.errors import SkipHarnessError
 
-from skip_harness.cli._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, default_dump_dir, emit_json, namespaces_under, require_dir,
+from skip_harness.cli._common import (EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, check_place, default_dump_dir, emit_json,
+                      namespaces_under, require_dir,
                       stdout_console, where_of)
 
 __all__ = ["main", "build_parser"]
@@ -241,7 +242,7 @@ def _run(args: argparse.Namespace) -> int:
     for attr, metavar in _PLACES:   # a URL look-alike (s3:/x) is the run's message, not "does not exist"
         value = getattr(args, attr, None)
         for text in ([] if value is None else value if isinstance(value, list) else [value]):
-            where_of(text, metavar)
+            check_place(text, metavar)
     if args.command == "diff":
         from skip_harness.cli.diff import cmd_diff, tolerances_of
 

@@ -3,7 +3,7 @@ JSON, formatting), `_discovery` (namespaces under a path, where runs write), `_f
 the mode and seed from a fingerprint). Re-exported here for the commands."""
 from __future__ import annotations
 
-from skip_harness.cli._discovery import default_dump_dir, namespaces_under, require_dir, short_path, where_of  # noqa: F401
+from skip_harness.cli._discovery import check_place, default_dump_dir, namespaces_under, require_dir, short_path, where_of  # noqa: F401
 from skip_harness.cli._facts import (  # noqa: F401
     mode_and_seed, step_accessed, step_gen_s, step_written,
 )

@@ -19,13 +19,21 @@ def where_of(text: str, arg: str) -> Union[Path, UrlPath]:
     argument's metavar), rather than taken for a local folder of that name."""
     if is_url(text):
         return UrlPath(text)
-    why = dump_dir_problem(text)
-    if why is not None:
-        raise CliError(f"{arg}: {why}")
+    check_place(text, arg)
     path = Path(text)
     if not path.is_absolute() and not path.exists():
         return _in_default_dump_dir(path) or path
     return path
+
+
+def check_place(text: str, arg: str) -> None:
+    """Refuse a URL look-alike (`s3:/x`, `gs:x`) with the message a run gives for it, naming `arg`; nothing
+    is looked up or resolved (the command resolves its own arguments, `where_of`)."""
+    if is_url(text):
+        return
+    why = dump_dir_problem(text)
+    if why is not None:
+        raise CliError(f"{arg}: {why}")
 
 
 _SAID: set = set()

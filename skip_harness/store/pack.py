@@ -103,7 +103,10 @@ def _checked(where: str, name: str, data: bytes) -> bytes:
 def _layout_of(namespace: Any) -> Layout:
     if isinstance(namespace, Layout):
         return namespace
-    found = namespaces_at(UrlPath(str(namespace)) if is_url(str(namespace)) else Path(str(namespace)))
+    try:
+        found = namespaces_at(UrlPath(str(namespace)) if is_url(str(namespace)) else Path(str(namespace)))
+    except FileNotFoundError:        # a namespace URL with nothing under it, a dump dir that is not there
+        raise PackError(str(namespace), "does not exist: no namespace to pack") from None
     if len(found) != 1:
         raise PackError(str(namespace), f"names {len(found)} namespaces; a pack holds one (name its directory)")
     return found[0]
