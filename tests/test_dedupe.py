@@ -232,6 +232,7 @@ DAMAGE = {
     "a repeat ahead of its source": lambda ts: _entry(ts, "prompts")[4]["rows"][2].__setitem__(0, 1),
     "a fill of many values": lambda ts: _entry(ts, "attention_mask")[4].__setitem__("fill", 1),
     "a rule with bytes of its own": lambda ts: _entry(ts, "attention_mask").__setitem__(3, 64),
+    "a rule on a 16-byte dtype": lambda ts: _entry(ts, "prompts").__setitem__(0, "complex128"),
 }
 
 

@@ -421,7 +421,7 @@ def rebuild(deferred: List[Tuple[int, Dict[str, Any], torch.Tensor]], tensors: L
     for i, how, target in ordered:
         try:
             _rebuild_one(i, how, target, tensors)
-        except (RuntimeError, IndexError, ValueError, TypeError) as exc:
+        except (RuntimeError, IndexError, KeyError, ValueError, TypeError) as exc:
             raise CodecError(f"{names[i]}: cannot be rebuilt from its rule ({str(exc)[:160]})") from None
 
 
