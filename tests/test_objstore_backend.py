@@ -243,3 +243,36 @@ def test_every_command_finds_where_runs_write_on_an_object_store(s3_bucket, monk
     # the check of every argument before a command runs resolves nothing: no "is not here" for a PACK
     assert main(["replay", "e_p/GBS4_N1_in4_out4", "--", "true"]) == 2
     assert "is not here" not in capsys.readouterr().err
+
+
+def test_a_pack_unpacks_into_an_object_store(s3_bucket, monkeypatch, capsys, tmp_path):
+    """`skip-harness unpack FILE s3://...` restores the namespace in the bucket (it made a local folder
+    `s3:/bucket/...` of the URL), where verify finds every step."""
+    import torch
+
+    from skip_harness import SkipHarness
+    from skip_harness.cli import main
+
+    class Loop:
+        def prepare_data(self, step, *, dispatch=True):
+            pass
+
+        def sample(self, step):
+            return {"ids": torch.arange(8) + step}
+
+    monkeypatch.chdir(tmp_path)
+    t, h = Loop(), SkipHarness.create({"enable": True, "dump_dir": str(tmp_path / "local")},
+                                       namespace={"experiment_name": "e", "project_name": "p"})
+    h.wrap(t)
+    for step in (1, 2):
+        t.prepare_data(step)
+        t.sample(step)
+    assert h.close().committed == 2
+    (ns,) = (tmp_path / "local" / "e_p").iterdir()
+    assert main(["pack", str(ns), "-o", str(tmp_path / "r.pack")]) == 0
+    target = f"s3://{s3_bucket}/restored"
+    assert main(["unpack", str(tmp_path / "r.pack"), target]) == 0
+    assert f"at {target}/e_p/{ns.name}" in capsys.readouterr().out.replace("\n", "")
+    assert not (tmp_path / "s3:").exists()
+    assert main(["verify", f"{target}/e_p/{ns.name}"]) == 0
+    assert "every complete step verifies" in capsys.readouterr().out

@@ -258,7 +258,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "unpack":
         from skip_harness.cli.pack import cmd_unpack
 
-        return cmd_unpack(Path(args.pack), Path(args.target), args.json)
+        return cmd_unpack(Path(args.pack), where_of(args.target, "DUMP_DIR"), args.json)
     if args.command == "replay":
         from skip_harness.cli.replay import cmd_replay
 

@@ -105,7 +105,7 @@ def cmd_pack(namespace: Any, out: Path, steps: Optional[str], as_json: bool) -> 
     return EXIT_OK
 
 
-def cmd_unpack(pack: Path, dump_dir: Path, as_json: bool) -> int:
+def cmd_unpack(pack: Path, dump_dir: Any, as_json: bool) -> int:
     if not pack.is_file():
         raise CliError(f"FILE {pack} {'does not exist' if not pack.exists() else 'is not a file'}")
     info = read_pack_info(pack)

@@ -196,8 +196,9 @@ def _ranges(steps: List[int]) -> str:
 # unpacking
 
 
-def unpack(pack_path: PathLike, dump_dir: PathLike) -> Path:
-    """Restore the namespace the pack holds under `dump_dir` (`{dump_dir}/{experiment}_{project}/{leaf}`),
+def unpack(pack_path: PathLike, dump_dir: Any) -> Any:
+    """Restore the namespace the pack holds under `dump_dir` (`{dump_dir}/{experiment}_{project}/{leaf}`; a
+    local path or an object-store URL, as any dump_dir),
     each step as the store writes one: its files, its second tier and values, then its commit record last
     (under the namespace's lock), every member verified as it is read. A step already there with the same
     commit record is left as it is; one there with another is refused (PackError). Returns the
@@ -207,7 +208,8 @@ def unpack(pack_path: PathLike, dump_dir: PathLike) -> Path:
         raise PackError(str(pack_path), "not a skip_harness pack")
     src = open_namespace(packed)
     manifest = src.storage.manifest        # type: ignore[attr-defined]
-    layout = Layout(Path(dump_dir) / packed.group / packed.leaf, K=packed.K, W=packed.W)
+    base: Any = UrlPath(str(dump_dir)) if is_url(str(dump_dir)) else Path(dump_dir)
+    layout = Layout(base / packed.group / packed.leaf, K=packed.K, W=packed.W)
     dst = open_namespace(layout)
     hold = dst.lock(0.0)
     try:
@@ -248,7 +250,7 @@ def unpack(pack_path: PathLike, dump_dir: PathLike) -> Path:
            if r.step in set(manifest.get("steps", [])) and r.status != StepStatus.COMPLETE]
     if bad:
         raise PackError(layout.url, f"step {bad[0].step} is {bad[0].status} after unpacking: {bad[0].reason}")
-    return Path(layout.root)
+    return layout.root
 
 
 # --------------------------------------------------------------------------------------------
