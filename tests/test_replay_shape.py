@@ -154,7 +154,10 @@ def test_a_replay_here_that_diverged_is_never_this_machines_reference(tmp_path, 
     changed = lambda step, gpus, lr: loss_at(step, gpus, lr) * 1.01      # noqa: E731  a real change
     first_here = verl_run(tmp_path, 1, loss=changed)
     assert first_here.startswith("replay diverged at step 1 (actor/pg_loss "), first_here
-    docs = [json.loads(r.read_text()) for r in sorted((tmp_path / "e_p").glob("*/.values/runs/*/run.json"))]
+    from skip_harness.store.values import run_order
+
+    docs = [json.loads(r.read_text()) for r in sorted((tmp_path / "e_p").glob("*/.values/runs/*/run.json"),
+                                                      key=lambda p: run_order(p.parent.name))]   # as they ran
     assert [d.get("diverged_at") for d in docs] == [None, 1]
     assert verl_run(tmp_path, 1).startswith("replay: 2 of 2 served steps reproduced (2 values each)")
     assert verl_run(tmp_path, 1, loss=changed).startswith("replay diverged at step 1 (actor/pg_loss ")

@@ -297,7 +297,7 @@ def test_each_replay_keeps_its_values_under_its_run_id_and_diff_addresses_them(t
     other_lr = run(0.5)
     assert {p.name: p.read_bytes() for p in values.glob("*.json")} == recorded   # never overwritten
     store = ValuesStore(open_namespace(KEY.layout(dump)))
-    assert store.list_runs() == sorted([same_lr, other_lr])
+    assert store.list_runs() == [same_lr, other_lr]                 # oldest first
     assert store.read_run_step(other_lr, 2).values == values_for(2, 0.5)
     assert store.read_run_step(same_lr, 2).values == values_for(2, 0.1)
     ns = str(dump / "exp_proj" / "GBS8_N2_in4_out4")
@@ -436,3 +436,21 @@ def test_two_replays_at_once_on_an_object_store_both_serve_every_step_and_write_
         {k for k in before if "/.values/" not in k and not k.endswith((".lock", ".index.jsonl"))}
     runs = {k.split("/.values/runs/")[1].split("/")[0] for k in after if "/.values/runs/" in k}
     assert len(runs) == 2
+
+
+def test_runs_of_one_process_in_one_second_are_listed_in_the_order_they_ran(tmp_path, monkeypatch):
+    """A process's runs within one second are `ID`, `ID-2`, ... `ID-12`: listed oldest first, `-10` after
+    `-9` (plain text order put it before `-2`, so a test process's tenth in-process replay in a second
+    came first, and 'the oldest replay', a replay check's reference, was the wrong one)."""
+    from skip_harness.store import values
+    from skip_harness.store.values import ValuesStore
+
+    frozen = time.gmtime()
+    monkeypatch.setattr(values.time, "gmtime", lambda *a: frozen)
+    monkeypatch.setattr(values, "_ISSUED", {})
+    issued = [values.new_run_id() for _ in range(12)]
+    assert issued[1].endswith("-2") and issued[11].endswith("-12")
+    store = ValuesStore(open_namespace(KEY.layout(tmp_path / "dump")))
+    for run_id in reversed(issued):
+        store.write_run(run_id, {"K": 1})
+    assert store.list_runs() == issued

@@ -63,6 +63,13 @@ def new_run_id() -> str:
     return base if n == 1 else f"{base}-{n}"
 
 
+def run_order(run_id: str) -> List[Any]:
+    """A sort key putting run ids in the order they were issued: by start time, then a process's second,
+    third, ... run of one second (`-2` ... `-10`, `-11`: numbers compared as numbers, where plain text
+    put `-10` before `-9`)."""
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", run_id))]
+
+
 def check_run_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise ValueError(f"a run id is 1-128 letters, digits, '.', '_' or '-', got {run_id!r}")
@@ -299,7 +306,7 @@ class ValuesStore:
         except Exception:  # noqa: BLE001 - no runs directory (a POSIX ENOENT), or out of reach
             return []
         names = {e.name.rstrip("/") for e in entries}
-        return sorted(n for n in names if _RUN_ID.fullmatch(n))
+        return sorted((n for n in names if _RUN_ID.fullmatch(n)), key=run_order)
 
     def read_run(self, run_id: str) -> Optional[Dict[str, Any]]:
         """Run `run_id`'s document; None when absent or unreadable."""
