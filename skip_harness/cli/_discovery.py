@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import List, Tuple, Union
 
-from skip_harness.store.api import Layout, UrlPath, dump_dir_problem, is_url, namespace_leaf_values, namespaces_at
+from skip_harness.store.api import Layout, UrlPath, dump_dir_problem, is_url, namespace_leaf_values, namespaces_at, place
 
 from skip_harness.cli._output import CliError
 
@@ -90,8 +90,7 @@ def default_dump_dir() -> Tuple[Union[Path, UrlPath], str]:
     a command given none opens it as it would one named), and how that was decided (for the user)."""
     from skip_harness.config import DUMP_DIR_ENV, RolloutTQConfig
 
-    resolved = RolloutTQConfig().resolved_dump_dir()
-    path = UrlPath(resolved) if isinstance(resolved, str) else resolved
+    path = place(RolloutTQConfig().resolved_dump_dir())
     if os.environ.get(DUMP_DIR_ENV):
         return path, f"${DUMP_DIR_ENV}"
     return path, f"the per-user default; ${DUMP_DIR_ENV} is not set"

@@ -51,7 +51,7 @@ from skip_harness.store.open import open_dump_dir, open_namespace, open_store
 from skip_harness.store.layout import (PAYLOAD_NAME, Layout, NamespaceKey, namespace_leaf_values, parse_namespace_leaf,
                                        parse_step_name)
 from skip_harness.store.paths import payload_rel_at
-from skip_harness.store.urls import UrlPath, dump_dir_problem, is_url, local_path
+from skip_harness.store.urls import UrlPath, dump_dir_problem, is_url, local_path, place
 
 # read and write steps
 from skip_harness.store.bufferpool import BufferPool
@@ -96,7 +96,7 @@ __all__ = [
     # open a namespace
     "Namespace", "namespaces_at", "open_dump_dir", "open_namespace", "open_store",
     # layout and URLs
-    "PAYLOAD_NAME", "Layout", "NamespaceKey", "UrlPath", "dump_dir_problem", "is_url", "local_path",
+    "PAYLOAD_NAME", "Layout", "NamespaceKey", "UrlPath", "dump_dir_problem", "is_url", "local_path", "place",
     "namespace_leaf_values", "parse_namespace_leaf", "parse_step_name", "payload_rel_at",
     # read and write steps
     "BufferPool", "Fingerprint", "StepReader", "StepStore", "StepWriter",

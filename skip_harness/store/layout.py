@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, Optional, Tuple
 
-from skip_harness.store.urls import UrlPath, is_url
+from skip_harness.store.urls import UrlPath, is_url, place
 
 PAYLOAD_NAME = "tq_batch.pt"
 META_NAME = "meta.json"
@@ -73,7 +73,7 @@ class NamespaceKey:
     def layout(self, dump_dir: "Path | str | UrlPath") -> "Layout":
         """The namespace's Layout under `dump_dir`: a local path, or an object-store URL
         (`s3://bucket/prefix`), kept a URL (`UrlPath`): `Path` would fold its `//`."""
-        base: Any = UrlPath(str(dump_dir)) if is_url(dump_dir) else Path(str(dump_dir))  # Layout.root: a Path or a UrlPath
+        base: Any = place(dump_dir)          # Layout.root: a Path or a UrlPath
         return Layout(base / self.group_name / self.leaf_name, K=self.K, W=self.W)
 
 

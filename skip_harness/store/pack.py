@@ -35,7 +35,7 @@ from skip_harness.store.open import (PACK_FORMAT, PACK_VERSION, PackError, PackM
                                      safe_member, write_pack_file)
 from skip_harness.store.scan import scan_namespace
 from skip_harness.store.status import StepStatus
-from skip_harness.store.urls import UrlPath, is_url
+from skip_harness.store.urls import place
 from skip_harness.store.values import ValuesStore, config_changes, config_digest, config_key, flatten_config, values_key
 
 _JSON = (".json", ".jsonl")
@@ -104,7 +104,7 @@ def _layout_of(namespace: Any) -> Layout:
     if isinstance(namespace, Layout):
         return namespace
     try:
-        found = namespaces_at(UrlPath(str(namespace)) if is_url(str(namespace)) else Path(str(namespace)))
+        found = namespaces_at(place(namespace))
     except FileNotFoundError:        # a namespace URL with nothing under it, a dump dir that is not there
         raise PackError(str(namespace), "does not exist: no namespace to pack") from None
     if len(found) != 1:
@@ -208,7 +208,7 @@ def unpack(pack_path: PathLike, dump_dir: Any) -> Any:
         raise PackError(str(pack_path), "not a skip_harness pack")
     src = open_namespace(packed)
     manifest = src.storage.manifest        # type: ignore[attr-defined]
-    base: Any = UrlPath(str(dump_dir)) if is_url(str(dump_dir)) else Path(dump_dir)
+    base: Any = place(dump_dir)
     layout = Layout(base / packed.group / packed.leaf, K=packed.K, W=packed.W)
     dst = open_namespace(layout)
     hold = dst.lock(0.0)

@@ -74,6 +74,12 @@ def is_url(where: object) -> bool:
     return bool(m) and m.group(1).lower() != "file"
 
 
+def place(where: Union[str, os.PathLike, "UrlPath"]) -> Union[Path, "UrlPath"]:
+    """A dump_dir or a namespace as the store addresses it: a `UrlPath` for an object-store URL (a `Path`
+    would fold its `//`), else a `Path`."""
+    return UrlPath(str(where)) if is_url(where) else Path(str(where))
+
+
 def url_scheme(where: object) -> Optional[str]:
     """The scheme of a URL (`s3` of `s3://bucket/prefix`), lower case; None for a local path."""
     if isinstance(where, UrlPath):
