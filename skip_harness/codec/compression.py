@@ -142,7 +142,7 @@ def _compress_chunks(cctx: Any, flat: torch.Tensor, stored_dtype: torch.dtype, c
             # own computation uses)
             np.copyto(narrow, part if arr is not None else part.numpy(), casting="unsafe")
             part = narrow
-        view = _byte_view(part) if isinstance(part, torch.Tensor) else memoryview(part.view(np.uint8))
+        view = _byte_view(part)
         if shuffle:
             view = _shuffled(view, stored_dtype.itemsize)
         frames.append(cctx.compress(view))
@@ -164,7 +164,7 @@ def _shuffle_pays(cctx: Any, t: torch.Tensor) -> bool:
     judged on its first 64 KiB (a mostly-zero tensor compresses to nothing either way)."""
     arr = numpy_view(t)
     count = _SAMPLE_BYTES // t.element_size()
-    view = _byte_view(t.reshape(-1)[:count]) if arr is None else memoryview(arr[:count].view(np.uint8))
+    view = _byte_view(t.reshape(-1)[:count] if arr is None else arr[:count])
     plain = len(cctx.compress(view))
     return len(cctx.compress(_shuffled(view, t.element_size()))) <= _SHUFFLE_GAIN * plain
 

@@ -136,13 +136,13 @@ def _unpack(node: Any, tensors: List[torch.Tensor]) -> Any:
     raise CodecError(f"malformed header: unexpected node {str(node)[:80]}")
 
 
-def _byte_view(t: torch.Tensor) -> Any:
-    """The bytes of a contiguous CPU tensor, without copying them. Through NumPy where the dtype has a NumPy
-    twin: a torch call lets go of the GIL and takes it back, and a writer thread waits each time the
-    trainer's thread holds it then (issue 42)."""
-    arr = numpy_view(t)
+def _byte_view(t: Any) -> Any:
+    """The bytes of a contiguous CPU tensor (or NumPy array), without copying them. Through NumPy where the
+    dtype has a NumPy twin: a torch call lets go of the GIL and takes it back, and a writer thread waits
+    each time the trainer's thread holds it then (issue 42)."""
+    arr = t if np is not None and isinstance(t, np.ndarray) else numpy_view(t)
     if arr is not None:
-        return memoryview(arr.view(np.uint8))
+        return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # ndarray is a buffer
     u8 = t.reshape(-1).view(torch.uint8)
     if np is not None:
         return memoryview(u8.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
