@@ -278,7 +278,9 @@ class TrainingArm(StepArm):
         return self.trainer.sample(step)
 
     def settle(self, step: int) -> None:
-        self.harness.flush()
+        # the step's writes and its commit (queued behind them on the writer thread): nothing of this arm's
+        # runs into the next arm's step
+        self.harness.commit_finished()
 
     def close(self, steps: int) -> None:
         summary = self.harness.close()

@@ -221,6 +221,56 @@ def test_pending_writes_are_bounded(tmp_path, monkeypatch):
     assert h.close().committed == 1
 
 
+def test_a_step_is_committed_on_the_writer_thread_once_its_writes_are_durable(tmp_path, monkeypatch):
+    """One process: the commit follows the step's K writes on the writer thread, with no further call of the
+    trainer's (it used to wait for the next prepare_data or sample, and ran beside the next generation)."""
+    from skip_harness.store.writer import StepWriter
+
+    committed = []
+    real = StepWriter.commit
+
+    def commit(self, step, *a, **kw):
+        committed.append((step, threading.current_thread().name))
+        return real(self, step, *a, **kw)
+
+    monkeypatch.setattr(StepWriter, "commit", commit)
+    t = Loop()
+    h = make(tmp_path, K=2).wrap(t, dispatch_kwarg=None)
+    t.prepare_data(1)
+    t.sample(1)
+    t.sample(1)
+    record = h.layout.step_dir(1) / "commit.json"
+    deadline = time.monotonic() + 10
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert record.exists() and committed == [(1, "skip_harness-writer")]
+    assert h.close().committed == 1 and committed == [(1, "skip_harness-writer")]   # committed once
+
+
+def test_a_write_that_fails_on_the_writer_thread_leaves_its_step_uncommitted(tmp_path, monkeypatch, caplog):
+    from skip_harness.store.writer import StagedInner
+
+    real = StagedInner.complete
+
+    def complete(self):
+        if self.payload_rel.startswith("1/") and self._step == 1:
+            raise OSError(5, "Input/output error")
+        return real(self)
+
+    monkeypatch.setattr(StagedInner, "complete", complete)
+    t = Loop()
+    h = make(tmp_path, K=2).wrap(t, dispatch_kwarg=None)
+    with caplog.at_level(logging.WARNING, logger="skip_harness"):
+        for step in (1, 2):
+            t.prepare_data(step)
+            t.sample(step)
+            t.sample(step)
+        summary = h.close()
+    assert summary.committed == 1 and not (h.layout.step_dir(1) / "commit.json").exists()
+    assert (h.layout.step_dir(2) / "commit.json").exists()
+    assert "write failed: OSError" in caplog.text and "commit failed" not in caplog.text
+
+
 @dataclasses.dataclass
 class Custom:
     x: torch.Tensor

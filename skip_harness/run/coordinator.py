@@ -8,7 +8,8 @@ Pending jobs are bounded (``skip.rollout_tq.max_pending_writes``): at the bound 
 
 :class:`CommitCoordinator` runs on the trainer's thread. It hands mini-batches to the writer, and at
 the trainer's calls (`poll`) turns finished writes into commits and finished steps. With one process
-a step is committed once its K writes are durable. A mini-batch is staged (encoded into its temporary
+a step's commit is queued behind its K writes when its K-th sample comes, and lands as soon as they are
+durable. A mini-batch is staged (encoded into its temporary
 file) on the trainer's thread; the writer's jobs are the fsync, rename, meta.json and commit record. With W > 1 the ranks agree at decision points: a
 step whose K samples ended two decision points ago (or every step, at close) is gathered, rank 0
 commits when every rank's shard is durable, and broadcasts whether the commit landed, so every rank
@@ -58,8 +59,10 @@ class Writer:
         self._thread: Optional[threading.Thread] = None
         self._closed = False
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on the writer thread; waits while `max_pending` jobs are pending."""
+    def submit(self, fn: Callable[..., Any], *args: Any, bounded: bool = True) -> Future:
+        """Run ``fn(*args)`` on the writer thread; waits while `max_pending` jobs are pending. An unbounded
+        job (a commit queued behind its step's writes) takes no slot and never waits: it is small, and the
+        trainer's thread that queues it must not wait for the writes it follows."""
         fut: Future = Future()
         if not self._background or self._closed:
             _run(fut, fn, args)
@@ -67,11 +70,11 @@ class Writer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="skip_harness-writer", daemon=True)
             self._thread.start()
-        while not self._slots.acquire(timeout=0.5):  # back-pressure
+        while bounded and not self._slots.acquire(timeout=0.5):  # back-pressure
             if not self._thread.is_alive():  # cannot happen (the loop catches everything); never hang
                 _run(fut, fn, args)
                 return fut
-        self._jobs.put((fut, fn, args))
+        self._jobs.put((fut, fn, args, bounded))
         return fut
 
     def _loop(self) -> None:
@@ -80,11 +83,12 @@ class Writer:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            fut, fn, args = item
+            fut, fn, args, bounded = item
             try:
                 _run(fut, fn, args)
             finally:
-                self._slots.release()
+                if bounded:
+                    self._slots.release()
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Let queued jobs finish and stop the thread; True if it stopped within `timeout`."""
@@ -111,6 +115,15 @@ def _run(fut: Future, fn: Callable[..., Any], args: tuple) -> None:
         fut.set_result(fn(*args))
     except BaseException as exc:  # noqa: BLE001 - every failure is the step's, never the thread's
         fut.set_exception(exc)
+
+
+class _WritesNotDone(Exception):
+    """A commit queued behind its step's writes found them not done or failed: it committed nothing."""
+
+
+def _not_queued_after(commit: Future) -> bool:
+    """Whether a commit queued by sampled_all found its writes not done (the poll then commits)."""
+    return commit.done() and isinstance(commit.exception(), _WritesNotDone)
 
 
 @dataclass(frozen=True)
@@ -178,8 +191,15 @@ class CommitCoordinator:
         p.writes[inner] = self.writer.submit(_timed, staged.complete)
 
     def sampled_all(self, step: int, epoch: int, gen_s: float = 0.0) -> None:
-        self._pending[step].complete_epoch = epoch
-        self._pending[step].gen_s = gen_s
+        """The step's K-th sample came. With one process its commit is queued at once behind its K writes
+        on the writer thread, which commits as soon as they are durable: not at the trainer's next call,
+        where it would run beside the next step's generation, and a step is durable sooner."""
+        p = self._pending[step]
+        p.complete_epoch = epoch
+        p.gen_s = gen_s
+        if self.dist.world_size == 1 and p.failed is None and len(p.writes) == self.K:
+            writes = [p.writes[i] for i in range(self.K)]
+            p.commit = self.writer.submit(self._commit_written, step, writes, gen_s, bounded=False)
 
     def abandon(self, step: int, sampled: int) -> Finished:
         """A step that ended after fewer than K sample calls: never committed."""
@@ -220,7 +240,7 @@ class CommitCoordinator:
             if p.failed is not None:
                 out.append(self._finish(p, False, p.failed))
                 continue
-            if p.commit is None:
+            if p.commit is None or _not_queued_after(p.commit):
                 entries = [e for i in range(self.K) for e in p.writes[i].result()[0]]
                 p.commit = self.writer.submit(self._commit, step, entries, p.gen_s)
             if wait:
@@ -275,6 +295,15 @@ class CommitCoordinator:
     # ---- shared
     def _commit(self, step: int, entries: List[Any], gen_s: float) -> Any:
         return self.store.commit(step, entries, self.fingerprint, gen_s=round(gen_s, 6))
+
+    def _commit_written(self, step: int, writes: List[Future], gen_s: float) -> Any:
+        """The commit queued behind `writes` (sampled_all): they ran before it, on this thread. A write that
+        failed leaves the step uncommitted (the trainer's poll reports the write's failure, not this)."""
+        if not all(w.done() for w in writes):
+            raise _WritesNotDone()      # not queued behind them after all (the writer ran inline): poll commits
+        if any(w.exception() is not None for w in writes):
+            raise _WritesNotDone()
+        return self._commit(step, [e for w in writes for e in w.result()[0]], gen_s)
 
     def _settle_writes(self, p: _Pending, wait: bool) -> bool:
         """True when every submitted write of `p` is done (waiting if asked); records the first failure."""
