@@ -349,7 +349,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--scan-steps", type=int, nargs="+", default=None,
                    help="sizes of the scan namespaces (default 1000 10000; --quick: 1000)")
     p.add_argument("--steps-per-arm", type=int, default=None, help="training steps per arm and round (default 6; --quick: 3)")
-    p.add_argument("--step-rounds", type=int, default=None, help="rounds of steps (default 3; --quick: 1): each arm runs 1 + steps x rounds steps")
+    p.add_argument("--step-rounds", type=int, default=None, help="rounds of steps (default 6; --quick: 1; GRPO arms: twice): each arm runs 1 + steps x rounds steps")
     p.add_argument("--compute-threads", type=int, default=None,
                    help="torch threads of the synthetic step (default: every core; the one-thread figure is reported too)")
     p.add_argument("--quick", action="store_true", help="small and short, for CI")
@@ -361,7 +361,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = p.parse_args(argv)
     defaults = dict(rows=64 if args.quick else 1024, repeats=3 if args.quick else 7,
                     scan_steps=[1000] if args.quick else [1000, 10_000], steps_per_arm=3 if args.quick else 6,
-                    step_rounds=1 if args.quick else 3, compute_threads=os.cpu_count() or 1)
+                    step_rounds=1 if args.quick else 6, compute_threads=os.cpu_count() or 1)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
