@@ -121,8 +121,8 @@ class _WritesNotDone(Exception):
     """A commit queued behind its step's writes found them not done or failed: it committed nothing."""
 
 
-def _not_queued_after(commit: Future) -> bool:
-    """Whether a commit queued by sampled_all found its writes not done (the poll then commits)."""
+def _committed_nothing(commit: Future) -> bool:
+    """Whether a queued commit found its writes not done (the poll then queues it again) or failed."""
     return commit.done() and isinstance(commit.exception(), _WritesNotDone)
 
 
@@ -198,8 +198,7 @@ class CommitCoordinator:
         p.complete_epoch = epoch
         p.gen_s = gen_s
         if self.dist.world_size == 1 and p.failed is None and len(p.writes) == self.K:
-            writes = [p.writes[i] for i in range(self.K)]
-            p.commit = self.writer.submit(self._commit_written, step, writes, gen_s, bounded=False)
+            self._queue_commit(p, bounded=False)
 
     def abandon(self, step: int, sampled: int) -> Finished:
         """A step that ended after fewer than K sample calls: never committed."""
@@ -240,9 +239,8 @@ class CommitCoordinator:
             if p.failed is not None:
                 out.append(self._finish(p, False, p.failed))
                 continue
-            if p.commit is None or _not_queued_after(p.commit):
-                entries = [e for i in range(self.K) for e in p.writes[i].result()[0]]
-                p.commit = self.writer.submit(self._commit, step, entries, p.gen_s)
+            if p.commit is None or _committed_nothing(p.commit):
+                self._queue_commit(p)
             if wait:
                 _wait(p.commit)
             if p.commit.done():
@@ -296,12 +294,16 @@ class CommitCoordinator:
     def _commit(self, step: int, entries: List[Any], gen_s: float) -> Any:
         return self.store.commit(step, entries, self.fingerprint, gen_s=round(gen_s, 6))
 
+    def _queue_commit(self, p: _Pending, bounded: bool = True) -> None:
+        """Queue `p`'s commit on the writer thread, behind its K writes (the thread runs jobs in order)."""
+        p.commit = self.writer.submit(self._commit_written, p.step, [p.writes[i] for i in range(self.K)], p.gen_s,
+                                      bounded=bounded)
+
     def _commit_written(self, step: int, writes: List[Future], gen_s: float) -> Any:
-        """The commit queued behind `writes` (sampled_all): they ran before it, on this thread. A write that
-        failed leaves the step uncommitted (the trainer's poll reports the write's failure, not this)."""
-        if not all(w.done() for w in writes):
-            raise _WritesNotDone()      # not queued behind them after all (the writer ran inline): poll commits
-        if any(w.exception() is not None for w in writes):
+        """The commit of `writes`, which ran before it on this thread. A write that failed leaves the step
+        uncommitted (the trainer's poll reports the write's failure, not this); one not done (its job still
+        queued while this ran inline: the writer thread gone, which cannot happen) is committed by the poll."""
+        if not all(w.done() and w.exception() is None for w in writes):
             raise _WritesNotDone()
         return self._commit(step, [e for w in writes for e in w.result()[0]], gen_s)
 
