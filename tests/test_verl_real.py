@@ -7,7 +7,7 @@ Every run costs about a minute of Ray and worker start-up, so each run does seve
 (unseeded: two runs generate different rollouts) with a reference model (actor_rollout_ref.actor.use_kl_loss=true:
 verl's KL loss against the reference policy):
 
-  killed  records, SIGKILLed (driver, Ray, workers) once step 1 is committed and step 2 is being written;
+  killed  records, SIGKILLed (driver, Ray, workers) once step 1 is committed and before step 2 is (mid-write when the kill catches it);
   rerun   cleans the interrupted step 2, serves step 1 (its metrics equal the killed run's; its reference log-probs
           from the second tier), generates 2, 3;
   replay  serves all three: 0 generate calls, no reference forward, verl's metrics identical to the rerun's
@@ -72,13 +72,17 @@ def sync_chain(workdir):
     ns = _namespace(cache, "sync")
     common = dict(experiment="sync", steps=SYNC_STEPS)
 
-    def step1_committed_and_step2_being_written(gen_log: Path) -> bool:
-        # the writer makes the step's directory first, then the payload, its meta, the commit record
-        # (fsync'd each): killed at the first sight of it, step 2 is interrupted mid-write
-        return (ns / "2").exists() and (ns / "1" / "commit.json").exists()
+    def step1_committed_and_step2_not(gen_log: Path) -> bool:
+        # the writer makes the step's directory first, then the payload, its meta and, queued right behind
+        # them, the commit record (fsync'd each): killed at the first sight of it, step 2 is interrupted
+        # mid-write. That window is a few milliseconds, so the kill also comes once step 2's rollouts are all
+        # generated (weights version 1 in the generate log): its write comes next, never committed before
+        if not (ns / "1" / "commit.json").exists():
+            return False
+        return (ns / "2").exists() or _calls_of(gen_log, "1") >= CALLS_PER_STEP
 
     runs = {"killed": driver.main_ppo(work, "killed", paths, dump_dir=cache, extra=REFERENCE, **common,
-                                      kill_when=step1_committed_and_step2_being_written)}
+                                      kill_when=step1_committed_and_step2_not)}
     runs["killed_state"] = sorted(p.relative_to(ns).as_posix() for p in ns.rglob("*") if p.is_file())
     for name in ("rerun", "replay"):
         runs[name] = driver.main_ppo(work, name, paths, dump_dir=cache, extra=REFERENCE, **common)
@@ -94,7 +98,7 @@ def test_a_killed_recording_is_rerun_cleaned_served_and_regenerated(sync_chain):
     killed, rerun = sync_chain["killed"], sync_chain["rerun"]
     state = sync_chain["killed_state"]
     assert killed.returncode == -9, killed.output[-3000:]
-    assert "1/commit.json" in state and "2/commit.json" not in state, state   # killed inside step 2's write
+    assert "1/commit.json" in state and "2/commit.json" not in state, state   # killed before step 2's commit
     assert sorted(killed.metrics) == [1], "verl logged step 1 only before the kill"
 
     assert rerun.returncode == 0, rerun.output[-5000:]
@@ -151,6 +155,13 @@ def test_the_replay_runs_no_reference_forward(sync_chain):
     for step in (1, 2, 3):   # verl's KL loss, from the served reference log-probs, as recorded
         # (0.0 here: this tiny model's bf16 forward does not move in 3 steps at verl's learning rate)
         assert replay.metrics[step]["actor/kl_loss"] == rerun.metrics[step]["actor/kl_loss"]
+
+
+def _calls_of(path: Path, version: str) -> int:
+    """How many generate calls hf_cpu's log (rollout.py) holds for weights `version` so far."""
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if line.split(" ", 2)[1:2] == [version])
 
 
 def _generated(path: Path) -> dict:
