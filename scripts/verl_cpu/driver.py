@@ -77,8 +77,8 @@ def main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Optio
              mode: str = "sync", extra: Sequence[str] = (), kill_when: Optional[Callable[[Path], bool]] = None,
              timeout_s: float = 900, env_extra: Optional[Dict[str, str]] = None, **overrides_kwargs) -> Run:
     """One ``main_ppo`` run. With `dump_dir`, the plug-in caches every step there; without, caching is off.
-    `kill_when(generate_log)` is polled; when it returns True the whole run (driver, Ray, workers: its process
-    group) is SIGKILLed. A run Ray failed to start because a port it picked was taken (two Ray clusters
+    `kill_when(generate_log)` is polled; when it returns True the whole run (driver, Ray, workers: its
+    session) is SIGKILLed. A run Ray failed to start because a port it picked was taken (two Ray clusters
     starting at once on one host, as the test suite's two workers do: `address already in use`) is run
     again, once, with a WARNING, when it trained no step and generated nothing; any other failure is returned
     as it is."""
@@ -134,16 +134,53 @@ def _main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Opti
                 except subprocess.TimeoutExpired:
                     pass
                 if kill_when is not None and kill_when(gen_log):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(60)
+                    _kill_group(proc)
                     break
                 if time.monotonic() - start > timeout_s:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(60)
+                    _kill_group(proc)
                     raise TimeoutError(f"main_ppo run {name} took over {timeout_s} s; see {out_path}")
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(60)
+                _kill_group(proc)
     wall = time.monotonic() - start
     return Run(name, proc.returncode, wall, count_lines(gen_log), read_metrics(metrics_path), out_path.read_text())
+
+
+def _kill_group(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGKILL the whole run and return once every process of it is gone. The run is its session, not its
+    process group: Ray gives each worker (the TaskRunner that holds the cache among them) a process group
+    of its own, so a `killpg` of the driver's group left them alive, writing (a commit record, say) after
+    the caller had looked at what the kill left behind."""
+    deadline = time.monotonic() + timeout_s
+    os.killpg(proc.pid, signal.SIGKILL)
+    while alive := _alive_in_session(proc.pid):
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {alive} of the killed run (session {proc.pid}) outlived SIGKILL "
+                               f"by {timeout_s} s")
+        time.sleep(0.01)
+    proc.wait(timeout_s)
+
+
+def _alive_in_session(sid: int) -> List[int]:
+    """The processes (zombies aside) of session `sid`, read from /proc (Linux; elsewhere none)."""
+    alive: List[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return alive
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:   # gone meanwhile
+            continue
+        state, _ppid, _pgrp, session = stat.rsplit(")", 1)[1].split()[:4]
+        if int(session) == sid and state not in ("Z", "X"):
+            alive.append(int(entry))
+    return alive
