@@ -144,3 +144,17 @@ def test_train_stops_with_the_message_and_writes_nothing(case, tmp_path, s3_serv
     assert not (tmp_path / "s3:").exists()
     assert s3_server.keys(bucket) == []
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["diff", "verify"])
+def test_an_unreachable_namespace_url_is_named_once(command, monkeypatch, capsys):
+    """`diff` wrapped the store's message (which names the URL under the dump_dir's key) in the URL again."""
+    url = "s3://bucket/cache/exp_proj/GBS8_N2_in16_out32"
+    _set(monkeypatch, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_dead_port()}", "AWS_ACCESS_KEY_ID": "x",
+                       "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
+                       "SKIP_HARNESS_OBJSTORE_TIMEOUT_S": "2"})
+    capsys.readouterr()
+    rc = cli([command, url, url] if command == "diff" else [command, url])
+    err = capsys.readouterr().err
+    assert rc == 2 and "object store unavailable: nothing answers" in err, err
+    assert err.count(url) == 1 and "Traceback" not in err, err

@@ -63,7 +63,8 @@ def _namespaces(text: str, arg: str) -> Tuple[bool, Dict[str, Layout]]:
     try:
         layouts = namespaces_at(where)
     except (OSError, SkipHarnessError) as exc:
-        raise CliError(f"{text}: {exc}") from None
+        why = str(exc)    # named there already when the store names the place (under its key, issue 21)
+        raise CliError(why if f"{text}: " in why else f"{text}: {why}") from None
     single = parse_namespace_leaf(where.name) is not None or (len(layouts) == 1 and layouts[0].packed)
     if not layouts:
         raise CliError(f"{text}: no skip_harness namespace there")

@@ -160,7 +160,9 @@ class Cache:
             try:
                 layouts = namespaces_at(root)
             except (OSError, SkipHarnessError) as exc:
-                logger.warning("%s: cannot list its namespaces: %s", root, exc)
+                why = str(exc)    # named there already when the store names the place (under its key)
+                logger.warning("%s; its namespaces are not listed", why) if f"{root}: " in why else \
+                    logger.warning("%s: cannot list its namespaces: %s", root, why)
                 continue
             for lay in layouts:
                 out.append(ViewedNamespace(f"{i}/{lay.group}/{lay.leaf}", i, lay))     # a pack: the name it holds
