@@ -257,7 +257,12 @@ def test_cli_on_the_bucket(tmp_path, s3_server):
     code, out, err = cli(s3_server, "verify", url, "--json")
     assert code == 0, err
     code, out, err = cli(s3_server, "show", f"{url}/{NS}", "2")
-    assert code == 0 and "input_ids" in out or "responses" in out, out + err
+    assert code == 0 and ("input_ids" in out or "responses" in out), out + err
+    # the payload's own URL shows the same mini-batch (it was "no skip_harness namespace here")
+    code, same, err = cli(s3_server, "show", f"{url}/{NS}/2/tq_batch.pt")
+    assert code == 0, err
+    assert [line for line in same.splitlines() if not line.startswith("written")] == \
+        [line for line in out.splitlines() if not line.startswith("written")]
     code, out, err = cli(s3_server, "export", url, "-o", str(tmp_path / "rollouts.jsonl"), "--format", "jsonl")
     assert code == 0, err
     rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]

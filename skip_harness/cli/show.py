@@ -10,7 +10,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from rich.markup import escape
 from rich.table import Table
@@ -39,27 +39,33 @@ class Target:
 # resolving PATH [STEP [INNER]]
 
 
-def _enclosing_namespace(path: Path) -> Optional[Tuple[Layout, int, int, int]]:
-    """(layout, step, inner, rank) when `path` is a payload file inside a namespace."""
-    parts = path.parts
-    for depth in (2, 3):                 # ns/step/file or ns/step/inner/file
-        if len(parts) <= depth:
-            continue
-        ns = Path(*parts[: len(parts) - depth])
-        kw = parse_namespace_leaf(ns.name)
-        step = parse_step_name(parts[len(parts) - depth])
-        if kw is None or step is None:
-            continue
-        layout = Layout(ns, K=kw[0], W=kw[1])
-        where = layout.position_of("/".join(parts[len(parts) - depth + 1:]))
-        if where is not None:
-            return layout, step, where[0], where[1]
+def _enclosing_namespace(path: Union[Path, UrlPath]) -> Optional[Tuple[Layout, int, int, int]]:
+    """(layout, step, inner, rank) when `path` is a payload file (or object) inside a namespace."""
+    below, step_dir = [path.name], path.parent
+    for _ in (2, 3):                     # ns/step/file or ns/step/inner/file
+        ns = step_dir.parent
+        if ns == step_dir:               # the top: nothing above
+            return None
+        kw, step = parse_namespace_leaf(ns.name), parse_step_name(step_dir.name)
+        if kw is not None and step is not None:
+            layout = Layout(ns, K=kw[0], W=kw[1])  # type: ignore[arg-type]  # Layout's root: a Path or a UrlPath
+            where = layout.position_of("/".join(below))
+            if where is not None:
+                return layout, step, where[0], where[1]
+        below.insert(0, step_dir.name)
+        step_dir = ns
     return None
 
 
 def resolve(path: Path, step: Optional[int], inner: Optional[int], rank: int) -> Target:
-    if isinstance(path, UrlPath):       # an object store: a namespace or a step URL
-        return _resolve_in_namespace(path, step, inner, rank)
+    if isinstance(path, UrlPath):       # an object store: a namespace, a step or a payload URL
+        found = _enclosing_namespace(path)
+        if found is None:
+            return _resolve_in_namespace(path, step, inner, rank)
+        if step is not None:
+            raise CliError(f"{path} is a payload: STEP and INNER go with a namespace, not a payload")
+        layout, s, i, r = found
+        return _resolve_in_namespace(layout.root, s, i, r)  # type: ignore[arg-type]
     if path.is_file() and is_pack(path):        # a pack file: the namespace it holds, read in place
         return _resolve_in_namespace(path, step, inner, rank)
     if path.is_file():
