@@ -8,7 +8,7 @@ from skip_harness.cli._facts import (  # noqa: F401
     mode_and_seed, step_accessed, step_gen_s, step_written,
 )
 from skip_harness.cli._output import (  # noqa: F401
-    EXIT_CORRUPT, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, emit_json, fmt_ago,
+    EXIT_CORRUPT, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, about, emit_json, fmt_ago,
     fmt_seconds, fmt_time, fmt_value, logger, progress, stdout_console,
 )
 from skip_harness.units import human_bytes  # noqa: F401

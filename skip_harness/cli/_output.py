@@ -30,6 +30,13 @@ class CliError(Exception):
         super().__init__(message)
 
 
+def about(place: object, exc: BaseException) -> str:
+    """`exc`'s message about `place`, led by the place unless the message names it already (the store names
+    a place it cannot open or reach itself, under the dump_dir's key: issue 21)."""
+    why = str(exc)
+    return why if f"{place}: " in why else f"{place}: {why}"
+
+
 class _PlainConsole(Console):
     """A console for a pipe or a file: no colour, and no trailing blanks on the lines of a table."""
 

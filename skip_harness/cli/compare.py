@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from skip_harness.cli._common import CliError, where_of
+from skip_harness.cli._common import CliError, about, where_of
 from skip_harness.cli.pair_rows import rows_of, unpaired
 from skip_harness.cli.pairing import (RunValues, ValuesRule, batch_difference, kept_runs, recorded_tolerances,
                                       rollouts_store, rule_json, run_of, run_steps, side_of, split_keys, split_run, values_rule,
@@ -63,8 +63,7 @@ def _namespaces(text: str, arg: str) -> Tuple[bool, Dict[str, Layout]]:
     try:
         layouts = namespaces_at(where)
     except (OSError, SkipHarnessError) as exc:
-        why = str(exc)    # named there already when the store names the place (under its key, issue 21)
-        raise CliError(why if f"{text}: " in why else f"{text}: {why}") from None
+        raise CliError(about(text, exc)) from None
     single = parse_namespace_leaf(where.name) is not None or (len(layouts) == 1 and layouts[0].packed)
     if not layouts:
         raise CliError(f"{text}: no skip_harness namespace there")

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Generic, Hashable, List, Optional, Seque
 
 import torch
 
-from skip_harness.cli._common import mode_and_seed, step_gen_s, step_written
+from skip_harness.cli._common import about, mode_and_seed, step_gen_s, step_written
 from skip_harness.cli.listing import NamespaceView, StepRow, namespace_json
 from skip_harness.errors import CorruptStepError, SkipHarnessError
 from skip_harness.store.api import (Discarded, ValuesStore, Layout, NamespaceReport, StepReader, StepReport,
@@ -160,9 +160,7 @@ class Cache:
             try:
                 layouts = namespaces_at(root)
             except (OSError, SkipHarnessError) as exc:
-                why = str(exc)    # named there already when the store names the place (under its key)
-                logger.warning("%s; its namespaces are not listed", why) if f"{root}: " in why else \
-                    logger.warning("%s: cannot list its namespaces: %s", root, why)
+                logger.warning("%s; its namespaces are not listed", about(root, exc))
                 continue
             for lay in layouts:
                 out.append(ViewedNamespace(f"{i}/{lay.group}/{lay.leaf}", i, lay))     # a pack: the name it holds
