@@ -36,7 +36,7 @@ def test_a_killed_run_is_gone_with_its_workers_in_their_own_process_groups(tmp_p
             time.sleep(0.01)
         assert len(driver._alive_in_session(proc.pid)) == 2   # the driver and its worker
 
-        driver._kill_group(proc)
+        driver._kill_session(proc)
 
         assert proc.returncode == -9
         assert driver._alive_in_session(proc.pid) == []

@@ -91,7 +91,7 @@ def sync_chain(workdir):
 
 
 @SYNC_LANE
-def test_a_killed_recording_is_rerun_cleaned_served_and_regenerated(sync_chain):
+def test_a_killed_recording_is_rerun_served_and_regenerated(sync_chain):
     killed, rerun = sync_chain["killed"], sync_chain["rerun"]
     state = sync_chain["killed_state"]
     assert killed.returncode == -9, killed.output[-3000:]

@@ -134,19 +134,19 @@ def _main_ppo(workdir: Path, name: str, paths: Dict[str, str], *, dump_dir: Opti
                 except subprocess.TimeoutExpired:
                     pass
                 if kill_when is not None and kill_when(gen_log):
-                    _kill_group(proc)
+                    _kill_session(proc)
                     break
                 if time.monotonic() - start > timeout_s:
-                    _kill_group(proc)
+                    _kill_session(proc)
                     raise TimeoutError(f"main_ppo run {name} took over {timeout_s} s; see {out_path}")
         finally:
             if proc.poll() is None:
-                _kill_group(proc)
+                _kill_session(proc)
     wall = time.monotonic() - start
     return Run(name, proc.returncode, wall, count_lines(gen_log), read_metrics(metrics_path), out_path.read_text())
 
 
-def _kill_group(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+def _kill_session(proc: subprocess.Popen, timeout_s: float = 60) -> None:
     """SIGKILL the whole run and return once every process of it is gone. The run is its session, not its
     process group: Ray gives each worker (the TaskRunner that holds the cache among them) a process group
     of its own, so a `killpg` of the driver's group left them alive, writing (a commit record, say) after
