@@ -10,7 +10,9 @@ skip.rollout_tq.replay_from.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -97,4 +99,14 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()     # a C++ abort shows each thread's Python stack (or none: the interpreter's exit)
     main()
+    # Done, results written: leave without the interpreter's finalization. CI saw a rank of this rig abort
+    # once ("terminate called without an active exception", no Python frame printed) in many hundreds of
+    # runs; test_dist's worker did the same after all its work, at exit: a torch thread dropping a
+    # tensor while the interpreter is torn down (pytorch/pytorch#190489's thread). If it comes mid-run,
+    # faulthandler prints where.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
