@@ -101,14 +101,14 @@ def grpo_disk_ratios(prompts: int, work: Path, n: int = GRPO_N, seed: int = 6) -
 ROUNDS_FACTOR = 2
 
 
-def bench_grpo_steps(prompts: int, work: Path, repeats: int, steps: int, rounds: int, threads: int,
+def bench_grpo_steps(prompts: int, work: Path, repeats: int, steps: int, rounds: int, pair_steps: int, threads: int,
                      with_threads: Any) -> Dict[str, float]:
     """The training-step arms on the GRPO batch (issue: "the miss and hit within 1.02 of their floors on
     every batch"): caching off, the miss and its durable-copy floor, the hit and its page-cache floor, the
     batch in memory, and the miss and hit with compression=zstd -- side by side, as on the dense batch,
     for ROUNDS_FACTOR times `rounds`. Keys end in `_grpo`."""
     from _bench_io import bench_save
-    from _bench_steps import bench_steps, standard_errors
+    from _bench_steps import bench_pairs, bench_steps
 
     batch = make_grpo_payload(prompts, GRPO_N, seed=7)
     bare_save_s = bench_save(batch, work, repeats, floors=False)["bare_save_s"]
@@ -119,17 +119,15 @@ def bench_grpo_steps(prompts: int, work: Path, repeats: int, steps: int, rounds:
     return {
         "step_off_s_grpo": m["off_s"], "step_s_grpo": m["async_s"], "step_hit_s_grpo": m["hit_s"],
         "step_overhead_ratio_grpo": m["async_s"] / m["off_s"], "step_floor_ratio_grpo": m["floor_s"] / m["off_s"],
-        "step_vs_floor_ratio_grpo": m["async_vs_floor_paired"],   # step by step, as the hit's
         "hit_overhead_ratio_grpo": m["hit_s"] / m["memory_s"],
         "hit_floor_ratio_grpo": m["hit_floor_s"] / m["memory_s"],
-        "hit_vs_floor_ratio_grpo": m["hit_vs_floor_paired"],
         "step_overhead_ratio_zstd_grpo": m["async_zstd_s"] / m["off_s"],
         "hit_overhead_ratio_zstd_grpo": m["hit_zstd_s"] / m["memory_s"],
         # the zstd figures' floors, measured beside them as the uncompressed ones: the miss's copies and
         # compresses each tensor bare (FloorArm), the hit's maps and decodes the hit's files bare (HitFloorArm)
         "step_overhead_ratio_zstd_floor_grpo": m["floor_zstd_s"] / m["off_s"],
         "hit_overhead_ratio_zstd_floor_grpo": m["hit_floor_zstd_s"] / m["memory_s"],
-        "step_zstd_vs_floor_ratio_grpo": m["async_zstd_vs_floor_paired"],
-        "hit_zstd_vs_floor_ratio_grpo": m["hit_zstd_vs_floor_paired"],
-        **standard_errors(m, "_grpo"),
+        # each arm against its floor step by step, the two alone (bench_pairs), for twice the dense pairs' steps
+        **with_threads(threads, lambda: bench_pairs(batch, work, bare_save_s, ROUNDS_FACTOR * pair_steps, threads, m,
+                                                    "_grpo")),
     }
