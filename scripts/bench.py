@@ -290,8 +290,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if largest != 10_000:  # scaled linearly from the largest size measured, and flagged
             for key in ("scan", "scan_full", "scan_first"):
                 result[f"{key}_10k_s"] = result[f"{key}_{tag}_s"] * 10_000 / largest
-        # Judged within one run (this VM's speed moves with its neighbours): the miss against the durable-copy
-        # floor measured beside it, the indexed scan against the full scan of the same namespace.
+        # Judged within one run (this VM's speed moves with its neighbours): the indexed scan against the full
+        # scan of the same namespace (the miss against its floor: bench_pairs, above).
         result["scan_index_ratio"] = result["scan_10k_s"] / result["scan_full_10k_s"]
         if not args.no_s3:
             result.update(bench_object_store(args))
