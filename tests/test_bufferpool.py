@@ -202,25 +202,53 @@ def test_a_step_that_changes_status_while_read_is_never_served_empty(tmp_path, m
     assert got_status == "incomplete" and reason == "incomplete: being rewritten" and batches == []
 
 
-def test_a_short_direct_write_past_the_end_is_truncated_to_the_payload(tmp_path, monkeypatch):
+def _write_spied(tmp_path, monkeypatch, nbytes, short_at=None):
+    """write_buffer_at of `nbytes` patterned bytes, recording each pwrite as (offset, length, direct) and
+    every ftruncate; with `short_at`, the first direct write of more than a block reports stopping there."""
+    import fcntl
+
     from skip_harness.store.posix import directio
 
     pool = BufferPool()
-    lease = pool.acquire(5000)
-    lease.view(5000)[:] = bytes(range(256)) * 19 + bytes(136)
-    real = os.pwrite
+    lease = pool.acquire(nbytes)
+    lease.view(nbytes)[:] = (bytes(range(256)) * (nbytes // 256 + 1))[:nbytes]
+    writes, truncates = [], []
+    real_pwrite, real_truncate = os.pwrite, os.ftruncate
 
-    def short(fd, data, offset):  # the first direct write reports stopping unaligned, past the payload's end
-        n = real(fd, data, offset)
-        return 5100 if offset == 0 and n == 8192 else n
+    def spy(fd, data, offset):
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        writes.append((offset, len(data), direct))
+        n = real_pwrite(fd, data, offset)
+        return short_at if short_at is not None and direct and offset == 0 and n > 4096 else n
 
-    monkeypatch.setattr(os, "pwrite", short)
-    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    monkeypatch.setattr(os, "pwrite", spy)
+    monkeypatch.setattr(os, "ftruncate", lambda fd, n: (truncates.append(n), real_truncate(fd, n)))
+    out = tmp_path / f"{nbytes}"
+    out.mkdir()
+    dir_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        directio.write_buffer_at(dir_fd, "f.bin", lease, 5000)
+        directio.write_buffer_at(dir_fd, "f.bin", lease, nbytes)
     finally:
         os.close(dir_fd)
-    assert (tmp_path / "f.bin").read_bytes() == bytes(lease.view(5000))
+        monkeypatch.undo()
+    assert (out / "f.bin").read_bytes() == bytes(lease.view(nbytes))
+    return writes, truncates
+
+
+def test_a_payloads_whole_blocks_go_direct_and_its_tail_through_the_page_cache(tmp_path, monkeypatch):
+    """No direct write past the payload, so no truncate: truncating into a block the page cache does not
+    hold reads that block back from the disk first (a synchronous read on every payload)."""
+    writes, truncates = _write_spied(tmp_path, monkeypatch, 3 * 4096 + 808)
+    assert writes == [(0, 3 * 4096, True), (3 * 4096, 808, False)] and truncates == []
+    writes, truncates = _write_spied(tmp_path, monkeypatch, 2 * 4096)           # whole blocks: all direct
+    assert writes == [(0, 2 * 4096, True)] and truncates == []
+    writes, truncates = _write_spied(tmp_path, monkeypatch, 1000)                # less than a block: none direct
+    assert writes == [(0, 1000, False)] and truncates == []
+
+
+def test_a_short_direct_write_is_finished_through_the_page_cache(tmp_path, monkeypatch):
+    writes, truncates = _write_spied(tmp_path, monkeypatch, 3 * 4096 + 808, short_at=5100)
+    assert writes == [(0, 3 * 4096, True), (5100, 3 * 4096 + 808 - 5100, False)] and truncates == []
 
 
 def _mapped_in_child(addr: int) -> bool:

@@ -71,41 +71,42 @@ def _buffered(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_DIRECT)
 
 
-def _pwrite_all(fd: int, view: memoryview, nbytes: int, direct: bool) -> int:
-    """Write view[:nbytes] at offset 0; with `direct`, whole ALIGN blocks. Returns the extent written
-    (from nbytes up to round_up(nbytes): the caller truncates)."""
-    end = round_up(nbytes) if direct else nbytes
+def _pwrite_all(fd: int, view: memoryview, nbytes: int, direct: bool) -> None:
+    """Write view[:nbytes] at offset 0. With `direct` the whole ALIGN blocks go straight to the disk and
+    the unaligned tail through the page cache: a direct write padded past the payload would need a
+    truncate, and truncating into a block the page cache does not hold reads that block back from the
+    disk first (one synchronous read a payload, on the writer's thread)."""
+    end = nbytes - nbytes % ALIGN if direct else nbytes
     done = 0
-    while done < end:
+    while done < nbytes:
+        if direct and done >= end:
+            _buffered(fd)            # the tail
+            direct, end = False, nbytes
         try:
             n = os.pwrite(fd, view[done:end], done)
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
                 raise
             _buffered(fd)
-            direct, end = False, max(done, nbytes)
+            direct, end = False, nbytes
             continue
         if n <= 0:
             raise OSError(errno.EIO, "write made no progress")
         done += n
         if direct and done % ALIGN and done < end:
             _buffered(fd)            # a short direct write: finish through the page cache
-            direct, end = False, max(done, nbytes)
-    return done
+            direct, end = False, nbytes
 
 
 def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cache: bool = True,
                     sync_dir: bool = True) -> None:
-    """Atomically and durably create `name` in dir_fd holding the first `nbytes` of the leased buffer
-    (which has at least round_up(nbytes) bytes); without `sync_dir` the directory's fsync is the
-    caller's. On failure the temporary file is removed and the exception propagates."""
+    """Atomically and durably create `name` in dir_fd holding the first `nbytes` of the leased buffer;
+    without `sync_dir` the directory's fsync is the caller's. On failure the temporary file is removed and the exception propagates."""
     def fill(tmp: str) -> None:
         fd, direct = _open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
         try:
             with kept_from_forks(lease):
-                written = _pwrite_all(fd, lease.view(), nbytes, direct)
-            if written > nbytes:
-                os.ftruncate(fd, nbytes)          # the padding of the last direct block
+                _pwrite_all(fd, lease.view(), nbytes, direct)
             os.fsync(fd)
             if drop_cache:
                 drop_cached_pages(fd)             # a no-op for what went out direct
