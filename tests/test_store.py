@@ -104,6 +104,44 @@ def test_commit_refuses_missing_entries_and_wrong_sizes(tmp_path):
     assert st.status(1).status == "complete"
 
 
+def test_a_commit_lists_again_only_the_files_this_writer_did_not_store(tmp_path, monkeypatch):
+    """The files a writer stored for a step were size-checked as they were stored: its commit does not list
+    the step again for them (W = 1: no listing at all; one LIST request less a step on an object store).
+    Another rank's files, and any entry that is not exactly what was stored, are listed and checked."""
+    from skip_harness.store.namespace import Namespace
+
+    listed = []
+    real = Namespace.list_step
+    monkeypatch.setattr(Namespace, "list_step", lambda self, step: (listed.append(step), real(self, step))[1])
+    st = make(tmp_path, K=2)
+    st.writer.commit(1, write_step(st, 1, commit=False), None)
+    assert listed == [] and st.status(1).status == "complete"
+
+    listed.clear()
+    entries = write_step(st, 2, commit=False)
+    (st.layout.step_dir(2) / entries[0].rel).unlink()               # an entry altered after it was stored
+    with pytest.raises(CorruptStepError, match="missing"):
+        st.writer.commit(2, [FileEntry(entries[0].rel, entries[0].bytes, "0" * 32), *entries[1:]], None)
+    assert listed == [2]
+
+    w2 = make(tmp_path / "w2", K=1, W=2)
+    other = open_store(w2.layout)                                   # rank 1's writer, in another process
+    mine = write_step(w2, 3, commit=False, ranks=[0])
+    theirs = write_step(other, 3, commit=False, ranks=[1])
+    (w2.layout.step_dir(3) / theirs[0].rel).unlink()
+    listed.clear()
+    with pytest.raises(CorruptStepError, match="missing"):
+        w2.writer.commit(3, mine + theirs, None)
+    assert listed == [3]
+
+    stored = write_step(st, 4, commit=False)
+    st.writer.clear_step(4)                                         # what was stored is gone: not trusted
+    listed.clear()
+    with pytest.raises(CorruptStepError, match="does not exist"):
+        st.writer.commit(4, stored, None)
+    assert listed == [4]
+
+
 def test_rewriting_a_committed_step_removes_its_commit_record_first(tmp_path):
     st = make(tmp_path, K=2)
     write_step(st, 1)

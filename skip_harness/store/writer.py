@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from skip_harness import codec
 from skip_harness.codec import tensorfile
@@ -30,6 +31,8 @@ from skip_harness.store.paths import check_position, check_step
 from skip_harness.store.discards import Discarded, DiscardStore
 from skip_harness.store.values import ValuesStore
 
+_STORED_STEPS_KEPT = 256
+
 
 class StagedInner:
     """A payload copied into a pool buffer (and hashed, when stored as it is) by `StepWriter.stage_inner`;
@@ -39,8 +42,10 @@ class StagedInner:
 
     def __init__(self, namespace: Namespace, step: int, lease: Lease, nbytes: int, checksum: Optional[str],
                  payload_rel: str, meta_rel: str, meta: Dict[str, Any],
-                 transform: Optional[Tuple[tensorfile.FileImage, tensorfile.StoredForm, BufferPool]] = None):
+                 transform: Optional[Tuple[tensorfile.FileImage, tensorfile.StoredForm, BufferPool]] = None,
+                 stored: Optional[Callable[[int, Sequence[FileEntry]], None]] = None):
         self._namespace = namespace
+        self._on_stored = stored
         self._step = step
         self._lease: Optional[Lease] = lease
         self.checksum = checksum
@@ -80,8 +85,11 @@ class StagedInner:
                                                           (self.meta_rel, meta_bytes, len(meta_bytes))])
         finally:
             lease.release()
-        return (FileEntry(self.payload_rel, self.bytes, self.checksum),
-                FileEntry(self.meta_rel, len(meta_bytes), checksum_bytes(meta_bytes)))
+        entries = (FileEntry(self.payload_rel, self.bytes, self.checksum),
+                   FileEntry(self.meta_rel, len(meta_bytes), checksum_bytes(meta_bytes)))
+        if self._on_stored is not None:
+            self._on_stored(self._step, entries)
+        return entries
 
     def _take(self) -> Lease:
         lease, self._lease = self._lease, None
@@ -92,9 +100,10 @@ class StagedInner:
 
 class StepWriter:
     """Atomic, durable writes of the steps of one namespace (through its backend), the commit record
-    last. Holds no mutable state but its (thread-safe) buffer pool and what its commits add to the
-    namespace index (`index.IndexWriter`, thread-safe): stage on the trainer's thread, complete and commit
-    on the writer thread."""
+    last. Holds no mutable state but its (thread-safe) buffer pool, what its commits add to the
+    namespace index (`index.IndexWriter`, thread-safe) and the entries of the files it stored for steps
+    not yet committed (thread-safe): stage on the trainer's thread, complete and commit on the writer
+    thread."""
 
     def __init__(self, layout: Layout, namespace: Namespace, pool: BufferPool, form: tensorfile.StoredForm):
         """`pool`: the buffers payloads are staged in; `form`: how payloads are written
@@ -104,6 +113,16 @@ class StepWriter:
         self.pool = pool
         self.form = form
         self.index = index.IndexWriter(layout, namespace)
+        self._stored: Dict[int, Dict[str, FileEntry]] = {}     # step -> rel -> entry, stored and size-checked here
+        self._stored_guard = threading.Lock()
+
+    def _note_stored(self, step: int, entries: Sequence[FileEntry]) -> None:
+        """What `StagedInner.complete` stored for `step` and checked the size of: the step's commit need
+        not list those files again. A few hundred steps at most (a step abandoned is never committed)."""
+        with self._stored_guard:
+            self._stored.setdefault(step, {}).update((e.rel, e) for e in entries)
+            while len(self._stored) > _STORED_STEPS_KEPT:
+                del self._stored[next(iter(self._stored))]
 
     def write_inner(self, step: int, inner_index: int, rank: int, payload: Any,
                     meta: Mapping[str, Any]) -> Tuple[FileEntry, FileEntry]:
@@ -150,15 +169,17 @@ class StepWriter:
                         compression="zstd" if self.form.zstd_level is not None else "none",
                         logical_bytes=None if transform else image.nbytes)
         return StagedInner(self.namespace, step, lease, image.nbytes, checksum, payload_rel,
-                           layout.meta_rel(inner_index, rank), meta_doc, transform)
+                           layout.meta_rel(inner_index, rank), meta_doc, transform, self._note_stored)
 
     def commit(self, step: int, entries: Sequence[FileEntry], fingerprint: Optional[Fingerprint],
                *, gen_s: Optional[float] = None) -> CommitRecord:
         """Write the step's commit record (atomically, durably) once every rank's files are written.
         `entries` are the FileEntry pairs `write_inner` returned, from every rank; `gen_s` (optional)
         the step's generation seconds, kept for tables. Refuses (raises) when an entry is missing or a
-        listed file is not there with its size. Then appends the step to the namespace index (a hint:
-        failing to append changes nothing but the next startup's speed)."""
+        listed file is not there with its size -- the step is listed again for that unless every entry
+        is one this writer stored and checked for the step (W = 1: no second listing, no LIST request on
+        an object store). Then appends the step to the namespace index (a hint: failing to append
+        changes nothing but the next startup's speed)."""
         check_step(step)
         layout = self.layout
         by_rel: Dict[str, FileEntry] = {}
@@ -174,10 +195,13 @@ class StepWriter:
                 f"commit of step {step}: no entry for {', '.join(missing[:4])}"
                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             )
-        listing = self.namespace.list_step(step)
-        if listing is None:
+        with self._stored_guard:
+            stored = self._stored.pop(step, {})
+        unchecked = [e for e in by_rel.values() if stored.get(e.rel) != e]
+        listing = self.namespace.list_step(step) if unchecked else None
+        if unchecked and listing is None:
             raise CorruptStepError(layout.step_dir(step), "step directory does not exist")
-        for e in by_rel.values():
+        for e in unchecked:
             found = listing.files.get(e.rel)
             if found is None:
                 raise CorruptStepError(layout.step_dir(step) / e.rel, "missing")
@@ -232,4 +256,6 @@ class StepWriter:
     def clear_step(self, step: int) -> int:
         """Remove a step so it can be rewritten: commit record first, then everything else; a step
         entry that is a symlink is unlinked, never entered. Returns the bytes freed (0 if absent)."""
+        with self._stored_guard:
+            self._stored.pop(step, None)
         return self.namespace.remove_step(step)

@@ -81,12 +81,13 @@ class PosixStorage(Storage):
     # ---- fd-relative walking (never through a link)
 
     def _open_root(self, create: bool) -> Optional[int]:
-        if create:
-            os.makedirs(self.root, exist_ok=True)
         try:
             return os.open(self.root, _DIR_FLAGS)
         except FileNotFoundError:
-            return None
+            if not create:
+                return None
+        os.makedirs(self.root, exist_ok=True)   # only when missing: three calls more on every write otherwise
+        return os.open(self.root, _DIR_FLAGS)
 
     def _open_parent(self, key: str, create: bool, replace: bool = True) -> Tuple[int, str]:
         """(fd of the directory holding `key`, its last component), every directory on the way a real
