@@ -130,4 +130,22 @@ def bench_grpo_steps(prompts: int, work: Path, repeats: int, steps: int, rounds:
         # each arm against its floor step by step, the two alone (bench_pairs), for twice the dense pairs' steps
         **with_threads(threads, lambda: bench_pairs(batch, work, bare_save_s, ROUNDS_FACTOR * pair_steps, threads, m,
                                                     "_grpo")),
+        **with_threads(threads, lambda: _protocol(batch, work, bare_save_s, ROUNDS_FACTOR * pair_steps, threads)),
     }
+
+
+def _protocol(batch: Any, work: Path, bare_save_s: float, steps: int, threads: int) -> Dict[str, float]:
+    """The miss, its floor and the floor with SPEC's commit protocol done bare (scripts/_bench_protocol.py),
+    the three alone, taking turns for `steps` steps: `step_vs_protocol_floor_ratio_grpo` (what the harness's
+    own code costs over the contract) and `protocol_floor_vs_floor_ratio_grpo` (what the contract costs over
+    the durable copy, on this disk), each with its `_se`."""
+    from _bench_steps import bench_steps
+
+    m = bench_steps(batch, work, bare_save_s, steps, 1, threads, ("async", "floor_protocol", "floor"))
+    out = {}
+    for key, pair in (("step_vs_protocol_floor_ratio_grpo", "async_vs_floor_protocol_paired"),
+                      ("protocol_floor_vs_floor_ratio_grpo", "floor_protocol_vs_floor_paired")):
+        out[key] = m[pair]
+        if f"{pair}_se" in m:
+            out[f"{key}_se"] = m[f"{pair}_se"]
+    return out

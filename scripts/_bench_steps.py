@@ -315,6 +315,9 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
             return HitFloorArm(payload, hit_layouts[m.replace("hit_floor", "hit")], total)
         if m in ("floor", "floor_zstd"):
             return FloorArm(payload, work / f"steps_{m}", ZSTD_LEVEL if m == "floor_zstd" else None)
+        if m == "floor_protocol":                          # the floor plus SPEC's commit, bare
+            from _bench_protocol import ProtocolFloorArm
+            return ProtocolFloorArm(payload, work / f"steps_{m}")
         return VerlArm(payload, work / f"steps_{m}") if m == "verl" else TrainingArm(m, payload, work / f"steps_{m}")
 
     arms = {m: arm(m) for m in modes}
@@ -341,7 +344,9 @@ def bench_steps(payload: Any, work: Path, bare_save_s: float, steps: int, rounds
     # load between steps moves both): the median of the per-step ratios
     for key, num, den in (("hit_vs_floor", "hit", "hit_floor"), ("async_vs_floor", "async", "floor"),
                           ("floor_vs_off", "floor", "off"), ("async_zstd_vs_floor", "async_zstd", "floor_zstd"),
-                          ("hit_zstd_vs_floor", "hit_zstd", "hit_floor_zstd")):
+                          ("hit_zstd_vs_floor", "hit_zstd", "hit_floor_zstd"),
+                          ("async_vs_floor_protocol", "async", "floor_protocol"),
+                          ("floor_protocol_vs_floor", "floor_protocol", "floor")):
         if num in modes and den in modes:
             ratios = [x / y for x, y in zip(arms[num].times[1:], arms[den].times[1:])]
             out[f"{key}_paired"] = median(ratios)

@@ -31,8 +31,15 @@ def render_table(r: Dict[str, Any]) -> str:
     def floor_row(name: str, ours: str, floor: str, paired: str) -> str:
         """An arm over its baseline, its floor over the same baseline, and the two step by step (with the
         step-by-step figure's standard error, where measured)."""
-        line = row(name, f"{r[ours]:.3f}", f"{r[floor]:.3f}", f"{r[paired]:.3f}", tgt(paired))
+        return with_se(row(name, f"{r[ours]:.3f}", f"{r[floor]:.3f}", f"{r[paired]:.3f}", tgt(paired)), paired)
+
+    def with_se(line: str, paired: str) -> str:
         return line[:-1] + f"  (s.e. {r[paired + '_se']:.3f})\n" if f"{paired}_se" in r else line
+
+    def paired_row(name: str, paired: str) -> str:
+        """A step-by-step figure of two arms neither of which is the step without caching
+        (scripts/_bench_protocol.py), with its standard error."""
+        return with_se(row(name, "", "", f"{r[paired]:.3f}", tgt(paired)), paired)
 
     scan_note = "scaled from the largest size measured" if r["scan_10k_extrapolated"] else "measured"
     out = (
@@ -101,6 +108,9 @@ def render_table(r: Dict[str, Any]) -> str:
            + floor_row("GRPO batch, zstd: hit vs its floor", "hit_overhead_ratio_zstd_grpo",
                        "hit_overhead_ratio_zstd_floor_grpo", "hit_zstd_vs_floor_ratio_grpo")
            if "step_vs_floor_ratio_grpo" in r else "")
+        + (paired_row("GRPO: SPEC's commit, bare, vs the floor", "protocol_floor_vs_floor_ratio_grpo")
+           + paired_row("GRPO: miss vs SPEC's commit, bare", "step_vs_protocol_floor_ratio_grpo")
+           if "protocol_floor_vs_floor_ratio_grpo" in r else "")
         + (row("object store: hit vs the bare-GET floor beside it", f"{r['s3_hit_overhead_ratio']:.3f}",
                f"{r['s3_hit_floor_ratio']:.3f}", f"{r['s3_hit_vs_floor_ratio']:.3f}", tgt("s3_hit_vs_floor_ratio"))
            if "s3_hit_vs_floor_ratio" in r else "")

@@ -60,8 +60,10 @@ zstd at the default `compression_level`, on the writer thread):
 - disk_ratio_grpo      bytes stored over verl's torch.save of a GRPO mini-batch (rows / 32 prompts x 8 samples,
                        verl V1's fields: scripts/_bench_grpo.py); disk_floor_ratio_grpo: over the zstd size of
                        its unique content (each prompt once, each response once, nothing derivable).
-- step_vs_floor_ratio_grpo, hit_vs_floor_ratio_grpo, *_zstd_vs_floor_ratio_grpo (not SPEC keys) the step arms again on
-                       that GRPO batch, each against its floor (scripts/_bench_grpo.py); *_se: each *_vs_floor figure's standard error.
+- step_vs_floor_ratio_grpo, hit_vs_floor_ratio_grpo, *_zstd_vs_floor_ratio_grpo (not SPEC keys) the step arms on the GRPO
+                       batch, each against its floor; protocol_floor_vs_floor_ratio_grpo: SPEC's commit done bare (three files,
+                       six fsyncs: scripts/_bench_protocol.py) against the floor, step_vs_protocol_floor_ratio_grpo: the miss
+                       against it; *_se: each step-by-step figure's standard error.
 - concurrent_hit_floor_ratio
                        four replays of one namespace at once (processes of their own, every one a reader beside
                        the recording that holds it): the slowest one's median hit step vs the slowest of four
@@ -78,14 +80,12 @@ zstd at the default `compression_level`, on the writer thread):
 
 Token ids are Zipf-like over a 151,936-token vocabulary (rank k with probability ~ 1/k, ranks mapped to ids
 by a fixed permutation): uniformly random ids are not what models emit and compress like noise.
-
 Also: save/load throughput at two sizes (MiB/s), the writer's CPU seconds per save, and a save's floor.
-
 The object-store rows (s3_*; `--no-s3` leaves them out) come from scripts/bench_s3.py (a moto S3 server
 on 127.0.0.1); its docstring names its keys (s3_hit_vs_floor_ratio: against a bare GET of the same bytes).
-Progress goes to stderr (logging); the result (a table, or JSON with --json) to stdout. The parts:
-_benchlib.py (payloads, timing, the synthetic trainer), _bench_io.py (save / load / zstd / peak memory),
-_bench_steps.py (the step arms and floors), _bench_grpo.py, _bench_scan.py, _bench_table.py (the table).
+Progress goes to stderr (logging); the result (a table, or JSON with --json) to stdout. The parts: _benchlib.py
+(payloads, timing, the synthetic trainer), _bench_io.py (save / load / zstd / peak memory), _bench_steps.py (the
+step arms and floors), _bench_protocol.py, _bench_grpo.py, _bench_scan.py, _bench_table.py (the table).
 """
 from __future__ import annotations
 

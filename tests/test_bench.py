@@ -42,7 +42,7 @@ ZSTD_KEYS = ("disk_ratio_jagged", "disk_ratio_jagged_narrow", "disk_ratio_moe", 
              "step_zstd_vs_floor_ratio", "hit_zstd_vs_floor_ratio")
 SE_KEYS = ("step_vs_floor_ratio", "hit_vs_floor_ratio", "step_zstd_vs_floor_ratio", "hit_zstd_vs_floor_ratio",
            "step_vs_floor_ratio_grpo", "hit_vs_floor_ratio_grpo", "step_zstd_vs_floor_ratio_grpo",
-           "hit_zstd_vs_floor_ratio_grpo")
+           "hit_zstd_vs_floor_ratio_grpo", "step_vs_protocol_floor_ratio_grpo", "protocol_floor_vs_floor_ratio_grpo")
 MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s", "bare_save_s", "load_s",
              "bare_load_s", "step_s", "step_off_s", "step_sync_s", "step_hit_s", "step_memory_s",
              "step_overhead_ratio_1thread", "sync_overhead_ratio_1thread", "verl_sync_overhead_ratio", "scan_1k_s", "scan_full_1k_s",
@@ -55,7 +55,8 @@ MORE_KEYS = ("bare_load_peak_mem_ratio", "xxh3_gbps", "payload_bytes", "save_s",
              "stored_bytes_grpo", "floor_bytes_grpo", "step_overhead_ratio_grpo", "step_floor_ratio_grpo",
              "step_vs_floor_ratio_grpo", "hit_overhead_ratio_grpo", "hit_floor_ratio_grpo", "hit_vs_floor_ratio_grpo",
              "step_overhead_ratio_zstd_grpo", "hit_overhead_ratio_zstd_grpo", "step_overhead_ratio_zstd_floor_grpo",
-             "hit_overhead_ratio_zstd_floor_grpo", "step_zstd_vs_floor_ratio_grpo", "hit_zstd_vs_floor_ratio_grpo")
+             "hit_overhead_ratio_zstd_floor_grpo", "step_zstd_vs_floor_ratio_grpo", "hit_zstd_vs_floor_ratio_grpo",
+             "step_vs_protocol_floor_ratio_grpo", "protocol_floor_vs_floor_ratio_grpo")
 
 
 def load_script(path: Path = BENCH):
@@ -148,9 +149,42 @@ def test_bench_table_names_every_figure(quick):
                   "miss, async, zstd", "hit, zstd", "narrow + zstd / verl torch.save", "jagged (verl V1)",
                   "MoE routed experts", "zstd: miss vs its floor beside it", "hit floor (page cache)",
                   "hit vs the page-cache floor", "one-thread", "disk, GRPO (verl V1, n = 8)",
-                  "its unique content's zstd", "replays at once vs 4 bare reads at once"):
+                  "its unique content's zstd", "replays at once vs 4 bare reads at once",
+                  "SPEC's commit, bare, vs the floor", "miss vs SPEC's commit, bare"):
         assert words in table, words
-    assert table.count("(s.e. ") == sum(f"{key}_se" in quick_doc for key in SE_KEYS) == 4
+    assert table.count("(s.e. ") == sum(f"{key}_se" in quick_doc for key in SE_KEYS) == 6
+
+
+@pytest.mark.parametrize("arm", ["floor_protocol", "async", "floor"])
+def test_the_protocol_floor_asks_of_the_disk_what_the_miss_does(tmp_path, monkeypatch, arm):
+    """`protocol_floor_vs_floor_ratio_grpo` is what SPEC's commit costs only if its arm
+    (scripts/_bench_protocol.py) does to the disk what the harness's miss does: a step, the same fsyncs and
+    the same files in the step's directory; the durable-copy floor, one fsync and one file."""
+    import threading
+
+    from _bench_grpo import make_grpo_payload
+
+    payload = make_grpo_payload(2, 8, seed=1)
+    make = {"floor": _bench_steps.FloorArm, "async": lambda p, d: _bench_steps.TrainingArm("async", p, d)}
+    if arm == "floor_protocol":
+        from _bench_protocol import ProtocolFloorArm
+        make[arm] = ProtocolFloorArm
+    a = make[arm](payload, tmp_path / arm)
+    fsyncs, real = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(threading.current_thread().name), real(fd))[1])
+    compute = lib.Compute(16)
+    a.step(1, compute)                      # the first step of a namespace makes its folders: not counted
+    fsyncs.clear()
+    a.step(2, compute)
+    if isinstance(a, _bench_steps.TrainingArm):
+        a.harness.close()
+    a.close(2)
+    written = sorted(p.name for p in (tmp_path / arm).rglob("*") if p.parent.name == "2" or p.name.startswith("2."))
+    if arm == "floor":
+        assert len(fsyncs) == 1 and written == ["2.bin"]
+    else:
+        assert len(fsyncs) == 6 and written == ["commit.json", "meta.json", "tq_batch.pt"], (fsyncs, written)
+    assert all("writer" in name for name in fsyncs)          # on the writer thread, none on the trainer's
 
 
 def test_a_paired_figures_standard_error_is_the_medians():
