@@ -176,9 +176,9 @@ class StepWriter:
         """Write the step's commit record (atomically, durably) once every rank's files are written.
         `entries` are the FileEntry pairs `write_inner` returned, from every rank; `gen_s` (optional)
         the step's generation seconds, kept for tables. Refuses (raises) when an entry is missing or a
-        listed file is not there with its size -- the step is listed again for that unless every entry
-        is one this writer stored and checked for the step (W = 1: no second listing, no LIST request on
-        an object store). Then appends the step to the namespace index (a hint: failing to append
+        listed file is not there with its size -- checked against a listing of the step for the entries
+        this writer did not store and check itself (another rank's; with W = 1 none: no listing, no LIST
+        request on an object store). Then appends the step to the namespace index (a hint: failing to append
         changes nothing but the next startup's speed)."""
         check_step(step)
         layout = self.layout

@@ -3,9 +3,10 @@
 Filling page-cache pages is what a buffered write or a memory-mapped read of a large file mostly
 costs -- page allocation and faults on the trainer's cores -- and a cache file is written once and
 read in a later run, so the page cache buys nothing. With O_DIRECT the device moves the bytes
-straight between the (page-aligned, reused) buffer and the disk. Where a file system refuses
-O_DIRECT (EINVAL: tmpfs on older kernels, some network file systems) the same calls go through the
-page cache instead, dropping the written pages after fsync.
+straight between the (page-aligned, reused) buffer and the disk; a written file's last partial
+block goes through the page cache. Where a file system refuses O_DIRECT (EINVAL: tmpfs on older
+kernels, some network file systems) the same calls go through the page cache instead, dropping
+the written pages after fsync.
 
 `write_buffer_at` keeps the write protocol of `fileops` (unique temporary name, fsync, `os.replace`,
 directory fsync). This module does no logging.
@@ -101,7 +102,8 @@ def _pwrite_all(fd: int, view: memoryview, nbytes: int, direct: bool) -> None:
 def write_buffer_at(dir_fd: int, name: str, lease: Lease, nbytes: int, drop_cache: bool = True,
                     sync_dir: bool = True) -> None:
     """Atomically and durably create `name` in dir_fd holding the first `nbytes` of the leased buffer;
-    without `sync_dir` the directory's fsync is the caller's. On failure the temporary file is removed and the exception propagates."""
+    without `sync_dir` the directory's fsync is the caller's. On failure the temporary file is removed
+    and the exception propagates."""
     def fill(tmp: str) -> None:
         fd, direct = _open(tmp, CREATE_FLAGS, 0o644, dir_fd=dir_fd)
         try:
