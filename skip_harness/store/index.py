@@ -119,15 +119,19 @@ def read_stamp(namespace: Namespace, name: str, K: int) -> Optional[Tuple[Stamp,
     """(stamp, newest mtime) of step directory `name`, from the change stamps of its directory, its commit
     record and its inner directories (`Storage.stamps`); None if any part of it is missing or not what a
     committed step has (a link, a file where a directory belongs)."""
-    keys, kinds = _stamp_keys(name, K)
-    return namespace.storage.stamps(keys, kinds)
+    return read_stamps(namespace, [name], K)[0]
 
 
-def _stamp_keys(name: str, K: int) -> Tuple[List[str], Tuple[str, ...]]:
-    keys = [name, name + _COMMIT_SUFFIX]
-    if K > 1:
-        keys += [name + suffix for suffix in _inner_suffixes(K)]
-    return keys, _stamp_kinds(len(keys))
+def read_stamps(namespace: Namespace, names: Sequence[str], K: int) -> List[Optional[Tuple[Stamp, int]]]:
+    """`read_stamp` of each step directory in `names`, with one call to the storage
+    (`Storage.stamps_many`)."""
+    suffixes = _stamp_suffixes(K)
+    return namespace.storage.stamps_many(names, suffixes, _stamp_kinds(len(suffixes)))
+
+
+@functools.lru_cache(maxsize=16)
+def _stamp_suffixes(K: int) -> Tuple[str, ...]:
+    return ("", _COMMIT_SUFFIX) + (_inner_suffixes(K) if K > 1 else ())
 
 
 @functools.lru_cache(maxsize=16)
@@ -341,11 +345,9 @@ def check_entries(namespace: Namespace, names: Sequence[Tuple[int, str]], entrie
     that no longer matches or is racy]). Steps without an entry are in neither."""
     trusted: Dict[int, IndexEntry] = {}
     changed: List[int] = []
-    for step, name in names:
-        entry = entries.get(step)
-        if entry is None:
-            continue
-        stamp = read_stamp(namespace, name, K)
+    known = [(step, name, entries[step]) for step, name in names if step in entries]
+    stamps = read_stamps(namespace, [name for _, name, _ in known], K)
+    for (step, _, entry), stamp in zip(known, stamps):
         if stamp is None or stamp[0] != entry.stamp or entry.racy or stamp[1] != entry.newest_mtime_ns:
             changed.append(step)
         else:

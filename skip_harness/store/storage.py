@@ -163,6 +163,14 @@ class Storage(abc.ABC):
             newest = max(newest, e.mtime_ns or 0)
         return checksum_int("|".join(parts).encode()), newest
 
+    def stamps_many(self, names: Sequence[str], suffixes: Sequence[str],
+                    kinds: Sequence[str]) -> List[Optional[Tuple[int, int]]]:
+        """`stamps` of many groups of one shape: for each of `names`, the keys `name + suffix` for each of
+        `suffixes` (a suffix "" is the name itself), of `kinds`. The index checks every committed step
+        with one call at startup (10,000 steps x K = 4: 60,000 entries), so a storage may share work
+        across the groups (POSIX opens the namespace once)."""
+        return [self.stamps([name + suffix for suffix in suffixes], kinds) for name in names]
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[Entry]:
         """Every entry under `prefix`, at any depth, in no particular order; links and temporaries are

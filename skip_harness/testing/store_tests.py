@@ -241,6 +241,28 @@ class StoreTests:
         assert ns.tree_bytes("c/") == 5
         assert ns.modified("") is not None or not ns.caps.directories
 
+    def test_stamps_of_many_groups_tell_a_change_and_a_missing_entry(self, make_namespace):
+        """`Storage.stamps_many`, what the index checks every committed step by at startup: for each name,
+        one stamp over its group's entries; None where one is missing or of another kind; a new stamp
+        when one of them is rewritten; and what `stamps` gives the same keys."""
+        st = make_namespace().storage
+        for name in ("1", "2", "3"):
+            st.put(f"{name}/a.json", b"a" * int(name))
+            st.put(f"{name}/b.json", b"b")
+        st.delete("2/b.json")
+        suffixes, kinds = ("/a.json", "/b.json"), (FILE, FILE)
+        names = ["1", "2", "3", "4"]
+        many = st.stamps_many(names, suffixes, kinds)
+        assert many == [st.stamps([n + s for s in suffixes], kinds) for n in names]
+        assert [m is None for m in many] == [False, True, False, True]
+        assert many[0][0] != many[2][0]
+        st.put("1/a.json", b"rewritten")
+        assert st.stamps_many(["1", "3"], suffixes, kinds) == [st.stamps(["1/a.json", "1/b.json"], kinds), many[2]]
+        assert st.stamps_many(["1"], suffixes, kinds)[0] != many[0]
+        if st.caps.directories:
+            assert st.stamps_many(["1"], ("", "/a.json"), (DIR, FILE))[0] is not None
+            assert st.stamps_many(["1", "3"], ("", "/a.json"), (FILE, FILE)) == [None, None]
+
     def test_put_all_and_write_step_files_store_each_file(self, make_namespace):
         """Several files in one call (a mini-batch's payload from a pool buffer and its meta.json), in one
         directory or several: each stored whole, replacing what was there, sizes in order."""

@@ -46,6 +46,33 @@ def _pack(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}Q")
 
 
+def _stamps_at(root_fd: int, names: Sequence[str],
+               parts: Tuple[Tuple[str, bool, str], ...]) -> List[Optional[Tuple[int, int]]]:
+    """`PosixStorage.stamps_many`'s loop (kept tight: it runs 60,000 times at a large startup)."""
+    out: List[Optional[Tuple[int, int]]] = []
+    pack = _pack(sum(3 if is_file else 2 for _, is_file, _ in parts)).pack
+    kinds, ifmt, stat_at = _KINDS.get, stat.S_IFMT, os.stat
+    for name in names:
+        values: List[int] = []
+        newest = 0
+        try:
+            for suffix, is_file, kind in parts:
+                st = stat_at(name + suffix, dir_fd=root_fd, follow_symlinks=False)
+                if kinds(ifmt(st.st_mode)) is not kind:
+                    break
+                mtime = st.st_mtime_ns
+                values += (st.st_ino, st.st_size, mtime) if is_file else (st.st_ino, mtime)
+                if mtime > newest:
+                    newest = mtime
+            else:
+                out.append((checksum_int(pack(*values)), newest))
+                continue
+        except (OSError, ValueError, struct.error):
+            pass
+        out.append(None)
+    return out
+
+
 def _entry(key: str, name: str, st: os.stat_result) -> Entry:
     mode = st.st_mode
     kind = _KINDS.get(stat.S_IFMT(mode), OTHER)
@@ -225,23 +252,18 @@ class PosixStorage(Storage):
         """inode + mtime (+ size for a file) of each entry, stat'ed relative to the namespace directory
         (never through a link at the last component), packed and hashed: no Entry made. The same values
         in the same order as the index has always hashed, so an index written before stays valid."""
+        return self.stamps_many([""], keys, kinds)[0]
+
+    def stamps_many(self, names: Sequence[str], suffixes: Sequence[str],
+                    kinds: Sequence[str]) -> List[Optional[Tuple[int, int]]]:
+        """`stamps` of each group, the namespace directory opened once for all of them: a startup scan
+        checks 60,000 entries (10,000 steps x K = 4), and an open and a close a step were a third of it."""
         try:
             root_fd = os.open(self.root, _DIR_FLAGS)
         except OSError:
-            return None
+            return [None] * len(names)
         try:
-            values: List[int] = []
-            newest = 0
-            for key, kind in zip(keys, kinds):
-                st = os.stat(key, dir_fd=root_fd, follow_symlinks=False)
-                if _KINDS.get(stat.S_IFMT(st.st_mode)) is not kind:
-                    return None
-                values += (st.st_ino, st.st_size, st.st_mtime_ns) if kind is FILE else (st.st_ino, st.st_mtime_ns)
-                if st.st_mtime_ns > newest:
-                    newest = st.st_mtime_ns
-            return checksum_int(_pack(len(values)).pack(*values)), newest
-        except (OSError, ValueError, struct.error):
-            return None
+            return _stamps_at(root_fd, names, tuple(zip(suffixes, [kind is FILE for kind in kinds], kinds)))
         finally:
             os.close(root_fd)
 
