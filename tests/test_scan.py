@@ -257,11 +257,32 @@ def test_large_namespace_is_scanned_in_parallel_with_the_same_result(tmp_path, m
             os.symlink(st.layout.step_dir(1), st.layout.step_dir(step))
         else:
             write_legacy(st.layout, step)
+    monkeypatch.setattr(scan_mod, "_CHUNK", 16)        # 19 chunks: each way of classifying one takes turns
     parallel = scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
     monkeypatch.setattr(scan_mod, "_PARALLEL_FROM", 10**9)
     assert scan_namespace(st.layout, open_namespace(st.layout), use_index=False) == parallel
     assert len(parallel.steps) == 299
     assert parallel.by_status("incomplete") == tuple(s for s in parallel.steps if s.step % 7 == 0)
+
+
+def test_a_full_scan_takes_the_faster_way_a_chunk_and_times_the_slower_again():
+    """Serially on a warm cache (threads only contend for the GIL), on threads on a cold one (they overlap
+    the disk's waits): each way timed on a chunk first, the slower again on every `_RETRY_EVERY`th chunk,
+    so a cache that warms up mid-scan moves the scan back to serial."""
+    from skip_harness.store.scan import _RETRY_EVERY, _Pace
+
+    pace = _Pace()
+    ways = []
+    for chunk in range(1, 3 * _RETRY_EVERY + 1):
+        threaded = pace.threaded()
+        ways.append(threaded)
+        serial_cost = 2.0 if chunk < 2 * _RETRY_EVERY else 0.5          # the cache warms: serial gets faster
+        pace.took(threaded, 1.0 if threaded else serial_cost)
+    retried = [chunk for chunk in range(1, len(ways) + 1) if chunk % _RETRY_EVERY == 0]
+    assert ways[:2] == [False, True]
+    assert [ways[c - 1] for c in retried] == [False, False, True]
+    assert all(ways[c - 1] for c in range(3, 2 * _RETRY_EVERY) if c not in retried)
+    assert not any(ways[c - 1] for c in range(2 * _RETRY_EVERY + 1, 3 * _RETRY_EVERY))
 
 
 def test_find_namespaces(tmp_path):
