@@ -181,11 +181,14 @@ class Layout:
         return self.step_dir(step) if self.K == 1 else self.step_dir(step) / str(inner_index)
 
     def payload_rel(self, inner_index: int, rank: int) -> str:
-        """Path of a payload file relative to its step directory, '/'-separated."""
-        return str(self.inner_rel(inner_index) / payload_name(rank, self.W))
+        """Path of a payload file relative to its step directory, '/'-separated (`inner_rel` / its name,
+        as text: a listing asks for it tens of thousands of times)."""
+        name = payload_name(rank, self.W)
+        return name if self.K == 1 else f"{int(inner_index)}/{name}"
 
     def meta_rel(self, inner_index: int, rank: int) -> str:
-        return str(self.inner_rel(inner_index) / meta_name(rank, self.W))
+        name = meta_name(rank, self.W)
+        return name if self.K == 1 else f"{int(inner_index)}/{name}"
 
     def payload_path(self, step: int, inner_index: int, rank: int) -> Path:
         return self.step_dir(step) / self.payload_rel(inner_index, rank)

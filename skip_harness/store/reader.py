@@ -14,9 +14,10 @@ while the writer writes others.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path, PurePosixPath
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
 
 from skip_harness import codec
 from skip_harness.errors import CorruptStepError
@@ -63,35 +64,42 @@ class StepReader:
         CorruptStepError naming the file if it is missing, unreadable or not a JSON object."""
         check_position(self.layout, step, inner_index, rank)
         rel = meta_rel_at(self.layout, step, inner_index, rank, self.namespace)
-        path, data = self._read_small(step, rel, "meta file cannot be read")
-        return _parse_meta(path, data)
+        data = self._read_small(step, rel, "meta file cannot be read")
+        return _parse_meta(lambda: self._path(step, rel), data)
 
-    def _read_small(self, step: int, rel: str, cannot: str = "cannot be read") -> Tuple[Path, bytes]:
-        """(its path, its bytes) of small file `rel` of `step`, through the backend; CorruptStepError
-        naming the path when it is missing or cannot be read."""
-        path = self.layout.step_dir(step) / rel
+    def _path(self, step: int, rel: str) -> Path:
+        """Where file `rel` of `step` is, for a message (made only when one is: `ls` reads 40,000 metas)."""
+        return self.layout.step_dir(step) / rel
+
+    def _read_small(self, step: int, rel: str, cannot: str = "cannot be read") -> bytes:
+        """The bytes of small file `rel` of `step`, through the backend; CorruptStepError naming its path
+        when it is missing or cannot be read."""
         try:
             data = self.namespace.read_small(f"{int(step)}/{rel}")
         except OSError as exc:
-            raise CorruptStepError(path, f"{cannot}: {exc.strerror or exc}") from None
+            raise CorruptStepError(self._path(step, rel), f"{cannot}: {exc.strerror or exc}") from None
         if data is None:
-            raise CorruptStepError(path, "missing")
-        return path, data
+            raise CorruptStepError(self._path(step, rel), "missing")
+        return data
 
-    def logical_bytes(self, step: int, stored_bytes: int) -> int:
+    def logical_bytes(self, step: int, stored_bytes: int, metas: Optional[Iterable[Dict[str, Any]]] = None) -> int:
         """The step's bytes at full width: `stored_bytes` (what its files take on disk) with each
         payload's stored size replaced by the full-width size its meta.json records (written with
-        compression=zstd); a payload whose meta records none counts as stored. Reads K x W metas."""
+        compression=zstd); a payload whose meta records none counts as stored. Reads K x W metas, unless
+        `metas` are the step's already read (`read_meta`'s, the unreadable left out)."""
         total = stored_bytes
-        for i, r, _p, _m in expected_rels(self.layout):
-            try:
-                meta = self.read_meta(step, i, r)
-            except (CorruptStepError, OSError):
-                continue
+        for meta in self._readable_metas(step) if metas is None else metas:
             logical, stored = meta.get("logical_bytes"), meta.get("bytes")
             if type(logical) is int and type(stored) is int and logical >= 0 and stored >= 0:
                 total += logical - stored
         return total
+
+    def _readable_metas(self, step: int) -> Iterator[Dict[str, Any]]:
+        for i, r, _p, _m in expected_rels(self.layout):
+            try:
+                yield self.read_meta(step, i, r)
+            except (CorruptStepError, OSError):
+                continue
 
     # ---- what the step produced (store.values)
 
@@ -162,7 +170,7 @@ class StepReader:
                 if prel not in entries or mrel not in entries:
                     return (StepStatus.CORRUPT, f"{self.layout.commit_path(step)}: lists no entry for "
                             f"{prel if prel not in entries else mrel}", [], [])
-                metas.append(_parse_meta(self.layout.step_dir(step) / mrel,
+                metas.append(_parse_meta(functools.partial(self._path, step, mrel),
                                          self._read_small_verified(step, entries[mrel])))
                 batches.append(self._read_payload_checked(step, entries[prel]))
         except CorruptStepError as exc:
@@ -292,9 +300,11 @@ class StepReader:
 
     def _read_small_verified(self, step: int, entry: FileEntry) -> bytes:
         """A meta file (or an extra one) read whole and checked against its commit-record entry."""
-        path, data = self._read_small(step, entry.rel)
-        reason = _mismatch(path, len(data), checksum_bytes(data), entry)
-        if reason is not None:
+        data = self._read_small(step, entry.rel)
+        digest = checksum_bytes(data)
+        if len(data) != entry.bytes or digest != entry.checksum:
+            path = self._path(step, entry.rel)
+            reason = _mismatch(path, len(data), digest, entry) or ""
             raise CorruptStepError(path, without_path(reason, path))
         return data
 
@@ -345,13 +355,14 @@ def _corrupt_on_codec_error(path: Path) -> Iterator[None]:
         raise CorruptStepError(path, without_path(str(exc), path)) from None
 
 
-def _parse_meta(path: Path, data: bytes) -> Dict[str, Any]:
+def _parse_meta(where: Callable[[], Path], data: bytes) -> Dict[str, Any]:
+    """A meta file's JSON object; CorruptStepError naming `where()` when it is not one."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptStepError(path, f"meta file cannot be read: {exc}") from None
+        raise CorruptStepError(where(), f"meta file cannot be read: {exc}") from None
     if not isinstance(doc, dict):
-        raise CorruptStepError(path, "meta file is not a JSON object")
+        raise CorruptStepError(where(), "meta file is not a JSON object")
     return doc
 
 

@@ -15,7 +15,7 @@ import mmap
 import os
 import stat
 import struct
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from skip_harness.errors import CorruptStepError
@@ -121,17 +121,16 @@ class PosixStorage(Storage):
         directory (created when `create`; a link or file in a directory's place removed when creating
         and `replace`, else CorruptStepError -- OSError when creating without `replace`).
         FileNotFoundError when the root or a directory on the way is missing."""
-        parts = PurePosixPath(key).parts
+        parts = [part for part in key.split("/") if part and part != "."]   # PurePosixPath(key).parts, cheaper
         fd = self._open_root(create)
         if fd is None:
             raise FileNotFoundError(str(self.root))
-        path = self.root
         try:
-            for part in parts[:-1]:
-                path = path / part
+            for depth, part in enumerate(parts[:-1]):
                 try:
                     sub, created = open_dir_at(part, fd, create=create)
                 except NotARealDirectory as exc:
+                    path = self.root.joinpath(*parts[:depth + 1])     # for the message: made only here
                     if create and not replace:
                         raise OSError(f"{path} is not a real directory; refusing to move anything into it") from None
                     if not create:
@@ -328,7 +327,7 @@ class PosixStorage(Storage):
                 parent = key.rpartition("/")[0]
                 if parent not in dirs:
                     dirs[parent] = self._open_parent(key, create=True)[0]
-                name = PurePosixPath(key).name
+                name = key.rpartition("/")[2]
                 self._put_at(dirs[parent], name, data, nbytes)
                 placed.append((dirs[parent], name))
             for dir_fd in dirs.values():
