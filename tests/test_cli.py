@@ -81,6 +81,22 @@ def test_ls_shows_mode_seed_and_generation_seconds(tmp_path, capsys):
     assert [s["gen_s"] for s in doc["steps"]] == [1.25, 2.5]
 
 
+def test_ls_reads_each_meta_file_of_a_step_once(cache, capsys, monkeypatch):
+    """A step's full-width size and, where its commit record has none, its generation seconds both come
+    from its meta files: `ls` reads each once (a 10,000-step K = 4 namespace: 40,000 reads, not 80,000)."""
+    from skip_harness.store.reader import StepReader
+
+    dump, a, b = cache
+    read = []
+    real = StepReader.read_meta
+    monkeypatch.setattr(StepReader, "read_meta", lambda self, step, i, r: read.append((step, i, r)) or real(self, step, i, r))
+    code, out, _ = run(capsys, "ls", str(dump), "--json")
+    assert code == 0
+    # A: steps 1 (complete) and 2 (unverified) are servable, K = 2; B: steps 1 and 2, K = 1
+    assert sorted(read) == [(1, 0, 0), (1, 0, 0), (1, 1, 0), (2, 0, 0), (2, 0, 0), (2, 1, 0)]
+    assert [s["gen_s"] for s in json.loads(out)["namespaces"][1]["steps"]] == [None, None]
+
+
 def test_ls_json_is_one_document_matching_the_scan(cache, capsys):
     dump, a, b = cache
     code, out, _ = run(capsys, "ls", str(dump), "--json")

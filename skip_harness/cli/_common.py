@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from skip_harness.cli._discovery import check_place, default_dump_dir, namespaces_under, require_dir, short_path, where_of  # noqa: F401
 from skip_harness.cli._facts import (  # noqa: F401
-    mode_and_seed, step_accessed, step_gen_s, step_written,
+    mode_and_seed, step_accessed, step_gen_s, step_metas, step_written,
 )
 from skip_harness.cli._output import (  # noqa: F401
     EXIT_CORRUPT, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, SORT_KEYS, CliError, about, emit_json, fmt_ago,

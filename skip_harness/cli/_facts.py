@@ -49,15 +49,16 @@ def step_metas(reader: StepReader, step: int) -> List[Dict[str, Any]]:
     return out
 
 
-def step_gen_s(reader: StepReader, report: StepReport) -> Optional[float]:
-    """Generation seconds the step's metas record (what a rerun saves by serving it)."""
+def step_gen_s(reader: StepReader, report: StepReport, metas: Optional[List[Dict[str, Any]]] = None) -> Optional[float]:
+    """Generation seconds the step's commit record or metas record (what a rerun saves by serving it);
+    `metas`: the step's, when the caller has read them (`step_metas`)."""
     known = getattr(report, "gen_s", None)
     if known is not None:
         return float(known)
     if not report.servable:
         return None
     total, seen = 0.0, False
-    for meta in step_metas(reader, report.step):
+    for meta in step_metas(reader, report.step) if metas is None else metas:
         value = meta.get("gen_s")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             total += float(value)

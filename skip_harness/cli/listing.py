@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-from skip_harness.store.api import (Layout, STATUSES, StepReport, StepStatus, StepStore, ValuesStore, open_store,
-                                    scan_namespace)
+from skip_harness.store.api import (Layout, STATUSES, StepReader, StepReport, StepStatus, StepStore, ValuesStore,
+                                    open_store, scan_namespace)
 
 from skip_harness.cli._common import (
     EXIT_CORRUPT,
@@ -27,6 +27,7 @@ from skip_harness.cli._common import (
     stdout_console,
     step_accessed,
     step_gen_s,
+    step_metas,
     step_written,
 )
 from skip_harness.cli._verify import verified_steps
@@ -84,9 +85,15 @@ class NamespaceView:
 
 def view(store: StepStore, steps: Sequence[StepReport]) -> NamespaceView:
     layout, reader = store.layout, store.reader
-    return NamespaceView(layout, [StepRow(s, step_written(reader, s), step_gen_s(reader, s), step_accessed(reader, s),
-                                          reader.logical_bytes(s.step, s.bytes) if s.servable else None)
-                                  for s in steps], tuple(ValuesStore(reader.namespace).list_runs()))
+    return NamespaceView(layout, [_row(reader, s) for s in steps], tuple(ValuesStore(reader.namespace).list_runs()))
+
+
+def _row(reader: StepReader, s: StepReport) -> StepRow:
+    """A step's row, its meta files read once (for its full-width size and, where its commit record has
+    none, its generation seconds)."""
+    metas = step_metas(reader, s.step) if s.servable else None
+    return StepRow(s, step_written(reader, s), step_gen_s(reader, s, metas), step_accessed(reader, s),
+                   None if metas is None else reader.logical_bytes(s.step, s.bytes, metas))
 
 
 def sort_views(views: Sequence[NamespaceView], key: str, base: Path) -> List[NamespaceView]:
