@@ -58,6 +58,27 @@ def test_commit_appends_one_line_and_the_scan_uses_it(tmp_path):
     assert [s.fingerprint for s in report.steps] == [FP] * 3
 
 
+def test_a_posix_stamp_is_the_hash_indexes_were_always_written_with(tmp_path):
+    """xxh3_64 over the packed (inode, mtime) of the step's directory, (inode, size, mtime) of its commit
+    record, then (inode, mtime) of each inner directory: an index written by any version since the
+    stamps began must keep matching, or every upgrade would cost a full scan."""
+    import struct
+
+    import xxhash
+
+    st = make(tmp_path, K=2)
+    write_step(st, 4, fingerprint=FP)
+    values, newest = [], 0
+    for rel, is_file in (("4", False), ("4/commit.json", True), ("4/0", False), ("4/1", False)):
+        s = os.stat(st.layout.root / rel, follow_symlinks=False)
+        values += (s.st_ino, s.st_size, s.st_mtime_ns) if is_file else (s.st_ino, s.st_mtime_ns)
+        newest = max(newest, s.st_mtime_ns)
+    expected = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(values)}Q", *values))
+    assert index.read_stamp(st.namespace, "4", 2) == (expected, newest)
+    assert index.read_stamps(st.namespace, ["4", "5", "4"], 2) == [(expected, newest), None, (expected, newest)]
+    assert index.read(st.layout, st.namespace)[4].stamp == expected
+
+
 def test_trusted_steps_are_not_listed(tmp_path, monkeypatch):
     from skip_harness.store.posix.storage import PosixStorage
 

@@ -257,7 +257,7 @@ def test_large_namespace_is_scanned_in_parallel_with_the_same_result(tmp_path, m
             os.symlink(st.layout.step_dir(1), st.layout.step_dir(step))
         else:
             write_legacy(st.layout, step)
-    monkeypatch.setattr(scan_mod, "_CHUNK", 16)        # 19 chunks: each way of classifying one takes turns
+    monkeypatch.setattr(scan_mod, "_CHUNK", 16)        # 19 chunks: the first serial, the second on threads, ...
     parallel = scan_namespace(st.layout, open_namespace(st.layout), use_index=False)
     monkeypatch.setattr(scan_mod, "_PARALLEL_FROM", 10**9)
     assert scan_namespace(st.layout, open_namespace(st.layout), use_index=False) == parallel

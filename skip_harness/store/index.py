@@ -117,7 +117,7 @@ def _fp_line(key: str, fp: Dict[str, Any]) -> str:
 
 def read_stamp(namespace: Namespace, name: str, K: int) -> Optional[Tuple[Stamp, int]]:
     """(stamp, newest mtime) of step directory `name`, from the change stamps of its directory, its commit
-    record and its inner directories (`Storage.stamps`); None if any part of it is missing or not what a
+    record and its inner directories (`Storage.stamps_many`); None if any part of it is missing or not what a
     committed step has (a link, a file where a directory belongs)."""
     return read_stamps(namespace, [name], K)[0]
 

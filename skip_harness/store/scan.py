@@ -339,7 +339,7 @@ def _classify_all(layout: Layout, namespace: Namespace, found: List[Tuple[int, s
             chunk = found[start:start + _CHUNK]
             threaded = pace.threaded()
             t0 = time.perf_counter()
-            out.extend(pool.map(classify, chunk, chunksize=_CHUNK // _SCAN_THREADS) if threaded else map(classify, chunk))
+            out.extend(pool.map(classify, chunk) if threaded else map(classify, chunk))
             pace.took(threaded, (time.perf_counter() - t0) / len(chunk))
     return out
 

@@ -15,7 +15,7 @@ import mmap
 import os
 import stat
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from skip_harness.errors import CorruptStepError
@@ -327,7 +327,7 @@ class PosixStorage(Storage):
                 parent = key.rpartition("/")[0]
                 if parent not in dirs:
                     dirs[parent] = self._open_parent(key, create=True)[0]
-                name = key.rpartition("/")[2]
+                name = PurePosixPath(key).name
                 self._put_at(dirs[parent], name, data, nbytes)
                 placed.append((dirs[parent], name))
             for dir_fd in dirs.values():
