@@ -301,11 +301,9 @@ class StepReader:
     def _read_small_verified(self, step: int, entry: FileEntry) -> bytes:
         """A meta file (or an extra one) read whole and checked against its commit-record entry."""
         data = self._read_small(step, entry.rel)
-        digest = checksum_bytes(data)
-        if len(data) != entry.bytes or digest != entry.checksum:
-            path = self._path(step, entry.rel)
-            reason = _mismatch(path, len(data), digest, entry) or ""
-            raise CorruptStepError(path, without_path(reason, path))
+        reason = _mismatch(len(data), checksum_bytes(data), entry)
+        if reason is not None:
+            raise CorruptStepError(self._path(step, entry.rel), reason)
         return data
 
     def _read_payload_checked(self, step: int, entry: FileEntry) -> Any:
@@ -366,9 +364,10 @@ def _parse_meta(where: Callable[[], Path], data: bytes) -> Dict[str, Any]:
     return doc
 
 
-def _mismatch(path: Path, size: int, digest: str, entry: FileEntry) -> Optional[str]:
+def _mismatch(size: int, digest: str, entry: FileEntry) -> Optional[str]:
+    """Why a file of `size` bytes and checksum `digest` is not the one `entry` lists (None when it is)."""
     if size != entry.bytes:
-        return f"{path}: {size} bytes, the commit record says {entry.bytes}"
+        return f"{size} bytes, the commit record says {entry.bytes}"
     if digest != entry.checksum:
-        return f"{path}: checksum {digest} does not match the commit record's {entry.checksum}"
+        return f"checksum {digest} does not match the commit record's {entry.checksum}"
     return None
